@@ -1,0 +1,65 @@
+"""Drafters propose up to k tokens (and, for sampling, the distribution q each came from).
+
+Verification, acceptance and rollback are the same for every drafter, which is what keeps
+all of them lossless: a drafter can only change how many tokens a target pass yields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .sampling import Processor, sample
+
+
+def draft_model_propose(
+    model: nn.Module,
+    cache: list,
+    pending: mx.array,
+    k: int,
+    vocab: int,
+    process: Processor | None,
+    key: mx.array,
+) -> tuple[mx.array, mx.array | None]:
+    """Feed the draft the tokens it has not seen yet, pending (B, L), then draft k tokens.
+
+    Lazy: nothing is evaluated here, each step feeds the previous step's (unevaluated) token.
+    Returns d (B, k) uint32 and q (B, k, vocab) float32 (None when greedy). The draft cache
+    grows by L + k - 1: the last drafted token is never fed, the engine accounts for that.
+    ``vocab`` restricts proposals to ids the target has (Code Llama 7B has 16 more than 34B).
+    The engine uses B = 1; tests batch thousands of rounds through this same function.
+    """
+    keys = mx.random.split(key, k)
+    x, tokens, qs = pending, [], []
+    for i in range(k):
+        logits = model(x, cache=cache)[:, -1, :vocab]  # (B, vocab)
+        if process is None:
+            t = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        else:
+            q = process(logits)
+            t = sample(q, keys[i])
+            qs.append(q)
+        tokens.append(t)
+        x = t[:, None]  # (B, 1)
+    d = mx.stack(tokens, axis=1)
+    return d, (mx.stack(qs, axis=1) if qs else None)
+
+
+def lookup_propose(history: Sequence[int], k: int, max_ngram: int = 4) -> list[int]:
+    """Prompt lookup: the continuation of the most recent earlier occurrence of the longest
+    suffix (max_ngram tokens down to 1) of ``history``; at most k tokens, [] when nothing matches.
+    """
+    if k <= 0 or len(history) < 2:
+        return []
+    h = np.asarray(history)
+    for n in range(min(max_ngram, len(h) - 1), 0, -1):
+        tail = h[-n:]
+        # candidate starts i <= len-n-1: excludes the suffix matching itself at the end
+        starts = np.flatnonzero(h[: len(h) - n] == tail[0])
+        for i in starts[::-1]:  # most recent first
+            if np.array_equal(h[i : i + n], tail):
+                return h[i + n : i + n + k].tolist()
+    return []

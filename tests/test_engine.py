@@ -1,0 +1,261 @@
+"""Engine mechanics on tiny random models: losslessness, rollback, stops, syncs."""
+
+import itertools
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.models.cache import make_prompt_cache
+from tiny import make_tiny
+
+from specmlx.engine import Stats, generate_tokens
+from specmlx.errors import BadInput
+
+PROMPTS = [[1, 5, 9, 3, 7], [2], [4, 4, 4, 8, 15, 16, 23, 42, 8, 15, 16]]
+
+
+def tokens(*args, **kwargs):
+    return [e.token for e in generate_tokens(*args, **kwargs)]
+
+
+class Scripted(nn.Module):
+    """A draft that is the target except on scripted steps, where its argmax is wrong.
+    ``script`` cycles over draft calls: True means 'agree with the target'."""
+
+    def __init__(self, base, script):
+        super().__init__()
+        self.base, self.script = base, itertools.cycle(script)
+
+    @property
+    def layers(self):
+        return self.base.layers
+
+    def __call__(self, x, cache=None):
+        logits = self.base(x, cache=cache)
+        if next(self.script):
+            return logits
+        wrong = (mx.argmax(logits[:, -1:], axis=-1) + 1) % logits.shape[-1]  # (B, 1)
+        bump = (mx.arange(logits.shape[-1]) == wrong[..., None]) * 1e4
+        return mx.concatenate([logits[:, :-1], logits[:, -1:] + bump], axis=1)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_tiny(0), make_tiny(1)
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_equals_target_only(pair, k):
+    target, _ = pair
+    for seed, prompt in itertools.product((1, 2), PROMPTS):
+        draft = make_tiny(seed)
+        base = tokens(target, None, prompt, max_tokens=24)
+        assert tokens(target, draft, prompt, num_draft=k, max_tokens=24) == base
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_draft_equal_to_target_accepts_everything(pair, k):
+    target, _ = pair
+    stats = Stats()
+    out = tokens(target, target, PROMPTS[0], num_draft=k, max_tokens=27, stats=stats)
+    assert out == tokens(target, None, PROMPTS[0], max_tokens=27)
+    assert stats.acceptance_rate == 1.0
+    assert stats.rounds == -(-27 // (k + 1))  # every pass yields k + 1 tokens
+
+
+def test_adversarial_draft_rejects_everything(pair):
+    target, _ = pair
+    stats = Stats()
+    out = tokens(
+        target, Scripted(target, [False]), PROMPTS[0], num_draft=4, max_tokens=20, stats=stats
+    )
+    assert out == tokens(target, None, PROMPTS[0], max_tokens=20)
+    assert stats.accepted == 0 and stats.rounds == 20 and stats.accept_hist == [20]
+
+
+@pytest.mark.parametrize("draft_vocab", [60, 64, 80])
+def test_vocab_size_mismatch_is_lossless(pair, draft_vocab):
+    # like Code Llama 7B (32016 ids) drafting for 34B (32000): only shared ids are proposed
+    target, _ = pair
+    draft = make_tiny(3, vocab=draft_vocab)
+    for temp in (0.0, 1.0):
+        out = tokens(
+            target, draft, PROMPTS[0], num_draft=3, max_tokens=30, temperature=temp, seed=5
+        )
+        assert all(t < 64 for t in out)
+        if temp == 0.0:
+            assert out == tokens(target, None, PROMPTS[0], max_tokens=30)
+
+
+def test_lookup_and_hybrid_are_lossless(pair):
+    target, draft = pair
+    for prompt in PROMPTS:
+        base = tokens(target, None, prompt, max_tokens=30)
+        assert tokens(target, None, prompt, lookup=True, num_draft=4, max_tokens=30) == base
+        assert tokens(target, draft, prompt, lookup=True, num_draft=4, max_tokens=30) == base
+
+
+def test_lookup_proposes_from_repeated_text(pair):
+    target, _ = pair
+    base = tokens(target, None, PROMPTS[0], max_tokens=40)
+    prompt = PROMPTS[0] + base  # the continuation is in the prompt: lookup should find it
+    stats = Stats()
+    out = tokens(target, None, prompt, lookup=True, num_draft=4, max_tokens=20, stats=stats)
+    assert out == tokens(target, None, prompt, max_tokens=20)
+    assert stats.accepted > 0 and stats.rounds < 20
+
+
+def test_seeded_sampling_is_reproducible(pair):
+    target, draft = pair
+    kw = dict(num_draft=3, max_tokens=25, temperature=0.9, top_p=0.9, seed=11)
+    a = tokens(target, draft, PROMPTS[0], **kw)
+    assert a == tokens(target, draft, PROMPTS[0], **kw)
+    assert a != tokens(target, draft, PROMPTS[0], **{**kw, "seed": 12})
+    plain = dict(max_tokens=25, temperature=0.9, seed=11)
+    assert tokens(target, None, PROMPTS[0], **plain) == tokens(target, None, PROMPTS[0], **plain)
+
+
+def _keys(cache):
+    """The valid part of each layer's key cache (stale entries past the offset are ignored)."""
+    return [np.array(c.state[0][..., : c.offset, :]) for c in cache]
+
+
+def _check_prefix(model, cache, ctx):
+    fresh = make_prompt_cache(model)
+    if ctx:
+        model(mx.array(ctx)[None], cache=fresh)
+    assert cache[0].offset == len(ctx)
+    for got, want in zip(_keys(cache), _keys(fresh), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def _check_caches(target, draft, tcache, dcache, ctx, drafted):
+    """Between rounds the target cache equals a fresh prefill of ctx[:-1]. The draft cache
+    equals a fresh prefill of a prefix of ctx: ctx[:-1], or ctx[:-2] after a fully accepted
+    round (the last draft was never fed); it lags further only while no draft ran (k = 0),
+    catching up when it drafts next."""
+    _check_prefix(target, tcache, ctx[:-1])
+    d_off = dcache[0].offset
+    assert d_off <= len(ctx) - 1
+    if drafted:
+        assert d_off >= len(ctx) - 2
+    _check_prefix(draft, dcache, ctx[:d_off])
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    script=st.lists(st.booleans(), min_size=1, max_size=12),
+    ks=st.lists(st.integers(0, 6), min_size=1, max_size=8),
+    max_tokens=st.integers(1, 25),
+    eos=st.sets(st.integers(0, 63), max_size=3),
+)
+def test_caches_hold_exactly_the_accepted_context(pair, script, ks, max_tokens, eos):
+    target, base_draft = pair
+    draft = Scripted(base_draft, script)
+    prompt = PROMPTS[0]
+    tcache, dcache = make_prompt_cache(target), make_prompt_cache(draft)
+    out: list[int] = []
+    schedule = itertools.cycle(ks)
+
+    def choose(stats):  # called between rounds: check the state, then pick k
+        _check_caches(target, base_draft, tcache, dcache, prompt + out, stats.last_k > 0)
+        return next(schedule)
+
+    stats = Stats()
+    for e in generate_tokens(
+        target,
+        draft,
+        prompt,
+        num_draft=choose,
+        max_tokens=max_tokens,
+        eos_ids=eos,
+        caches=(tcache, dcache),
+        stats=stats,
+    ):
+        out.append(e.token)
+    _check_caches(target, base_draft, tcache, dcache, prompt + out, False)
+    assert out == tokens(target, None, prompt, max_tokens=max_tokens, eos_ids=eos)
+    assert stats.accepted <= stats.drafted and sum(stats.accept_hist) == stats.rounds
+
+
+def test_stops_truncate_exactly(pair):
+    target, draft = pair
+    base = tokens(target, None, PROMPTS[0], max_tokens=30)
+    eos = base[7]
+    cut = base.index(eos)
+    for k in (0, 2, 5):
+        stats = Stats()
+        out = tokens(
+            target, draft, PROMPTS[0], num_draft=k, max_tokens=30, eos_ids=[eos], stats=stats
+        )
+        assert out == base[:cut] and stats.finish_reason == "stop"
+        stop = base[10:12]
+        out = tokens(target, draft, PROMPTS[0], num_draft=k, max_tokens=30, stop_ids=[stop])
+        assert out[-2:] == stop and out == base[: len(out)]
+        stats = Stats()
+        assert tokens(target, draft, PROMPTS[0], num_draft=k, max_tokens=7, stats=stats) == base[:7]
+        assert stats.finish_reason == "length" and stats.generated == 7
+
+
+def test_target_only_cache_consistent_after_stop(pair):
+    target, _ = pair
+    tcache = make_prompt_cache(target)
+    out = tokens(target, None, PROMPTS[0], max_tokens=9, caches=(tcache, None))
+    assert tcache[0].offset == len(PROMPTS[0]) + len(out) - 1
+
+
+def test_host_syncs_per_round(pair, monkeypatch):
+    """Instrument every way MLX hands data to the host and count them per round."""
+    target, draft = pair
+    counts = []
+    count = [0]
+
+    def counting(fn):
+        def wrapped(*a, **kw):
+            count[0] += 1
+            return fn(*a, **kw)
+
+        return wrapped
+
+    monkeypatch.setattr(mx, "eval", counting(mx.eval))
+    monkeypatch.setattr(mx, "async_eval", counting(mx.async_eval))
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(mx.array, name, counting(getattr(mx.array, name)))
+
+    def choose(stats):
+        counts.append(count[0])
+        count[0] = 0
+        return 4
+
+    for temp in (0.0, 1.0):
+        counts.clear()
+        list(
+            generate_tokens(
+                target, draft, PROMPTS[0], num_draft=choose, max_tokens=40, temperature=temp, seed=0
+            )
+        )
+        per_round = counts[1:]  # the first window includes prefill
+        assert per_round and max(per_round) <= 2, per_round
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"prompt_ids": []},
+        {"max_tokens": 0},
+        {"num_draft": -1},
+        {"num_draft": "many"},
+        {"temperature": -0.5},
+        {"top_p": 0.0},
+    ],
+)
+def test_bad_arguments(pair, kwargs):
+    target, draft = pair
+    args = {"prompt_ids": [1, 2], **kwargs}
+    with pytest.raises(BadInput):
+        list(generate_tokens(target, draft, **args))
