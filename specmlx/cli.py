@@ -1,0 +1,293 @@
+"""The specmlx command line: parse, call the library, render with rich on stderr.
+
+stdout carries only generated text (or one JSON object with --json), so pipelines work:
+    cat file.py | specmlx run - >> file.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from functools import wraps
+
+import typer
+from rich.live import Live
+
+from . import __version__
+from .display import err_console, live_line, summary
+from .engine import Stats
+from .errors import BadInput, SpecmlxError
+
+app = typer.Typer(
+    add_completion=True,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Lossless speculative decoding on MLX: a draft proposes, the target verifies.",
+)
+models_app = typer.Typer(help="List and fetch the models in models.toml.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+def _version(value: bool) -> None:
+    if value:
+        import mlx.core as mx
+        import mlx_lm
+
+        typer.echo(f"specmlx {__version__} (mlx {mx.__version__}, mlx-lm {mlx_lm.__version__})")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print versions and exit."
+    ),
+) -> None:
+    """specmlx: a cheap draft proposes k tokens, the target checks them in one pass."""
+
+
+def cli_errors(fn):
+    """Domain errors become one red stderr line and their exit code; Ctrl-C exits 130."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except SpecmlxError as e:
+            err_console().print(f"[red]error:[/red] {e}")
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            err_console().print("[yellow]interrupted[/yellow]")
+            raise typer.Exit(130) from None
+        except Exception as e:  # noqa: BLE001 - the last line of defence: no tracebacks
+            if os.environ.get("SPECMLX_DEBUG"):
+                raise
+            err_console().print(
+                f"[red]error:[/red] {type(e).__name__}: {e} (SPECMLX_DEBUG=1 for details)"
+            )
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+def parse_k(text: str) -> int | str:
+    """'auto' or an integer >= 0."""
+    if text == "auto":
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        raise BadInput(f"-k must be an integer >= 0 or 'auto', got {text!r}") from None
+    if k < 0:
+        raise BadInput(f"-k must be >= 0, got {k}")
+    return k
+
+
+def read_prompt(prompt: str | None) -> str:
+    """PROMPT, or stdin when PROMPT is '-' or absent."""
+    if prompt is not None and prompt != "-":
+        return prompt
+    if sys.stdin is None or (sys.stdin.isatty() and prompt is None):
+        raise BadInput("no prompt: give one as an argument or pipe it on stdin")
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadInput(f"stdin is not valid UTF-8 (byte {e.start})") from None
+    return data
+
+
+@dataclass
+class Choice:
+    """Which models run: target alias, draft alias (or None), lookup, k."""
+
+    target: str
+    draft: str | None
+    lookup: bool
+    k: int | str
+
+
+def choose_models(registry, target: str | None, draft: str | None, lookup: bool, k: str | None):
+    """Fill in what the user did not say from the pairs and defaults in models.toml."""
+    import mlx.core as mx
+
+    pair = None
+    if target is None:
+        pair = registry.default_pair(cpu=mx.default_device() == mx.cpu)
+        target = pair.target
+    else:
+        pair = next((p for p in registry.pairs.values() if p.target == target), None)
+    if draft is None:
+        draft = pair.draft if pair and not lookup else "none"
+    if draft == "lookup":
+        draft, lookup = "none", True
+    kk = parse_k(k) if k is not None else (pair.k if pair else "auto")
+    return Choice(target, None if draft == "none" else draft, lookup, kk)
+
+
+@app.command()
+@cli_errors
+def run(
+    prompt: str = typer.Argument(None, help="Prompt text; '-' or absent reads stdin."),
+    target: str = typer.Option(None, "--target", "-t", help="Target alias, path or hf repo."),
+    draft: str = typer.Option(
+        None, "--draft", "-d", help="Draft alias/path, 'lookup' (prompt lookup), or 'none'."
+    ),
+    lookup: bool = typer.Option(False, "--lookup", help="Prompt lookup first, then the draft."),
+    k: str = typer.Option(None, "-k", "--num-draft", help="Draft tokens per round, or 'auto'."),
+    max_tokens: int = typer.Option(256, "-n", "--max-tokens", help="Tokens to generate."),
+    temp: float = typer.Option(0.0, "--temp", help="Temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top one."),
+    seed: int = typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
+    stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No live line or summary."),
+    show_draft: bool = typer.Option(False, "--show-draft", help="Colour draft-accepted text."),
+    context: int = typer.Option(None, "--context", help="Context to plan memory for."),
+) -> None:
+    """Generate a completion: text on stdout, live stats and a summary on stderr."""
+    from .loading import load_pair
+    from .registry import load_registry
+    from .sampling import SamplingParams
+    from .stream import encode_prompt, stream_text
+
+    params = SamplingParams(temp, top_p, top_k, min_p)  # validates before any loading
+    if max_tokens <= 0:
+        raise BadInput(f"--max-tokens must be > 0, got {max_tokens}")
+    text = read_prompt(prompt)
+    if not text.strip():
+        raise BadInput("the prompt is empty")
+    registry = load_registry()
+    choice = choose_models(registry, target, draft, lookup, k)
+    console = err_console()
+    say = None if quiet else (lambda msg: console.print(f"[dim]{msg}[/dim]"))
+    tgt, drf, shared = load_pair(
+        choice.target, choice.draft, registry=registry, context=context, progress=say
+    )
+    ids = encode_prompt(tgt.tokenizer, text, chat=chat)
+    limit = context or tgt.spec.context or registry.defaults.context
+    if len(ids) >= limit:
+        raise BadInput(f"the prompt has {len(ids)} tokens, more than the context ({limit})")
+    stats = Stats()
+    responses = stream_text(
+        tgt.model,
+        drf.model if drf else None,
+        tgt.tokenizer,
+        ids,
+        stop_strings=stop or (),
+        stats=stats,
+        num_draft=choice.k if (drf or choice.lookup) else 0,
+        lookup=choice.lookup,
+        vocab_size=shared if drf else None,
+        max_tokens=max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=seed,
+    )
+    parts = ([drf.spec.alias] if drf else []) + (["lookup"] if choice.lookup else [])
+    draft_name = " + ".join(parts) or "none"
+    render = _Render(console, as_json, quiet, show_draft, str(choice.k))
+    interrupted = False
+    try:
+        render.stream(responses, stats)
+    except KeyboardInterrupt:
+        interrupted = True  # keep what was generated: print it and the stats, exit 130
+    except BrokenPipeError:
+        # the reader went away (| head): end quietly, and keep Python's exit flush silent
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(0) from None
+    render.finish(stats, tgt, draft_name, interrupted)
+    if as_json:
+        out = {
+            "text": render.text,
+            "tokens": render.tokens,
+            "stats": stats.as_dict(),
+            "target": tgt.spec.alias,
+            "draft": draft_name,
+            "k": choice.k,
+            "temperature": params.temperature,
+            "seed": seed,
+        }
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
+    if interrupted:
+        raise typer.Exit(130)
+
+
+class _Render:
+    """Streams text to stdout and a live line to stderr; collects text and ids for --json."""
+
+    def __init__(self, console, as_json, quiet, show_draft, k_label):
+        self.console, self.as_json, self.quiet, self.k_label = console, as_json, quiet, k_label
+        self.colour = show_draft and sys.stdout.isatty()
+        self.text, self.tokens = "", []
+        # a live line only where it cannot tangle with the text: stderr is a terminal, stdout not
+        self.live_ok = not quiet and console.is_terminal and (as_json or not sys.stdout.isatty())
+
+    def stream(self, responses, stats) -> None:
+        live = Live(
+            console=self.console, transient=True, refresh_per_second=8, redirect_stdout=False
+        )
+        with live if self.live_ok else _Null():
+            for r in responses:
+                self.text += r.text
+                if r.token is not None:
+                    self.tokens.append(r.token)
+                if not self.as_json and r.text:
+                    out = f"\x1b[32m{r.text}\x1b[0m" if self.colour and r.from_draft else r.text
+                    sys.stdout.write(out)
+                    sys.stdout.flush()
+                if self.live_ok:
+                    live.update(live_line(stats, self.k_label))
+
+    def finish(self, stats, tgt, draft_name, interrupted: bool = False) -> None:
+        if not self.as_json and self.text and not self.text.endswith("\n"):
+            try:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            except BrokenPipeError:
+                pass
+        if not self.quiet or interrupted:
+            load_s = tgt.load_seconds
+            self.console.print(
+                summary(stats, target=tgt.spec.alias, draft=draft_name, load_s=load_s)
+            )
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@models_app.command("list")
+@cli_errors
+def models_list() -> None:
+    """Aliases, sources, sizes and whether each is present locally."""
+    from .display import models_table
+    from .registry import load_registry
+
+    err_console().print(models_table(load_registry()))
+
+
+@models_app.command("pull")
+@cli_errors
+def models_pull(alias: str = typer.Argument(..., help="Alias to download or convert.")) -> None:
+    """Download (and quantize, if the entry says so) a model into the local cache."""
+    from .loading import load_model
+    from .registry import load_registry
+
+    console = err_console()
+    spec = load_registry().resolve(alias)
+    loaded = load_model(spec, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
+    console.print(f"[green]ready:[/green] {alias} ({loaded.nbytes / 1e9:.2f} GB)")

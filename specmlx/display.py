@@ -1,0 +1,55 @@
+"""rich rendering for the CLI: the live line, the summary, model tables. stderr only."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .engine import Stats
+
+
+def err_console() -> Console:
+    """stderr console; rich drops colour codes by itself when stderr is not a terminal."""
+    return Console(stderr=True, highlight=False)
+
+
+def gb(n: int | float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def live_line(stats: Stats, k_label: str) -> Text:
+    """The line shown while generating: tok/s, acceptance, k, tokens."""
+    line = Text()
+    line.append(f"{stats.generated} tok", style="bold")
+    line.append(f"  {stats.decode_tps:.1f} tok/s")
+    if stats.drafted:
+        line.append(f"  accept {stats.acceptance_rate:.0%}", style="green")
+        line.append(f"  {stats.tokens_per_pass:.2f} tok/pass  k={stats.last_k} ({k_label})")
+    return line
+
+
+def summary(stats: Stats, *, target: str, draft: str, load_s: float) -> Table:
+    """The final statistics, one row each, explained in the README."""
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="dim")
+    t.add_column()
+    t.add_row("models", f"{target}  ←  draft: {draft}")
+    t.add_row("prompt", f"{stats.prompt_tokens} tok, {stats.prompt_tps:.1f} tok/s")
+    t.add_row(
+        "decode", f"{stats.generated} tok in {stats.decode_s:.2f} s, {stats.decode_tps:.2f} tok/s"
+    )
+    if stats.rounds:
+        t.add_row(
+            "speculation",
+            f"{stats.accepted}/{stats.drafted} drafts accepted ({stats.acceptance_rate:.0%}), "
+            f"{stats.tokens_per_pass:.2f} tok per target pass, {stats.rounds} passes",
+        )
+        if stats.drafted:
+            hist = " ".join(f"{n}:{c}" for n, c in enumerate(stats.accept_hist) if c)
+            t.add_row("accepted/pass", hist)
+            t.add_row("time split", f"draft {stats.draft_s:.2f} s, target {stats.target_s:.2f} s")
+    t.add_row("memory", f"peak {gb(stats.peak_memory)}, load {load_s:.1f} s")
+    if stats.finish_reason:
+        t.add_row("finish", stats.finish_reason)
+    return t
