@@ -11,12 +11,13 @@ import os
 import sys
 from dataclasses import dataclass
 from functools import wraps
+from pathlib import Path
 
 import typer
 from rich.live import Live
 
 from . import __version__
-from .display import err_console, live_line, summary
+from .display import err_console, live_line, print_error, summary
 from .engine import Stats
 from .errors import BadInput, SpecmlxError
 
@@ -55,8 +56,10 @@ def cli_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
         except SpecmlxError as e:
-            err_console().print(f"[red]error:[/red] {e}")
+            print_error(str(e))
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             err_console().print("[yellow]interrupted[/yellow]")
@@ -166,7 +169,11 @@ def run(
     registry = load_registry()
     choice = choose_models(registry, target, draft, lookup, k)
     console = err_console()
-    say = None if quiet else (lambda msg: console.print(f"[dim]{msg}[/dim]"))
+    say = (
+        None
+        if quiet
+        else (lambda msg: console.print(msg, style="dim", soft_wrap=True, markup=False))
+    )
     tgt, drf, shared = load_pair(
         choice.target, choice.draft, registry=registry, context=context, progress=say
     )
@@ -289,5 +296,134 @@ def models_pull(alias: str = typer.Argument(..., help="Alias to download or conv
 
     console = err_console()
     spec = load_registry().resolve(alias)
-    loaded = load_model(spec, progress=lambda m: console.print(f"[dim]{m}[/dim]"))
+    loaded = load_model(
+        spec, progress=lambda m: console.print(m, style="dim", soft_wrap=True, markup=False)
+    )
     console.print(f"[green]ready:[/green] {alias} ({loaded.nbytes / 1e9:.2f} GB)")
+
+
+def _split(text: str, convert, name: str) -> list:
+    try:
+        values = [convert(v.strip()) for v in text.split(",") if v.strip()]
+    except (ValueError, BadInput) as e:
+        raise BadInput(f"{name}: {e}") from None
+    if not values:
+        raise BadInput(f"{name} is empty")
+    return values
+
+
+@app.command()
+@cli_errors
+def bench(
+    target: str = typer.Option(None, "--target", "-t", help="Target alias or path."),
+    draft: str = typer.Option(None, "--draft", "-d", help="Draft alias/path, or 'none'."),
+    prompts: str = typer.Option(
+        None, "--prompts", help='JSONL of {"prompt": ...}; default: built-in.'
+    ),
+    kind: str = typer.Option("code", "--set", help="Built-in prompts: code, edit or all."),
+    limit: int = typer.Option(0, "--limit", help="Use only the first N prompts (0: all)."),
+    ks: str = typer.Option("1,2,4,8,auto", "-k", help="Draft lengths to sweep, e.g. 1,2,4,auto."),
+    temps: str = typer.Option("0,0.8", "--temp", help="Temperatures, e.g. 0,0.8."),
+    top_p: float = typer.Option(0.95, "--top-p", help="top-p used when temperature > 0."),
+    max_tokens: int = typer.Option(128, "-n", "--max-tokens", help="Tokens per generation."),
+    repeats: int = typer.Option(3, "--repeats", help="Interleaved repeats; medians reported."),
+    compare: str = typer.Option("mlx-lm", "--compare", help="mlx-lm or none."),
+    lookup: bool = typer.Option(False, "--lookup", help="Add prompt-lookup and hybrid rows."),
+    seed: int = typer.Option(0, "--seed", help="Base seed (repeat r uses seed + r)."),
+    json_out: str = typer.Option(None, "--json", help="Write rows, runs and environment here."),
+    md_out: str = typer.Option(None, "--markdown", help="Write a Markdown table here."),
+    plot_out: str = typer.Option(None, "--plot", help="Write a PNG plot here (matplotlib)."),
+) -> None:
+    """Benchmark target-only, specmlx and mlx-lm side by side in one process."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from . import bench as b
+    from .display import bench_table
+    from .loading import load_pair
+    from .registry import load_registry
+
+    settings = b.BenchSettings(
+        ks=_split(ks, parse_k, "-k"),
+        temps=_split(temps, float, "--temp"),
+        top_p=top_p,
+        max_tokens=max_tokens,
+        repeats=repeats,
+        compare_mlx_lm=compare == "mlx-lm",
+        lookup=lookup,
+        seed=seed,
+    )
+    if compare not in ("mlx-lm", "none"):
+        raise BadInput(f"--compare must be mlx-lm or none, got {compare!r}")
+    if kind not in ("code", "edit", "all"):
+        raise BadInput(f"--set must be code, edit or all, got {kind!r}")
+    for t in settings.temps:
+        SamplingParamsCheck(t, top_p)
+    if max_tokens <= 0 or repeats <= 0:
+        raise BadInput("-n and --repeats must be > 0")
+    rows = b.load_prompts(prompts, kind if not prompts else "all")
+    rows = rows[:limit] if limit > 0 else rows
+    registry = load_registry()
+    choice = choose_models(registry, target, draft, False, None)
+    console = err_console()
+    tgt, drf, shared = load_pair(
+        choice.target,
+        choice.draft,
+        registry=registry,
+        progress=lambda m: console.print(m, style="dim", soft_wrap=True, markup=False),
+    )
+    todo = b.systems(drf.spec.alias if drf else None, settings)
+    total = settings.repeats * len(rows) * len(settings.temps) * len(todo)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )
+    with progress:
+        task = progress.add_task("warming up", total=total)
+
+        def on_run(run):
+            progress.update(task, advance=1, description=run.label[:40])
+
+        result = b.bench(
+            tgt.model,
+            drf.model if drf else None,
+            rows,
+            lambda text: list(tgt.tokenizer.encode(text)),
+            settings,
+            draft_name=drf.spec.alias if drf else None,
+            shared=shared,
+            on_run=on_run,
+        )
+    models = {"target": _model_info(tgt), "draft": _model_info(drf) if drf else None}
+    result["environment"] = b.environment(models)
+    result["settings"] = {
+        **b.asdict(settings),
+        "prompts": prompts or f"built-in ({kind})",
+        "n_prompts": len(rows),
+    }
+    console.print(bench_table(result))
+    if json_out:
+        Path(json_out).write_text(json.dumps(result, indent=1))
+    if md_out:
+        Path(md_out).write_text(b.to_markdown(result))
+    if plot_out:
+        b.plot(result, plot_out)
+
+
+def SamplingParamsCheck(temp: float, top_p: float) -> None:  # noqa: N802 - validates like the class
+    from .sampling import SamplingParams
+
+    SamplingParams(temperature=temp, top_p=top_p)
+
+
+def _model_info(loaded) -> dict:
+    return {
+        "alias": loaded.spec.alias,
+        "source": loaded.spec.source,
+        "label": loaded.spec.label,
+        "dtype": loaded.spec.dtype,
+        "bytes": loaded.nbytes,
+    }

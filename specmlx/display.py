@@ -53,3 +53,50 @@ def summary(stats: Stats, *, target: str, draft: str, load_s: float) -> Table:
     if stats.finish_reason:
         t.add_row("finish", stats.finish_reason)
     return t
+
+
+def bench_table(result: dict) -> Table:
+    """The benchmark rows: speed, speedup, acceptance, theory and whether output matched."""
+    t = Table(title="specmlx bench (decode tok/s, medians over repeats)", title_justify="left")
+    for col in (
+        "system",
+        "drafter",
+        "k",
+        "T",
+        "tok/s",
+        "speedup",
+        "accept",
+        "tok/pass",
+        "theory",
+        "eff.",
+        "same",
+    ):
+        t.add_column(col, justify="right" if col not in ("system", "drafter") else "left")
+    for r in result["rows"]:
+        same = {True: "[green]yes[/green]", False: "[red]NO[/red]", None: "-"}[
+            r["identical_to_target"]
+        ]
+        eff = f"{r['efficiency']:.0%}" if r["efficiency"] else "-"
+        t.add_row(
+            r["system"],
+            r["drafter"],
+            str(r["k"]),
+            f"{r['temperature']:g}",
+            f"{r['tokens_per_sec']:.2f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['acceptance_rate']:.0%}",
+            f"{r['tokens_per_pass']:.2f}",
+            f"{r['theoretical_speedup']:.2f}x",
+            eff,
+            same,
+        )
+    curve = "  ".join(f"{n}:{v:.2f}" for n, v in result["verify_curve"].items())
+    t.caption = f"verify cost t(n)/t(1): {curve}" + (
+        f"   c = {result['c']:.3f}" if result.get("c") else ""
+    )
+    return t
+
+
+def print_error(message: str) -> None:
+    """One red line on stderr: no wrapping, no markup parsing of the message."""
+    err_console().print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)

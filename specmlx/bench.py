@@ -1,0 +1,423 @@
+"""The side-by-side benchmark: target-only, specmlx at each k, mlx-lm's own speculative loop.
+
+Every system runs in one process on the same loaded models, prompts, sampler settings and
+seeds, interleaved within each repeat so that a noisy machine's drift hits all of them alike.
+Decode speed counts the tokens after a system's first target pass (prefill and the first
+round excluded, the same rule for every system) over the wall time they took.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from .engine import Stats, generate_tokens
+from .errors import BadInput
+
+
+def theoretical_speedup(a: float, k: int, c: float) -> float:
+    """Leviathan et al.'s expected speedup when verifying k tokens costs one target step:
+    (1 - a^(k+1)) / ((1 - a)(k c + 1)), with a the acceptance rate and c = draft/target step."""
+    tokens = float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+    return tokens / (k * c + 1.0)
+
+
+def spread(values: list[float]) -> dict:
+    """median, min and max of a list of measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+@dataclass(frozen=True)
+class System:
+    """One configuration under test."""
+
+    system: str  # "target-only", "specmlx", "mlx-lm"
+    drafter: str  # "none", the draft alias, "lookup", "<draft> + lookup"
+    k: int | str
+
+    @property
+    def label(self) -> str:
+        return f"{self.system} {self.drafter} k={self.k}"
+
+
+@dataclass
+class Run:
+    """One generation: what came out and how long the decode part took."""
+
+    label: str
+    prompt: str
+    temperature: float
+    repeat: int
+    tokens: list[int]
+    decoded: int  # tokens after the first target pass
+    decode_s: float
+    drafted: int
+    accepted: int
+
+
+@dataclass
+class BenchSettings:
+    ks: list[int | str] = field(default_factory=lambda: [1, 2, 4, 8, "auto"])
+    temps: list[float] = field(default_factory=lambda: [0.0, 0.8])
+    top_p: float = 0.95
+    max_tokens: int = 128
+    repeats: int = 3
+    compare_mlx_lm: bool = True
+    lookup: bool = False  # add lookup and hybrid rows
+    seed: int = 0
+
+
+def load_prompts(path: str | None, kind: str = "all") -> list[dict]:
+    """The packaged code prompts, or any JSONL of {"prompt": ...}; ``kind`` filters by "kind"."""
+    try:
+        text = (
+            Path(path).read_text(encoding="utf-8")
+            if path
+            else resources.files("specmlx")
+            .joinpath("data/prompts.jsonl")
+            .read_text(encoding="utf-8")
+        )
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(
+            f"cannot read prompts {path}: {e.strerror if isinstance(e, OSError) else e}"
+        ) from None
+    rows = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BadInput(f"{path}:{i}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+            raise BadInput(f'{path}:{i}: expected an object with a non-empty "prompt" string')
+        row.setdefault("id", f"p{i}")
+        if kind == "all" or row.get("kind", "code") == kind:
+            rows.append(row)
+    if not rows:
+        raise BadInput(
+            f"no prompts{'' if kind == 'all' else f' of kind {kind!r}'} in {path or 'the built-in set'}"
+        )
+    return rows
+
+
+def _timed(events: Iterable[tuple[int, bool]]) -> tuple[list[int], int, float]:
+    """Consume (token, from_draft) pairs; decode timing starts at the first target token."""
+    tokens, mark = [], None
+    for tok, from_draft in events:
+        tokens.append(tok)
+        if mark is None and not from_draft:
+            mark, at = time.perf_counter(), len(tokens)
+    end = time.perf_counter()
+    return tokens, len(tokens) - at, end - mark
+
+
+def _mlx_lm_events(
+    target, draft, ids, k, temp, top_p, max_tokens, seed
+) -> Iterator[tuple[int, bool]]:
+    from mlx_lm.generate import generate_step, speculative_generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.random.seed(seed)
+    sampler = make_sampler(temp, top_p=top_p if top_p < 1 else 0.0)
+    prompt = mx.array(ids, dtype=mx.uint32)
+    if draft is None:
+        for tok, _ in generate_step(prompt, target, max_tokens=max_tokens, sampler=sampler):
+            yield int(tok), False
+        return
+    for tok, _, from_draft in speculative_generate_step(
+        prompt, target, draft, num_draft_tokens=k, max_tokens=max_tokens, sampler=sampler
+    ):
+        yield int(tok), bool(from_draft)
+
+
+def run_one(
+    system: System, target, draft, ids, temp, s: BenchSettings, seed: int, shared: int | None
+):
+    """Generate once with one system; returns (tokens, decoded, decode_s, drafted, accepted)."""
+    top_p = s.top_p if temp > 0 else 1.0
+    if system.system == "mlx-lm":
+        flags: list[bool] = []
+
+        def events():
+            d = draft if system.drafter != "none" else None
+            for tok, fd in _mlx_lm_events(
+                target, d, ids, system.k, temp, top_p, s.max_tokens, seed
+            ):
+                flags.append(fd)
+                yield tok, fd
+
+        tokens, decoded, secs = _timed(events())
+        accepted = sum(flags)
+        rounds = len(flags) - accepted  # every mlx-lm round ends with one target token
+        return tokens, decoded, secs, rounds * int(system.k), accepted
+    stats = Stats()
+    use_draft = draft if system.drafter not in ("none", "lookup") else None
+    gen = generate_tokens(
+        target,
+        use_draft,
+        ids,
+        num_draft=system.k,
+        lookup="lookup" in system.drafter,
+        temperature=temp,
+        top_p=top_p,
+        max_tokens=s.max_tokens,
+        seed=seed,
+        vocab_size=shared,
+        stats=stats,
+    )
+    tokens, decoded, secs = _timed((e.token, e.from_draft) for e in gen)
+    return tokens, decoded, secs, stats.drafted, stats.accepted
+
+
+def systems(draft_name: str | None, s: BenchSettings) -> list[System]:
+    out = [System("target-only", "none", 0)]
+    if s.compare_mlx_lm:
+        out.append(System("mlx-lm", "none", 0))  # mlx-lm's generate_step: our baseline's peer
+    if draft_name:
+        out += [System("specmlx", draft_name, k) for k in s.ks]
+        if s.compare_mlx_lm:
+            out += [System("mlx-lm", draft_name, k) for k in s.ks if isinstance(k, int) and k > 0]
+    if s.lookup:
+        out += [System("specmlx", "lookup", k) for k in s.ks]
+        if draft_name:
+            out += [System("specmlx", f"{draft_name} + lookup", k) for k in s.ks]
+    return out
+
+
+def pass_time(model, ids: list[int], n: int, reps: int = 5) -> float:
+    """Median seconds of one forward pass over n tokens after a prefill of ``ids``."""
+    cache = make_prompt_cache(model)
+    model(mx.array(ids, dtype=mx.uint32)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    x = mx.array((ids * n)[:n], dtype=mx.uint32)[None]
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        mx.eval(model(x, cache=cache))
+        times.append(time.perf_counter() - t0)
+        trim_prompt_cache(cache, n)
+    return statistics.median(times[1:])  # the first is a warm-up
+
+
+def bench(
+    target,
+    draft,
+    prompts: list[dict],
+    encode: Callable[[str], list[int]],
+    s: BenchSettings,
+    *,
+    draft_name: str | None = None,
+    shared: int | None = None,
+    on_run: Callable[[Run], None] | None = None,
+) -> dict:
+    """Run every system on every prompt and temperature, interleaved, ``s.repeats`` times.
+    Returns {"rows", "runs", "verify_curve", "c"}; the CLI adds the environment."""
+    encoded = [(p["id"], encode(p["prompt"])) for p in prompts]
+    todo = systems(draft_name, s)
+    # warm-up: compile paths and fault in weights for every system once
+    warm = BenchSettings(**{**asdict(s), "max_tokens": 8})
+    for system in todo:
+        run_one(system, target, draft, encoded[0][1], s.temps[0], warm, s.seed, shared)
+    ctx = encoded[0][1] + encoded[0][1][: s.max_tokens // 2]
+    t1 = pass_time(target, ctx, 1)
+    curve = {n: pass_time(target, ctx, n) / t1 for n in (1, 2, 4, 8, 16)}
+    c = pass_time(draft, ctx, 1) / t1 if draft is not None else None
+    runs: list[Run] = []
+    for rep in range(s.repeats):
+        for pid, ids in encoded:
+            for temp in s.temps:
+                seed = s.seed + rep
+                for system in todo:
+                    tokens, decoded, secs, drafted, accepted = run_one(
+                        system, target, draft, ids, temp, s, seed, shared
+                    )
+                    run = Run(
+                        system.label, pid, temp, rep, tokens, decoded, secs, drafted, accepted
+                    )
+                    runs.append(run)
+                    if on_run:
+                        on_run(run)
+    return {
+        "rows": summarize(runs, todo, s, c),
+        "runs": [asdict(r) for r in runs],
+        "verify_curve": curve,
+        "c": c,
+    }
+
+
+def summarize(runs: list[Run], todo: list[System], s: BenchSettings, c: float | None) -> list[dict]:
+    """One row per (system, temperature): medians over repeats of whole-prompt-set tok/s."""
+    rows = []
+    for temp in s.temps:
+        base_label = todo[0].label  # target-only comes first
+        base = _per_repeat(runs, base_label, temp, s.repeats)
+        ref = {
+            (r.prompt, r.repeat): r.tokens
+            for r in runs
+            if r.label == base_label and r.temperature == temp
+        }
+        for system in todo:
+            tps = _per_repeat(runs, system.label, temp, s.repeats)
+            mine = [r for r in runs if r.label == system.label and r.temperature == temp]
+            drafted = sum(r.drafted for r in mine)
+            a = sum(r.accepted for r in mine) / drafted if drafted else 0.0
+            k_mean = drafted / max(1, sum(_rounds(r) for r in mine)) if drafted else 0.0
+            k_theory = system.k if isinstance(system.k, int) else k_mean
+            cost = 0.0 if "lookup" == system.drafter else (c or 0.0)
+            theory = theoretical_speedup(a, k_theory, cost) if system.k != 0 else 1.0
+            speedups = [x / b for x, b in zip(tps, base, strict=True)]
+            speed = statistics.median(speedups)
+            rows.append(
+                {
+                    "system": system.system,
+                    "drafter": system.drafter,
+                    "k": system.k,
+                    "temperature": temp,
+                    "tokens_per_sec": statistics.median(tps),
+                    "tokens_per_sec_min": min(tps),
+                    "tokens_per_sec_max": max(tps),
+                    "speedup": speed,
+                    "speedup_min": min(speedups),
+                    "speedup_max": max(speedups),
+                    "acceptance_rate": a,
+                    "tokens_per_pass": sum(len(r.tokens) for r in mine)
+                    / max(1, sum(_rounds(r) for r in mine)),
+                    "c": c if system.drafter != "lookup" else 0.0,
+                    "theoretical_speedup": theory,
+                    "efficiency": speed / theory if theory else None,
+                    "identical_to_target": (
+                        all(r.tokens == ref[(r.prompt, r.repeat)] for r in mine)
+                        if temp == 0
+                        else None
+                    ),
+                    "decoded_tokens": sum(r.decoded for r in mine),
+                }
+            )
+    return rows
+
+
+def _rounds(r: Run) -> int:
+    """Target passes of a run: one per round, each emitting accepted drafts plus one token."""
+    return max(1, len(r.tokens) - r.accepted)
+
+
+def _per_repeat(runs: list[Run], label: str, temp: float, repeats: int) -> list[float]:
+    """Whole-prompt-set decode tok/s for each repeat."""
+    out = []
+    for rep in range(repeats):
+        mine = [r for r in runs if r.label == label and r.temperature == temp and r.repeat == rep]
+        out.append(sum(r.decoded for r in mine) / max(1e-9, sum(r.decode_s for r in mine)))
+    return out
+
+
+def blas_in_use() -> str:
+    """Which BLAS serves MLX's CPU matmuls: a preloaded one (LD_PRELOAD, e.g. OpenBLAS) wins
+    over the reference BLAS bundled with the mlx-cpu wheel; macOS uses Accelerate."""
+    if platform.system() == "Darwin":
+        return "Accelerate (macOS)"
+    preload = [p for p in os.environ.get("LD_PRELOAD", "").split() if "blas" in p.lower()]
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        maps = ""
+    if any(p in maps for p in preload):
+        return f"{Path(preload[0]).resolve()} (LD_PRELOAD)"
+    bundled = sorted(
+        {ln.split()[-1] for ln in maps.splitlines() if "mlx_cpu.libs" in ln and "blas" in ln}
+    )
+    return (
+        f"reference BLAS bundled with mlx-cpu ({Path(bundled[0]).name})" if bundled else "unknown"
+    )
+
+
+def environment(models: dict) -> dict:
+    """Versions, backend, BLAS, OS and chip, models, git revision: what a figure depends on."""
+    import mlx_lm
+
+    from . import __version__
+
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        rev = ""
+    return {
+        "specmlx": __version__,
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "device": str(mx.default_device()),
+        "blas": blas_in_use(),
+        "os": platform.platform(),
+        "chip": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "models": models,
+        "git": rev or None,
+    }
+
+
+def to_markdown(result: dict) -> str:
+    """The rows as a Markdown table, plus the verify-cost curve and environment."""
+    head = "| system | drafter | k | temp | tok/s (min-max) | speedup | accept | tok/pass | theory | eff. | same as target |"
+    lines = [head, "|" + "---|" * 11]
+    for r in result["rows"]:
+        same = {True: "yes", False: "**NO**", None: "n/a"}[r["identical_to_target"]]
+        eff = f"{r['efficiency']:.0%}" if r["efficiency"] else "-"
+        lines.append(
+            f"| {r['system']} | {r['drafter']} | {r['k']} | {r['temperature']} | "
+            f"{r['tokens_per_sec']:.2f} ({r['tokens_per_sec_min']:.2f}-{r['tokens_per_sec_max']:.2f}) | "
+            f"{r['speedup']:.2f}x | {r['acceptance_rate']:.0%} | {r['tokens_per_pass']:.2f} | "
+            f"{r['theoretical_speedup']:.2f}x | {eff} | {same} |"
+        )
+    curve = ", ".join(f"{n}: {v:.2f}" for n, v in result["verify_curve"].items())
+    lines += ["", f"Verify cost (target pass over n tokens / 1 token): {curve}"]
+    if result.get("c") is not None:
+        lines.append(f"Draft/target step cost c = {result['c']:.3f}")
+    env = result.get("environment", {})
+    if env:
+        lines += [
+            "",
+            "Environment: " + "; ".join(f"{k}={v}" for k, v in env.items() if k != "models"),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+    """tok/s and acceptance against k per system (needs matplotlib: pip install specmlx[plot])."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise BadInput("--plot needs matplotlib: pip install 'specmlx[plot]'") from None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    groups: dict[tuple, list[dict]] = {}
+    for r in result["rows"]:
+        if isinstance(r["k"], int) and r["system"] != "target-only":
+            groups.setdefault((r["system"], r["drafter"], r["temperature"]), []).append(r)
+    for (system, drafter, temp), rs in groups.items():
+        ks = [r["k"] for r in rs]
+        name = f"{system} {drafter} T={temp}"
+        ax1.plot(ks, [r["tokens_per_sec"] for r in rs], marker="o", label=name)
+        ax2.plot(ks, [r["acceptance_rate"] for r in rs], marker="o", label=name)
+    for r in result["rows"]:
+        if r["system"] == "target-only":
+            ax1.axhline(r["tokens_per_sec"], linestyle="--", color="gray")
+    ax1.set(xlabel="k", ylabel="tok/s", title="decode speed")
+    ax2.set(xlabel="k", ylabel="acceptance", title="acceptance rate")
+    ax1.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)

@@ -1,0 +1,249 @@
+"""The command line: output channels, --json, and every bad input giving one clear line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import make_tiny_model
+from typer.testing import CliRunner
+
+from specmlx.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def registry(tmp_path, specmlx_home, monkeypatch):
+    """A models.toml with tiny random models: a target, a draft, a draft with 16 extra ids,
+    and a draft whose tokenizer differs. It is the default pair everywhere."""
+    target = make_tiny_model(tmp_path / "t", seed=0)
+    make_tiny_model(tmp_path / "d", seed=1)
+    make_tiny_model(tmp_path / "d16", seed=2, extra_tokens=16)
+    other = ["completely different text " * 5, "zebra quartz jam " * 9]
+    make_tiny_model(tmp_path / "other", seed=3, corpus=other, vocab_size=None)
+    (target.parent / "empty").mkdir()
+    toml = tmp_path / "models.toml"
+    toml.write_text(
+        f"""
+[defaults]
+pair = "tiny"
+pair_cpu = "tiny"
+context = 64
+
+[models.tiny-t]
+source = "local:{tmp_path / "t"}"
+[models.tiny-d]
+source = "local:{tmp_path / "d"}"
+[models.tiny-d16]
+source = "local:{tmp_path / "d16"}"
+[models.tiny-other]
+source = "local:{tmp_path / "other"}"
+
+[pairs.tiny]
+target = "tiny-t"
+draft = "tiny-d"
+k = 3
+"""
+    )
+    monkeypatch.setenv("SPECMLX_MODELS", str(toml))
+    return tmp_path
+
+
+def run(*args, input=None, env=None):
+    return runner.invoke(app, list(args), input=input, env=env)
+
+
+def one_line_error(result, code, *words):
+    assert result.exit_code == code, (result.exit_code, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    # progress lines ("loading ...") may come first; the error is exactly one, the last line
+    assert [ln for ln in lines if ln.startswith("error:")] == lines[-1:], lines
+    err = lines[-1]
+    for w in words:
+        assert w.lower() in err.lower(), (w, err)
+
+
+def test_run_streams_text_on_stdout_and_stats_on_stderr(registry):
+    r = run("run", "def add(a, b):", "-n", "12")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.strip()
+    assert "decode" in r.stderr and "tok/s" in r.stderr
+
+
+def test_json_output_parses_and_adds_up(registry):
+    r = run("run", "--json", "-n", "20", "-k", "2", "def add(a, b):")
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)  # exactly one JSON object, nothing else
+    assert set(out) == {"text", "tokens", "stats", "target", "draft", "k", "temperature", "seed"}
+    s = out["stats"]
+    assert s["accepted"] <= s["drafted"] and len(out["tokens"]) == s["generated"] <= 20
+    assert out["draft"] == "tiny-d" and out["k"] == 2
+
+
+def test_stdin_prompt_and_greedy_matches_target_only(registry):
+    a = run("run", "-", "--json", "-n", "15", "--draft", "none", input="class Point:\n")
+    b = run("run", "--json", "-n", "15", "-k", "4", "class Point:\n")
+    c = run("run", "--json", "-n", "15", "--draft", "lookup", "class Point:\n")
+    ta, tb, tc = (json.loads(x.stdout)["tokens"] for x in (a, b, c))
+    assert ta == tb == tc
+
+
+def test_vocab_superset_draft_is_accepted(registry):
+    r = run("run", "--json", "-n", "10", "--draft", "tiny-d16", "x = 1")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(r.stdout)["draft"] == "tiny-d16"
+
+
+def test_version():
+    r = run("--version")
+    assert r.exit_code == 0 and "specmlx" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args,code,words",
+    [
+        (["--target", "tiny-tt", "x"], 2, ["unknown model", "tiny-t"]),
+        (["--target", "/nonexistent/model", "x"], 2, ["no such path"]),
+        (["--draft", "tiny-other", "x"], 2, []),
+        (["--temp", "-1", "x"], 2, ["temperature"]),
+        (["--temp", "nan", "x"], 2, ["temperature"]),
+        (["--top-p", "1.5", "x"], 2, ["top-p"]),
+        (["--top-p", "0", "x"], 2, ["top-p"]),
+        (["-k", "-1", "x"], 2, ["-k"]),
+        (["-k", "lots", "x"], 2, ["-k"]),
+        (["-n", "0", "x"], 2, ["max-tokens"]),
+        (["   "], 2, ["empty"]),
+        (["word " * 200], 2, ["context"]),
+    ],
+)
+def test_bad_input_one_line(registry, args, code, words):
+    one_line_error(run("run", *args), code, *words)
+
+
+def test_directory_without_weights(registry):
+    one_line_error(run("run", "--target", str(registry / "empty"), "x"), 1, "config.json")
+
+
+def test_corrupt_safetensors(registry):
+    (registry / "t" / "model.safetensors").write_bytes(b"\x00garbage")
+    one_line_error(run("run", "x"), 1, "model.safetensors")
+
+
+def test_model_too_big_for_memory(registry, monkeypatch):
+    monkeypatch.setenv("SPECMLX_MEMORY_BUDGET", "1000")
+    one_line_error(run("run", "x"), 1, "GB")
+
+
+def test_non_utf8_stdin(registry):
+    one_line_error(run("run", "-", input=b"\xff\xfe bad"), 2, "UTF-8")
+
+
+def test_registry_errors(registry, tmp_path, monkeypatch):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[models.x]\nsource = \n")
+    monkeypatch.setenv("SPECMLX_MODELS", str(bad))
+    one_line_error(run("run", "x"), 2, "bad.toml:")
+    bad.write_text('[models.x]\nsource = "local:/tmp"\ndtyp = "float16"\n')
+    one_line_error(run("run", "x"), 2, "bad.toml:3", "dtyp")
+
+
+def test_offline_model_not_in_cache(registry, tmp_path):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    one_line_error(
+        run("run", "--target", "someone/not-cached-model", "--draft", "none", "x", env=env),
+        1,
+        "cache",
+    )
+
+
+def test_bench_json_schema(registry, tmp_path):
+    out = tmp_path / "bench.json"
+    md = tmp_path / "bench.md"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n{"prompt": "class Point:"}\n')
+    r = run(
+        "bench",
+        "--prompts",
+        str(prompts),
+        "-k",
+        "1,2,auto",
+        "--temp",
+        "0,0.8",
+        "-n",
+        "8",
+        "--repeats",
+        "1",
+        "--lookup",
+        "--json",
+        str(out),
+        "--markdown",
+        str(md),
+    )
+    assert r.exit_code == 0, r.stderr
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    need = {
+        "system",
+        "drafter",
+        "k",
+        "temperature",
+        "tokens_per_sec",
+        "speedup",
+        "acceptance_rate",
+        "tokens_per_pass",
+        "c",
+        "theoretical_speedup",
+        "efficiency",
+        "identical_to_target",
+    }
+    assert rows and all(need <= set(row) for row in rows)
+    assert {row["system"] for row in rows} == {"target-only", "specmlx", "mlx-lm"}
+    greedy = [row for row in rows if row["temperature"] == 0]
+    assert all(row["identical_to_target"] for row in greedy)
+    assert {"mlx", "mlx_lm", "blas", "device", "models", "git"} <= set(result["environment"])
+    assert len(result["runs"]) == 2 * 2 * len({(r["system"], r["drafter"], r["k"]) for r in rows})
+    assert set(result["verify_curve"]) == {"1", "2", "4", "8", "16"}
+    assert "| system |" in md.read_text()
+
+
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--prompts", "/nonexistent.jsonl"], ["nonexistent"]),
+        (["-k", "1,-2"], ["-k"]),
+        (["--set", "poems"], ["--set"]),
+    ],
+)
+def test_bench_bad_input(registry, args, words):
+    one_line_error(run("bench", *args), 2, *words)
+
+
+def test_bench_empty_prompt_file(registry, tmp_path):
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n")
+    one_line_error(run("bench", "--prompts", str(empty)), 2, "no prompts")
+
+
+def _cli(*args):
+    return [sys.executable, "-m", "specmlx", *args]
+
+
+def test_closed_stdout_pipe_ends_quietly(registry):
+    cmd = " ".join(_cli("run", "-n", "200", "--draft", "none", "-q", "def"))
+    p = subprocess.run(
+        f"{cmd} | head -c 5; exit ${{PIPESTATUS[0]}}",
+        shell=True,
+        executable="/bin/bash",
+        capture_output=True,
+        env=dict(os.environ),
+        timeout=300,
+    )
+    err = p.stderr.decode("utf-8", "replace")
+    assert "Traceback" not in err and "BrokenPipe" not in err and "Exception" not in err, err
+    assert len(p.stdout) <= 5 and p.returncode == 0
