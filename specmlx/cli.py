@@ -427,3 +427,23 @@ def _model_info(loaded) -> dict:
         "dtype": loaded.spec.dtype,
         "bytes": loaded.nbytes,
     }
+
+
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+
+
+def entry() -> None:
+    """Console-script entry. On Linux, re-exec once with OpenBLAS preloaded when it is
+    installed: the mlx-cpu wheel's reference BLAS makes float32 decoding compute-bound,
+    OpenBLAS makes it memory-bound as on a Mac. SPECMLX_NO_OPENBLAS=1 opts out."""
+    env = os.environ
+    if (
+        sys.platform == "linux"
+        and os.path.exists(OPENBLAS)
+        and OPENBLAS not in env.get("LD_PRELOAD", "")
+        and not env.get("SPECMLX_NO_OPENBLAS")
+    ):
+        preload = " ".join(filter(None, [OPENBLAS, env.get("LD_PRELOAD")]))
+        argv = [sys.executable, "-m", "specmlx", *sys.argv[1:]]
+        os.execve(sys.executable, argv, {**env, "LD_PRELOAD": preload, "SPECMLX_NO_OPENBLAS": "1"})
+    app(prog_name="specmlx")
