@@ -174,13 +174,15 @@ def run(
         if quiet
         else (lambda msg: console.print(msg, style="dim", soft_wrap=True, markup=False))
     )
+    limit = context or registry.defaults.context  # memory is planned for this many tokens
     tgt, drf, shared = load_pair(
-        choice.target, choice.draft, registry=registry, context=context, progress=say
+        choice.target, choice.draft, registry=registry, context=limit, progress=say
     )
     ids = encode_prompt(tgt.tokenizer, text, chat=chat)
-    limit = context or tgt.spec.context or registry.defaults.context
     if len(ids) >= limit:
-        raise BadInput(f"the prompt has {len(ids)} tokens, more than the context ({limit})")
+        raise BadInput(
+            f"the prompt has {len(ids)} tokens, more than the context ({limit}); raise --context"
+        )
     stats = Stats()
     responses = stream_text(
         tgt.model,

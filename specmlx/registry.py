@@ -1,0 +1,320 @@
+"""Read and validate models.toml: model aliases, target/draft pairs and defaults."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+from .errors import RegistryError, UnknownModel
+
+DTYPES = ("float16", "bfloat16", "float32", "auto")
+KINDS = ("hf", "local", "gguf", "wheel")
+_MODEL_KEYS = {
+    "source": str,
+    "dtype": str,
+    "quantize": dict,
+    "keep_quantized": bool,
+    "context": int,
+    "label": str,
+    "build": str,
+}
+_PAIR_KEYS = {"target": str, "draft": str, "k": (int, str)}
+_DEFAULT_KEYS = {"pair": str, "pair_cpu": str, "context": int}
+_QUANT_KEYS = {"bits": int, "group_size": int}
+_HF_REPO = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
+WHEEL_RE = re.compile(r"^([\w.-]+)==([\w.!+-]+)#(.+)$")
+
+
+def specmlx_home() -> Path:
+    """Where specmlx keeps its caches ($SPECMLX_HOME, default ~/.cache/specmlx)."""
+    return Path(os.environ.get("SPECMLX_HOME") or "~/.cache/specmlx").expanduser()
+
+
+def expand_path(text: str) -> Path:
+    """Expand ~ and $VARS; $SPECMLX_HOME falls back to its default."""
+    env = {**os.environ, "SPECMLX_HOME": str(specmlx_home())}
+    expanded = re.sub(
+        r"\$(\w+)|\$\{(\w+)\}",
+        lambda m: env.get(m.group(1) or m.group(2), m.group(0)),
+        text,
+    )
+    return Path(expanded).expanduser()
+
+
+@dataclass(frozen=True)
+class Quantize:
+    """Affine quantization applied at load time."""
+
+    bits: int = 4
+    group_size: int = 64
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One loadable model. `ref` is the source without its `kind:` prefix."""
+
+    alias: str
+    kind: str
+    ref: str
+    revision: str | None = None
+    dtype: str = "auto"
+    quantize: Quantize | None = None
+    keep_quantized: bool = False
+    context: int | None = None
+    label: str = ""
+    build: str | None = None
+
+    @property
+    def source(self) -> str:
+        rev = f"@{self.revision}" if self.revision else ""
+        return f"{self.kind}:{self.ref}{rev}"
+
+    @property
+    def path(self) -> Path:
+        """The expanded local path (local: and gguf: sources)."""
+        return expand_path(self.ref)
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    name: str
+    target: str
+    draft: str
+    k: int | str = "auto"
+
+
+@dataclass
+class Defaults:
+    pair: str | None = None
+    pair_cpu: str | None = None
+    context: int = 4096
+
+
+@dataclass
+class Registry:
+    """All aliases and pairs after merging the shipped, user and $SPECMLX_MODELS files."""
+
+    models: dict[str, ModelSpec] = field(default_factory=dict)
+    pairs: dict[str, PairSpec] = field(default_factory=dict)
+    defaults: Defaults = field(default_factory=Defaults)
+    files: list[Path] = field(default_factory=list)
+
+    def resolve(self, name: str) -> ModelSpec:
+        """An alias, a local model dir or .gguf file, a `kind:` source, or an hf owner/repo."""
+        if name in self.models:
+            return self.models[name]
+        path = expand_path(name)
+        if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+            kind = "gguf" if path.is_file() else "local"
+            return ModelSpec(alias=path.name, kind=kind, ref=str(path.resolve()))
+        kind, _, rest = name.partition(":")
+        if kind in KINDS and rest:
+            try:
+                return _parse_source(name.strip(), alias=_alias_for(rest), fields={})
+            except ValueError as e:
+                raise UnknownModel(str(e)) from None
+        if _HF_REPO.match(name) and not name.startswith((".", "/", "~")):
+            return _parse_source(f"hf:{name}", alias=_alias_for(name), fields={})
+        looks_like_path = name.startswith((".", "/", "~", "$")) or name.endswith(".gguf")
+        if looks_like_path:
+            raise UnknownModel(f"no such path: {name}")
+        close = difflib.get_close_matches(name, list(self.models), n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(close)}?" if close else "see `specmlx models list`"
+        raise UnknownModel(f"unknown model '{name}': {hint} (or give a path or hf owner/repo)")
+
+    def pair(self, name: str) -> PairSpec:
+        if name not in self.pairs:
+            close = difflib.get_close_matches(name, list(self.pairs), n=3, cutoff=0.5)
+            names = ", ".join(close or self.pairs)
+            hint = f"did you mean {names}?" if close else f"known: {names}"
+            raise UnknownModel(f"unknown pair '{name}'; {hint}")
+        return self.pairs[name]
+
+    def default_pair(self, cpu: bool) -> PairSpec:
+        """The pair to use when none is named; `pair_cpu` wins on the CPU backend."""
+        name = (self.defaults.pair_cpu if cpu else None) or self.defaults.pair
+        if not name:
+            raise RegistryError("no [defaults] pair in models.toml; name a pair or add one")
+        return self.pair(name)
+
+
+def _alias_for(ref: str) -> str:
+    return Path(ref.split("@")[0].split("#")[-1]).name or ref
+
+
+def _parse_source(source: str, alias: str, fields: dict) -> ModelSpec:
+    """Split `kind:ref[@rev]` and check its shape; ValueError says what is wrong."""
+    kind, sep, ref = source.partition(":")
+    if not sep or kind not in KINDS or not ref:
+        raise ValueError(f"source must start with one of {', '.join(k + ':' for k in KINDS)}")
+    revision = None
+    if kind == "hf":
+        if not _HF_REPO.match(ref):
+            raise ValueError(f"hf source must be hf:owner/repo[@revision], got '{source}'")
+        ref, _, revision = ref.partition("@")
+    elif kind == "wheel" and not WHEEL_RE.match(ref):
+        raise ValueError(f"wheel source must be wheel:DIST==VER#path/in/wheel, got '{source}'")
+    return ModelSpec(alias=alias, kind=kind, ref=ref, revision=revision or None, **fields)
+
+
+def _header_parts(line: str) -> list[str] | None:
+    m = re.match(r"^\s*\[([^\[\]]+)\]\s*(#.*)?$", line)
+    if not m:
+        return None
+    return [p.strip("\"'") for p in re.findall(r'"[^"]*"|\'[^\']*\'|[^.\s]+', m.group(1))]
+
+
+def _line_of(text: str, table: tuple[str, ...], key: str | None = None) -> int | None:
+    """1-based line of `key` inside `[table]` (or of the header itself), by scanning text."""
+    lines = text.splitlines()
+    key_re = re.compile(r"^\s*(" + re.escape(key or "") + r'|"' + re.escape(key or "") + r'")\s*=')
+    start = 0
+    if table:
+        heads = [i for i, line in enumerate(lines) if _header_parts(line) == list(table)]
+        if not heads:  # an inline table: point at its key in the parent table
+            return _line_of(text, table[:-1], table[-1]) if len(table) > 1 else None
+        start = heads[0] + 1
+        if key is None:
+            return start
+    for j in range(start, len(lines)):
+        parts = _header_parts(lines[j])
+        if parts is not None:
+            if not table and key and parts[0] == key:
+                return j + 1
+            if table:
+                break
+        elif key and key_re.match(lines[j]):
+            return j + 1
+    return start or None
+
+
+def _show(table: tuple[str, ...]) -> str:
+    return ".".join(p if re.fullmatch(r"[\w-]+", p) else f'"{p}"' for p in table)
+
+
+def _fail(where: tuple[Path, str], table: tuple[str, ...], key: str | None, msg: str):
+    path, text = where
+    line = _line_of(text, table, key)
+    return RegistryError(f"{path}:{line}: {msg}" if line else f"{path}: {msg}")
+
+
+def _check_keys(raw: dict, allowed: dict, table: tuple[str, ...], where: tuple[Path, str]) -> None:
+    for key, value in raw.items():
+        shown = f" in [{_show(table)}]" if table else ""
+        if key not in allowed:
+            expected = ", ".join(allowed)
+            msg = f"unknown key '{key}'{shown} (expected one of: {expected})"
+            raise _fail(where, table, key, msg)
+        want = allowed[key]
+        if (isinstance(value, bool) and want is not bool) or not isinstance(value, want):
+            names = " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
+            msg = f"'{key}'{shown} must be {names}, got {type(value).__name__}"
+            raise _fail(where, table, key, msg)
+
+
+def parse_file(path: Path) -> tuple[dict, dict, dict]:
+    """Parse one models.toml into (models, pairs, defaults) with file:line errors."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise RegistryError(f"cannot read model registry {path}: {e.strerror}") from e
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        m = re.search(r"\(at line (\d+), column (\d+)\)", str(e))
+        msg = str(e).split(" (at line")[0]
+        loc = f"{path}:{m.group(1)}:{m.group(2)}" if m else str(path)
+        raise RegistryError(f"{loc}: TOML syntax error: {msg}") from e
+    where = (path, text)
+    _check_keys(data, {"models": dict, "pairs": dict, "defaults": dict}, (), where)
+    models: dict[str, ModelSpec] = {}
+    for alias, raw in data.get("models", {}).items():
+        table = ("models", alias)
+        if not isinstance(raw, dict):
+            raise _fail(where, ("models",), alias, f"[{_show(table)}] must be a table")
+        _check_keys(raw, _MODEL_KEYS, table, where)
+        if "source" not in raw:
+            raise _fail(where, table, None, f"[{_show(table)}] has no 'source'")
+        fields = {k: v for k, v in raw.items() if k != "source"}
+        if fields.get("dtype", "auto") not in DTYPES:
+            msg = f"dtype in [{_show(table)}] must be one of {', '.join(DTYPES)}"
+            raise _fail(where, table, "dtype", msg)
+        if "quantize" in fields:
+            _check_keys(fields["quantize"], _QUANT_KEYS, (*table, "quantize"), where)
+            fields["quantize"] = Quantize(**fields["quantize"])
+        try:
+            models[alias] = spec = _parse_source(raw["source"], alias, fields)
+        except ValueError as e:
+            raise _fail(where, table, "source", f"{e} in [{_show(table)}]") from None
+        gguf = spec.kind in ("gguf", "wheel")
+        if spec.quantize and gguf:
+            msg = (
+                f"quantize in [{_show(table)}] is for hf:/local: sources; GGUF uses keep_quantized"
+            )
+            raise _fail(where, table, "quantize", msg)
+        if spec.keep_quantized and not gguf:
+            msg = f"keep_quantized in [{_show(table)}] is for gguf:/wheel: sources only"
+            raise _fail(where, table, "keep_quantized", msg)
+    pairs: dict[str, PairSpec] = {}
+    for name, raw in data.get("pairs", {}).items():
+        table = ("pairs", name)
+        if not isinstance(raw, dict):
+            raise _fail(where, ("pairs",), name, f"[{_show(table)}] must be a table")
+        _check_keys(raw, _PAIR_KEYS, table, where)
+        missing = [k for k in ("target", "draft") if k not in raw]
+        if missing:
+            raise _fail(where, table, None, f"[{_show(table)}] has no '{missing[0]}'")
+        k = raw.get("k", "auto")
+        if k != "auto" and not (isinstance(k, int) and k >= 1):
+            raise _fail(where, table, "k", f'k in [{_show(table)}] must be >= 1 or "auto"')
+        pairs[name] = PairSpec(name=name, target=raw["target"], draft=raw["draft"], k=k)
+    defaults = data.get("defaults", {})
+    _check_keys(defaults, _DEFAULT_KEYS, ("defaults",), where)
+    return models, pairs, defaults
+
+
+def registry_files(extra_paths: list[Path | str] | None = None) -> list[Path]:
+    """The shipped file, then ~/.config/specmlx/models.toml, $SPECMLX_MODELS and extras."""
+    files = [Path(str(resources.files("specmlx") / "models.toml"))]
+    config_home = Path(os.environ.get("XDG_CONFIG_HOME") or "~/.config").expanduser()
+    user = config_home / "specmlx" / "models.toml"
+    if user.is_file():
+        files.append(user)
+    if env := os.environ.get("SPECMLX_MODELS"):
+        files.append(expand_path(env))
+    files.extend(Path(p) for p in extra_paths or [])
+    return files
+
+
+def load_registry(extra_paths: list[Path | str] | None = None) -> Registry:
+    """Merge all registry files (later wins per alias, pair and default) and cross-check."""
+    reg = Registry()
+    for path in registry_files(extra_paths):
+        models, pairs, defaults = parse_file(path)
+        reg.models.update(models)
+        reg.pairs.update(pairs)
+        for key, value in defaults.items():
+            setattr(reg.defaults, key, value)
+        reg.files.append(path)
+    for pair in reg.pairs.values():
+        for role in ("target", "draft"):
+            alias = getattr(pair, role)
+            if alias not in reg.models:
+                files = ", ".join(str(f) for f in reg.files)
+                raise RegistryError(
+                    f"pair '{pair.name}' names unknown {role} model '{alias}' (in {files})"
+                )
+    for key in ("pair", "pair_cpu"):
+        name = getattr(reg.defaults, key)
+        if name is not None and name not in reg.pairs:
+            raise RegistryError(f"[defaults] {key} = '{name}' is not a known pair")
+    return reg
