@@ -10,8 +10,12 @@ from .engine import Stats
 
 
 def err_console() -> Console:
-    """stderr console; rich drops colour codes by itself when stderr is not a terminal."""
-    return Console(stderr=True, highlight=False)
+    """stderr console; rich drops colour codes by itself when stderr is not a terminal,
+    where tables also get a fixed width instead of 80 columns."""
+    console = Console(stderr=True, highlight=False)
+    if not console.is_terminal:
+        console.width = 160
+    return console
 
 
 def gb(n: int | float) -> str:
@@ -100,3 +104,26 @@ def bench_table(result: dict) -> Table:
 def print_error(message: str) -> None:
     """One red line on stderr: no wrapping, no markup parsing of the message."""
     err_console().print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
+
+
+def models_table(registry) -> Table:
+    """Aliases with their source, dtype/quantization, size when local, and a label."""
+    from .loading import is_cached, peek_config, resolve_dtype, weight_bytes
+
+    t = Table(title="models (models.toml)", title_justify="left")
+    for col in ("alias", "source", "dtype", "quant", "local", "size", "note"):
+        t.add_column(col)
+    for alias, spec in sorted(registry.models.items()):
+        quant = f"{spec.quantize.bits}-bit g{spec.quantize.group_size}" if spec.quantize else ""
+        quant = quant or ("as in file" if spec.keep_quantized else "")
+        local = is_cached(spec)
+        size = ""
+        if local:  # sizing a remote model would mean a download: only local ones
+            config = peek_config(spec)
+            size = gb(weight_bytes(config, resolve_dtype(spec.dtype).size, spec.keep_quantized))
+        t.add_row(alias, spec.source, spec.dtype, quant, "yes" if local else "no", size, spec.label)
+    pairs = ", ".join(
+        f"{p.name} = {p.target} + {p.draft} (k {p.k})" for p in registry.pairs.values()
+    )
+    t.caption = f"pairs: {pairs}"
+    return t
