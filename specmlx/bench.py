@@ -79,7 +79,8 @@ class BenchSettings:
 
 
 def load_prompts(path: str | None, kind: str = "all") -> list[dict]:
-    """The packaged code prompts, or any JSONL of {"prompt": ...}; ``kind`` filters by "kind"."""
+    """The packaged code prompts, or any JSONL of {"prompt": ...}; ``kind`` filters by "kind".
+    A row with "chat": true is an instruction, sent through the tokenizer's chat template."""
     try:
         text = (
             Path(path).read_text(encoding="utf-8")
@@ -215,7 +216,7 @@ def bench(
     target,
     draft,
     prompts: list[dict],
-    encode: Callable[[str], list[int]],
+    encode: Callable[[dict], list[int]],
     s: BenchSettings,
     *,
     draft_name: str | None = None,
@@ -224,7 +225,7 @@ def bench(
 ) -> dict:
     """Run every system on every prompt and temperature, interleaved, ``s.repeats`` times.
     Returns {"rows", "runs", "verify_curve", "c"}; the CLI adds the environment."""
-    encoded = [(p["id"], encode(p["prompt"])) for p in prompts]
+    encoded = [(p["id"], encode(p)) for p in prompts]
     todo = systems(draft_name, s)
     # warm-up: compile paths and fault in weights for every system once
     warm = BenchSettings(**{**asdict(s), "max_tokens": 8})

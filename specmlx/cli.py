@@ -343,6 +343,7 @@ def bench(
     from .display import bench_table
     from .loading import load_pair
     from .registry import load_registry
+    from .stream import encode_prompt
 
     settings = b.BenchSettings(
         ks=_split(ks, parse_k, "-k"),
@@ -393,7 +394,7 @@ def bench(
             tgt.model,
             drf.model if drf else None,
             rows,
-            lambda text: list(tgt.tokenizer.encode(text)),
+            lambda row: encode_prompt(tgt.tokenizer, row["prompt"], chat=bool(row.get("chat"))),
             settings,
             draft_name=drf.spec.alias if drf else None,
             shared=shared,
