@@ -62,7 +62,7 @@ def test_greedy_speculation_is_token_identical(real):
         for k in (2, 4, 8):
             stats = Stats()
             out = _tokens(
-                target.model, draft, ids, num_draft=k, max_tokens=24, eos_ids=eos, stats=stats
+                target.model, draft, ids, num_draft=k, max_tokens=20, eos_ids=eos, stats=stats
             )
             assert out == base, (text, k)
             total.drafted += stats.drafted
