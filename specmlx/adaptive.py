@@ -34,11 +34,11 @@ class AdaptiveK:
     """
 
     k_max: int = 8
-    decay: float = 0.9  # weight of history in the running estimates
+    decay: float = 0.9  # weight of history, per draft token for a and per round for times
     reprobe_every: int = 16  # after this many k = 0 rounds, draft once to re-measure a
     verify_ratio: list[float] | None = None
-    a: float = 0.6  # prior acceptance, worth ``prior_weight`` observations
-    prior_weight: float = 3.0
+    a: float = 0.6  # prior acceptance, worth ``prior_weight`` observed draft tokens
+    prior_weight: float = 1.0
     t_draft: float | None = None
     _verify: dict[int, float] = field(default_factory=dict)
     _wins: float = 0.0
@@ -66,9 +66,12 @@ class AdaptiveK:
     def update(self, k: int, n: int, draft_s: float, target_s: float) -> None:
         """Fold one round in: n of k drafts accepted, timings in seconds."""
         if k > 0:
-            # n successes, then one failure unless all k were accepted
-            self._wins = self.decay * self._wins + n
-            self._tries = self.decay * self._tries + n + (n < k)
+            # n successes, then one failure unless all k were accepted; history fades per
+            # draft token seen, so a change in the text shows within ~10 drafts
+            trials = n + (n < k)
+            fade = self.decay**trials
+            self._wins = fade * self._wins + n
+            self._tries = fade * self._tries + trials
             if draft_s > 0:
                 step = draft_s / k
                 self.t_draft = (
