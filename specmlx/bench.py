@@ -20,8 +20,8 @@ from importlib import resources
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from .adaptive import AdaptiveK, pass_time
 from .engine import Stats, generate_tokens
 from .errors import BadInput
 
@@ -144,7 +144,15 @@ def _mlx_lm_events(
 
 
 def run_one(
-    system: System, target, draft, ids, temp, s: BenchSettings, seed: int, shared: int | None
+    system: System,
+    target,
+    draft,
+    ids,
+    temp,
+    s: BenchSettings,
+    seed: int,
+    shared: int | None,
+    verify_ratio: list[float] | None = None,
 ):
     """Generate once with one system; returns (tokens, decoded, decode_s, drafted, accepted)."""
     top_p = s.top_p if temp > 0 else 1.0
@@ -165,11 +173,12 @@ def run_one(
         return tokens, decoded, secs, rounds * int(system.k), accepted
     stats = Stats()
     use_draft = draft if system.drafter not in ("none", "lookup") else None
+    k = AdaptiveK(verify_ratio=verify_ratio) if system.k == "auto" else system.k
     gen = generate_tokens(
         target,
         use_draft,
         ids,
-        num_draft=system.k,
+        num_draft=k,
         lookup="lookup" in system.drafter,
         temperature=temp,
         top_p=top_p,
@@ -197,21 +206,6 @@ def systems(draft_name: str | None, s: BenchSettings) -> list[System]:
     return out
 
 
-def pass_time(model, ids: list[int], n: int, reps: int = 5) -> float:
-    """Median seconds of one forward pass over n tokens after a prefill of ``ids``."""
-    cache = make_prompt_cache(model)
-    model(mx.array(ids, dtype=mx.uint32)[None], cache=cache)
-    mx.eval([c.state for c in cache])
-    x = mx.array((ids * n)[:n], dtype=mx.uint32)[None]
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        mx.eval(model(x, cache=cache))
-        times.append(time.perf_counter() - t0)
-        trim_prompt_cache(cache, n)
-    return statistics.median(times[1:])  # the first is a warm-up
-
-
 def bench(
     target,
     draft,
@@ -232,9 +226,11 @@ def bench(
     for system in todo:
         run_one(system, target, draft, encoded[0][1], s.temps[0], warm, s.seed, shared)
     ctx = encoded[0][1] + encoded[0][1][: s.max_tokens // 2]
-    t1 = pass_time(target, ctx, 1)
-    curve = {n: pass_time(target, ctx, n) / t1 for n in (1, 2, 4, 8, 16)}
-    c = pass_time(draft, ctx, 1) / t1 if draft is not None else None
+    t1 = pass_time(target, ctx, 1, reps=5)
+    curve = {n: pass_time(target, ctx, n, reps=5) / t1 for n in range(1, 10)}
+    curve[16] = pass_time(target, ctx, 16, reps=5) / t1
+    c = pass_time(draft, ctx, 1, reps=5) / t1 if draft is not None else None
+    ratio = [curve[k + 1] for k in range(9)]  # seeds adaptive k with this measured curve
     runs: list[Run] = []
     for rep in range(s.repeats):
         for pid, ids in encoded:
@@ -242,7 +238,7 @@ def bench(
                 seed = s.seed + rep
                 for system in todo:
                     tokens, decoded, secs, drafted, accepted = run_one(
-                        system, target, draft, ids, temp, s, seed, shared
+                        system, target, draft, ids, temp, s, seed, shared, ratio
                     )
                     run = Run(
                         system.label, pid, temp, rep, tokens, decoded, secs, drafted, accepted

@@ -183,6 +183,12 @@ def run(
         raise BadInput(
             f"the prompt has {len(ids)} tokens, more than the context ({limit}); raise --context"
         )
+    num_draft = choice.k if (drf or choice.lookup) else 0
+    if num_draft == "auto":  # seed adaptive k with this machine's verify-cost curve
+        from .adaptive import AdaptiveK, cached_probe
+
+        ratio = cached_probe(tgt.model, f"{tgt.spec.source}|{tgt.spec.dtype}", ids)
+        num_draft = AdaptiveK(verify_ratio=ratio)
     stats = Stats()
     responses = stream_text(
         tgt.model,
@@ -191,7 +197,7 @@ def run(
         ids,
         stop_strings=stop or (),
         stats=stats,
-        num_draft=choice.k if (drf or choice.lookup) else 0,
+        num_draft=num_draft,
         lookup=choice.lookup,
         vocab_size=shared if drf else None,
         max_tokens=max_tokens,

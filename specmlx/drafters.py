@@ -26,7 +26,8 @@ def draft_model_propose(
 ) -> tuple[mx.array, mx.array | None]:
     """Feed the draft the tokens it has not seen yet, pending (B, L), then draft k tokens.
 
-    Lazy: nothing is evaluated here, each step feeds the previous step's (unevaluated) token.
+    Nothing waits here: each step is queued with async_eval (the host never blocks) and feeds
+    the previous step's not-yet-read token.
     Returns d (B, k) uint32 and q (B, k, vocab) float32 (None when greedy). The draft cache
     grows by L + k - 1: the last drafted token is never fed, the engine accounts for that.
     ``vocab`` restricts proposals to ids the target has (Code Llama 7B has 16 more than 34B).
@@ -44,6 +45,7 @@ def draft_model_propose(
             qs.append(q)
         tokens.append(t)
         x = t[:, None]  # (B, 1)
+        mx.async_eval(t)  # start computing while the next step's graph is built: no host wait
     d = mx.stack(tokens, axis=1)
     return d, (mx.stack(qs, axis=1) if qs else None)
 

@@ -59,17 +59,17 @@ def test_chooser_learns_from_rounds():
     chooser = AdaptiveK(k_max=8)
     stats = Stats()
     assert chooser(stats) == 2  # nothing measured yet
-    for _ in range(30):  # every draft accepted, cheap draft, flat verify curve
+    for _ in range(30):  # every draft accepted, draft at 0.3 of a step, flat verify curve
         k = chooser(stats)
         stats.rounds += 1
         stats.last_k, stats.last_accepted = k, k
-        stats.last_draft_s, stats.last_target_s = 0.01 * k, 0.1 + 0.001 * k
+        stats.last_draft_s, stats.last_target_s = 0.03 * k, 0.1 + 0.001 * k
     assert chooser(stats) >= 6
     for _ in range(60):  # now nothing is accepted
         k = chooser(stats)
         stats.rounds += 1
         stats.last_k, stats.last_accepted = k, 0
-        stats.last_draft_s, stats.last_target_s = 0.01 * k, 0.1 + 0.001 * k
+        stats.last_draft_s, stats.last_target_s = 0.03 * k, 0.1 + 0.001 * k
     assert chooser(stats) == 0
 
 
