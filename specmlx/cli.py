@@ -349,6 +349,7 @@ def bench(
     from .display import bench_table
     from .loading import load_pair
     from .registry import load_registry
+    from .sampling import SamplingParams
     from .stream import encode_prompt
 
     settings = b.BenchSettings(
@@ -366,7 +367,7 @@ def bench(
     if kind not in ("code", "edit", "all"):
         raise BadInput(f"--set must be code, edit or all, got {kind!r}")
     for t in settings.temps:
-        SamplingParamsCheck(t, top_p)
+        SamplingParams(temperature=t, top_p=top_p)  # raises BadInput for bad values
     if max_tokens <= 0 or repeats <= 0:
         raise BadInput("-n and --repeats must be > 0")
     rows = b.load_prompts(prompts, kind if not prompts else "all")
@@ -420,12 +421,6 @@ def bench(
         Path(md_out).write_text(b.to_markdown(result))
     if plot_out:
         b.plot(result, plot_out)
-
-
-def SamplingParamsCheck(temp: float, top_p: float) -> None:  # noqa: N802 - validates like the class
-    from .sampling import SamplingParams
-
-    SamplingParams(temperature=temp, top_p=top_p)
 
 
 def _model_info(loaded) -> dict:

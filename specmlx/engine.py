@@ -115,7 +115,7 @@ def generate_tokens(
         raise BadInput("the prompt is empty")
     if max_tokens <= 0:
         raise BadInput(f"max tokens must be > 0, got {max_tokens}")
-    choose_k = _k_chooser(num_draft, draft is not None or lookup)
+    choose_k = _k_chooser(num_draft)
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(prompt)
     tcache, dcache = caches or (make_prompt_cache(target), None)
@@ -145,7 +145,7 @@ def generate_tokens(
             stats.peak_memory = mx.get_peak_memory()
 
 
-def _k_chooser(num_draft: KChoice, speculating: bool) -> Callable[[Stats], int]:
+def _k_chooser(num_draft: KChoice) -> Callable[[Stats], int]:
     if callable(num_draft):
         return num_draft
     if num_draft == "auto":

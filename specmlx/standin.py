@@ -162,6 +162,19 @@ def build_cpu_pair(
     return facts
 
 
+def build_useless_draft(tokenizer: Any, vocab: int, out_dir: Path) -> None:
+    """A random-weight 2-layer draft with the real tokenizer: it never agrees with anything,
+    which is what checks that adaptive k stops paying for a draft that does not help."""
+    args = ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
+        rope_theta=10000.0, tie_word_embeddings=True,
+    )  # fmt: skip
+    mx.random.seed(0)
+    model = Model(args)
+    _save(out_dir, dict(tree_flatten(model.parameters())), args, tokenizer)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Build the CPU demo pair from smollm2-135m (scripts/make-cpu-pair)."""
     from .loading import load_model
@@ -176,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     out = a.out.expanduser()
     if is_complete(out) and not a.force:
+        if not (out / "useless-draft" / "config.json").exists():
+            from mlx_lm.utils import load_tokenizer
+
+            tokenizer = load_tokenizer(out / "draft")
+            vocab = json.loads((out / "draft" / "config.json").read_text())["vocab_size"]
+            build_useless_draft(tokenizer, vocab, out / "useless-draft")
         print(f"already built: {out} (--force rebuilds)")
         print((out / "pair.json").read_text(), end="")
         return 0
@@ -185,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"building {out} (widening, quantizing, then checking logits; minutes on CPU)")
     try:
         facts = build_cpu_pair(base.model, base.tokenizer, out, a.m, a.bits, a.group_size)
+        build_useless_draft(base.tokenizer, base.vocab_size, out / "useless-draft")
     except SpecmlxError as e:
         print(f"make-cpu-pair: FAILED: {e}", file=sys.stderr)
         return 1
