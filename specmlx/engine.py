@@ -121,8 +121,10 @@ def generate_tokens(
     tcache, dcache = caches or (make_prompt_cache(target), None)
     if draft is not None and dcache is None:
         dcache = make_prompt_cache(draft)
-    for c in (tcache, dcache):
+    speculating = draft is not None or lookup
+    for c in (tcache, dcache) if speculating else ():
         if c is not None and not can_trim_prompt_cache(c):
+            # rollback is an offset move; sliding-window or recurrent state cannot undo tokens
             raise IncompatiblePair("speculation needs trimmable KV caches (not sliding-window)")
     stops = _Stops(eos_ids, stop_ids, max_tokens)
     key = mx.random.key(seed if seed is not None else random.getrandbits(63))
@@ -134,7 +136,7 @@ def generate_tokens(
         if draft is not None:
             _prefill(draft, dcache, prompt[:-1], prefill_step)
         stats.prefill_s = time.perf_counter() - t0
-        if draft is None and not lookup:
+        if not speculating:
             loop = _plain(target, tcache, prompt, params, key, stops, stats)
         else:
             spec = _Speculation(target, tcache, draft, dcache, params, vocab_size, lookup)
@@ -216,7 +218,7 @@ def _plain(target, cache, prompt, params, key, stops, stats) -> Iterator[TokenEv
         elapsed = time.perf_counter() - t0
         stats.decode_s += elapsed
         stats.target_s += elapsed
-        if reason:
+        if reason and can_trim_prompt_cache(cache):
             # drop what queued steps fed past the kept context: the cache holds ctx[:-1]
             trim_prompt_cache(cache, fed - (len(prompt) + len(generated) - 1))
             stats.finish_reason = reason
