@@ -227,7 +227,7 @@ def bench(
         run_one(system, target, draft, encoded[0][1], s.temps[0], warm, s.seed, shared)
     ctx = encoded[0][1] + encoded[0][1][: s.max_tokens // 2]
     t1 = pass_time(target, ctx, 1, reps=5)
-    curve = {n: pass_time(target, ctx, n, reps=5) / t1 for n in range(1, 10)}
+    curve = {1: 1.0} | {n: pass_time(target, ctx, n, reps=5) / t1 for n in range(2, 10)}
     curve[16] = pass_time(target, ctx, 16, reps=5) / t1
     c = pass_time(draft, ctx, 1, reps=5) / t1 if draft is not None else None
     ratio = [curve[k + 1] for k in range(9)]  # seeds adaptive k with this measured curve
@@ -383,6 +383,11 @@ def to_markdown(result: dict) -> str:
     if result.get("c") is not None:
         lines.append(f"Draft/target step cost c = {result['c']:.3f}")
     env = result.get("environment", {})
+    for role, m in (env.get("models") or {}).items():
+        if m:
+            lines.append(
+                f"{role}: {m['alias']} ({m['dtype']}, {m['bytes'] / 1e9:.2f} GB) {m['label']}".rstrip()
+            )
     if env:
         lines += [
             "",

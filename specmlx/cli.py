@@ -124,7 +124,7 @@ def choose_models(registry, target: str | None, draft: str | None, lookup: bool,
     else:
         pair = next((p for p in registry.pairs.values() if p.target == target), None)
     if draft is None:
-        draft = pair.draft if pair and not lookup else "none"
+        draft = pair.draft if pair else "none"
     if draft == "lookup":
         draft, lookup = "none", True
     kk = parse_k(k) if k is not None else (pair.k if pair else "auto")

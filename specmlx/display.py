@@ -102,8 +102,9 @@ def bench_table(result: dict) -> Table:
 
 
 def print_error(message: str) -> None:
-    """One red line on stderr: no wrapping, no markup parsing of the message."""
-    err_console().print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
+    """One red line on stderr: no wrapping, no markup parsing, inner newlines folded."""
+    line = " ".join(message.split())
+    err_console().print(Text.assemble(("error: ", "bold red"), line), soft_wrap=True)
 
 
 def models_table(registry) -> Table:

@@ -168,7 +168,7 @@ def build_useless_draft(tokenizer: Any, vocab: int, out_dir: Path) -> None:
     args = ModelArgs(
         model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
-        rope_theta=10000.0, tie_word_embeddings=True,
+        rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=8192,
     )  # fmt: skip
     mx.random.seed(0)
     model = Model(args)

@@ -109,7 +109,7 @@ def test_version():
     [
         (["--target", "tiny-tt", "x"], 2, ["unknown model", "tiny-t"]),
         (["--target", "/nonexistent/model", "x"], 2, ["no such path"]),
-        (["--draft", "tiny-other", "x"], 2, []),
+        (["--draft", "tiny-other", "x"], 2, ["differs"]),  # shared ids mean other tokens
         (["--temp", "-1", "x"], 2, ["temperature"]),
         (["--temp", "nan", "x"], 2, ["temperature"]),
         (["--top-p", "1.5", "x"], 2, ["top-p"]),
@@ -246,3 +246,15 @@ def test_closed_stdout_pipe_ends_quietly(registry):
     err = p.stderr.decode("utf-8", "replace")
     assert "Traceback" not in err and "BrokenPipe" not in err and "Exception" not in err, err
     assert len(p.stdout) <= 5 and p.returncode == 0
+
+
+def test_corrupt_and_unsupported_gguf(registry, tmp_path):
+    from test_loading import build_tiny_gguf, write_gguf
+
+    path, _, meta, tensors = build_tiny_gguf(tmp_path)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:300])
+    one_line_error(run("run", "--target", str(cut), "--draft", "none", "x"), 1, "corrupt")
+    odd = dict(tensors, **{"blk.0.ffn_down.weight": ("Q5_K", (64, 256), b"\0" * 176 * 64)})
+    q5k = write_gguf(tmp_path / "q5k.gguf", meta, odd)
+    one_line_error(run("run", "--target", str(q5k), "--draft", "none", "x"), 1, "Q5_K")

@@ -19,7 +19,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from specmlx import loading
+from specmlx import gguf, loading
 from specmlx.errors import (
     DoesNotFit,
     IncompatiblePair,
@@ -27,17 +27,16 @@ from specmlx.errors import (
     OfflineError,
     UnknownModel,
 )
+from specmlx.gguf import gguf_tokenizer, read_gguf_header
 from specmlx.loading import (
     Loaded,
     check_pair,
     fetch,
-    gguf_tokenizer,
     is_cached,
     load_model,
     load_pair,
     parse_size,
     plan_memory,
-    read_gguf_header,
     require_fit,
     weight_bytes,
 )
@@ -156,8 +155,8 @@ def test_quantize_at_load_is_cached(tiny_model, specmlx_home, monkeypatch):
 # ------------------------------------------------------------------ GGUF
 
 GGML = {"F32": 0, "Q4_0": 2, "Q8_0": 8, "Q5_K": 13}
-_TO_GGUF = {v: k for k, v in loading._BLOCK_NAMES.items()}
-_TOP_TO_GGUF = {v: k for k, v in loading._TOP_NAMES.items()}
+_TO_GGUF = {v: k for k, v in gguf._BLOCK_NAMES.items()}
+_TOP_TO_GGUF = {v: k for k, v in gguf._TOP_NAMES.items()}
 
 
 def gguf_name(mlx_name: str) -> str:
