@@ -282,12 +282,8 @@ def summarize(runs: list[Run], todo: list[System], s: BenchSettings, c: float | 
                     "drafter": system.drafter,
                     "k": system.k,
                     "temperature": temp,
-                    "tokens_per_sec": statistics.median(tps),
-                    "tokens_per_sec_min": min(tps),
-                    "tokens_per_sec_max": max(tps),
-                    "speedup": speed,
-                    "speedup_min": min(speedups),
-                    "speedup_max": max(speedups),
+                    **_named("tokens_per_sec", tps),
+                    **_named("speedup", speedups),
                     "acceptance_rate": a,
                     "tokens_per_pass": sum(len(r.tokens) for r in mine)
                     / max(1, sum(_rounds(r) for r in mine)),
@@ -303,6 +299,12 @@ def summarize(runs: list[Run], todo: list[System], s: BenchSettings, c: float | 
                 }
             )
     return rows
+
+
+def _named(name: str, values: list[float]) -> dict:
+    """{name: median, name_min: min, name_max: max}."""
+    s = spread(values)
+    return {name: s["median"], f"{name}_min": s["min"], f"{name}_max": s["max"]}
 
 
 def _rounds(r: Run) -> int:
