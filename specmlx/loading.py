@@ -94,7 +94,10 @@ def _say(progress: Progress | None, msg: str) -> None:
 def _hub(call: Callable, spec: ModelSpec):
     """Run a huggingface_hub call, turning its errors into one-line specmlx errors."""
     from huggingface_hub import errors as hub
+    from huggingface_hub.utils import logging as hub_logging
 
+    # its per-retry warnings would bury the one line we print if the hub is unreachable
+    hub_logging.set_verbosity_error()
     try:
         return call()
     except hub.GatedRepoError:
