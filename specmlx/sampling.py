@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .errors import BadInput
 
@@ -43,28 +45,20 @@ class SamplingParams:
 
 
 def make_processor(params: SamplingParams) -> Processor:
-    """Build once: logits (..., V) -> float32 probabilities (..., V) after
-    temperature, then top-k, then top-p, then min-p (each filter renormalizes implicitly
-    by the final division). Ties at a threshold are kept, identically for p and q."""
+    """Build once: logits (..., V) -> float32 probabilities (..., V) after temperature, then
+    mlx-lm's own top-k, top-p and min-p filters, renormalized. The same function serves the
+    target's p and the draft's q, which is what keeps speculative sampling exact."""
     temp, top_p, top_k, min_p = params.temperature, params.top_p, params.top_k, params.min_p
 
     def process(logits: mx.array) -> mx.array:
-        probs = mx.softmax(logits.astype(mx.float32) / temp, axis=-1)
-        if top_k and top_k < probs.shape[-1]:
-            # the k-th largest value per row, (..., 1)
-            kth = -mx.partition(-probs, top_k - 1, axis=-1)[..., top_k - 1 : top_k]
-            probs = mx.where(probs >= kth, probs, 0.0)
+        logprobs = nn.log_softmax(logits.astype(mx.float32) / temp, axis=-1)
+        if 0 < top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, top_k)
         if top_p < 1.0:
-            total = probs.sum(axis=-1, keepdims=True)
-            desc = -mx.sort(-probs, axis=-1)  # (..., V), largest first
-            before = mx.cumsum(desc, axis=-1) - desc  # mass strictly above each entry
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
-            n_keep = (before < top_p * total).sum(axis=-1, keepdims=True)
-            threshold = mx.take_along_axis(desc, n_keep - 1, axis=-1)
-            probs = mx.where(probs >= threshold, probs, 0.0)
+            logprobs = apply_top_p(logprobs, top_p)
         if min_p > 0.0:
-            probs = mx.where(probs >= min_p * probs.max(axis=-1, keepdims=True), probs, 0.0)
-        return probs / probs.sum(axis=-1, keepdims=True)
+            logprobs = apply_min_p(logprobs, min_p)
+        return mx.softmax(logprobs, axis=-1)
 
     return process
 
