@@ -26,35 +26,48 @@ def expected_tokens(a: float, k: int) -> float:
     return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
-def best_k(a: float, t_draft: float, verify: list[float], k_max: int) -> int:
-    """argmax over k in 0..k_max of E[tokens | a, k] / (k * t_draft + verify[k]).
+def best_k(a: float, t_draft: float, verify: list[float], k_max: int, k_min: int = 0) -> int:
+    """argmax over k in k_min..k_max of E[tokens | a, k] / (k * t_draft + verify[k]).
     ``verify[k]`` is the time of a target pass over k + 1 tokens."""
-    rates = [expected_tokens(a, k) / (k * t_draft + verify[k]) for k in range(k_max + 1)]
-    return max(range(k_max + 1), key=rates.__getitem__)
+    ks = range(k_min, k_max + 1)
+    return max(ks, key=lambda k: expected_tokens(a, k) / (k * t_draft + verify[k]))
 
 
 @dataclass
 class AdaptiveK:
     """A per-generation chooser: call it with the live Stats each round, get k back.
 
-    It plans with an optimistic acceptance (estimate + ``explore`` standard errors), so a draft
-    is not written off after one unlucky round; after ``reprobe_every`` plain rounds it fades
-    what it knows and drafts once more, doubling the wait each time the probe disappoints.
-    ``verify_ratio[k]`` seeds t_verify(k) / t_verify(0) (see ``probe_verify``); otherwise
-    verification is assumed to cost 10% more per extra token until measured.
+    Acceptance a: successes over draft trials, each trial fading the history by ``decay``
+    (~30 trials of memory: acceptance is bursty, a shorter memory chases noise), on top of a
+    prior worth ``prior_weight`` trials. Per-position estimates were tried in simulation on
+    recorded traces and were noisier for no gain, so a is pooled.
+    Times: t_draft per token, and t_verify(k) = level * shape[k], where every round updates the
+    level (so no k keeps a stale or spiked time) and the shape is the probed ``verify_ratio``
+    corrected per k as rounds at that k come in. Observations are clipped to [1/2, 2] x the
+    prediction before averaging, so one descheduled round does not move the plan.
+    Choice: the best k >= 1 on the point estimate; drafting stops (k = 0) only when even an
+    optimistic a (``explore`` standard errors up) says plain decoding is faster. Every
+    ``neighbor_every`` drafting rounds it tries k +- 1 to keep the curve near the optimum
+    measured, and after a run of plain rounds it drafts once (k = 1) in case the text got
+    easier, doubling the wait while probes keep failing.
     """
 
     k_max: int = 8
-    decay: float = 0.9  # weight of history, per draft token for a and per round for times
-    reprobe_every: int = 8  # plain rounds before drafting again to re-measure a
-    explore: float = 0.5  # standard errors of optimism in the acceptance estimate
+    decay: float = 0.97  # weight of acceptance history, per draft trial
+    time_decay: float = 0.8  # weight of the time level and t_draft, per round
+    shape_decay: float = 0.9  # weight of the per-k shape correction, per round at that k
+    explore: float = 2.0  # standard errors of optimism before giving up on the draft
+    reprobe_every: int = 8  # plain rounds before drafting once more
+    neighbor_every: int = 8
     verify_ratio: list[float] | None = None
-    a: float = 0.6  # prior acceptance, worth ``prior_weight`` observed draft tokens
+    a: float = 0.6  # prior acceptance, worth ``prior_weight`` draft trials
     prior_weight: float = 2.0
-    t_draft: float | None = None
-    _verify: dict[int, float] = field(default_factory=dict)
+    t_draft: float | None = None  # seconds per draft token
+    level: float | None = None  # seconds of a target pass over one token
     _wins: float = 0.0
     _tries: float = 0.0
+    _fix: dict[int, float] = field(default_factory=dict)
+    _drafting_rounds: int = 0
     _zeros: int = 0
     _wait: int = 0
     _seen_rounds: int = 0
@@ -63,18 +76,29 @@ class AdaptiveK:
         if stats.rounds > self._seen_rounds:
             self._seen_rounds = stats.rounds
             self.update(stats.last_k, stats.last_accepted, stats.last_draft_s, stats.last_target_s)
-        if not self._verify:
+        if self.level is None:
             return min(2, self.k_max)  # measure something first
-        k = best_k(self.optimistic, self.t_draft or 0.0, self.verify_curve(), self.k_max)
+        k = self.choose()
         if k > 0:
             self._zeros, self._wait = 0, self.reprobe_every
+            self._drafting_rounds += 1
+            if self.neighbor_every and self._drafting_rounds % self.neighbor_every == 0:
+                step = 1 if (self._drafting_rounds // self.neighbor_every) % 2 else -1
+                k = min(self.k_max, max(1, k + step))
             return k
         self._zeros += 1
         if self._zeros >= max(self._wait, self.reprobe_every):  # the text may have got easier
-            self._zeros, self._wait = 0, 2 * max(self._wait, self.reprobe_every)
-            self._wins, self._tries = 0.5 * self._wins, 0.5 * self._tries
+            self._zeros = 0
+            self._wait = min(2 * max(self._wait, self.reprobe_every), 8 * self.reprobe_every)
             return 1
         return 0
+
+    def choose(self) -> int:
+        """The k the estimates favour now, before probing and neighbour exploration."""
+        td, curve = self.t_draft or 0.0, self.verify_curve()
+        k = best_k(self.acceptance, td, curve, self.k_max, k_min=1)
+        rate = expected_tokens(self.optimistic, k) / (k * td + curve[k])
+        return k if rate > 1.0 / curve[0] else 0
 
     @property
     def acceptance(self) -> float:
@@ -88,37 +112,42 @@ class AdaptiveK:
     def update(self, k: int, n: int, draft_s: float, target_s: float) -> None:
         """Fold one round in: n of k drafts accepted, timings in seconds."""
         if k > 0:
-            # n successes, then one failure unless all k were accepted; history fades per
-            # draft token seen, so a change in the text shows within ~10 drafts
-            trials = n + (n < k)
+            trials = n + (n < k)  # n successes, then one failure unless all k were accepted
             fade = self.decay**trials
             self._wins = fade * self._wins + n
             self._tries = fade * self._tries + trials
             if draft_s > 0:
                 step = draft_s / k
-                self.t_draft = (
-                    step if self.t_draft is None else _ewma(self.t_draft, step, self.decay)
-                )
-        old = self._verify.get(k)
-        self._verify[k] = target_s if old is None else _ewma(old, target_s, self.decay)
+                self.t_draft = step if self.t_draft is None else self._blend(self.t_draft, step)
+        shape = self._shape(k)
+        if self.level is None:
+            self.level = target_s / shape
+            return
+        self.level = self._blend(self.level * shape, target_s) / shape
+        if k > 0:  # k = 0 anchors the shape; the rest learn how far the probe was off
+            seen = target_s / (self.level * self._ratio(k))
+            old = self._fix.get(k, 1.0)
+            self._fix[k] = self.shape_decay * old + (1 - self.shape_decay) * seen
 
     def verify_curve(self) -> list[float]:
-        """t_verify(k) for k in 0..k_max: measured where seen, else scaled from the nearest
-        measured k by the seed ratio (or +10% per token), and never cheaper than a smaller k."""
-        ratio = self.verify_ratio or [1.0 + 0.1 * k for k in range(self.k_max + 1)]
+        """t_verify(k) for k in 0..k_max, never cheaper than a smaller k."""
         curve = []
         for k in range(self.k_max + 1):
-            if k in self._verify:
-                t = self._verify[k]
-            else:
-                near = min(self._verify, key=lambda j: abs(j - k))
-                t = self._verify[near] * ratio[k] / ratio[near]
+            t = (self.level or 0.0) * self._shape(k)
             curve.append(max(t, curve[-1]) if curve else t)
         return curve
 
+    def _ratio(self, k: int) -> float:
+        r = self.verify_ratio
+        return r[k] if r and k < len(r) else 1.0 + 0.1 * k  # +10% a token until probed
 
-def _ewma(old: float, new: float, decay: float) -> float:
-    return decay * old + (1.0 - decay) * new
+    def _shape(self, k: int) -> float:
+        return self._ratio(k) * self._fix.get(k, 1.0)
+
+    def _blend(self, old: float, new: float) -> float:
+        """EWMA with the new value clipped to [old / 2, 2 old]: robust to one slow round."""
+        new = min(max(new, old / 2), 2 * old)
+        return self.time_decay * old + (1 - self.time_decay) * new
 
 
 def pass_time(model, ids: list[int], n: int, reps: int = 3) -> float:
@@ -136,7 +165,7 @@ def pass_time(model, ids: list[int], n: int, reps: int = 3) -> float:
     return statistics.median(times[1:])  # the first is a warm-up
 
 
-def probe_verify(model, ids: list[int], k_max: int = 8, reps: int = 1) -> list[float]:
+def probe_verify(model, ids: list[int], k_max: int = 8, reps: int = 2) -> list[float]:
     """t_verify(k) / t_verify(0) for k in 0..k_max: a target pass over k + 1 tokens against
     one token. On Metal this curve is known not to be flat; adaptive k needs it."""
     ids = ids[-64:] or [0]
@@ -150,7 +179,7 @@ def cached_probe(model, identity: str, ids: list[int], k_max: int = 8) -> list[f
     from .registry import specmlx_home
 
     machine = f"{platform.node()}|{platform.machine()}|{mx.default_device()}|{blas_in_use()}"
-    key = hashlib.sha1(f"{machine}|mlx {mx.__version__}|{identity}|{k_max}".encode()).hexdigest()
+    key = hashlib.sha1(f"{machine}|mlx {mx.__version__}|{identity}|{k_max}|v2".encode()).hexdigest()
     path = specmlx_home() / "probes" / f"{key[:16]}.json"
     try:
         return json.loads(path.read_text())["ratio"]
