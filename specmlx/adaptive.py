@@ -41,7 +41,8 @@ class AdaptiveK:
     (~30 trials of memory: acceptance is bursty, a shorter memory chases noise), on top of a
     prior worth ``prior_weight`` trials. Per-position estimates were tried in simulation on
     recorded traces and were noisier for no gain, so a is pooled.
-    Times: t_draft per token, and t_verify(k) = level * shape[k], where every round updates the
+    Times: t_draft per token (timed apart on one drafting round in ``time_draft_every``, the only
+    rounds with a second host sync), and t_verify(k) = level * shape[k]; every round updates the
     level (so no k keeps a stale or spiked time) and the shape is the probed ``verify_ratio``
     corrected per k as rounds at that k come in. Observations are clipped to [1/2, 2] x the
     prediction before averaging, so one descheduled round does not move the plan.
@@ -71,11 +72,20 @@ class AdaptiveK:
     _zeros: int = 0
     _wait: int = 0
     _seen_rounds: int = 0
+    time_draft: bool = False  # read by the engine: time this round's drafting apart?
+    time_draft_every: int = 8  # drafting rounds; each timed round costs a second host sync
 
     def __call__(self, stats: Stats) -> int:
         if stats.rounds > self._seen_rounds:
             self._seen_rounds = stats.rounds
-            self.update(stats.last_k, stats.last_accepted, stats.last_draft_s, stats.last_target_s)
+            self.update(stats.last_k, stats.last_accepted, stats.last_round_s, stats.last_draft_s)
+        k = self._next_k()
+        self.time_draft = k > 0 and (
+            self.t_draft is None or self._drafting_rounds % self.time_draft_every == 1
+        )
+        return k
+
+    def _next_k(self) -> int:
         if self.level is None:
             return min(2, self.k_max)  # measure something first
         k = self.choose()
@@ -109,16 +119,20 @@ class AdaptiveK:
         a, n = self.acceptance, self.prior_weight + self._tries
         return min(1.0, a + self.explore * (a * (1 - a) / n) ** 0.5)
 
-    def update(self, k: int, n: int, draft_s: float, target_s: float) -> None:
-        """Fold one round in: n of k drafts accepted, timings in seconds."""
+    def update(self, k: int, n: int, round_s: float, draft_s: float | None = None) -> None:
+        """Fold one round in: n of k drafts accepted in ``round_s`` seconds, of which
+        ``draft_s`` drafting when it was timed apart (else t_draft is the estimate)."""
         if k > 0:
             trials = n + (n < k)  # n successes, then one failure unless all k were accepted
             fade = self.decay**trials
             self._wins = fade * self._wins + n
             self._tries = fade * self._tries + trials
-            if draft_s > 0:
+            if draft_s is not None:
                 step = draft_s / k
                 self.t_draft = step if self.t_draft is None else self._blend(self.t_draft, step)
+        if draft_s is None:
+            draft_s = k * (self.t_draft or 0.0)
+        target_s = max(round_s - draft_s, 1e-9)
         shape = self._shape(k)
         if self.level is None:
             self.level = target_s / shape

@@ -46,13 +46,11 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     accept_hist: list[int] = field(default_factory=list)  # rounds by accepted count
-    draft_s: float = 0.0
-    target_s: float = 0.0
     peak_memory: int = 0  # bytes
     last_k: int = 0  # the last round, read by adaptive-k choosers
     last_accepted: int = 0
-    last_draft_s: float = 0.0
-    last_target_s: float = 0.0
+    last_round_s: float = 0.0
+    last_draft_s: float | None = None  # measured only when the chooser asked (time_draft)
     finish_reason: str | None = None  # "stop", "length", or None while running
 
     @property
@@ -79,6 +77,9 @@ class Stats:
 
 
 KChoice = int | str | Callable[[Stats], int]
+"""k per round: an int, "auto", or a callable Stats -> k. A callable with a true ``time_draft``
+attribute after the call gets that round's drafting timed apart, at the cost of a second
+host sync; otherwise a round syncs with the host once."""
 
 
 def generate_tokens(
@@ -217,7 +218,7 @@ def _plain(target, cache, prompt, params, key, stops, stats) -> Iterator[TokenEv
         stats.generated = len(generated)
         elapsed = time.perf_counter() - t0
         stats.decode_s += elapsed
-        stats.target_s += elapsed
+        stats.last_round_s = elapsed
         if reason and can_trim_prompt_cache(cache):
             # drop what queued steps fed past the kept context: the cache holds ctx[:-1]
             trim_prompt_cache(cache, fed - (len(prompt) + len(generated) - 1))
@@ -251,22 +252,26 @@ class _Speculation:
             t0 = time.perf_counter()
             # a round emits up to k + 1 tokens: never draft past the budget
             k = max(0, min(choose_k(stats), stops.max_tokens - len(generated) - 1))
+            time_draft = bool(getattr(choose_k, "time_draft", False))
             key, sub = mx.random.split(key)
-            n, tokens, k, t_draft = self.round(ctx, k, sub)
+            n, tokens, k, t_draft = self.round(ctx, k, sub, time_draft)
             new, reason = stops.cut(generated, tokens[:n] + [tokens[k]])
             self.rollback(ctx, k, n_kept=len(new) - 1 if reason else n)
             ctx += new
             generated += new
-            _record(stats, k, n, len(generated), t_draft, time.perf_counter() - t0 - t_draft)
+            _record(stats, k, n, len(generated), time.perf_counter() - t0, t_draft)
             stats.finish_reason = reason
             for i, t in enumerate(new):
                 yield TokenEvent(t, i < n)
             if reason:
                 return
 
-    def round(self, ctx: list[int], k: int, key: mx.array) -> tuple[int, list[int], int, float]:
-        """Draft -> verify -> accept. Returns (n accepted, [d_1..d_k, next], k used, draft s).
-        Two host syncs: one after drafting (to time the draft alone), one to read the result."""
+    def round(
+        self, ctx: list[int], k: int, key: mx.array, time_draft: bool = False
+    ) -> tuple[int, list[int], int, float | None]:
+        """Draft -> verify -> accept as one lazy graph, read back with one host sync.
+        Returns (n accepted, [d_1..d_k, next], k used, draft seconds or None). ``time_draft``
+        adds a second sync after drafting, so the draft can be timed apart from the target."""
         t0 = time.perf_counter()
         kd, ku, kr = mx.random.split(key, 3)
         proposal = lookup_propose(ctx, k) if self.lookup else []
@@ -279,9 +284,11 @@ class _Speculation:
             )
             d, q = d[0], (None if q is None else q[0])  # (k,), (k, vocab)
             self.d_len += len(pending) + k - 1
-            mx.eval(d if q is None else [d, q])
         k = d.shape[0]
-        t_draft = time.perf_counter() - t0
+        t_draft = None
+        if time_draft and k > 0:
+            mx.eval(d if q is None else [d, q])
+            t_draft = time.perf_counter() - t0
 
         x = mx.concatenate([mx.array(ctx[-1:], dtype=mx.uint32), d])[None]  # (1, k+1)
         logits = self.target(x, cache=self.tcache)[0]  # (k+1, V_target)
@@ -315,7 +322,7 @@ def _pad(q: mx.array, width: int) -> mx.array:
     return q if extra == 0 else mx.concatenate([q, mx.zeros((q.shape[0], extra))], axis=-1)
 
 
-def _record(stats: Stats, k: int, n: int, generated: int, t_draft: float, t_target: float):
+def _record(stats: Stats, k: int, n: int, generated: int, round_s: float, draft_s: float | None):
     stats.rounds += 1
     stats.drafted += k
     stats.accepted += n
@@ -323,8 +330,6 @@ def _record(stats: Stats, k: int, n: int, generated: int, t_draft: float, t_targ
         stats.accept_hist += [0] * (n + 1 - len(stats.accept_hist))
     stats.accept_hist[n] += 1
     stats.generated = generated
-    stats.draft_s += t_draft
-    stats.target_s += t_target
-    stats.decode_s += t_draft + t_target
+    stats.decode_s += round_s
     stats.last_k, stats.last_accepted = k, n
-    stats.last_draft_s, stats.last_target_s = t_draft, t_target
+    stats.last_round_s, stats.last_draft_s = round_s, draft_s

@@ -227,20 +227,33 @@ def test_host_syncs_per_round(pair, monkeypatch):
     for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
         monkeypatch.setattr(mx.array, name, counting(getattr(mx.array, name)))
 
-    def choose(stats):
-        counts.append(count[0])
-        count[0] = 0
-        return 4
+    class Choose:
+        """Fixed k = 4; asks for the draft to be timed apart on every third round."""
+
+        time_draft = False
+
+        def __call__(self, stats):
+            counts.append((count[0], self.time_draft))
+            count[0] = 0
+            self.time_draft = stats.rounds % 3 == 2
+            return 4
 
     for temp in (0.0, 1.0):
         counts.clear()
         list(
             generate_tokens(
-                target, draft, PROMPTS[0], num_draft=choose, max_tokens=40, temperature=temp, seed=0
+                target,
+                draft,
+                PROMPTS[0],
+                num_draft=Choose(),
+                max_tokens=40,
+                temperature=temp,
+                seed=0,
             )
         )
         per_round = counts[1:]  # the first window includes prefill
-        assert per_round and max(per_round) <= 2, per_round
+        assert len(per_round) >= 6, per_round
+        assert all(n == (2 if timed else 1) for n, timed in per_round), per_round
 
 
 @pytest.mark.parametrize(
