@@ -39,8 +39,8 @@ class AdaptiveK:
 
     Acceptance a: successes over draft trials, each trial fading the history by ``decay``
     (~30 trials of memory: acceptance is bursty, a shorter memory chases noise), on top of a
-    prior worth ``prior_weight`` trials. Per-position estimates were tried in simulation on
-    recorded traces and were noisier for no gain, so a is pooled.
+    prior worth ``prior_weight`` trials. It is pooled over positions: per-position estimates
+    split the same few trials k ways and were noisier in replays of recorded rounds.
     Times: t_draft per token (timed apart on one drafting round in ``time_draft_every``, the only
     rounds with a second host sync), and t_verify(k) = level * shape[k]; every round updates the
     level (so no k keeps a stale or spiked time) and the shape is the probed ``verify_ratio``
@@ -56,7 +56,7 @@ class AdaptiveK:
     k_max: int = 8
     decay: float = 0.97  # weight of acceptance history, per draft trial
     time_decay: float = 0.8  # weight of the time level and t_draft, per round
-    shape_decay: float = 0.9  # weight of the per-k shape correction, per round at that k
+    shape_decay: float = 0.98  # per round at that k: the level takes most of any change
     explore: float = 2.0  # standard errors of optimism before giving up on the draft
     reprobe_every: int = 8  # plain rounds before drafting once more
     neighbor_every: int = 8
@@ -121,7 +121,12 @@ class AdaptiveK:
 
     def update(self, k: int, n: int, round_s: float, draft_s: float | None = None) -> None:
         """Fold one round in: n of k drafts accepted in ``round_s`` seconds, of which
-        ``draft_s`` drafting when it was timed apart (else t_draft is the estimate)."""
+        ``draft_s`` drafting when it was timed apart."""
+        if k > 0 and draft_s is None and self.t_draft and self.level:
+            # not timed apart: split the round in the predicted proportions, so a machine-wide
+            # slowdown shows in both models' times; the timed rounds correct the split
+            draft = k * self.t_draft
+            draft_s = round_s * draft / (draft + self.level * self._shape(k))
         if k > 0:
             trials = n + (n < k)  # n successes, then one failure unless all k were accepted
             fade = self.decay**trials
@@ -130,15 +135,16 @@ class AdaptiveK:
             if draft_s is not None:
                 step = draft_s / k
                 self.t_draft = step if self.t_draft is None else self._blend(self.t_draft, step)
-        if draft_s is None:
-            draft_s = k * (self.t_draft or 0.0)
-        target_s = max(round_s - draft_s, 1e-9)
+        target_s = max(round_s - (draft_s or 0.0), 1e-9)
         shape = self._shape(k)
         if self.level is None:
             self.level = target_s / shape
             return
-        self.level = self._blend(self.level * shape, target_s) / shape
-        if k > 0:  # k = 0 anchors the shape; the rest learn how far the probe was off
+        predicted = self.level * shape
+        self.level = self._blend(predicted, target_s) / shape
+        # k = 0 anchors the shape; the rest learn how far the probe was off, but only from
+        # ordinary rounds: a round the clip caught moves the level, never the shape
+        if k > 0 and predicted / 2 < target_s < 2 * predicted:
             seen = target_s / (self.level * self._ratio(k))
             old = self._fix.get(k, 1.0)
             self._fix[k] = self.shape_decay * old + (1 - self.shape_decay) * seen

@@ -1,5 +1,8 @@
 """Bench math and the adaptive-k chooser on synthetic numbers (no timing asserted)."""
 
+import copy
+import random
+
 import pytest
 from tiny import make_tiny
 
@@ -75,6 +78,60 @@ def test_chooser_learns_from_rounds():
     # break-even it may still draft now and then
     assert all(k > 0 for k in ks[:5]), ks
     assert ks[-60:].count(0) >= 48, ks
+
+
+def _steady(chooser, stats, rounds, accept, draft_s=0.03, verify=lambda k: 0.1 + 0.005 * k):
+    """Feed ``rounds`` rounds: each draft accepted with probability ``accept`` (seeded),
+    the draft timed only when the chooser asks. Returns the ks chosen and the timing asks."""
+    rng = random.Random(0)
+    ks, timed = [], []
+    for _ in range(rounds):
+        k = chooser(stats)
+        ks.append(k)
+        timed.append(chooser.time_draft)
+        n = next((i for i in range(k) if rng.random() >= accept), k)  # leading acceptances
+        stats.rounds += 1
+        stats.last_k, stats.last_accepted = k, n
+        stats.last_round_s = draft_s * k + verify(k)
+        stats.last_draft_s = draft_s * k if chooser.time_draft else None
+    return ks, timed
+
+
+def test_chooser_times_the_draft_only_now_and_then():
+    chooser, stats = AdaptiveK(), Stats()
+    ks, timed = _steady(chooser, stats, 48, accept=0.75)
+    assert timed[0] and min(ks) > 0  # the first round is timed: there is no estimate yet
+    assert sum(timed) <= 48 // chooser.time_draft_every + 1  # one sync per round otherwise
+    assert chooser.t_draft == pytest.approx(0.03, rel=0.05)
+
+
+def test_one_slow_round_does_not_move_the_plan():
+    chooser, stats = AdaptiveK(neighbor_every=0), Stats()
+    _steady(chooser, stats, 30, accept=0.75)
+    twin, twin_stats = copy.deepcopy(chooser), copy.deepcopy(stats)
+    _steady(twin, twin_stats, 1, accept=0.75)
+    slow = copy.deepcopy(stats)
+    _steady(chooser, slow, 1, accept=0.75, verify=lambda k: 1.0)  # descheduled for a second
+    assert chooser(slow) == twin(twin_stats)
+    # the slow round counts as at most 2x the prediction, then is averaged in
+    assert chooser.verify_curve()[0] < 1.25 * twin.verify_curve()[0]
+
+
+def test_verify_times_follow_the_machine_at_every_k():
+    """The curve is one level times a shape: rounds at k = 4 update t_verify(0) too, so a
+    slowdown is not mistaken for speculation getting cheaper relative to plain steps."""
+    chooser, stats = AdaptiveK(neighbor_every=0), Stats()
+    _steady(chooser, stats, 20, accept=1.0)
+    t0 = chooser.verify_curve()[0]
+    _steady(chooser, stats, 40, accept=1.0, draft_s=0.06, verify=lambda k: 0.2 + 0.01 * k)
+    assert chooser.verify_curve()[0] == pytest.approx(2 * t0, rel=0.1)
+
+
+def test_chooser_tries_the_neighbours_of_its_k():
+    chooser, stats = AdaptiveK(neighbor_every=4), Stats()
+    ks, _ = _steady(chooser, stats, 40, 0.75, draft_s=0.01, verify=lambda k: 0.1 + 0.002 * k)
+    settled = max(set(ks[8:]), key=ks[8:].count)
+    assert settled > 1 and {settled - 1, settled + 1} <= set(ks[8:]), ks
 
 
 def test_chooser_reprobes_after_a_run_of_zeros():
