@@ -59,12 +59,14 @@ class AdaptiveK:
     shape_decay: float = 0.98  # per round at that k: the level takes most of any change
     explore: float = 2.0  # standard errors of optimism before giving up on the draft
     reprobe_every: int = 8  # plain rounds before drafting once more
-    neighbor_every: int = 8
+    neighbor_every: int = 8  # drafting rounds between tries of k +- 1
+    time_draft_every: int = 8  # drafting rounds; each timed round costs a second host sync
     verify_ratio: list[float] | None = None
     a: float = 0.6  # prior acceptance, worth ``prior_weight`` draft trials
     prior_weight: float = 2.0
     t_draft: float | None = None  # seconds per draft token
     level: float | None = None  # seconds of a target pass over one token
+    time_draft: bool = False  # read by the engine: time this round's drafting apart?
     _wins: float = 0.0
     _tries: float = 0.0
     _fix: dict[int, float] = field(default_factory=dict)
@@ -72,8 +74,6 @@ class AdaptiveK:
     _zeros: int = 0
     _wait: int = 0
     _seen_rounds: int = 0
-    time_draft: bool = False  # read by the engine: time this round's drafting apart?
-    time_draft_every: int = 8  # drafting rounds; each timed round costs a second host sync
 
     def __call__(self, stats: Stats) -> int:
         if stats.rounds > self._seen_rounds:
