@@ -41,13 +41,16 @@ class AdaptiveK:
     (~30 trials of memory: acceptance is bursty, a shorter memory chases noise), on top of a
     prior worth ``prior_weight`` trials. It is pooled over positions: per-position estimates
     split the same few trials k ways and were noisier in replays of recorded rounds.
-    Times: t_draft per token (timed apart on one drafting round in ``time_draft_every``, the only
-    rounds with a second host sync), and t_verify(k) = level * shape[k]; every round updates the
+    Times: t_draft per token (the engine times drafting apart on one drafting round in eight),
+    and t_verify(k) = level * shape[k]; every round updates the
     level (so no k keeps a stale or spiked time) and the shape is the probed ``verify_ratio``
     corrected per k as rounds at that k come in. Observations are clipped to [1/2, 2] x the
     prediction before averaging, so one descheduled round does not move the plan.
-    Choice: the best k >= 1 on the point estimate; drafting stops (k = 0) only when even an
-    optimistic a (``explore`` standard errors up) says plain decoding is faster. Every
+    Plain steps are timed directly (``t_plain``): the second round is a plain one, since a plain
+    round over one token can cost much less than the probe's shape says (a round with drafts
+    also pays for the draft's catch-up, rollback and acceptance), and k = 0 is what speculation
+    must beat. Choice: the best k >= 1 on the point estimate; drafting stops (k = 0) when even
+    an optimistic a (``explore`` standard errors up) says plain decoding is faster. Every
     ``neighbor_every`` drafting rounds it tries k +- 1 to keep the curve near the optimum
     measured, and after a run of plain rounds it drafts once (k = 1) in case the text got
     easier, doubling the wait while probes keep failing.
@@ -57,16 +60,15 @@ class AdaptiveK:
     decay: float = 0.97  # weight of acceptance history, per draft trial
     time_decay: float = 0.8  # weight of the time level and t_draft, per round
     shape_decay: float = 0.98  # per round at that k: the level takes most of any change
-    explore: float = 2.0  # standard errors of optimism before giving up on the draft
+    explore: float = 1.0  # standard errors of optimism before giving up on the draft
     reprobe_every: int = 8  # plain rounds before drafting once more
     neighbor_every: int = 8  # drafting rounds between tries of k +- 1
-    time_draft_every: int = 8  # drafting rounds; each timed round costs a second host sync
     verify_ratio: list[float] | None = None
     a: float = 0.6  # prior acceptance, worth ``prior_weight`` draft trials
     prior_weight: float = 2.0
     t_draft: float | None = None  # seconds per draft token
     level: float | None = None  # seconds of a target pass over one token
-    time_draft: bool = False  # read by the engine: time this round's drafting apart?
+    t_plain: float | None = None  # seconds of a plain round, measured on k = 0 rounds
     _wins: float = 0.0
     _tries: float = 0.0
     _fix: dict[int, float] = field(default_factory=dict)
@@ -79,15 +81,10 @@ class AdaptiveK:
         if stats.rounds > self._seen_rounds:
             self._seen_rounds = stats.rounds
             self.update(stats.last_k, stats.last_accepted, stats.last_round_s, stats.last_draft_s)
-        k = self._next_k()
-        self.time_draft = k > 0 and (
-            self.t_draft is None or self._drafting_rounds % self.time_draft_every == 1
-        )
-        return k
-
-    def _next_k(self) -> int:
         if self.level is None:
             return min(2, self.k_max)  # measure something first
+        if self.t_plain is None:
+            return 0  # then what it must beat
         k = self.choose()
         if k > 0:
             self._zeros, self._wait = 0, self.reprobe_every
@@ -108,7 +105,10 @@ class AdaptiveK:
         td, curve = self.t_draft or 0.0, self.verify_curve()
         k = best_k(self.acceptance, td, curve, self.k_max, k_min=1)
         rate = expected_tokens(self.optimistic, k) / (k * td + curve[k])
-        return k if rate > 1.0 / curve[0] else 0
+        # the lower of the two plain-step estimates: a wrong stop re-measures itself (plain
+        # rounds follow), a wrong go would not
+        t0 = min(self.t_plain or curve[0], curve[0])
+        return k if rate > 1.0 / t0 else 0
 
     @property
     def acceptance(self) -> float:
@@ -122,6 +122,8 @@ class AdaptiveK:
     def update(self, k: int, n: int, round_s: float, draft_s: float | None = None) -> None:
         """Fold one round in: n of k drafts accepted in ``round_s`` seconds, of which
         ``draft_s`` drafting when it was timed apart."""
+        if k == 0:
+            self.t_plain = round_s if self.t_plain is None else self._blend(self.t_plain, round_s)
         if k > 0 and draft_s is None and self.t_draft and self.level:
             # not timed apart: split the round in the predicted proportions, so a machine-wide
             # slowdown shows in both models' times; the timed rounds correct the split

@@ -52,6 +52,11 @@ def summary(stats: Stats, *, target: str, draft: str, load_s: float) -> Table:
         if stats.drafted:
             hist = " ".join(f"{n}:{c}" for n, c in enumerate(stats.accept_hist) if c)
             t.add_row("accepted/pass", hist)
+            t.add_row(
+                "time split",
+                f"draft {stats.draft_s:.2f} s, target {stats.target_s:.2f} s "
+                f"(draft timed on {stats.timed_rounds} of {stats.rounds} rounds)",
+            )
     t.add_row("memory", f"peak {gb(stats.peak_memory)}, load {load_s:.1f} s")
     if stats.finish_reason:
         t.add_row("finish", stats.finish_reason)

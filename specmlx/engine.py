@@ -24,6 +24,8 @@ from .errors import BadInput, IncompatiblePair
 from .sampling import SamplingParams, make_processor, sample
 
 _STREAM = mx.new_stream(mx.default_device())
+# drafting rounds: the first and then one in 8 get a second host sync, to time the draft apart
+TIME_DRAFT_EVERY = 8
 
 
 @dataclass
@@ -46,11 +48,14 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     accept_hist: list[int] = field(default_factory=list)  # rounds by accepted count
+    timed_rounds: int = 0  # drafting rounds whose drafting was timed apart (1 in TIME_DRAFT_EVERY)
+    timed_drafted: int = 0  # tokens drafted in those rounds
+    timed_draft_s: float = 0.0  # their drafting time
     peak_memory: int = 0  # bytes
     last_k: int = 0  # the last round, read by adaptive-k choosers
     last_accepted: int = 0
     last_round_s: float = 0.0
-    last_draft_s: float | None = None  # measured only when the chooser asked (time_draft)
+    last_draft_s: float | None = None  # None when the round's drafting was not timed apart
     finish_reason: str | None = None  # "stop", "length", or None while running
 
     @property
@@ -69,17 +74,25 @@ class Stats:
     def tokens_per_pass(self) -> float:
         return self.generated / self.rounds if self.rounds else 0.0
 
+    @property
+    def draft_s(self) -> float:
+        """Seconds spent drafting, estimated from the timed rounds' time per drafted token."""
+        return self.timed_draft_s / self.timed_drafted * self.drafted if self.timed_drafted else 0.0
+
+    @property
+    def target_s(self) -> float:
+        """Seconds of decoding not spent drafting: verification, acceptance, bookkeeping."""
+        return max(self.decode_s - self.draft_s, 0.0)
+
     def as_dict(self) -> dict:
         d = asdict(self)
-        for name in ("decode_tps", "prompt_tps", "acceptance_rate", "tokens_per_pass"):
+        names = ("decode_tps", "prompt_tps", "acceptance_rate", "tokens_per_pass")
+        for name in (*names, "draft_s", "target_s"):
             d[name] = getattr(self, name)
         return d
 
 
 KChoice = int | str | Callable[[Stats], int]
-"""k per round: an int, "auto", or a callable Stats -> k. A callable with a true ``time_draft``
-attribute after the call gets that round's drafting timed apart, at the cost of a second
-host sync; otherwise a round syncs with the host once."""
 
 
 def generate_tokens(
@@ -248,11 +261,13 @@ class _Speculation:
         ctx = list(prompt)
         self.d_len = len(ctx) - 1
         generated: list[int] = []
+        drafting_rounds = 0
         while True:
             t0 = time.perf_counter()
             # a round emits up to k + 1 tokens: never draft past the budget
             k = max(0, min(choose_k(stats), stops.max_tokens - len(generated) - 1))
-            time_draft = bool(getattr(choose_k, "time_draft", False))
+            time_draft = k > 0 and drafting_rounds % TIME_DRAFT_EVERY == 0
+            drafting_rounds += k > 0
             key, sub = mx.random.split(key)
             n, tokens, k, t_draft = self.round(ctx, k, sub, time_draft)
             new, reason = stops.cut(generated, tokens[:n] + [tokens[k]])
@@ -271,7 +286,9 @@ class _Speculation:
     ) -> tuple[int, list[int], int, float | None]:
         """Draft -> verify -> accept as one lazy graph, read back with one host sync.
         Returns (n accepted, [d_1..d_k, next], k used, draft seconds or None). ``time_draft``
-        adds a second sync after drafting, so the draft can be timed apart from the target."""
+        adds a second sync after drafting, to time the draft apart from the target: the
+        engine asks for it on one drafting round in TIME_DRAFT_EVERY, for the statistics
+        and for adaptive k."""
         t0 = time.perf_counter()
         kd, ku, kr = mx.random.split(key, 3)
         proposal = lookup_propose(ctx, k) if self.lookup else []
@@ -331,5 +348,9 @@ def _record(stats: Stats, k: int, n: int, generated: int, round_s: float, draft_
     stats.accept_hist[n] += 1
     stats.generated = generated
     stats.decode_s += round_s
+    if draft_s is not None:
+        stats.timed_rounds += 1
+        stats.timed_drafted += k
+        stats.timed_draft_s += draft_s
     stats.last_k, stats.last_accepted = k, n
     stats.last_round_s, stats.last_draft_s = round_s, draft_s

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 from tiny import make_tiny
 
-from specmlx.engine import Stats, generate_tokens
+from specmlx.engine import TIME_DRAFT_EVERY, Stats, generate_tokens
 from specmlx.errors import BadInput
 
 PROMPTS = [[1, 5, 9, 3, 7], [2], [4, 4, 4, 8, 15, 16, 23, 42, 8, 15, 16]]
@@ -227,33 +227,33 @@ def test_host_syncs_per_round(pair, monkeypatch):
     for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
         monkeypatch.setattr(mx.array, name, counting(getattr(mx.array, name)))
 
-    class Choose:
-        """Fixed k = 4; asks for the draft to be timed apart on every third round."""
-
-        time_draft = False
-
-        def __call__(self, stats):
-            counts.append((count[0], self.time_draft))
-            count[0] = 0
-            self.time_draft = stats.rounds % 3 == 2
-            return 4
+    def choose(stats):
+        counts.append((count[0], stats.last_draft_s is not None))  # the previous round's
+        count[0] = 0
+        return 4
 
     for temp in (0.0, 1.0):
         counts.clear()
-        list(
-            generate_tokens(
-                target,
-                draft,
-                PROMPTS[0],
-                num_draft=Choose(),
-                max_tokens=40,
-                temperature=temp,
-                seed=0,
-            )
+        gen = generate_tokens(
+            target, draft, PROMPTS[0], num_draft=choose, max_tokens=60, temperature=temp, seed=0
         )
+        list(gen)
         per_round = counts[1:]  # the first window includes prefill
-        assert len(per_round) >= 6, per_round
+        assert len(per_round) >= 10, per_round
+        # one sync a round; a second on the rounds whose drafting was timed apart: the first
+        # drafting round and then one in TIME_DRAFT_EVERY
         assert all(n == (2 if timed else 1) for n, timed in per_round), per_round
+        timed = [t for _, t in counts]
+        assert timed[1] and 1 <= sum(timed) <= 1 + len(timed) // TIME_DRAFT_EVERY
+
+
+def test_time_split_adds_up(pair):
+    target, draft = pair
+    stats = Stats()
+    list(generate_tokens(target, draft, PROMPTS[0], num_draft=3, max_tokens=40, stats=stats))
+    assert 1 <= stats.timed_rounds <= 1 + stats.rounds // TIME_DRAFT_EVERY
+    assert stats.draft_s > 0 and stats.target_s > 0
+    assert stats.draft_s + stats.target_s == pytest.approx(stats.decode_s)
 
 
 @pytest.mark.parametrize(
