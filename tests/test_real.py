@@ -112,7 +112,15 @@ def test_ctrl_c_prints_text_and_stats(real):
            "-n", "2000", "1, 2, 3, 4, 5, 6, 7, 8,"]  # fmt: skip
     # a counting prompt: greedy SmolLM2 keeps counting (400+ tokens), so SIGINT lands mid-run
     # even on a loaded machine (a story prompt hit EOS after 17 tokens and raced the signal)
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(os.environ))
+    # a shell's background jobs start with SIGINT ignored, and the child would inherit that:
+    # give it the default action, as a terminal's Ctrl-C would find it
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=dict(os.environ),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     first = p.stdout.read(1)  # generation has started
     assert first
     time.sleep(0.5)
