@@ -1,8 +1,11 @@
 """Adaptive draft length: each round, pick the k that maximizes expected tokens per second.
 
-Model: each draft token is accepted with probability a given the ones before it, so a round
-drafting k tokens yields E[tokens] = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a) and costs
-k * t_draft + t_verify(k). All three are estimated live from the engine's per-round stats.
+Model: the first draft token is accepted with probability a, each later one with probability
+c given the ones before it, so a round drafting k tokens yields
+E[tokens] = 1 + a (1 + c + ... + c^(k-1)) and costs k * t_draft + t_verify(k). Greedy
+acceptance is bursty (c > a: once the draft is on track it tends to stay there); c = a is the
+independent case. All of it is estimated live from the engine's per-round stats, and carried
+from one generation to the next (a pair's costs and rough acceptance do not change per prompt).
 k only changes how many tokens are drafted, never which tokens come out: it stays lossless.
 """
 
@@ -11,9 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -21,43 +24,54 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from .engine import Stats
 
 
-def expected_tokens(a: float, k: int) -> float:
-    """Tokens one target pass yields when each draft is accepted with probability a."""
-    return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+def expected_tokens(a: float, k: int, c: float | None = None) -> float:
+    """Tokens one target pass yields with k drafts: the first accepted with probability a,
+    each later one with probability c given those before it (default c = a: independent)."""
+    c = a if c is None else c
+    run = float(k) if c >= 1.0 else (1.0 - c**k) / (1.0 - c)  # 1 + c + ... + c^(k-1)
+    return 1.0 + a * run
 
 
-def best_k(a: float, t_draft: float, verify: list[float], k_max: int, k_min: int = 0) -> int:
-    """argmax over k in k_min..k_max of E[tokens | a, k] / (k * t_draft + verify[k]).
+def best_k(
+    a: float,
+    t_draft: float,
+    verify: list[float],
+    k_max: int,
+    k_min: int = 0,
+    c: float | None = None,
+) -> int:
+    """argmax over k in k_min..k_max of E[tokens | a, c, k] / (k * t_draft + verify[k]).
     ``verify[k]`` is the time of a target pass over k + 1 tokens."""
     ks = range(k_min, k_max + 1)
-    return max(ks, key=lambda k: expected_tokens(a, k) / (k * t_draft + verify[k]))
+    return max(ks, key=lambda k: expected_tokens(a, k, c) / (k * t_draft + verify[k]))
 
 
 @dataclass
 class AdaptiveK:
-    """A per-generation chooser: call it with the live Stats each round, get k back.
+    """A chooser: call it with the live Stats each round, get k back. Keep one per pair and
+    sampler: a new Stats object starts a new generation and the estimates carry over.
 
-    Acceptance a: successes over draft trials, each trial fading the history by ``decay``
-    (~30 trials of memory: acceptance is bursty, a shorter memory chases noise), on top of a
-    prior worth ``prior_weight`` trials. It is pooled over positions: per-position estimates
-    split the same few trials k ways and were noisier in replays of recorded rounds.
+    Acceptance: decayed counts (``decay`` per drafting round, ~20 rounds of memory), for the
+    first position (a) and for the later ones (c, shrunk towards a while it has few trials),
+    on top of a prior a worth ``prior_weight`` trials that fades like old data.
     Times: t_draft per token (the engine times drafting apart on one drafting round in eight),
     and t_verify(k) = level * shape[k]; every round updates the
     level (so no k keeps a stale or spiked time) and the shape is the probed ``verify_ratio``
     corrected per k as rounds at that k come in. Observations are clipped to [1/2, 2] x the
     prediction before averaging, so one descheduled round does not move the plan.
-    Plain steps are timed directly (``t_plain``): the second round is a plain one, since a plain
-    round over one token can cost much less than the probe's shape says (a round with drafts
-    also pays for the draft's catch-up, rollback and acceptance), and k = 0 is what speculation
-    must beat. Choice: the best k >= 1 on the point estimate; drafting stops (k = 0) when even
-    an optimistic a (``explore`` standard errors up) says plain decoding is faster. Every
-    ``neighbor_every`` drafting rounds it tries k +- 1 to keep the curve near the optimum
-    measured, and after a run of plain rounds it drafts once (k = 1) in case the text got
-    easier, doubling the wait while probes keep failing.
+    Plain steps are timed directly (``t_plain``): the second round ever is a plain one, since a
+    plain round over one token can cost much less than the probe's shape says (a round with
+    drafts also pays for the draft's catch-up, rollback and acceptance), and k = 0 is what
+    speculation must beat. Choice: the best k >= 1 on the point estimate; drafting stops (k = 0)
+    when even an optimistic a (``explore`` standard errors up) says plain decoding is faster.
+    Every ``neighbor_every`` drafting rounds it tries k +- 1 to keep the curve near the optimum
+    measured. Once stopped it stays stopped until, after ``reprobe_every`` plain rounds, it
+    drafts once (k = 1) in case the text got easier, doubling the wait while drafts score
+    nothing.
     """
 
     k_max: int = 8
-    decay: float = 0.97  # weight of acceptance history, per draft trial
+    decay: float = 0.95  # weight of acceptance history, per drafting round
     time_decay: float = 0.8  # weight of the time level and t_draft, per round
     shape_decay: float = 0.98  # per round at that k: the level takes most of any change
     explore: float = 1.0  # standard errors of optimism before giving up on the draft
@@ -69,15 +83,23 @@ class AdaptiveK:
     t_draft: float | None = None  # seconds per draft token
     level: float | None = None  # seconds of a target pass over one token
     t_plain: float | None = None  # seconds of a plain round, measured on k = 0 rounds
-    _wins: float = 0.0
-    _tries: float = 0.0
+    _first: list[float] | None = None  # [accepted, tried] at the first position, prior included
+    _later: list[float] = field(default_factory=lambda: [0.0, 0.0])  # the same after it
     _fix: dict[int, float] = field(default_factory=dict)
     _drafting_rounds: int = 0
     _zeros: int = 0
     _wait: int = 0
     _seen_rounds: int = 0
+    _stats: Stats | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self._first is None:
+            self._first = [self.a * self.prior_weight, self.prior_weight]
+        self._fix = {int(k): v for k, v in self._fix.items()}  # JSON keys are strings
 
     def __call__(self, stats: Stats) -> int:
+        if stats is not self._stats:  # a new generation: what was learned carries over
+            self._stats, self._seen_rounds = stats, 0
         if stats.rounds > self._seen_rounds:
             self._seen_rounds = stats.rounds
             self.update(stats.last_k, stats.last_accepted, stats.last_round_s, stats.last_draft_s)
@@ -85,16 +107,17 @@ class AdaptiveK:
             return min(2, self.k_max)  # measure something first
         if self.t_plain is None:
             return 0  # then what it must beat
-        k = self.choose()
+        # once it has stopped, only a probe restarts drafting: plain rounds alone make the
+        # estimates no better, and the probe's outcome is what the next choice should see
+        k = 0 if self._zeros else self.choose()
         if k > 0:
-            self._zeros, self._wait = 0, self.reprobe_every
             self._drafting_rounds += 1
             if self.neighbor_every and self._drafting_rounds % self.neighbor_every == 0:
                 step = 1 if (self._drafting_rounds // self.neighbor_every) % 2 else -1
                 k = min(self.k_max, max(1, k + step))
             return k
         self._zeros += 1
-        if self._zeros >= max(self._wait, self.reprobe_every):  # the text may have got easier
+        if self._zeros > max(self._wait, self.reprobe_every):  # the text may have got easier
             self._zeros = 0
             self._wait = min(2 * max(self._wait, self.reprobe_every), 8 * self.reprobe_every)
             return 1
@@ -102,9 +125,9 @@ class AdaptiveK:
 
     def choose(self) -> int:
         """The k the estimates favour now, before probing and neighbour exploration."""
-        td, curve = self.t_draft or 0.0, self.verify_curve()
-        k = best_k(self.acceptance, td, curve, self.k_max, k_min=1)
-        rate = expected_tokens(self.optimistic, k) / (k * td + curve[k])
+        td, curve, c = self.t_draft or 0.0, self.verify_curve(), self.continuation
+        k = best_k(self.acceptance, td, curve, self.k_max, k_min=1, c=c)
+        rate = expected_tokens(self.optimistic, k, c) / (k * td + curve[k])
         # the lower of the two plain-step estimates: a wrong stop re-measures itself (plain
         # rounds follow), a wrong go would not
         t0 = min(self.t_plain or curve[0], curve[0])
@@ -112,11 +135,19 @@ class AdaptiveK:
 
     @property
     def acceptance(self) -> float:
-        return (self.a * self.prior_weight + self._wins) / (self.prior_weight + self._tries)
+        """a: the chance that the first draft token is accepted."""
+        wins, tries = self._first
+        return wins / tries
+
+    @property
+    def continuation(self) -> float:
+        """c: the chance that a later draft token is accepted when all before it were."""
+        wins, tries = self._later
+        return (self.acceptance * self.prior_weight + wins) / (self.prior_weight + tries)
 
     @property
     def optimistic(self) -> float:
-        a, n = self.acceptance, self.prior_weight + self._tries
+        a, n = self.acceptance, self._first[1]
         return min(1.0, a + self.explore * (a * (1 - a) / n) ** 0.5)
 
     def update(self, k: int, n: int, round_s: float, draft_s: float | None = None) -> None:
@@ -130,10 +161,13 @@ class AdaptiveK:
             draft = k * self.t_draft
             draft_s = round_s * draft / (draft + self.level * self._shape(k))
         if k > 0:
-            trials = n + (n < k)  # n successes, then one failure unless all k were accepted
-            fade = self.decay**trials
-            self._wins = fade * self._wins + n
-            self._tries = fade * self._tries + trials
+            # position 1 was tried once; positions 2..min(n + 1, k) were tried when it passed
+            later = (n - 1, min(n + 1, k) - 1) if n > 0 else (0, 0)
+            for counts, (wins, tries) in ((self._first, (n > 0, 1)), (self._later, later)):
+                counts[0] = self.decay * counts[0] + wins
+                counts[1] = self.decay * counts[1] + tries
+            if n > 0:
+                self._wait = self.reprobe_every  # the draft scored: no backing off
             if draft_s is not None:
                 step = draft_s / k
                 self.t_draft = step if self.t_draft is None else self._blend(self.t_draft, step)
@@ -159,6 +193,10 @@ class AdaptiveK:
             curve.append(max(t, curve[-1]) if curve else t)
         return curve
 
+    def state(self) -> dict:
+        """Everything learned, as JSON-ready values: ``AdaptiveK(**state)`` resumes it."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_stats"}
+
     def _ratio(self, k: int) -> float:
         r = self.verify_ratio
         return r[k] if r and k < len(r) else 1.0 + 0.1 * k  # +10% a token until probed
@@ -172,42 +210,74 @@ class AdaptiveK:
         return self.time_decay * old + (1 - self.time_decay) * new
 
 
-def pass_time(model, ids: list[int], n: int, reps: int = 3) -> float:
-    """Median seconds of one forward pass over n tokens after a prefill of ``ids``."""
+def pass_times(model, ids: list[int], ns: list[int], reps: int = 3) -> dict[int, float]:
+    """Seconds of one forward pass over n tokens after a prefill of ``ids``, for each n in
+    ``ns``: the sizes take turns within each repetition, so drift hits them alike, and the
+    fastest repetition is kept, since on a shared machine noise only ever adds time."""
     cache = make_prompt_cache(model)
     model(mx.array(ids, dtype=mx.uint32)[None], cache=cache)
     mx.eval([c.state for c in cache])
-    x = mx.array((ids * n)[:n], dtype=mx.uint32)[None]
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        mx.eval(model(x, cache=cache))
-        times.append(time.perf_counter() - t0)
-        trim_prompt_cache(cache, n)
-    return statistics.median(times[1:])  # the first is a warm-up
+    best = dict.fromkeys(ns, float("inf"))
+    for rep in range(reps + 1):  # the first is a warm-up
+        for n in ns:
+            x = mx.array((ids * n)[:n], dtype=mx.uint32)[None]
+            t0 = time.perf_counter()
+            mx.eval(model(x, cache=cache))
+            if rep:
+                best[n] = min(best[n], time.perf_counter() - t0)
+            trim_prompt_cache(cache, n)
+    return best
 
 
-def probe_verify(model, ids: list[int], k_max: int = 8, reps: int = 2) -> list[float]:
+def probe_verify(model, ids: list[int], k_max: int = 8, reps: int = 3) -> list[float]:
     """t_verify(k) / t_verify(0) for k in 0..k_max: a target pass over k + 1 tokens against
     one token. On Metal this curve is known not to be flat; adaptive k needs it."""
-    ids = ids[-64:] or [0]
-    t1 = pass_time(model, ids, 1, reps)
-    return [1.0] + [pass_time(model, ids, k + 1, reps) / t1 for k in range(1, k_max + 1)]
+    t = pass_times(model, ids[-64:] or [0], list(range(1, k_max + 2)), reps)
+    return [t[k + 1] / t[1] for k in range(k_max + 1)]
 
 
-def cached_probe(model, identity: str, ids: list[int], k_max: int = 8) -> list[float]:
-    """probe_verify, cached on disk per machine, backend and model (``identity``)."""
+def _machine_path(kind: str, identity: str) -> Path:
+    """A file under $SPECMLX_HOME/kind for this machine, backend, BLAS, MLX and ``identity``."""
     from .bench import blas_in_use
     from .registry import specmlx_home
 
     machine = f"{platform.node()}|{platform.machine()}|{mx.default_device()}|{blas_in_use()}"
-    key = hashlib.sha1(f"{machine}|mlx {mx.__version__}|{identity}|{k_max}|v2".encode()).hexdigest()
-    path = specmlx_home() / "probes" / f"{key[:16]}.json"
+    key = hashlib.sha1(f"{machine}|mlx {mx.__version__}|{identity}".encode()).hexdigest()
+    return specmlx_home() / kind / f"{key[:16]}.json"
+
+
+def cached_probe(model, identity: str, ids: list[int], k_max: int = 8) -> list[float]:
+    """probe_verify, cached on disk per machine, backend and model (``identity``)."""
+    path = _machine_path("probes", f"{identity}|{k_max}|v3")
     try:
         return json.loads(path.read_text())["ratio"]
     except (OSError, ValueError, KeyError):
         pass
     ratio = probe_verify(model, ids, k_max)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"identity": identity, "machine": machine, "ratio": ratio}))
+    _write(path, {"identity": identity, "ratio": ratio})
     return ratio
+
+
+def remembered(model, target_id: str, pair_id: str, ids: list[int]) -> tuple[AdaptiveK, Path]:
+    """The chooser for this machine and ``pair_id`` (pair, drafter and sampler) as the last run
+    left it, else a fresh one seeded with the target's probe; and where to ``remember`` it."""
+    path = _machine_path("adaptive", pair_id)
+    try:
+        return AdaptiveK(**json.loads(path.read_text())["state"]), path
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or from another version
+        return AdaptiveK(verify_ratio=cached_probe(model, target_id, ids)), path
+
+
+def remember(chooser: AdaptiveK, path: Path) -> None:
+    """Keep what ``chooser`` learned for the next run (best effort: a read-only home is fine)."""
+    try:
+        _write(path, {"state": chooser.state()})
+    except OSError:
+        pass
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)  # never a half-written file for a concurrent run to read

@@ -3,7 +3,9 @@
 Every system runs in one process on the same loaded models, prompts, sampler settings and
 seeds, interleaved within each repeat so that a noisy machine's drift hits all of them alike.
 Decode speed counts the tokens after a system's first target pass (prefill and the first
-round excluded, the same rule for every system) over the wall time they took.
+round excluded, the same rule for every system) over the wall time they took. Adaptive k
+keeps its estimates from one generation to the next, as `specmlx run` does on disk, and its
+warm-up feeds them: the rows measure auto once it has seen the pair, not its first rounds ever.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .adaptive import AdaptiveK, pass_time
+from .adaptive import AdaptiveK, pass_times
 from .engine import Stats, generate_tokens
 from .errors import BadInput
 
@@ -152,9 +154,10 @@ def run_one(
     s: BenchSettings,
     seed: int,
     shared: int | None,
-    verify_ratio: list[float] | None = None,
+    chooser: AdaptiveK | None = None,
 ):
-    """Generate once with one system; returns (tokens, decoded, decode_s, drafted, accepted)."""
+    """Generate once with one system; returns (tokens, decoded, decode_s, drafted, accepted).
+    ``chooser`` is the system's adaptive-k state when k is "auto" (a fresh one if None)."""
     top_p = s.top_p if temp > 0 else 1.0
     if system.system == "mlx-lm":
         flags: list[bool] = []
@@ -173,7 +176,7 @@ def run_one(
         return tokens, decoded, secs, rounds * int(system.k), accepted
     stats = Stats()
     use_draft = draft if system.drafter not in ("none", "lookup") else None
-    k = AdaptiveK(verify_ratio=verify_ratio) if system.k == "auto" else system.k
+    k = (chooser or AdaptiveK()) if system.k == "auto" else system.k
     gen = generate_tokens(
         target,
         use_draft,
@@ -221,16 +224,21 @@ def bench(
     Returns {"rows", "runs", "verify_curve", "c"}; the CLI adds the environment."""
     encoded = [(p["id"], encode(p)) for p in prompts]
     todo = systems(draft_name, s)
-    # warm-up: compile paths and fault in weights for every system once
+    ctx = encoded[0][1] + encoded[0][1][: s.max_tokens // 2]
+    t = pass_times(target, ctx, [*range(1, 10), 16], reps=5)
+    curve = {n: t[n] / t[1] for n in t}
+    c = pass_times(draft, ctx, [1], reps=5)[1] / t[1] if draft is not None else None
+    ratio = [curve[k + 1] for k in range(9)]  # seeds adaptive k with this measured curve
+    # one adaptive-k state per auto system and temperature, kept across its generations as
+    # `specmlx run` keeps it on disk: what is measured is auto after its first few rounds
+    auto = [sy for sy in todo if sy.k == "auto"]
+    choosers = {(sy, t): AdaptiveK(verify_ratio=ratio) for sy in auto for t in s.temps}
+    # warm-up: compile paths and fault in weights for every system once (auto: per temperature)
     warm = BenchSettings(**{**asdict(s), "max_tokens": 8})
     for system in todo:
-        run_one(system, target, draft, encoded[0][1], s.temps[0], warm, s.seed, shared)
-    ctx = encoded[0][1] + encoded[0][1][: s.max_tokens // 2]
-    t1 = pass_time(target, ctx, 1, reps=5)
-    curve = {1: 1.0} | {n: pass_time(target, ctx, n, reps=5) / t1 for n in range(2, 10)}
-    curve[16] = pass_time(target, ctx, 16, reps=5) / t1
-    c = pass_time(draft, ctx, 1, reps=5) / t1 if draft is not None else None
-    ratio = [curve[k + 1] for k in range(9)]  # seeds adaptive k with this measured curve
+        for temp in s.temps if system.k == "auto" else s.temps[:1]:
+            chooser = choosers.get((system, temp))
+            run_one(system, target, draft, encoded[0][1], temp, warm, s.seed, shared, chooser)
     runs: list[Run] = []
     for rep in range(s.repeats):
         for pid, ids in encoded:
@@ -238,7 +246,15 @@ def bench(
                 seed = s.seed + rep
                 for system in todo:
                     tokens, decoded, secs, drafted, accepted = run_one(
-                        system, target, draft, ids, temp, s, seed, shared, ratio
+                        system,
+                        target,
+                        draft,
+                        ids,
+                        temp,
+                        s,
+                        seed,
+                        shared,
+                        choosers.get((system, temp)),
                     )
                     run = Run(
                         system.label, pid, temp, rep, tokens, decoded, secs, drafted, accepted

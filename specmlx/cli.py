@@ -184,11 +184,14 @@ def run(
             f"the prompt has {len(ids)} tokens, more than the context ({limit}); raise --context"
         )
     num_draft = choice.k if (drf or choice.lookup) else 0
-    if num_draft == "auto":  # seed adaptive k with this machine's verify-cost curve
-        from .adaptive import AdaptiveK, cached_probe
+    memory = None
+    if num_draft == "auto":  # adaptive k, resumed from this machine's last run of the pair
+        from .adaptive import remember, remembered
 
-        ratio = cached_probe(tgt.model, f"{tgt.spec.source}|{tgt.spec.dtype}", ids)
-        num_draft = AdaptiveK(verify_ratio=ratio)
+        target_id = f"{tgt.spec.source}|{tgt.spec.dtype}"
+        drafter = f"{drf.spec.source}|{drf.spec.dtype}" if drf else "none"
+        pair_id = f"{target_id}|{drafter}|lookup={choice.lookup}|{params}"
+        num_draft, memory = remembered(tgt.model, target_id, pair_id, ids)
     stats = Stats()
     responses = stream_text(
         tgt.model,
@@ -219,6 +222,8 @@ def run(
         # the reader went away (| head): end quietly, and keep Python's exit flush silent
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise typer.Exit(0) from None
+    if memory is not None:
+        remember(num_draft, memory)
     render.finish(stats, tgt, draft_name, interrupted)
     if as_json:
         out = {

@@ -2,11 +2,12 @@
 
 import copy
 import random
+import statistics
 
 import pytest
 from tiny import make_tiny
 
-from specmlx.adaptive import AdaptiveK, best_k, expected_tokens
+from specmlx.adaptive import AdaptiveK, best_k, expected_tokens, remember, remembered
 from specmlx.bench import BenchSettings, Run, System, spread, summarize, theoretical_speedup
 from specmlx.engine import Stats, generate_tokens
 
@@ -120,7 +121,7 @@ def test_verify_times_follow_the_machine_at_every_k():
     """The curve is one level times a shape: rounds at k = 4 update t_verify(0) too, so a
     slowdown is not mistaken for speculation getting cheaper relative to plain steps."""
     chooser, stats = AdaptiveK(neighbor_every=0), Stats()
-    _steady(chooser, stats, 20, accept=1.0)
+    _steady(chooser, stats, 40, accept=1.0)
     t0 = chooser.verify_curve()[0]
     _steady(chooser, stats, 40, accept=1.0, draft_s=0.06, verify=lambda k: 0.2 + 0.01 * k)
     assert chooser.verify_curve()[0] == pytest.approx(2 * t0, rel=0.1)
@@ -175,3 +176,67 @@ def test_useless_draft_settles_at_zero():
     out = [e.token for e in gen]
     assert out == [e.token for e in generate_tokens(target, None, [1, 2, 3], max_tokens=40)]
     assert ks[6:].count(0) >= len(ks[6:]) - 2, ks  # settled, except an occasional re-probe
+
+
+def test_expected_tokens_when_acceptance_comes_in_runs():
+    # the first draft passes with a = 0.8, each later one with c = 0.9 once those before passed
+    assert expected_tokens(0.8, 5, 0.9) == pytest.approx(1 + 0.8 * (1 - 0.9**5) / 0.1)
+    assert expected_tokens(0.8, 0, 0.9) == 1.0
+    assert expected_tokens(0.5, 3, 1.0) == 2.5
+    # on the same costs, runs of acceptance make long drafts pay where independence would not
+    curve = [1.0 + 0.15 * k for k in range(9)]
+    assert best_k(0.8, 0.1, curve, 8, c=0.95) > best_k(0.8, 0.1, curve, 8) + 2
+
+
+def test_chooser_learns_first_and_later_acceptance_apart():
+    """Rounds whose first draft passes 80% of the time and later ones 95%: the chooser
+    estimates both, and drafts longer than it would if they were one rate."""
+    chooser, stats, rng, ks = AdaptiveK(neighbor_every=0), Stats(), random.Random(1), []
+    for _ in range(200):
+        k = chooser(stats)
+        ks.append(k)
+        n = 0
+        while n < k and rng.random() < (0.8 if n == 0 else 0.95):
+            n += 1
+        stats.rounds += 1
+        stats.last_k, stats.last_accepted = k, n
+        stats.last_round_s, stats.last_draft_s = 0.1 + 0.02 * k, 0.005 * k
+    assert chooser.acceptance == pytest.approx(0.8, abs=0.15)
+    assert chooser.continuation == pytest.approx(0.95, abs=0.05)
+    settled = statistics.median(ks[-100:])
+    pooled = (0.8 + 0.95) / 2
+    assert settled > best_k(pooled, 0.005, chooser.verify_curve(), 8, k_min=1), ks
+
+
+def test_estimates_carry_over_to_the_next_generation():
+    """One chooser per pair: a new Stats starts a new generation without re-learning, so a
+    draft found useless is not tried again on the next prompt's first rounds."""
+    chooser, ks = AdaptiveK(), []
+    for _ in range(3):
+        stats = Stats()  # a new generation
+        for _ in range(24):
+            ks.append(chooser(stats))
+            stats.rounds += 1
+            stats.last_k, stats.last_accepted = ks[-1], 0
+            stats.last_round_s = 0.42 if ks[-1] == 0 else 0.61 + 0.08 * (ks[-1] - 1)
+            stats.last_draft_s = 0.003 * ks[-1]
+    assert ks[:2] == [2, 0]  # calibration happens once, on the first generation
+    # later generations start where the last one ended: plain, bar rare (backed-off) probes
+    assert ks[24:28] == [0, 0, 0, 0] and ks[24:].count(0) >= 44, ks
+    assert ks[48:].count(0) >= 23, ks
+
+
+def test_remembered_state_resumes(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path))
+    model, ids = make_tiny(0, layers=2, hidden=32), [1, 2, 3, 4]
+    fresh, path = remembered(model, "tiny", "tiny|tiny|greedy", ids)
+    assert fresh.level is None and len(fresh.verify_ratio) == 9  # seeded with the probe
+    _steady(fresh, Stats(), 30, accept=0.7)
+    remember(fresh, path)
+    again, same_path = remembered(model, "tiny", "tiny|tiny|greedy", ids)
+    assert same_path == path and again.state() == fresh.state()
+    assert again.choose() == fresh.choose()
+    other, _ = remembered(model, "tiny", "tiny|tiny|T=0.8", ids)  # another sampler: its own
+    assert other.level is None
+    path.write_text("{not json")  # a damaged file is ignored, not fatal
+    assert remembered(model, "tiny", "tiny|tiny|greedy", ids)[0].level is None

@@ -93,6 +93,25 @@ def test_stdin_prompt_and_greedy_matches_target_only(registry):
     assert ta == tb == tc
 
 
+def test_auto_k_resumes_from_the_last_run(registry, specmlx_home):
+    """-k auto keeps what it learned per pair and sampler on disk; the next run starts there
+    (a fresh chooser drafts 2 then measures a plain round; a resumed one does neither)."""
+    base = run("run", "--json", "-n", "12", "--draft", "none", "def add(a, b):")
+    first = run("run", "--json", "-n", "12", "-k", "auto", "def add(a, b):")
+    assert first.exit_code == 0, first.stderr
+    saved = list((specmlx_home / "adaptive").glob("*.json"))
+    assert len(saved) == 1
+    state = json.loads(saved[0].read_text())["state"]
+    assert state["level"] > 0 and state["t_plain"] > 0 and len(state["verify_ratio"]) == 9
+    second = run("run", "--json", "-n", "12", "-k", "auto", "def add(a, b):")
+    assert json.loads(saved[0].read_text())["state"] != state  # it kept learning
+    toks = [json.loads(r.stdout)["tokens"] for r in (base, first, second)]
+    assert toks[0] == toks[1] == toks[2]  # lossless either way
+    sampled = run("run", "--json", "-n", "4", "-k", "auto", "--temp", "0.7", "def add(a, b):")
+    assert sampled.exit_code == 0, sampled.stderr
+    assert len(list((specmlx_home / "adaptive").glob("*.json"))) == 2  # its own state
+
+
 def test_vocab_superset_draft_is_accepted(registry):
     r = run("run", "--json", "-n", "10", "--draft", "tiny-d16", "x = 1")
     assert r.exit_code == 0, r.stderr
