@@ -134,17 +134,25 @@ def test_chooser_tries_the_neighbours_of_its_k():
     assert settled > 1 and {settled - 1, settled + 1} <= set(ks[8:]), ks
 
 
-def test_plain_rounds_are_timed_directly():
-    """The probe says a 2-token pass costs 1.1 plain steps, but a round with a draft costs
-    1.45 (catch-up, rollback, acceptance). The second round is a plain one that measures what
-    speculation must beat, so a useless draft is still dropped within a few rounds."""
-    chooser, stats, ks = AdaptiveK(verify_ratio=[1.0 + 0.1 * k for k in range(9)]), Stats(), []
-    for _ in range(24):
+def _useless(chooser, stats, rounds):
+    """Feed rounds in which nothing is accepted: a plain round takes 0.42 s, a round with k
+    drafts 0.61 + 0.08 (k - 1) s of which 3 ms a draft token. Returns the ks."""
+    ks = []
+    for _ in range(rounds):
         ks.append(chooser(stats))
         stats.rounds += 1
         stats.last_k, stats.last_accepted = ks[-1], 0
         stats.last_round_s = 0.42 if ks[-1] == 0 else 0.61 + 0.08 * (ks[-1] - 1)
         stats.last_draft_s = 0.003 * ks[-1]
+    return ks
+
+
+def test_plain_rounds_are_timed_directly():
+    """The probe says a 2-token pass costs 1.1 plain steps, but a round with a draft costs
+    1.45 (catch-up, rollback, acceptance). The second round is a plain one that measures what
+    speculation must beat, so a useless draft is still dropped within a few rounds."""
+    chooser = AdaptiveK(verify_ratio=[1.0 + 0.1 * k for k in range(9)])
+    ks = _useless(chooser, Stats(), 24)
     assert ks[:2] == [2, 0], ks  # measure a drafting round, then a plain one
     assert chooser.t_plain == pytest.approx(0.42)
     assert ks[8:].count(0) >= 10, ks  # plain, bar probes while the estimates settle
@@ -211,15 +219,8 @@ def test_chooser_learns_first_and_later_acceptance_apart():
 def test_estimates_carry_over_to_the_next_generation():
     """One chooser per pair: a new Stats starts a new generation without re-learning, so a
     draft found useless is not tried again on the next prompt's first rounds."""
-    chooser, ks = AdaptiveK(), []
-    for _ in range(3):
-        stats = Stats()  # a new generation
-        for _ in range(24):
-            ks.append(chooser(stats))
-            stats.rounds += 1
-            stats.last_k, stats.last_accepted = ks[-1], 0
-            stats.last_round_s = 0.42 if ks[-1] == 0 else 0.61 + 0.08 * (ks[-1] - 1)
-            stats.last_draft_s = 0.003 * ks[-1]
+    chooser = AdaptiveK()
+    ks = [k for _ in range(3) for k in _useless(chooser, Stats(), 24)]  # a Stats per generation
     assert ks[:2] == [2, 0]  # calibration happens once, on the first generation
     # later generations start where the last one ended: plain, bar rare (backed-off) probes
     assert ks[24:28] == [0, 0, 0, 0] and ks[24:].count(0) >= 44, ks
