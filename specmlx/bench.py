@@ -232,7 +232,7 @@ def bench(
     # one adaptive-k state per auto system and temperature, kept across its generations as
     # `specmlx run` keeps it on disk: what is measured is auto after its first few rounds
     auto = [sy for sy in todo if sy.k == "auto"]
-    choosers = {(sy, t): AdaptiveK(verify_ratio=ratio) for sy in auto for t in s.temps}
+    choosers = {(sy, temp): AdaptiveK(verify_ratio=ratio) for sy in auto for temp in s.temps}
     # warm-up: compile paths and fault in weights for every system once (auto: per temperature)
     warm = BenchSettings(**{**asdict(s), "max_tokens": 8})
     for system in todo:
