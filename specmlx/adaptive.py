@@ -123,6 +123,11 @@ class AdaptiveK:
             return 1
         return 0
 
+    def plain_next(self) -> bool:
+        """True when the next call returns 0 whatever the current round brings (it has
+        stopped and the probe is not due): the engine then queues the next plain pass early."""
+        return 0 < self._zeros < max(self._wait, self.reprobe_every)
+
     def choose(self) -> int:
         """The k the estimates favour now, before probing and neighbour exploration."""
         td, curve, c = self.t_draft or 0.0, self.verify_curve(), self.continuation

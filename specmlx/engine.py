@@ -1,10 +1,16 @@
 """The round loop: prefill, draft, verify, accept, roll back; yields token events.
 
 Bookkeeping, in one place: ``ctx`` is every token so far (prompt + generated). Between rounds
-the target cache holds ctx[:-1] (the last token is fed at the start of the next pass) and the
+the target cache holds ctx[:-1] (the last token is fed at the start of the next pass), or all
+of ctx when a plain round already queued the next plain pass (``head``, see below), and the
 draft cache holds ctx[:d_len] for some d_len <= len(ctx) - 1; the draft is fed ctx[d_len:]
 before it drafts, which covers the 2-token catch-up after a fully accepted round and whatever
-prompt lookup accepted while the draft model sat idle.
+prompt lookup accepted while the draft model sat idle. When generation ends, the target cache
+holds ctx[:-1].
+
+Plain rounds (k = 0) overlap like target-only decoding: when the chooser says the next round
+is plain too (``plain_next``), the next target pass is queued before this round is read back,
+so the host's work between rounds runs while the target computes.
 """
 
 from __future__ import annotations
@@ -172,7 +178,21 @@ def _k_chooser(num_draft: KChoice) -> Callable[[Stats], int]:
         raise BadInput(
             f"k (number of draft tokens) must be an integer >= 0 or 'auto', got {num_draft!r}"
         )
-    return lambda _stats: num_draft
+    return _Fixed(num_draft)
+
+
+class _Fixed:
+    """A fixed k, as a chooser."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __call__(self, _stats: Stats) -> int:
+        return self.k
+
+    def plain_next(self) -> bool:
+        """Whether the next round is plain whatever this one brings (see AdaptiveK)."""
+        return self.k == 0
 
 
 def _prefill(model: nn.Module, cache: list, tokens: list[int], step: int) -> None:
@@ -251,6 +271,7 @@ class _Speculation:
         self.target, self.tcache, self.draft, self.dcache = target, tcache, draft, dcache
         self.process = None if params.greedy else make_processor(params)
         self.lookup = lookup
+        self.head: mx.array | None = None  # (1, V_target) logits of a queued plain pass
         if draft is not None and vocab_size is None:
             # logit widths are known from shapes alone: this builds a graph, evaluates nothing
             probe = mx.array([[0]], dtype=mx.uint32)
@@ -262,16 +283,19 @@ class _Speculation:
         self.d_len = len(ctx) - 1
         generated: list[int] = []
         drafting_rounds = 0
+        plain_next = getattr(choose_k, "plain_next", lambda: False)
         while True:
             t0 = time.perf_counter()
             # a round emits up to k + 1 tokens: never draft past the budget
             k = max(0, min(choose_k(stats), stops.max_tokens - len(generated) - 1))
-            time_draft = k > 0 and drafting_rounds % TIME_DRAFT_EVERY == 0
-            drafting_rounds += k > 0
+            # a queued pass would be waited for inside the draft's timing: skip, time the next
+            time_draft = k > 0 and drafting_rounds % TIME_DRAFT_EVERY == 0 and self.head is None
+            drafting_rounds += k > 0 and self.head is None
+            queue = k == 0 and len(generated) + 1 < stops.max_tokens and plain_next()
             key, sub = mx.random.split(key)
-            n, tokens, k, t_draft = self.round(ctx, k, sub, time_draft)
+            n, tokens, k, t_draft = self.round(ctx, k, sub, time_draft, queue)
             new, reason = stops.cut(generated, tokens[:n] + [tokens[k]])
-            self.rollback(ctx, k, n_kept=len(new) - 1 if reason else n)
+            self.rollback(ctx, k, n_kept=len(new) - 1 if reason else n, done=reason is not None)
             ctx += new
             generated += new
             _record(stats, k, n, len(generated), time.perf_counter() - t0, t_draft)
@@ -282,13 +306,13 @@ class _Speculation:
                 return
 
     def round(
-        self, ctx: list[int], k: int, key: mx.array, time_draft: bool = False
+        self, ctx: list[int], k: int, key: mx.array, time_draft: bool = False, queue: bool = False
     ) -> tuple[int, list[int], int, float | None]:
         """Draft -> verify -> accept as one lazy graph, read back with one host sync.
         Returns (n accepted, [d_1..d_k, next], k used, draft seconds or None). ``time_draft``
         adds a second sync after drafting, to time the draft apart from the target: the
         engine asks for it on one drafting round in TIME_DRAFT_EVERY, for the statistics
-        and for adaptive k."""
+        and for adaptive k. ``queue``: if this round is plain, queue the next plain pass."""
         t0 = time.perf_counter()
         kd, ku, kr = mx.random.split(key, 3)
         proposal = lookup_propose(ctx, k) if self.lookup else []
@@ -307,8 +331,13 @@ class _Speculation:
             mx.eval(d if q is None else [d, q])
             t_draft = time.perf_counter() - t0
 
-        x = mx.concatenate([mx.array(ctx[-1:], dtype=mx.uint32), d])[None]  # (1, k+1)
-        logits = self.target(x, cache=self.tcache)[0]  # (k+1, V_target)
+        if self.head is None:
+            x = mx.concatenate([mx.array(ctx[-1:], dtype=mx.uint32), d])[None]  # (1, k+1)
+            logits = self.target(x, cache=self.tcache)[0]  # (k+1, V_target)
+        else:  # the last round fed ctx[-1] already: its logits are the first row
+            logits, self.head = self.head, None
+            if k > 0:  # the chooser broke its word: correct, if a pass slower
+                logits = mx.concatenate([logits, self.target(d[None], cache=self.tcache)[0]])
         if self.process is None:
             n, nxt = accept_greedy(logits, d)
         elif k == 0:
@@ -319,14 +348,24 @@ class _Speculation:
             q = point_mass(d, width) if q is None else _pad(q, width)  # (k, V_target)
             u = mx.random.uniform(shape=(k,), key=ku)
             n, nxt = accept_sampled(p, q, d, u, kr)
-        out = mx.concatenate([n.astype(mx.uint32).reshape(1), d, nxt.reshape(1)]).tolist()
+        out = mx.concatenate([n.astype(mx.uint32).reshape(1), d, nxt.reshape(1)])
+        if queue and k == 0:
+            # as target-only decoding does: the next pass runs while the host reads this one
+            mx.async_eval(out)
+            self.head = self.target(nxt.reshape(1, 1), cache=self.tcache)[0]  # (1, V_target)
+            mx.async_eval(self.head)
+        out = out.tolist()
         return out[0], out[1:], k, t_draft
 
-    def rollback(self, ctx: list[int], k: int, n_kept: int) -> None:
+    def rollback(self, ctx: list[int], k: int, n_kept: int, done: bool = False) -> None:
         """Trim both caches to the kept context; ``ctx`` is the context before this round.
-        The target fed ctx[-1] + k drafts and keeps n_kept of them; the draft keeps the
+        The target fed ctx[-1] + k drafts and keeps n_kept of them (plus the next token, if
+        a plain pass was queued: undone when generation is ``done``); the draft keeps the
         longest prefix of what it has seen that is still right."""
-        trim_prompt_cache(self.tcache, k - n_kept)
+        queued = done and self.head is not None
+        if queued:
+            self.head = None
+        trim_prompt_cache(self.tcache, k - n_kept + queued)
         if self.draft is not None:
             keep = min(self.d_len, len(ctx) + n_kept)
             trim_prompt_cache(self.dcache, self.d_len - keep)

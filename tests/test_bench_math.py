@@ -169,6 +169,26 @@ def test_chooser_reprobes_after_a_run_of_zeros():
     assert ks.count(0) >= 9 and 1 in ks
 
 
+def test_plain_next_keeps_its_word():
+    """When the chooser says the next round is plain (so the engine queues its pass early),
+    the next call returns 0 whatever the round in between brought; and once the draft is
+    dropped it says so on most rounds, so plain decoding overlaps like target-only."""
+    chooser, stats, rng = AdaptiveK(), Stats(), random.Random(3)
+    promised, promises, broken = False, 0, 0
+    for _ in range(400):
+        k = chooser(stats)
+        broken += promised and k != 0
+        promised = chooser.plain_next()
+        promises += promised
+        n = sum(1 for _ in range(k) if rng.random() < 0.05)  # rarely, a probe scores
+        stats.rounds += 1
+        stats.last_k, stats.last_accepted = k, n
+        stats.last_round_s = rng.uniform(0.3, 0.5) + (0.2 + 0.08 * k if k else 0.0)
+        stats.last_draft_s = 0.003 * k if k else None
+    assert broken == 0
+    assert promises > 300
+
+
 def test_useless_draft_settles_at_zero():
     """End to end: a draft that never agrees gets k = 0 within a few rounds, losslessly."""
     target = make_tiny(0, layers=4, hidden=64)

@@ -132,12 +132,13 @@ def _check_prefix(model, cache, ctx):
         np.testing.assert_allclose(got, want, atol=1e-4)
 
 
-def _check_caches(target, draft, tcache, dcache, ctx, drafted):
-    """Between rounds the target cache equals a fresh prefill of ctx[:-1]. The draft cache
+def _check_caches(target, draft, tcache, dcache, ctx, drafted, queued=False):
+    """Between rounds the target cache equals a fresh prefill of ctx[:-1] (all of ctx when a
+    plain round queued the next pass). The draft cache
     equals a fresh prefill of a prefix of ctx: ctx[:-1], or ctx[:-2] after a fully accepted
     round (the last draft was never fed); it lags further only while no draft ran (k = 0),
     catching up when it drafts next."""
-    _check_prefix(target, tcache, ctx[:-1])
+    _check_prefix(target, tcache, ctx if queued else ctx[:-1])
     d_off = dcache[0].offset
     assert d_off <= len(ctx) - 1
     if drafted:
@@ -161,11 +162,19 @@ def test_caches_hold_exactly_the_accepted_context(pair, script, ks, max_tokens, 
     tcache, dcache = make_prompt_cache(target), make_prompt_cache(draft)
     out: list[int] = []
     schedule = itertools.cycle(ks)
+    upcoming = [next(schedule)]
+    queued = [False]
 
     def choose(stats):  # called between rounds: check the state, then pick k
-        _check_caches(target, base_draft, tcache, dcache, prompt + out, stats.last_k > 0)
-        return next(schedule)
+        ctx = prompt + out
+        _check_caches(target, base_draft, tcache, dcache, ctx, stats.last_k > 0, queued[0])
+        k = upcoming.pop()
+        upcoming.append(next(schedule))
+        # a plain round that promised a plain next one queues its pass, budget permitting
+        queued[0] = k == 0 and upcoming[0] == 0 and len(out) + 1 < max_tokens
+        return k
 
+    choose.plain_next = lambda: upcoming[0] == 0  # the schedule keeps its word
     stats = Stats()
     for e in generate_tokens(
         target,
@@ -200,6 +209,48 @@ def test_stops_truncate_exactly(pair):
         stats = Stats()
         assert tokens(target, draft, PROMPTS[0], num_draft=k, max_tokens=7, stats=stats) == base[:7]
         assert stats.finish_reason == "length" and stats.generated == 7
+
+
+def test_plain_rounds_queue_the_next_pass(pair):
+    """k = 0 overlaps like target-only decoding: each target pass is built before the token
+    of the pass before it is read back, and none is wasted; a stop undoes the queued one."""
+    target, draft = pair
+    log = []
+
+    class Logged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base = target
+
+        @property
+        def layers(self):
+            return self.base.layers
+
+        def __call__(self, x, cache=None):
+            log.append("pass")
+            return self.base(x, cache=cache)
+
+    tolist = mx.array.tolist
+
+    def logged_tolist(a):
+        log.append("read")
+        return tolist(a)
+
+    base = tokens(target, None, PROMPTS[0], max_tokens=12)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mx.array, "tolist", logged_tolist)
+        # (vocab_size given: no shape probe through the target to muddle the log)
+        out = tokens(Logged(), draft, PROMPTS[0], num_draft=0, max_tokens=12, vocab_size=64)
+    assert out == base
+    decode = log[log.index("pass") + 1 :]  # after the prefill pass
+    assert decode[:3] == ["pass", "pass", "read"], log  # round 1 queued round 2's pass
+    assert decode.count("pass") == 12 and decode.count("read") == 12, log
+    for k in (0, 3):
+        eos = base[6]
+        tcache = make_prompt_cache(target)
+        out = tokens(target, draft, PROMPTS[0], num_draft=k, eos_ids=[eos], caches=(tcache, None))
+        assert out == base[: base.index(eos)]
+        assert tcache[0].offset == len(PROMPTS[0]) + len(out) - 1
 
 
 def test_target_only_cache_consistent_after_stop(pair):
