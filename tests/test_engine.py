@@ -253,6 +253,33 @@ def test_plain_rounds_queue_the_next_pass(pair):
         assert tcache[0].offset == len(PROMPTS[0]) + len(out) - 1
 
 
+def test_a_chooser_that_breaks_its_word_stays_lossless(pair):
+    """plain_next is only a hint for speed: a chooser that promises plain rounds and then
+    drafts gets the same tokens as one that promises nothing (greedy: the target's; sampled:
+    the same draws from the same keys), and a consistent cache at the end."""
+    target, draft = pair
+
+    def chooser(promise):
+        schedule = itertools.cycle([0, 3, 0, 0, 2, 5])
+
+        def choose(_stats):
+            return next(schedule)
+
+        choose.plain_next = lambda: promise
+        return choose
+
+    for temp in (0.0, 1.0):
+        tcache = make_prompt_cache(target)
+        kw = dict(max_tokens=40, temperature=temp, seed=3)
+        out = tokens(
+            target, draft, PROMPTS[2], num_draft=chooser(True), caches=(tcache, None), **kw
+        )
+        assert tcache[0].offset == len(PROMPTS[2]) + len(out) - 1
+        assert out == tokens(target, draft, PROMPTS[2], num_draft=chooser(False), **kw)
+        if temp == 0.0:
+            assert out == tokens(target, None, PROMPTS[2], **kw)
+
+
 def test_target_only_cache_consistent_after_stop(pair):
     target, _ = pair
     tcache = make_prompt_cache(target)
