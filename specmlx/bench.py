@@ -116,12 +116,16 @@ def load_prompts(path: str | None, kind: str = "all") -> list[dict]:
 
 
 def _timed(events: Iterable[tuple[int, bool]]) -> tuple[list[int], int, float]:
-    """Consume (token, from_draft) pairs; decode timing starts at the first target token."""
-    tokens, mark = [], None
+    """Consume (token, from_draft) pairs; decode timing starts at the first target token.
+    A generation with none (an immediate EOS, or a short budget filled by accepted drafts
+    alone) has nothing to time: (tokens, 0, 0.0)."""
+    tokens, mark, at = [], None, 0
     for tok, from_draft in events:
         tokens.append(tok)
         if mark is None and not from_draft:
             mark, at = time.perf_counter(), len(tokens)
+    if mark is None:
+        return tokens, 0, 0.0
     end = time.perf_counter()
     return tokens, len(tokens) - at, end - mark
 

@@ -8,7 +8,15 @@ import pytest
 from tiny import make_tiny
 
 from specmlx.adaptive import AdaptiveK, best_k, expected_tokens, remember, remembered
-from specmlx.bench import BenchSettings, Run, System, spread, summarize, theoretical_speedup
+from specmlx.bench import (
+    BenchSettings,
+    Run,
+    System,
+    _timed,
+    spread,
+    summarize,
+    theoretical_speedup,
+)
 from specmlx.engine import Stats, generate_tokens
 
 
@@ -18,6 +26,14 @@ def test_theoretical_speedup_formula():
     assert theoretical_speedup(1.0, 3, 0.0) == 4.0  # everything accepted, free draft
     assert theoretical_speedup(0.0, 5, 0.2) == pytest.approx(1 / 2.0)  # useless draft costs
     assert theoretical_speedup(0.5, 0, 0.3) == 1.0
+
+
+def test_decode_timing_starts_at_the_first_target_token():
+    tokens, decoded, secs = _timed([(5, True), (6, False), (7, True), (8, False)])
+    assert tokens == [5, 6, 7, 8] and decoded == 2 and secs >= 0.0
+    # a short budget filled by accepted drafts alone, or an immediate EOS: nothing to time
+    assert _timed([(1, True), (2, True)]) == ([1, 2], 0, 0.0)
+    assert _timed([]) == ([], 0, 0.0)
 
 
 def test_spread_is_median_min_max():
