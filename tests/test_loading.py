@@ -27,7 +27,8 @@ from specmlx.errors import (
     OfflineError,
     UnknownModel,
 )
-from specmlx.gguf import gguf_tokenizer, read_gguf_header
+from specmlx.gguf import read_gguf_header
+from specmlx.gguf_tokenizer import gguf_tokenizer
 from specmlx.loading import (
     Loaded,
     check_pair,
