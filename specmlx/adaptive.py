@@ -1,33 +1,30 @@
 """Adaptive draft length: each round, pick the k that maximizes expected tokens per second.
 
 Model: the first draft token is accepted with probability a, each later one with probability
-c given the ones before it, so a round drafting k tokens yields
-E[tokens] = 1 + a (1 + c + ... + c^(k-1)) and costs k * t_draft + t_verify(k). Greedy
-acceptance is bursty (c > a: once the draft is on track it tends to stay there); c = a is the
-independent case. All of it is estimated live from the engine's per-round stats, and carried
-from one generation to the next (a pair's costs and rough acceptance do not change per prompt).
+a_later given the ones before it, so a round drafting k tokens yields
+E[tokens] = 1 + a (1 + a_later + ... + a_later^(k-1)) and costs k * t_draft + t_verify(k).
+Greedy acceptance is bursty (a_later > a: once the draft is on track it tends to stay there);
+a_later = a is the independent case. All of it is estimated live from the engine's per-round
+reports, and carried from one generation to the next (a pair's costs and rough acceptance do
+not change per prompt).
 k only changes how many tokens are drafted, never which tokens come out: it stays lossless.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import platform
 import time
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from .engine import Stats
+from .stats import RoundReport
 
 
-def expected_tokens(a: float, k: int, c: float | None = None) -> float:
+def expected_tokens(a: float, k: int, a_later: float | None = None) -> float:
     """Tokens one target pass yields with k drafts: the first accepted with probability a,
-    each later one with probability c given those before it (default c = a: independent)."""
-    c = a if c is None else c
+    each later one with probability a_later given those before it (default a: independent)."""
+    c = a if a_later is None else a_later
     run = float(k) if c >= 1.0 else (1.0 - c**k) / (1.0 - c)  # 1 + c + ... + c^(k-1)
     return 1.0 + a * run
 
@@ -38,21 +35,25 @@ def best_k(
     verify: list[float],
     k_max: int,
     k_min: int = 0,
-    c: float | None = None,
+    a_later: float | None = None,
 ) -> int:
-    """argmax over k in k_min..k_max of E[tokens | a, c, k] / (k * t_draft + verify[k]).
-    ``verify[k]`` is the time of a target pass over k + 1 tokens."""
+    """argmax over k in k_min..k_max of E[tokens | a, a_later, k] / (k t_draft + verify[k]).
+
+    a: first-draft acceptance; t_draft: seconds per draft token; ``verify[k]``: seconds of a
+    target pass over k + 1 tokens; a_later: acceptance of later drafts (default a)."""
     ks = range(k_min, k_max + 1)
-    return max(ks, key=lambda k: expected_tokens(a, k, c) / (k * t_draft + verify[k]))
+    return max(ks, key=lambda k: expected_tokens(a, k, a_later) / (k * t_draft + verify[k]))
 
 
 @dataclass
 class AdaptiveK:
-    """A chooser: call it with the live Stats each round, get k back. Keep one per pair and
-    sampler: a new Stats object starts a new generation and the estimates carry over.
+    """A k chooser (stats.KChooser): call it with each round's report, get the next k back.
+    Keep one per pair and sampler (choosers.ChooserStore does): the estimates carry over from
+    one generation to the next.
 
     Acceptance: decayed counts (``decay`` per drafting round, ~20 rounds of memory), for the
-    first position (a) and for the later ones (c, shrunk towards a while it has few trials),
+    first position (a) and for the later ones (a_later, shrunk towards a while it has few
+    trials),
     on top of a prior a worth ``prior_weight`` trials that fades like old data.
     Times: t_draft per token (the engine times drafting apart on one drafting round in eight),
     and t_verify(k) = level * shape[k]; every round updates the
@@ -89,27 +90,24 @@ class AdaptiveK:
     _drafting_rounds: int = 0
     _zeros: int = 0
     _wait: int = 0
-    _seen_rounds: int = 0
-    _stats: Stats | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self._first is None:
             self._first = [self.a * self.prior_weight, self.prior_weight]
         self._fix = {int(k): v for k, v in self._fix.items()}  # JSON keys are strings
 
-    def __call__(self, stats: Stats) -> int:
-        if stats is not self._stats:  # a new generation: what was learned carries over
-            self._stats, self._seen_rounds = stats, 0
-        if stats.rounds > self._seen_rounds:
-            self._seen_rounds = stats.rounds
-            self.update(stats.last_k, stats.last_accepted, stats.last_round_s, stats.last_draft_s)
+    def __call__(self, last: RoundReport | None) -> int:
+        """The next round's k, after folding in ``last`` (None: a generation starts; what
+        was learned in earlier ones carries over)."""
+        if last is not None:
+            self.update(last.k, last.accepted, last.seconds, last.draft_seconds)
         if self.level is None:
             return min(2, self.k_max)  # measure something first
         if self.t_plain is None:
             return 0  # then what it must beat
         # once it has stopped, only a probe restarts drafting: plain rounds alone make the
         # estimates no better, and the probe's outcome is what the next choice should see
-        k = 0 if self._zeros else self.choose()
+        k = 0 if self._zeros else self.best_now()
         if k > 0:
             self._drafting_rounds += 1
             if self.neighbor_every and self._drafting_rounds % self.neighbor_every == 0:
@@ -128,11 +126,11 @@ class AdaptiveK:
         stopped and the probe is not due): the engine then queues the next plain pass early."""
         return 0 < self._zeros < max(self._wait, self.reprobe_every)
 
-    def choose(self) -> int:
+    def best_now(self) -> int:
         """The k the estimates favour now, before probing and neighbour exploration."""
-        td, curve, c = self.t_draft or 0.0, self.verify_curve(), self.continuation
-        k = best_k(self.acceptance, td, curve, self.k_max, k_min=1, c=c)
-        rate = expected_tokens(self.optimistic, k, c) / (k * td + curve[k])
+        td, curve, later = self.t_draft or 0.0, self.verify_curve(), self.continuation
+        k = best_k(self.acceptance, td, curve, self.k_max, k_min=1, a_later=later)
+        rate = expected_tokens(self.optimistic, k, later) / (k * td + curve[k])
         # the lower of the two plain-step estimates: a wrong stop re-measures itself (plain
         # rounds follow), a wrong go would not
         t0 = min(self.t_plain or curve[0], curve[0])
@@ -146,7 +144,7 @@ class AdaptiveK:
 
     @property
     def continuation(self) -> float:
-        """c: the chance that a later draft token is accepted when all before it were."""
+        """a_later: the chance that a later draft token is accepted when all before it were."""
         wins, tries = self._later
         return (self.acceptance * self.prior_weight + wins) / (self.prior_weight + tries)
 
@@ -200,7 +198,7 @@ class AdaptiveK:
 
     def state(self) -> dict:
         """Everything learned, as JSON-ready values: ``AdaptiveK(**state)`` resumes it."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_stats"}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def _ratio(self, k: int) -> float:
         r = self.verify_ratio
@@ -239,50 +237,3 @@ def probe_verify(model, ids: list[int], k_max: int = 8, reps: int = 3) -> list[f
     one token. On Metal this curve is known not to be flat; adaptive k needs it."""
     t = pass_times(model, ids[-64:] or [0], list(range(1, k_max + 2)), reps)
     return [t[k + 1] / t[1] for k in range(k_max + 1)]
-
-
-def _machine_path(kind: str, identity: str) -> Path:
-    """A file under $SPECMLX_HOME/kind for this machine, backend, BLAS, MLX and ``identity``."""
-    from .bench import blas_in_use
-    from .registry import specmlx_home
-
-    machine = f"{platform.node()}|{platform.machine()}|{mx.default_device()}|{blas_in_use()}"
-    key = hashlib.sha1(f"{machine}|mlx {mx.__version__}|{identity}".encode()).hexdigest()
-    return specmlx_home() / kind / f"{key[:16]}.json"
-
-
-def cached_probe(model, identity: str, ids: list[int], k_max: int = 8) -> list[float]:
-    """probe_verify, cached on disk per machine, backend and model (``identity``)."""
-    path = _machine_path("probes", f"{identity}|{k_max}|v3")
-    try:
-        return json.loads(path.read_text())["ratio"]
-    except (OSError, ValueError, KeyError):
-        pass
-    ratio = probe_verify(model, ids, k_max)
-    _write(path, {"identity": identity, "ratio": ratio})
-    return ratio
-
-
-def remembered(model, target_id: str, pair_id: str, ids: list[int]) -> tuple[AdaptiveK, Path]:
-    """The chooser for this machine and ``pair_id`` (pair, drafter and sampler) as the last run
-    left it, else a fresh one seeded with the target's probe; and where to ``remember`` it."""
-    path = _machine_path("adaptive", pair_id)
-    try:
-        return AdaptiveK(**json.loads(path.read_text())["state"]), path
-    except (OSError, ValueError, KeyError, TypeError):  # none yet, or from another version
-        return AdaptiveK(verify_ratio=cached_probe(model, target_id, ids)), path
-
-
-def remember(chooser: AdaptiveK, path: Path) -> None:
-    """Keep what ``chooser`` learned for the next run (best effort: a read-only home is fine)."""
-    try:
-        _write(path, {"state": chooser.state()})
-    except OSError:
-        pass
-
-
-def _write(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)  # never a half-written file for a concurrent run to read

@@ -24,15 +24,20 @@ from pathlib import Path
 import mlx.core as mx
 
 from .adaptive import AdaptiveK, pass_times
-from .engine import Stats, generate_tokens
+from .choosers import ChooserStore
+from .engine import generate_tokens
 from .errors import BadInput
+from .machine import blas_in_use, version
+from .sampling import SamplingParams
+from .stats import Stats
 
 
-def theoretical_speedup(a: float, k: int, c: float) -> float:
+def theoretical_speedup(a: float, k: int, draft_cost: float) -> float:
     """Leviathan et al.'s expected speedup when verifying k tokens costs one target step:
-    (1 - a^(k+1)) / ((1 - a)(k c + 1)), with a the acceptance rate and c = draft/target step."""
+    (1 - a^(k+1)) / ((1 - a)(k c + 1)), with a the acceptance rate and c = draft_cost, the
+    time of a draft step over a target step."""
     tokens = float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
-    return tokens / (k * c + 1.0)
+    return tokens / (k * draft_cost + 1.0)
 
 
 def spread(values: list[float]) -> dict:
@@ -180,15 +185,14 @@ def run_one(
         return tokens, decoded, secs, rounds * int(system.k), accepted
     stats = Stats()
     use_draft = draft if system.drafter not in ("none", "lookup") else None
-    k = (chooser or AdaptiveK()) if system.k == "auto" else system.k
+    k = (chooser or "auto") if system.k == "auto" else system.k
     gen = generate_tokens(
         target,
         use_draft,
         ids,
+        sampling=SamplingParams(temp, top_p),
         num_draft=k,
         lookup="lookup" in system.drafter,
-        temperature=temp,
-        top_p=top_p,
         max_tokens=s.max_tokens,
         seed=seed,
         vocab_size=shared,
@@ -225,18 +229,23 @@ def bench(
     on_run: Callable[[Run], None] | None = None,
 ) -> dict:
     """Run every system on every prompt and temperature, interleaved, ``s.repeats`` times.
-    Returns {"rows", "runs", "verify_curve", "c"}; the CLI adds the environment."""
+    Returns {"rows", "runs", "verify_curve", "draft_cost"}; the CLI adds the environment."""
     encoded = [(p["id"], encode(p)) for p in prompts]
     todo = systems(draft_name, s)
     ctx = encoded[0][1] + encoded[0][1][: s.max_tokens // 2]
     t = pass_times(target, ctx, [*range(1, 10), 16], reps=5)
     curve = {n: t[n] / t[1] for n in t}
-    c = pass_times(draft, ctx, [1], reps=5)[1] / t[1] if draft is not None else None
-    ratio = [curve[k + 1] for k in range(9)]  # seeds adaptive k with this measured curve
+    cost = pass_times(draft, ctx, [1], reps=5)[1] / t[1] if draft is not None else None
     # one adaptive-k state per auto system and temperature, kept across its generations as
-    # `specmlx run` keeps it on disk: what is measured is auto after its first few rounds
-    auto = [sy for sy in todo if sy.k == "auto"]
-    choosers = {(sy, temp): AdaptiveK(verify_ratio=ratio) for sy in auto for temp in s.temps}
+    # `specmlx run` keeps it on disk: what is measured is auto after its first few rounds.
+    # They start from this measured curve and live in memory only.
+    store = ChooserStore(persist=False, verify_ratio=[curve[k + 1] for k in range(9)])
+    choosers = {
+        (sy, temp): store.get(target, "bench", sy.label, _sampling(temp, s), encoded[0][1])
+        for sy in todo
+        if sy.k == "auto"
+        for temp in s.temps
+    }
     # warm-up: compile paths and fault in weights for every system once (auto: per temperature)
     warm = BenchSettings(**{**asdict(s), "max_tokens": 8})
     for system in todo:
@@ -267,14 +276,20 @@ def bench(
                     if on_run:
                         on_run(run)
     return {
-        "rows": summarize(runs, todo, s, c),
+        "rows": summarize(runs, todo, s, cost),
         "runs": [asdict(r) for r in runs],
         "verify_curve": curve,
-        "c": c,
+        "draft_cost": cost,
     }
 
 
-def summarize(runs: list[Run], todo: list[System], s: BenchSettings, c: float | None) -> list[dict]:
+def _sampling(temp: float, s: BenchSettings) -> SamplingParams:
+    return SamplingParams(temp, s.top_p if temp > 0 else 1.0)
+
+
+def summarize(
+    runs: list[Run], todo: list[System], s: BenchSettings, draft_cost: float | None
+) -> list[dict]:
     """One row per (system, temperature): medians over repeats of whole-prompt-set tok/s."""
     rows = []
     for temp in s.temps:
@@ -292,7 +307,7 @@ def summarize(runs: list[Run], todo: list[System], s: BenchSettings, c: float | 
             a = sum(r.accepted for r in mine) / drafted if drafted else 0.0
             k_mean = drafted / max(1, sum(_rounds(r) for r in mine)) if drafted else 0.0
             k_theory = system.k if isinstance(system.k, int) else k_mean
-            cost = 0.0 if "lookup" == system.drafter else (c or 0.0)
+            cost = 0.0 if "lookup" == system.drafter else (draft_cost or 0.0)
             theory = theoretical_speedup(a, k_theory, cost) if system.k != 0 else 1.0
             speedups = [x / b for x, b in zip(tps, base, strict=True)]
             speed = statistics.median(speedups)
@@ -307,7 +322,7 @@ def summarize(runs: list[Run], todo: list[System], s: BenchSettings, c: float | 
                     "acceptance_rate": a,
                     "tokens_per_pass": sum(len(r.tokens) for r in mine)
                     / max(1, sum(_rounds(r) for r in mine)),
-                    "c": c if system.drafter != "lookup" else 0.0,
+                    "draft_cost": cost,
                     "theoretical_speedup": theory,
                     "efficiency": speed / theory if theory else None,
                     "identical_to_target": (
@@ -341,30 +356,8 @@ def _per_repeat(runs: list[Run], label: str, temp: float, repeats: int) -> list[
     return out
 
 
-def blas_in_use() -> str:
-    """Which BLAS serves MLX's CPU matmuls: a preloaded one (LD_PRELOAD, e.g. OpenBLAS) wins
-    over the reference BLAS bundled with the mlx-cpu wheel; macOS uses Accelerate."""
-    if platform.system() == "Darwin":
-        return "Accelerate (macOS)"
-    preload = [p for p in os.environ.get("LD_PRELOAD", "").split() if "blas" in p.lower()]
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        maps = ""
-    if any(p in maps for p in preload):
-        return f"{Path(preload[0]).resolve()} (LD_PRELOAD)"
-    bundled = sorted(
-        {ln.split()[-1] for ln in maps.splitlines() if "mlx_cpu.libs" in ln and "blas" in ln}
-    )
-    return (
-        f"reference BLAS bundled with mlx-cpu ({Path(bundled[0]).name})" if bundled else "unknown"
-    )
-
-
 def environment(models: dict) -> dict:
     """Versions, backend, BLAS, OS and chip, models, git revision: what a figure depends on."""
-    import mlx_lm
-
     from . import __version__
 
     try:
@@ -376,7 +369,7 @@ def environment(models: dict) -> dict:
     return {
         "specmlx": __version__,
         "mlx": mx.__version__,
-        "mlx_lm": mlx_lm.__version__,
+        "mlx_lm": version("mlx-lm"),
         "device": str(mx.default_device()),
         "blas": blas_in_use(),
         "os": platform.platform(),
@@ -402,8 +395,8 @@ def to_markdown(result: dict) -> str:
         )
     curve = ", ".join(f"{n}: {v:.2f}" for n, v in result["verify_curve"].items())
     lines += ["", f"Verify cost (target pass over n tokens / 1 token): {curve}"]
-    if result.get("c") is not None:
-        lines.append(f"Draft/target step cost c = {result['c']:.3f}")
+    if result.get("draft_cost") is not None:
+        lines.append(f"Draft/target step cost c = {result['draft_cost']:.3f}")
     env = result.get("environment", {})
     for role, m in (env.get("models") or {}).items():
         if m:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from functools import wraps
@@ -15,11 +16,16 @@ from pathlib import Path
 
 import typer
 from rich.live import Live
+from typer.core import TyperCommand
 
 from . import __version__
-from .display import err_console, live_line, print_error, summary
-from .engine import Stats
+from .display import err_console, live_line, print_error, print_warning, summary
 from .errors import BadInput, SpecmlxError
+from .machine import version
+from .stats import Stats
+
+# Commands import the model-loading modules when they run, so that `--help`, `--version`
+# and bad-usage errors answer without loading MLX, mlx-lm and transformers.
 
 app = typer.Typer(
     add_completion=True,
@@ -33,10 +39,7 @@ app.add_typer(models_app, name="models")
 
 def _version(value: bool) -> None:
     if value:
-        import mlx.core as mx
-        import mlx_lm
-
-        typer.echo(f"specmlx {__version__} (mlx {mx.__version__}, mlx-lm {mlx_lm.__version__})")
+        typer.echo(f"specmlx {__version__} (mlx {version('mlx')}, mlx-lm {version('mlx-lm')})")
         raise typer.Exit()
 
 
@@ -75,6 +78,30 @@ def cli_errors(fn):
     return wrapper
 
 
+_OPTION = re.compile(r"--?[A-Za-z][\w-]*(=.*)?", re.S)
+
+
+class PromptCommand(TyperCommand):
+    """A command whose PROMPT may start with '-' (an SQL or Lua comment, a diff hunk): such a
+    prompt is not an option, and the error says how to pass it instead of "No such option"."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except Exception as e:
+            # click's NoSuchOption (typer vendors click, so match it by name, not by class)
+            name = getattr(e, "option_name", None)
+            if type(e).__name__ != "NoSuchOption" or name is None or _OPTION.fullmatch(name):
+                raise  # a mistyped option: click's message (with its suggestion) is right
+            shown = " ".join(name.split())
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            print_error(
+                f"the prompt {shown!r} starts with '-' and was read as an option; put -- "
+                f'before it (specmlx {ctx.info_name} -- "$PROMPT") or pipe it on stdin'
+            )
+            ctx.exit(2)
+
+
 def parse_k(text: str) -> int | str:
     """'auto' or an integer >= 0."""
     if text == "auto":
@@ -104,7 +131,7 @@ def read_prompt(prompt: str | None) -> str:
 
 
 @dataclass
-class Choice:
+class Models:
     """Which models run: target alias, draft alias (or None), lookup, k."""
 
     target: str
@@ -113,7 +140,7 @@ class Choice:
     k: int | str
 
 
-def choose_models(registry, target: str | None, draft: str | None, lookup: bool, k: str | None):
+def resolve_models(registry, target: str | None, draft: str | None, lookup: bool, k: str | None):
     """Fill in what the user did not say from the pairs and defaults in models.toml."""
     import mlx.core as mx
 
@@ -128,10 +155,10 @@ def choose_models(registry, target: str | None, draft: str | None, lookup: bool,
     if draft == "lookup":
         draft, lookup = "none", True
     kk = parse_k(k) if k is not None else (pair.k if pair else "auto")
-    return Choice(target, None if draft == "none" else draft, lookup, kk)
+    return Models(target, None if draft == "none" else draft, lookup, kk)
 
 
-@app.command()
+@app.command(cls=PromptCommand)
 @cli_errors
 def run(
     prompt: str = typer.Argument(None, help="Prompt text; '-' or absent reads stdin."),
@@ -152,9 +179,12 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No live line or summary."),
     show_draft: bool = typer.Option(False, "--show-draft", help="Colour draft-accepted text."),
-    context: int = typer.Option(None, "--context", help="Context to plan memory for."),
+    context: int = typer.Option(
+        None, "--context", help="Context limit (default: the models' own, from models.toml)."
+    ),
 ) -> None:
     """Generate a completion: text on stdout, live stats and a summary on stderr."""
+    from .choosers import ChooserStore
     from .loading import load_pair
     from .registry import load_registry
     from .sampling import SamplingParams
@@ -163,35 +193,36 @@ def run(
     params = SamplingParams(temp, top_p, top_k, min_p)  # validates before any loading
     if max_tokens <= 0:
         raise BadInput(f"--max-tokens must be > 0, got {max_tokens}")
+    if context is not None and context <= 0:
+        raise BadInput(f"--context must be > 0, got {context}")
     text = read_prompt(prompt)
     if not text.strip():
         raise BadInput("the prompt is empty")
     registry = load_registry()
-    choice = choose_models(registry, target, draft, lookup, k)
+    models = resolve_models(registry, target, draft, lookup, k)
     console = err_console()
     say = (
         None
         if quiet
         else (lambda msg: console.print(msg, style="dim", soft_wrap=True, markup=False))
     )
-    limit = context or registry.defaults.context  # memory is planned for this many tokens
+    tspec = registry.resolve(models.target)
+    limit = context or registry.context_for(
+        tspec, registry.resolve(models.draft) if models.draft else None
+    )
+    # plan memory for what this run can reach: a token never takes less than a byte of text
+    planned = min(limit, len(text.encode()) + max_tokens + 64)
     tgt, drf, shared = load_pair(
-        choice.target, choice.draft, registry=registry, context=limit, progress=say
+        models.target, models.draft, registry=registry, context=planned, progress=say
     )
     ids = encode_prompt(tgt.tokenizer, text, chat=chat)
-    if len(ids) >= limit:
-        raise BadInput(
-            f"the prompt has {len(ids)} tokens, more than the context ({limit}); raise --context"
-        )
-    num_draft = choice.k if (drf or choice.lookup) else 0
-    memory = None
+    check_context(len(ids), max_tokens, limit, tgt.spec.alias)
+    num_draft = models.k if (drf or models.lookup) else 0
+    store = chooser = None
     if num_draft == "auto":  # adaptive k, resumed from this machine's last run of the pair
-        from .adaptive import remember, remembered
-
-        target_id = f"{tgt.spec.source}|{tgt.spec.dtype}"
-        drafter = f"{drf.spec.source}|{drf.spec.dtype}" if drf else "none"
-        pair_id = f"{target_id}|{drafter}|lookup={choice.lookup}|{params}"
-        num_draft, memory = remembered(tgt.model, target_id, pair_id, ids)
+        store = ChooserStore(warn=print_warning)
+        drafter = f"{drf.identity if drf else 'none'}|lookup={models.lookup}"
+        chooser = num_draft = store.get(tgt.model, tgt.identity, drafter, params, ids)
     stats = Stats()
     responses = stream_text(
         tgt.model,
@@ -200,19 +231,16 @@ def run(
         ids,
         stop_strings=stop or (),
         stats=stats,
+        sampling=params,
         num_draft=num_draft,
-        lookup=choice.lookup,
+        lookup=models.lookup,
         vocab_size=shared if drf else None,
         max_tokens=max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
         seed=seed,
     )
-    parts = ([drf.spec.alias] if drf else []) + (["lookup"] if choice.lookup else [])
+    parts = ([drf.spec.alias] if drf else []) + (["lookup"] if models.lookup else [])
     draft_name = " + ".join(parts) or "none"
-    render = _Render(console, as_json, quiet, show_draft, str(choice.k))
+    render = _Render(console, as_json, quiet, show_draft, str(models.k))
     interrupted = False
     try:
         render.stream(responses, stats)
@@ -222,9 +250,9 @@ def run(
         # the reader went away (| head): end quietly, and keep Python's exit flush silent
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise typer.Exit(0) from None
-    if memory is not None:
-        remember(num_draft, memory)
-    render.finish(stats, tgt, draft_name, interrupted)
+    if store is not None:
+        store.save(chooser)
+    render.finish(stats, tgt.spec.alias, draft_name, tgt.load_seconds, interrupted)
     if as_json:
         out = {
             "text": render.text,
@@ -232,7 +260,7 @@ def run(
             "stats": stats.as_dict(),
             "target": tgt.spec.alias,
             "draft": draft_name,
-            "k": choice.k,
+            "k": models.k,
             "temperature": params.temperature,
             "seed": seed,
         }
@@ -240,6 +268,16 @@ def run(
         sys.stdout.flush()
     if interrupted:
         raise typer.Exit(130)
+
+
+def check_context(prompt_tokens: int, max_tokens: int, limit: int, name: str) -> None:
+    """BadInput, with the numbers, when the prompt plus max_tokens exceed the context."""
+    if prompt_tokens + max_tokens > limit:
+        raise BadInput(
+            f"the prompt has {prompt_tokens} tokens and --max-tokens asks for {max_tokens} "
+            f"more: {prompt_tokens + max_tokens} > the context of {limit} ({name}); shorten "
+            "the prompt, lower --max-tokens or raise --context"
+        )
 
 
 class _Render:
@@ -268,7 +306,7 @@ class _Render:
                 if self.live_ok:
                     live.update(live_line(stats, self.k_label))
 
-    def finish(self, stats, tgt, draft_name, interrupted: bool = False) -> None:
+    def finish(self, stats, target, draft_name, load_s, interrupted: bool = False) -> None:
         if not self.as_json and self.text and not self.text.endswith("\n"):
             try:
                 sys.stdout.write("\n")
@@ -276,10 +314,7 @@ class _Render:
             except BrokenPipeError:
                 pass
         if not self.quiet or interrupted:
-            load_s = tgt.load_seconds
-            self.console.print(
-                summary(stats, target=tgt.spec.alias, draft=draft_name, load_s=load_s)
-            )
+            self.console.print(summary(stats, target=target, draft=draft_name, load_s=load_s))
 
 
 class _Null:
@@ -302,17 +337,49 @@ def models_list() -> None:
 
 @models_app.command("pull")
 @cli_errors
-def models_pull(alias: str = typer.Argument(..., help="Alias to download or convert.")) -> None:
-    """Download (and quantize, if the entry says so) a model into the local cache."""
+def models_pull(alias: str = typer.Argument(..., help="Alias to download or quantize.")) -> None:
+    """Download a model's files into the local cache; an alias with `quantize` is then loaded
+    (after the memory check) to quantize it once and cache the result."""
     from .loading import load_model
+    from .memory import plan_memory, require_fit
     from .registry import load_registry
+    from .sources import fetch
 
     console = err_console()
+    say = lambda m: console.print(m, style="dim", soft_wrap=True, markup=False)  # noqa: E731
     spec = load_registry().resolve(alias)
-    loaded = load_model(
-        spec, progress=lambda m: console.print(m, style="dim", soft_wrap=True, markup=False)
-    )
-    console.print(f"[green]ready:[/green] {alias} ({loaded.nbytes / 1e9:.2f} GB)")
+    if not spec.quantize:
+        path = fetch(spec, progress=say)
+        console.print(f"[green]ready:[/green] {alias} ({path})")
+        return
+    require_fit(plan_memory(spec, None, 0, progress=say), spec, None)
+    loaded = load_model(spec, progress=say)
+    console.print(f"[green]ready:[/green] {alias} ({loaded.nbytes / 1e9:.2f} GB quantized)")
+
+
+@models_app.command("build")
+@cli_errors
+def models_build(
+    name: str = typer.Argument(..., help="What to build: cpu-demo (or one of its aliases)."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if it is complete."),
+) -> None:
+    """Build a stand-in model that specmlx makes itself (the CPU demo pair, from SmolLM2)."""
+    from .registry import BUILDS, load_registry
+    from .standin import build_demo, describe
+
+    registry = load_registry()
+    spec = registry.models.get(name)
+    builder = spec.build if spec is not None and spec.build else name
+    if builder not in BUILDS:
+        raise BadInput(f"nothing to build called {name!r}; known: {', '.join(BUILDS)}")
+    console = err_console()
+    say = lambda m: console.print(m, style="dim", soft_wrap=True, markup=False)  # noqa: E731
+    facts = build_demo(force=force, progress=say)
+    if not facts["built"]:
+        say(f"already built: {Path(facts['target']).parent} (--force rebuilds)")
+    for line in describe(facts):
+        console.print(line, soft_wrap=True, markup=False)
+    console.print(f"[green]ready:[/green] {builder}")
 
 
 def _split(text: str, convert, name: str) -> list:
@@ -378,11 +445,11 @@ def bench(
     rows = b.load_prompts(prompts, kind if not prompts else "all")
     rows = rows[:limit] if limit > 0 else rows
     registry = load_registry()
-    choice = choose_models(registry, target, draft, False, None)
+    models = resolve_models(registry, target, draft, False, None)
     console = err_console()
     tgt, drf, shared = load_pair(
-        choice.target,
-        choice.draft,
+        models.target,
+        models.draft,
         registry=registry,
         progress=lambda m: console.print(m, style="dim", soft_wrap=True, markup=False),
     )
@@ -412,8 +479,8 @@ def bench(
             shared=shared,
             on_run=on_run,
         )
-    models = {"target": _model_info(tgt), "draft": _model_info(drf) if drf else None}
-    result["environment"] = b.environment(models)
+    info = {"target": _model_info(tgt), "draft": _model_info(drf) if drf else None}
+    result["environment"] = b.environment(info)
     result["settings"] = {
         **b.asdict(settings),
         "prompts": prompts or f"built-in ({kind})",
@@ -432,27 +499,8 @@ def _model_info(loaded) -> dict:
     return {
         "alias": loaded.spec.alias,
         "source": loaded.spec.source,
+        "identity": loaded.identity,
         "label": loaded.spec.label,
         "dtype": loaded.spec.dtype,
         "bytes": loaded.nbytes,
     }
-
-
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
-
-
-def entry() -> None:
-    """Console-script entry. On Linux, re-exec once with OpenBLAS preloaded when it is
-    installed: the mlx-cpu wheel's reference BLAS makes float32 decoding compute-bound,
-    OpenBLAS makes it memory-bound as on a Mac. SPECMLX_NO_OPENBLAS=1 opts out."""
-    env = os.environ
-    if (
-        sys.platform == "linux"
-        and os.path.exists(OPENBLAS)
-        and OPENBLAS not in env.get("LD_PRELOAD", "")
-        and not env.get("SPECMLX_NO_OPENBLAS")
-    ):
-        preload = " ".join(filter(None, [OPENBLAS, env.get("LD_PRELOAD")]))
-        argv = [sys.executable, "-m", "specmlx", *sys.argv[1:]]
-        os.execve(sys.executable, argv, {**env, "LD_PRELOAD": preload, "SPECMLX_NO_OPENBLAS": "1"})
-    app(prog_name="specmlx")

@@ -6,7 +6,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .engine import Stats
+from .memory import model_size
+from .sources import is_cached
+from .stats import Stats
 
 
 def err_console() -> Console:
@@ -29,7 +31,8 @@ def live_line(stats: Stats, k_label: str) -> Text:
     line.append(f"  {stats.decode_tps:.1f} tok/s")
     if stats.drafted:
         line.append(f"  accept {stats.acceptance_rate:.0%}", style="green")
-        line.append(f"  {stats.tokens_per_pass:.2f} tok/pass  k={stats.last_k} ({k_label})")
+        k = stats.last.k if stats.last else 0
+        line.append(f"  {stats.tokens_per_pass:.2f} tok/pass  k={k} ({k_label})")
     return line
 
 
@@ -39,7 +42,8 @@ def summary(stats: Stats, *, target: str, draft: str, load_s: float) -> Table:
     t.add_column(style="dim")
     t.add_column()
     t.add_row("models", f"{target}  ←  draft: {draft}")
-    t.add_row("prompt", f"{stats.prompt_tokens} tok, {stats.prompt_tps:.1f} tok/s")
+    cached = f" ({stats.cached_tokens} from the prompt cache)" if stats.cached_tokens else ""
+    t.add_row("prompt", f"{stats.prompt_tokens} tok{cached}, {stats.prompt_tps:.1f} tok/s")
     t.add_row(
         "decode", f"{stats.generated} tok in {stats.decode_s:.2f} s, {stats.decode_tps:.2f} tok/s"
     )
@@ -99,10 +103,15 @@ def bench_table(result: dict) -> Table:
             same,
         )
     curve = "  ".join(f"{n}:{v:.2f}" for n, v in result["verify_curve"].items())
-    t.caption = f"verify cost t(n)/t(1): {curve}" + (
-        f"   c = {result['c']:.3f}" if result.get("c") else ""
-    )
+    cost = result.get("draft_cost")
+    t.caption = f"verify cost t(n)/t(1): {curve}" + (f"   c = {cost:.3f}" if cost else "")
     return t
+
+
+def print_warning(message: str) -> None:
+    """One yellow line on stderr, inner newlines folded."""
+    line = " ".join(message.split())
+    err_console().print(Text.assemble(("warning: ", "yellow"), line), soft_wrap=True)
 
 
 def print_error(message: str) -> None:
@@ -112,9 +121,8 @@ def print_error(message: str) -> None:
 
 
 def models_table(registry) -> Table:
-    """Aliases with their source, dtype/quantization, size when local, and a label."""
-    from .loading import is_cached, peek_config, resolve_dtype, weight_bytes
-
+    """Aliases with their source, dtype/quantization, size when local ("?" when it cannot be
+    told), and a label."""
     t = Table(title="models (models.toml)", title_justify="left")
     for col in ("alias", "source", "dtype", "quant", "local", "size", "note"):
         t.add_column(col)
@@ -124,8 +132,8 @@ def models_table(registry) -> Table:
         local = is_cached(spec)
         size = ""
         if local:  # sizing a remote model would mean a download: only local ones
-            config = peek_config(spec)
-            size = gb(weight_bytes(config, resolve_dtype(spec.dtype).size, spec.keep_quantized))
+            nbytes = model_size(spec)
+            size = "?" if nbytes is None else gb(nbytes)
         t.add_row(alias, spec.source, spec.dtype, quant, "yes" if local else "no", size, spec.label)
     pairs = ", ".join(
         f"{p.name} = {p.target} + {p.draft} (k {p.k})" for p in registry.pairs.values()

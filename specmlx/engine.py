@@ -5,8 +5,8 @@ the target cache holds ctx[:-1] (the last token is fed at the start of the next 
 of ctx when a plain round already queued the next plain pass (``head``, see below), and the
 draft cache holds ctx[:d_len] for some d_len <= len(ctx) - 1; the draft is fed ctx[d_len:]
 before it drafts, which covers the 2-token catch-up after a fully accepted round and whatever
-prompt lookup accepted while the draft model sat idle. When generation ends, the target cache
-holds ctx[:-1].
+prompt lookup accepted while the draft model sat idle. When generation ends, or the caller
+closes the generator early, the target cache holds ctx[:-1] and KVState says so.
 
 Plain rounds (k = 0) overlap like target-only decoding: when the chooser says the next round
 is plain too (``plain_next``), the next target pass is queued before this round is read back,
@@ -17,88 +17,51 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import wired_limit
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from .acceptance import accept_greedy, accept_sampled, point_mass
+from .choosers import KSetting, make_chooser
 from .drafters import draft_model_propose, lookup_propose
 from .errors import BadInput, IncompatiblePair
 from .sampling import SamplingParams, make_processor, sample
+from .stats import RoundReport, Stats, TokenEvent
+
+__all__ = ["KVState", "Stats", "TokenEvent", "TIME_DRAFT_EVERY", "generate_tokens"]
 
 _STREAM = mx.new_stream(mx.default_device())
 # drafting rounds: the first and then one in 8 get a second host sync, to time the draft apart
 TIME_DRAFT_EVERY = 8
+# fed to the draft in place of an id its embedding table lacks (a padding row of a wider
+# target's logits): the draft's guesses get worse for a while, the output stays exact
+SAFE_ID = 0
 
 
 @dataclass
-class TokenEvent:
-    """One generated token; ``from_draft`` is True when the drafter proposed it."""
+class KVState:
+    """Both models' KV caches and the tokens they hold. Between generations the target cache
+    holds ``tokens`` and the draft cache tokens[:draft_len]. Pass one to generate_tokens to
+    reuse its longest common prefix with the prompt (a prompt cache), or to inspect it after.
+    ``target`` None means "make fresh caches"."""
 
-    token: int
-    from_draft: bool
+    target: list | None = None
+    draft: list | None = None
+    tokens: list[int] = field(default_factory=list)
+    draft_len: int = 0
 
+    def nbytes(self) -> int:
+        """Bytes the caches hold now."""
+        caches = (self.target or []) + (self.draft or [])
+        return sum(getattr(c, "nbytes", 0) for c in caches)
 
-@dataclass
-class Stats:
-    """Live and final generation statistics. The engine writes, everyone else reads."""
-
-    prompt_tokens: int = 0
-    prefill_s: float = 0.0
-    generated: int = 0
-    decode_s: float = 0.0
-    rounds: int = 0  # target passes after prefill
-    drafted: int = 0
-    accepted: int = 0
-    accept_hist: list[int] = field(default_factory=list)  # rounds by accepted count
-    timed_rounds: int = 0  # drafting rounds whose drafting was timed apart (1 in TIME_DRAFT_EVERY)
-    timed_drafted: int = 0  # tokens drafted in those rounds
-    timed_draft_s: float = 0.0  # their drafting time
-    peak_memory: int = 0  # bytes
-    last_k: int = 0  # the last round, read by adaptive-k choosers
-    last_accepted: int = 0
-    last_round_s: float = 0.0
-    last_draft_s: float | None = None  # None when the round's drafting was not timed apart
-    finish_reason: str | None = None  # "stop", "length", or None while running
-
-    @property
-    def decode_tps(self) -> float:
-        return self.generated / self.decode_s if self.decode_s else 0.0
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_pass(self) -> float:
-        return self.generated / self.rounds if self.rounds else 0.0
-
-    @property
-    def draft_s(self) -> float:
-        """Seconds spent drafting, estimated from the timed rounds' time per drafted token."""
-        return self.timed_draft_s / self.timed_drafted * self.drafted if self.timed_drafted else 0.0
-
-    @property
-    def target_s(self) -> float:
-        """Seconds of decoding not spent drafting: verification, acceptance, bookkeeping."""
-        return max(self.decode_s - self.draft_s, 0.0)
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        names = ("decode_tps", "prompt_tps", "acceptance_rate", "tokens_per_pass")
-        for name in (*names, "draft_s", "target_s"):
-            d[name] = getattr(self, name)
-        return d
-
-
-KChoice = int | str | Callable[[Stats], int]
+    def drop(self) -> None:
+        """Forget everything: the next generation starts from fresh caches."""
+        self.target, self.draft, self.tokens, self.draft_len = None, None, [], 0
 
 
 def generate_tokens(
@@ -106,11 +69,8 @@ def generate_tokens(
     draft: nn.Module | None,
     prompt_ids: Sequence[int],
     *,
-    num_draft: KChoice = 4,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    min_p: float = 0.0,
+    sampling: SamplingParams | None = None,
+    num_draft: KSetting = 4,
     max_tokens: int = 256,
     seed: int | None = None,
     eos_ids: Sequence[int] = (),
@@ -119,30 +79,50 @@ def generate_tokens(
     vocab_size: int | None = None,
     stats: Stats | None = None,
     prefill_step: int = 512,
-    caches: tuple[list, list | None] | None = None,
+    kv: KVState | None = None,
 ) -> Iterator[TokenEvent]:
     """Generate from ``target``, speculating with ``draft`` (a model), prompt lookup
     (``lookup=True``), both (lookup first), or neither (plain target decoding).
 
     Output is exactly the target's: token-identical when greedy, the same distribution when
-    sampling. ``num_draft`` is k: an int, "auto" (adaptive), or a callable Stats -> k.
-    ``vocab_size`` is the number of ids the draft may propose (default: the smaller of the
-    two models' logit widths). ``stats`` is updated live; ``caches`` lets callers inspect state.
+    sampling.
+
+    target, draft: mlx-lm models (draft None: no draft model).
+    prompt_ids: the prompt's token ids (at least one).
+    sampling: temperature, top-p, top-k, min-p (default greedy); the same processing makes
+        the target's p and the draft's q, which is what keeps sampling exact.
+    num_draft: k, the drafts per round: an int >= 0, "auto" (a fresh adaptive chooser) or a
+        stats.KChooser, such as one kept across generations by choosers.ChooserStore.
+    max_tokens: the most tokens to generate (> 0).
+    seed: seeds the sampling (None: random).
+    eos_ids: ids that end generation and are not emitted.
+    stop_ids: token sequences that end generation; they are emitted (stream.py strips text).
+    lookup: propose from earlier occurrences in the context first (prompt lookup).
+    vocab_size: how many ids the draft may propose (default: the smaller logit width).
+    stats: updated live (a fresh one if None).
+    prefill_step: prompt tokens per prefill chunk (bounds prefill memory).
+    kv: caches to reuse (their longest common prefix with the prompt is kept, the rest of the
+        prompt is prefilled) and that hold the context afterwards; fresh ones if None.
     """
-    params = SamplingParams(temperature, top_p, top_k, min_p)
+    sampling = SamplingParams() if sampling is None else sampling
+    if not isinstance(sampling, SamplingParams):
+        raise BadInput(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise BadInput("the prompt is empty")
     if max_tokens <= 0:
         raise BadInput(f"max tokens must be > 0, got {max_tokens}")
-    choose_k = _k_chooser(num_draft)
+    next_k = make_chooser(num_draft)
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(prompt)
-    tcache, dcache = caches or (make_prompt_cache(target), None)
-    if draft is not None and dcache is None:
-        dcache = make_prompt_cache(draft)
+    kv = kv if kv is not None else KVState()
+    if kv.target is None:
+        kv.drop()
+        kv.target = make_prompt_cache(target)
+    if draft is not None and kv.draft is None:
+        kv.draft, kv.draft_len = make_prompt_cache(draft), 0
     speculating = draft is not None or lookup
-    for c in (tcache, dcache) if speculating else ():
+    for c in (kv.target, kv.draft if draft is not None else None) if speculating else ():
         if c is not None and not can_trim_prompt_cache(c):
             # rollback is an offset move; sliding-window or recurrent state cannot undo tokens
             raise IncompatiblePair("speculation needs trimmable KV caches (not sliding-window)")
@@ -150,49 +130,52 @@ def generate_tokens(
     key = mx.random.key(seed if seed is not None else random.getrandbits(63))
     mx.reset_peak_memory()
 
-    with mx.stream(_STREAM):
+    with mx.stream(_STREAM), wired_limit(target, [_STREAM]):
         t0 = time.perf_counter()
-        _prefill(target, tcache, prompt[:-1], prefill_step)
+        stats.cached_tokens = _reuse(kv, prompt[:-1], target, draft)
+        _prefill(target, kv.target, prompt[len(kv.tokens) : -1], prefill_step)
         if draft is not None:
-            _prefill(draft, dcache, prompt[:-1], prefill_step)
+            _prefill(draft, kv.draft, prompt[kv.draft_len : -1], prefill_step)
+            kv.draft_len = len(prompt) - 1
+        kv.tokens = prompt[:-1]
+        mx.clear_cache()  # prefill's temporaries: decoding needs the room
         stats.prefill_s = time.perf_counter() - t0
+        process = None if sampling.greedy else make_processor(sampling)
         if not speculating:
-            loop = _plain(target, tcache, prompt, params, key, stops, stats)
+            loop = _plain(target, kv, prompt, process, key, stops, stats)
         else:
-            spec = _Speculation(target, tcache, draft, dcache, params, vocab_size, lookup)
-            loop = spec.run(prompt, choose_k, key, stops, stats)
+            spec = _Speculation(target, kv, draft, process, vocab_size, lookup)
+            loop = spec.run(prompt, next_k, key, stops, stats)
         try:
             yield from loop
         finally:
             stats.peak_memory = mx.get_peak_memory()
 
 
-def _k_chooser(num_draft: KChoice) -> Callable[[Stats], int]:
-    if callable(num_draft):
-        return num_draft
-    if num_draft == "auto":
-        from .adaptive import AdaptiveK
-
-        return AdaptiveK()
-    if not isinstance(num_draft, int) or num_draft < 0:
-        raise BadInput(
-            f"k (number of draft tokens) must be an integer >= 0 or 'auto', got {num_draft!r}"
-        )
-    return _Fixed(num_draft)
-
-
-class _Fixed:
-    """A fixed k, as a chooser."""
-
-    def __init__(self, k: int):
-        self.k = k
-
-    def __call__(self, _stats: Stats) -> int:
-        return self.k
-
-    def plain_next(self) -> bool:
-        """Whether the next round is plain whatever this one brings (see AdaptiveK)."""
-        return self.k == 0
+def _reuse(kv: KVState, context: list[int], target: nn.Module, draft: nn.Module | None) -> int:
+    """Keep the longest common prefix of what ``kv`` holds and ``context`` (the prompt minus
+    its last token, which the first round feeds); returns its length. Caches that cannot be
+    trimmed are kept only when they hold a prefix of the context, else replaced."""
+    held = kv.tokens
+    m = 0
+    for a, b in zip(held, context, strict=False):
+        if a != b:
+            break
+        m += 1
+    if m < len(held):
+        if can_trim_prompt_cache(kv.target):
+            trim_prompt_cache(kv.target, len(held) - m)
+        else:
+            kv.target, m = make_prompt_cache(target), 0
+    kv.tokens = held[:m]
+    if kv.draft is not None:
+        keep = min(kv.draft_len, m)
+        if keep < kv.draft_len and can_trim_prompt_cache(kv.draft):
+            trim_prompt_cache(kv.draft, kv.draft_len - keep)
+        elif keep < kv.draft_len:
+            kv.draft, keep = (make_prompt_cache(draft) if draft is not None else None), 0
+        kv.draft_len = keep
+    return m
 
 
 def _prefill(model: nn.Module, cache: list, tokens: list[int], step: int) -> None:
@@ -204,28 +187,35 @@ def _prefill(model: nn.Module, cache: list, tokens: list[int], step: int) -> Non
 
 class _Stops:
     """EOS ids, token-id stop sequences and the token budget. EOS is not emitted; a stop
-    sequence is emitted (the text layer strips stop strings)."""
+    sequence is emitted (the text layer strips stop strings). Only the last few tokens are
+    kept, so checking costs the same at the 10th token and the 10,000th."""
 
     def __init__(self, eos: Sequence[int], seqs: Sequence[Sequence[int]], max_tokens: int):
-        self.eos, self.seqs, self.max_tokens = set(eos), [list(s) for s in seqs if s], max_tokens
+        self.eos, self.max_tokens = set(eos), max_tokens
+        self.seqs = [list(s) for s in seqs if s]
+        self.span = max((len(s) for s in self.seqs), default=0)
+        self.recent: list[int] = []  # the last ``span`` tokens emitted
+        self.count = 0  # tokens emitted
 
-    def cut(self, generated: list[int], new: list[int]) -> tuple[list[int], str | None]:
+    def cut(self, new: list[int]) -> tuple[list[int], str | None]:
         """Keep the prefix of ``new`` up to the first stop; return it and the finish reason."""
         for i, t in enumerate(new):
             if t in self.eos:
                 return new[:i], "stop"
-            out = generated + new[: i + 1]
-            if any(out[-len(s) :] == s for s in self.seqs):
-                return new[: i + 1], "stop"
-            if len(out) >= self.max_tokens:
+            self.count += 1
+            if self.span:
+                self.recent = (self.recent + [t])[-self.span :]
+                if any(self.recent[-len(s) :] == s for s in self.seqs):
+                    return new[: i + 1], "stop"
+            if self.count >= self.max_tokens:
                 return new[: i + 1], "length"
         return new, None
 
 
-def _plain(target, cache, prompt, params, key, stops, stats) -> Iterator[TokenEvent]:
+def _plain(target, kv, prompt, process, key, stops, stats) -> Iterator[TokenEvent]:
     """Target-only decoding, overlapping the next step with the host like mlx-lm's
     generate_step: step i+1 is queued (async_eval) before token i is read back."""
-    process = None if params.greedy else make_processor(params)
+    cache = kv.target
 
     def step(y: mx.array) -> mx.array:
         nonlocal key
@@ -239,71 +229,91 @@ def _plain(target, cache, prompt, params, key, stops, stats) -> Iterator[TokenEv
     y = step(mx.array(prompt[-1:], dtype=mx.uint32))
     mx.async_eval(y)
     fed = len(prompt)  # tokens the cache has seen, queued steps included
-    generated: list[int] = []
-    while True:
-        if len(generated) + 1 < stops.max_tokens:
-            nxt = step(y)
-            mx.async_eval(nxt)
-            fed += 1
-        new, reason = stops.cut(generated, [y.item()])
-        generated += new
-        stats.rounds += 1
-        stats.generated = len(generated)
-        elapsed = time.perf_counter() - t0
-        stats.decode_s += elapsed
-        stats.last_round_s = elapsed
-        if reason and can_trim_prompt_cache(cache):
-            # drop what queued steps fed past the kept context: the cache holds ctx[:-1]
-            trim_prompt_cache(cache, fed - (len(prompt) + len(generated) - 1))
+    ctx = list(prompt)
+    try:
+        while True:
+            if stops.count + 1 < stops.max_tokens:
+                nxt = step(y)
+                mx.async_eval(nxt)
+                fed += 1
+            new, reason = stops.cut([y.item()])
+            ctx += new
+            elapsed = time.perf_counter() - t0
+            stats.record(RoundReport(0, 0, elapsed), stops.count)
             stats.finish_reason = reason
-        if new:
-            yield TokenEvent(new[0], False)
-        if reason:
-            return
-        t0 = time.perf_counter()
-        y = nxt
+            if new:
+                yield TokenEvent(new[0], False)
+            if reason:
+                return
+            t0 = time.perf_counter()
+            y = nxt
+    finally:
+        # undo what queued steps fed past the kept context: the cache holds ctx[:-1]
+        extra = fed - (len(ctx) - 1)
+        if extra and can_trim_prompt_cache(cache):
+            trim_prompt_cache(cache, extra)
+            kv.tokens = ctx[:-1]
+        elif extra:  # a sliding-window cache cannot give tokens back: start afresh next time
+            kv.drop()
+        else:
+            kv.tokens = ctx[:-1]
 
 
 class _Speculation:
     """State of one speculative generation: models, caches and the sampling setup."""
 
-    def __init__(self, target, tcache, draft, dcache, params, vocab_size, lookup):
-        self.target, self.tcache, self.draft, self.dcache = target, tcache, draft, dcache
-        self.process = None if params.greedy else make_processor(params)
-        self.lookup = lookup
+    def __init__(self, target, kv, draft, process, vocab_size, lookup):
+        self.target, self.tcache, self.draft, self.dcache = target, kv.target, draft, kv.draft
+        self.kv, self.process, self.lookup = kv, process, lookup
         self.head: mx.array | None = None  # (1, V_target) logits of a queued plain pass
-        if draft is not None and vocab_size is None:
+        self.d_len = kv.draft_len
+        self.draft_rows = 0  # ids the draft can embed
+        if draft is not None:
             # logit widths are known from shapes alone: this builds a graph, evaluates nothing
             probe = mx.array([[0]], dtype=mx.uint32)
-            vocab_size = min(target(probe).shape[-1], draft(probe).shape[-1])
+            width = draft(probe).shape[-1]
+            self.draft_rows = getattr(getattr(draft, "args", None), "vocab_size", None) or width
+            if vocab_size is None:
+                vocab_size = min(target(probe).shape[-1], width)
+            vocab_size = min(vocab_size, self.draft_rows)
         self.vocab_size = vocab_size
 
-    def run(self, prompt, choose_k, key, stops, stats) -> Iterator[TokenEvent]:
+    def run(self, prompt, next_k, key, stops, stats) -> Iterator[TokenEvent]:
         ctx = list(prompt)
-        self.d_len = len(ctx) - 1
-        generated: list[int] = []
         drafting_rounds = 0
-        plain_next = getattr(choose_k, "plain_next", lambda: False)
-        while True:
-            t0 = time.perf_counter()
-            # a round emits up to k + 1 tokens: never draft past the budget
-            k = max(0, min(choose_k(stats), stops.max_tokens - len(generated) - 1))
-            # a queued pass would be waited for inside the draft's timing: skip, time the next
-            time_draft = k > 0 and drafting_rounds % TIME_DRAFT_EVERY == 0 and self.head is None
-            drafting_rounds += k > 0 and self.head is None
-            queue = k == 0 and len(generated) + 1 < stops.max_tokens and plain_next()
-            key, sub = mx.random.split(key)
-            n, tokens, k, t_draft = self.round(ctx, k, sub, time_draft, queue)
-            new, reason = stops.cut(generated, tokens[:n] + [tokens[k]])
-            self.rollback(ctx, k, n_kept=len(new) - 1 if reason else n, done=reason is not None)
-            ctx += new
-            generated += new
-            _record(stats, k, n, len(generated), time.perf_counter() - t0, t_draft)
-            stats.finish_reason = reason
-            for i, t in enumerate(new):
-                yield TokenEvent(t, i < n)
-            if reason:
-                return
+        plain_next = getattr(next_k, "plain_next", lambda: False)
+        last, settled = None, True  # settled: the caches match ctx (not mid-round)
+        try:
+            while True:
+                settled = False
+                t0 = time.perf_counter()
+                # a round emits up to k + 1 tokens: never draft past the budget
+                k = max(0, min(next_k(last), stops.max_tokens - stops.count - 1))
+                # a queued pass would be waited for inside the draft's timing: skip, time the next
+                time_draft = k > 0 and drafting_rounds % TIME_DRAFT_EVERY == 0 and self.head is None
+                drafting_rounds += k > 0 and self.head is None
+                queue = k == 0 and stops.count + 1 < stops.max_tokens and plain_next()
+                key, sub = mx.random.split(key)
+                n, tokens, k, t_draft = self.round(ctx, k, sub, time_draft, queue)
+                new, reason = stops.cut(tokens[:n] + [tokens[k]])
+                self.rollback(ctx, k, n_kept=len(new) - 1 if reason else n, done=reason is not None)
+                ctx += new
+                settled = True
+                last = RoundReport(k, n, time.perf_counter() - t0, t_draft)
+                stats.record(last, stops.count)
+                stats.finish_reason = reason
+                for i, t in enumerate(new):
+                    yield TokenEvent(t, i < n)
+                if reason:
+                    return
+        finally:
+            if not settled:  # an exception mid-round: what the caches hold is unknown
+                self.kv.drop()
+            else:
+                if self.head is not None:  # closed early with a plain pass queued: undo it
+                    self.head = None
+                    trim_prompt_cache(self.tcache, 1)
+                self.kv.tokens, self.kv.draft_len = ctx[:-1], self.d_len
 
     def round(
         self, ctx: list[int], k: int, key: mx.array, time_draft: bool = False, queue: bool = False
@@ -318,7 +328,8 @@ class _Speculation:
         proposal = lookup_propose(ctx, k) if self.lookup else []
         d, q = mx.array(proposal, dtype=mx.uint32), None
         if not proposal and self.draft is not None and k > 0:
-            pending = ctx[self.d_len :]
+            rows = self.draft_rows
+            pending = [t if t < rows else SAFE_ID for t in ctx[self.d_len :]]
             x = mx.array(pending, dtype=mx.uint32)[None]  # (1, L)
             d, q = draft_model_propose(
                 self.draft, self.dcache, x, k, self.vocab_size, self.process, kd
@@ -376,20 +387,3 @@ def _pad(q: mx.array, width: int) -> mx.array:
     """Draft probabilities (k, vocab) -> (k, width): ids the draft cannot propose get q = 0."""
     extra = width - q.shape[-1]
     return q if extra == 0 else mx.concatenate([q, mx.zeros((q.shape[0], extra))], axis=-1)
-
-
-def _record(stats: Stats, k: int, n: int, generated: int, round_s: float, draft_s: float | None):
-    stats.rounds += 1
-    stats.drafted += k
-    stats.accepted += n
-    if len(stats.accept_hist) <= n:
-        stats.accept_hist += [0] * (n + 1 - len(stats.accept_hist))
-    stats.accept_hist[n] += 1
-    stats.generated = generated
-    stats.decode_s += round_s
-    if draft_s is not None:
-        stats.timed_rounds += 1
-        stats.timed_drafted += k
-        stats.timed_draft_s += draft_s
-    stats.last_k, stats.last_accepted = k, n
-    stats.last_round_s, stats.last_draft_s = round_s, draft_s

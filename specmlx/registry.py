@@ -15,6 +15,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from .errors import RegistryError, UnknownModel
+from .paths import expand_path
 
 DTYPES = ("float16", "bfloat16", "float32", "auto")
 KINDS = ("hf", "local", "gguf", "wheel")
@@ -28,26 +29,11 @@ _MODEL_KEYS = {
     "build": str,
 }
 _PAIR_KEYS = {"target": str, "draft": str, "k": (int, str)}
+BUILDS = ("cpu-demo",)  # stand-ins that `specmlx models build` knows how to make
 _DEFAULT_KEYS = {"pair": str, "pair_cpu": str, "context": int}
 _QUANT_KEYS = {"bits": int, "group_size": int}
 _HF_REPO = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
 WHEEL_RE = re.compile(r"^([\w.-]+)==([\w.!+-]+)#(.+)$")
-
-
-def specmlx_home() -> Path:
-    """Where specmlx keeps its caches ($SPECMLX_HOME, default ~/.cache/specmlx)."""
-    return Path(os.environ.get("SPECMLX_HOME") or "~/.cache/specmlx").expanduser()
-
-
-def expand_path(text: str) -> Path:
-    """Expand ~ and $VARS; $SPECMLX_HOME falls back to its default."""
-    env = {**os.environ, "SPECMLX_HOME": str(specmlx_home())}
-    expanded = re.sub(
-        r"\$(\w+)|\$\{(\w+)\}",
-        lambda m: env.get(m.group(1) or m.group(2), m.group(0)),
-        text,
-    )
-    return Path(expanded).expanduser()
 
 
 @dataclass(frozen=True)
@@ -71,12 +57,20 @@ class ModelSpec:
     keep_quantized: bool = False
     context: int | None = None
     label: str = ""
-    build: str | None = None
+    build: str | None = None  # the builder that makes it: `specmlx models build NAME`
 
     @property
     def source(self) -> str:
         rev = f"@{self.revision}" if self.revision else ""
         return f"{self.kind}:{self.ref}{rev}"
+
+    @property
+    def identity(self) -> str:
+        """Everything that changes the weights as loaded: source and revision, dtype,
+        quantization and keep_quantized. Probes, adaptive-k state and quantized copies are
+        keyed by it (loading adds the files' commit or size and mtime: Loaded.identity)."""
+        q = f"q{self.quantize.bits}g{self.quantize.group_size}" if self.quantize else "q-"
+        return f"{self.source}|{self.dtype}|{q}|kq={int(self.keep_quantized)}"
 
     @property
     def path(self) -> Path:
@@ -138,6 +132,12 @@ class Registry:
             hint = f"did you mean {names}?" if close else f"known: {names}"
             raise UnknownModel(f"unknown pair '{name}'; {hint}")
         return self.pairs[name]
+
+    def context_for(self, target: ModelSpec, draft: ModelSpec | None = None) -> int:
+        """The context a pair can use: the smaller of the models' own `context` (the one
+        trained for), else the [defaults] context."""
+        own = [s.context for s in (target, draft) if s is not None and s.context]
+        return min(own) if own else self.defaults.context
 
     def default_pair(self, cpu: bool) -> PairSpec:
         """The pair to use when none is named; `pair_cpu` wins on the CPU backend."""
@@ -264,6 +264,11 @@ def parse_file(path: Path) -> tuple[dict, dict, dict]:
         if spec.keep_quantized and not gguf:
             msg = f"keep_quantized in [{_show(table)}] is for gguf:/wheel: sources only"
             raise _fail(where, table, "keep_quantized", msg)
+        if spec.build is not None and spec.build not in BUILDS:
+            msg = f"build in [{_show(table)}] must be one of {', '.join(BUILDS)}"
+            raise _fail(where, table, "build", msg)
+        if spec.context is not None and spec.context <= 0:
+            raise _fail(where, table, "context", f"context in [{_show(table)}] must be > 0")
     pairs: dict[str, PairSpec] = {}
     for name, raw in data.get("pairs", {}).items():
         table = ("pairs", name)
@@ -274,11 +279,13 @@ def parse_file(path: Path) -> tuple[dict, dict, dict]:
         if missing:
             raise _fail(where, table, None, f"[{_show(table)}] has no '{missing[0]}'")
         k = raw.get("k", "auto")
-        if k != "auto" and not (isinstance(k, int) and k >= 1):
-            raise _fail(where, table, "k", f'k in [{_show(table)}] must be >= 1 or "auto"')
+        if k != "auto" and not (isinstance(k, int) and k >= 0):
+            raise _fail(where, table, "k", f'k in [{_show(table)}] must be >= 0 or "auto"')
         pairs[name] = PairSpec(name=name, target=raw["target"], draft=raw["draft"], k=k)
     defaults = data.get("defaults", {})
     _check_keys(defaults, _DEFAULT_KEYS, ("defaults",), where)
+    if defaults.get("context", 1) <= 0:
+        raise _fail(where, ("defaults",), "context", "context in [defaults] must be > 0")
     return models, pairs, defaults
 
 

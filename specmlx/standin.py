@@ -8,10 +8,8 @@ weights rounded to 4 bits and run in float32, so it sometimes disagrees with the
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.llama import Model, ModelArgs
 
 from .errors import SpecmlxError
+from .loading import load_model
+from .paths import atomic_write, specmlx_home
+from .registry import load_registry
+from .sources import Progress, say
 
 Weights = dict[str, mx.array]
 TOLERANCE = 1e-3
@@ -158,7 +160,7 @@ def build_cpu_pair(
     }
     if not max_delta < TOLERANCE:
         raise SpecmlxError(f"widened target differs from base: max |dlogit| {max_delta:.2e}")
-    (out / "pair.json").write_text(json.dumps(facts, indent=2) + "\n")
+    atomic_write(out / "pair.json", json.dumps(facts, indent=2) + "\n")  # the completion mark
     return facts
 
 
@@ -175,52 +177,66 @@ def build_useless_draft(tokenizer: Any, vocab: int, out_dir: Path) -> None:
     _save(out_dir, dict(tree_flatten(model.parameters())), args, tokenizer)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Build the CPU demo pair from smollm2-135m (scripts/make-cpu-pair)."""
-    from .loading import load_model
-    from .registry import load_registry, specmlx_home
+def demo_dir() -> Path:
+    """Where `specmlx models build cpu-demo` puts the pair ($SPECMLX_HOME/cpu-demo)."""
+    return specmlx_home() / "cpu-demo"
 
-    p = argparse.ArgumentParser(prog="make-cpu-pair", description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=specmlx_home() / "cpu-demo")
-    p.add_argument("--force", action="store_true", help="rebuild even if complete")
-    p.add_argument("--m", type=int, default=3, help="widening factor of the target")
-    p.add_argument("--bits", type=int, default=4)
-    p.add_argument("--group-size", type=int, default=64)
-    a = p.parse_args(argv)
-    out = a.out.expanduser()
-    if is_complete(out) and not a.force:
+
+def build_demo(
+    out: Path | None = None,
+    *,
+    force: bool = False,
+    m: int = 3,
+    bits: int = 4,
+    group_size: int = 64,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Build the CPU demo pair (and the useless draft) from smollm2-135m, unless it is built.
+
+    out: the directory (default demo_dir()); force: rebuild even if complete; m, bits,
+    group_size: see build_cpu_pair; progress: gets a line before slow steps.
+    Returns the pair's facts (pair.json) with "built": False when it was already there."""
+    out = (out or demo_dir()).expanduser()
+    if is_complete(out) and not force:
         if not (out / "useless-draft" / "config.json").exists():
             from mlx_lm.utils import load_tokenizer
 
             tokenizer = load_tokenizer(out / "draft")
             vocab = json.loads((out / "draft" / "config.json").read_text())["vocab_size"]
             build_useless_draft(tokenizer, vocab, out / "useless-draft")
-        print(f"already built: {out} (--force rebuilds)")
-        print((out / "pair.json").read_text(), end="")
-        return 0
+        return {**json.loads((out / "pair.json").read_text()), **_sizes(out), "built": False}
     shutil.rmtree(out, ignore_errors=True)
-    base = load_model(load_registry().resolve("smollm2-135m"), progress=print)
+    base = load_model(load_registry().resolve("smollm2-135m"), progress=progress)
     base.model.set_dtype(mx.float32)  # the check compares float32 against float32
-    print(f"building {out} (widening, quantizing, then checking logits; minutes on CPU)")
-    try:
-        facts = build_cpu_pair(base.model, base.tokenizer, out, a.m, a.bits, a.group_size)
-        build_useless_draft(base.tokenizer, base.vocab_size, out / "useless-draft")
-    except SpecmlxError as e:
-        print(f"make-cpu-pair: FAILED: {e}", file=sys.stderr)
-        return 1
+    n = base.nbytes // 4
+    size = n * 4 * (m * m + 1 + 0.1)  # ~m^2 x the weights for the target, 1x for the draft
+    say(progress, f"building {out} (about {size / 1e9:.1f} GB; widening, quantizing, then "
+        "checking logits: a minute or two on a CPU)")  # fmt: skip
+    facts = build_cpu_pair(base.model, base.tokenizer, out, m, bits, group_size)
+    build_useless_draft(base.tokenizer, base.vocab_size, out / "useless-draft")
+    return {**facts, **_sizes(out), "built": True}
+
+
+def _sizes(out: Path) -> dict[str, int]:
+    return {
+        f"{role}_bytes": sum(f.stat().st_size for f in (out / role).glob("*.safetensors"))
+        for role in ("target", "draft")
+    }
+
+
+def describe(facts: dict[str, Any]) -> list[str]:
+    """What a built pair is, in lines for the CLI."""
+    lines = []
     for role in ("target", "draft"):
-        size = sum(f.stat().st_size for f in (out / role).glob("*.safetensors"))
-        print(
-            f"{role}: {facts[role]}  {facts[role + '_params'] / 1e6:.0f}M params, "
-            f"{size / 2**30:.2f} GiB float32\n  {facts['labels'][role]}"
+        size = facts.get(f"{role}_bytes")
+        shown = f", {size / 2**30:.2f} GiB float32" if size else ""
+        lines.append(
+            f"{role}: {facts[role]}  {facts[role + '_params'] / 1e6:.0f}M params{shown}\n"
+            f"  {facts['labels'][role]}"
         )
-    print(
+    lines.append(
         f"check: max |dlogit| target vs base {facts['max_abs_dlogit']:.1e} (< {TOLERANCE:g}) "
         f"on {len(PROMPTS)} prompts; the draft agrees with the target's greedy pick on "
         f"{facts['draft_agreement']:.0%} of {facts['tokens_checked']} continuation tokens"
     )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return lines

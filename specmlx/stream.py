@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import mlx.nn as nn
 
-from .engine import Stats, generate_tokens
+from .engine import generate_tokens
 from .errors import BadInput
+from .stats import Stats
 
 
 @dataclass

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_tiny_model
+from helpers import make_tiny_model
 from typer.testing import CliRunner
 
 from specmlx.cli import app
@@ -32,7 +32,7 @@ def registry(tmp_path, specmlx_home, monkeypatch):
 [defaults]
 pair = "tiny"
 pair_cpu = "tiny"
-context = 64
+context = 512
 
 [models.tiny-t]
 source = "local:{tmp_path / "t"}"
@@ -137,7 +137,9 @@ def test_version():
         (["-k", "lots", "x"], 2, ["-k"]),
         (["-n", "0", "x"], 2, ["max-tokens"]),
         (["   "], 2, ["empty"]),
-        (["word " * 200], 2, ["context"]),
+        (["word " * 600], 2, ["context of 512", "tokens and --max-tokens asks for 256"]),
+        (["-n", "500", "x" * 20], 2, ["asks for 500", "context of 512"]),
+        (["--context", "0", "x"], 2, ["--context"]),
     ],
 )
 def test_bad_input_one_line(registry, args, code, words):
@@ -215,7 +217,7 @@ def test_bench_json_schema(registry, tmp_path):
         "speedup",
         "acceptance_rate",
         "tokens_per_pass",
-        "c",
+        "draft_cost",
         "theoretical_speedup",
         "efficiency",
         "identical_to_target",
@@ -268,7 +270,7 @@ def test_closed_stdout_pipe_ends_quietly(registry):
 
 
 def test_corrupt_and_unsupported_gguf(registry, tmp_path):
-    from test_loading import build_tiny_gguf, write_gguf
+    from helpers import build_tiny_gguf, write_gguf
 
     path, _, meta, tensors = build_tiny_gguf(tmp_path)
     cut = tmp_path / "cut.gguf"
@@ -277,3 +279,109 @@ def test_corrupt_and_unsupported_gguf(registry, tmp_path):
     odd = dict(tensors, **{"blk.0.ffn_down.weight": ("Q5_K", (64, 256), b"\0" * 176 * 64)})
     q5k = write_gguf(tmp_path / "q5k.gguf", meta, odd)
     one_line_error(run("run", "--target", str(q5k), "--draft", "none", "x"), 1, "Q5_K")
+
+
+@pytest.mark.parametrize("prompt", ["-- top customers by revenue", "-1 + 2", "--\n-- a diff"])
+def test_a_prompt_that_starts_with_a_dash(registry, prompt):
+    """An SQL comment or a diff hunk is a prompt, not an option: the error says how to pass
+    it, and `--` before it does."""
+    one_line_error(run("run", prompt), 2, "starts with '-'", "specmlx run -- ")
+    r = run("run", "-n", "3", "--draft", "none", "--", prompt)
+    assert r.exit_code == 0, r.stderr
+    typo = run("run", "--tmep", "0.5", "x")  # a mistyped option keeps click's message
+    assert typo.exit_code == 2 and "No such option" in typo.stderr
+
+
+def test_models_pull_fetches_without_loading(registry, monkeypatch):
+    """Pull once loaded the whole model (68 GB for codellama-34b) just to download it."""
+    from specmlx import loading
+
+    def boom(*a, **kw):
+        raise AssertionError("pull loaded weights")
+
+    monkeypatch.setattr(loading, "load_model", boom)
+    r = run("models", "pull", "tiny-t")
+    assert r.exit_code == 0 and "ready" in r.stderr, r.stderr
+
+
+def test_models_pull_plans_memory_before_quantizing(registry, tmp_path, monkeypatch):
+    extra = tmp_path / "q.toml"
+    extra.write_text(f'[models.tq]\nsource = "local:{registry / "t"}"\nquantize = {{ bits = 4 }}\n')
+    monkeypatch.setenv("SPECMLX_MODELS", str(extra))
+    monkeypatch.setenv("SPECMLX_MEMORY_BUDGET", "1kB")
+    one_line_error(run("models", "pull", "tq"), 1, "available")
+    monkeypatch.delenv("SPECMLX_MEMORY_BUDGET")
+    r = run("models", "pull", "tq")
+    assert r.exit_code == 0 and "quantized" in r.stderr, r.stderr
+    assert list((registry / "specmlx-home" / "quantized").glob("tq-*/model.safetensors"))
+
+
+def test_models_build_and_list(registry, monkeypatch):
+    """`specmlx models build cpu-demo` works from a pip install (no scripts/ needed); the
+    unbuilt pair's error names that command; `models list` sizes what it can and says "?"
+    for what it cannot."""
+    from specmlx import standin
+
+    monkeypatch.setenv("SPECMLX_MODELS", str(registry / "models.toml"))
+    one_line_error(
+        run("run", "--target", "cpu-demo-target", "--draft", "none", "x"),
+        1,
+        "specmlx models build cpu-demo",
+    )
+    calls = []
+
+    def fake_build(**kw):
+        calls.append(kw)
+        return json.loads(FACTS) | {"built": True}
+
+    monkeypatch.setattr(standin, "build_demo", fake_build)
+    r = run("models", "build", "cpu-demo-target")
+    assert r.exit_code == 0 and "ready: cpu-demo" in r.stderr and calls, r.stderr
+    one_line_error(run("models", "build", "nonsense"), 2, "cpu-demo")
+    odd = registry / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text('{"model_type": "mamba"}')
+    extra = registry / "odd.toml"
+    extra.write_text(f'[models.odd-model]\nsource = "local:{odd}"\n')
+    monkeypatch.setenv("SPECMLX_MODELS", str(extra))
+    r = run("models", "list")
+    assert r.exit_code == 0, r.stderr
+    row = next(ln for ln in r.stderr.splitlines() if ln.startswith("│ odd-model "))
+    assert "│ ?" in row and "│ yes" in row, row
+
+
+FACTS = json.dumps(
+    {
+        "target": "/x/target", "draft": "/x/draft", "target_params": 1e9, "draft_params": 1e8,
+        "labels": {"target": "wide", "draft": "q4"}, "max_abs_dlogit": 1e-5,
+        "draft_agreement": 0.8, "tokens_checked": 96,
+    }
+)  # fmt: skip
+
+
+def test_the_entry_point_re_execs_before_importing_mlx():
+    """With OpenBLAS installed, `specmlx` re-execs itself with it preloaded; it once did so
+    after importing mlx-lm and transformers, which then loaded twice (~1.2 s a call)."""
+    code = """
+import json, os, sys
+import specmlx.entry as entry
+entry.wants_openblas = lambda env: True
+def fake_execve(exe, argv, env):
+    heavy = [m for m in ("mlx.core", "mlx_lm", "transformers", "specmlx.cli") if m in sys.modules]
+    print(json.dumps({"heavy": heavy, "argv": argv[1:], "preload": env["LD_PRELOAD"],
+                      "again": env.get("SPECMLX_NO_OPENBLAS")}))
+    sys.exit(0)
+os.execve = fake_execve
+sys.argv = ["specmlx", "--version"]
+entry.main()
+"""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout)
+    assert got["heavy"] == [] and got["argv"] == ["-m", "specmlx", "--version"]
+    from specmlx.machine import OPENBLAS, wants_openblas
+
+    assert got["preload"].startswith(OPENBLAS) and got["again"] == "1"
+    assert not wants_openblas({"SPECMLX_NO_OPENBLAS": "1"})
+    assert not wants_openblas({"LD_PRELOAD": OPENBLAS})

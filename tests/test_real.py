@@ -17,11 +17,12 @@ from typer.testing import CliRunner
 
 from specmlx.bench import load_prompts
 from specmlx.cli import app
-from specmlx.engine import Stats, generate_tokens
+from specmlx.engine import generate_tokens
 from specmlx.errors import ModelLoadError, OfflineError
 from specmlx.loading import load_model
 from specmlx.registry import load_registry
 from specmlx.standin import quantize_dequantize
+from specmlx.stats import Stats
 from specmlx.stream import encode_prompt
 
 pytestmark = pytest.mark.slow

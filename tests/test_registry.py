@@ -59,7 +59,7 @@ def test_shipped_registry_has_required_entries(specmlx_home):
     assert reg.default_pair(cpu=False).name == "smollm2"
     assert reg.default_pair(cpu=True).name == "cpu-demo"
     demo = reg.models["cpu-demo-target"]
-    assert demo.build == "scripts/make-cpu-pair" and demo.label.startswith("stand-in:")
+    assert demo.build == "cpu-demo" and demo.label.startswith("stand-in:")
     assert demo.path == specmlx_home / "cpu-demo" / "target"
 
 
@@ -138,11 +138,13 @@ def test_unknown_key_names_file_line_and_key(tmp_path):
         ('[models.a]\nsource = "gguf:x.gguf"\nquantize = {bits = 4}\n', 3, "keep_quantized"),
         ('[models.a]\nsource = "hf:a/b"\nkeep_quantized = true\n', 3, "for gguf:/wheel:"),
         (
-            '[models.a]\nsource = "hf:a/b"\n\n[pairs.p]\ntarget = "a"\ndraft = "a"\nk = 0\n',
+            '[models.a]\nsource = "hf:a/b"\n\n[pairs.p]\ntarget = "a"\ndraft = "a"\nk = -1\n',
             7,
             "k in",
         ),
         ('[models.a]\nlabel = "x"\n', 1, "has no 'source'"),
+        ('[models.a]\nsource = "local:x"\nbuild = "scripts/x"\n', 3, "build in [models.a]"),
+        ('[models.a]\nsource = "hf:a/b"\ncontext = 0\n', 3, "context in [models.a]"),
         ('[modles.a]\nsource = "hf:a/b"\n', 1, "unknown key 'modles'"),
         ('[defaults]\npair = "p"\ncontext = true\n', 3, "'context' in [defaults] must be int"),
     ],
@@ -152,6 +154,22 @@ def test_bad_values_name_the_line(tmp_path, text, line, words):
     with pytest.raises(RegistryError) as e:
         parse_file(path)
     assert str(e.value).startswith(f"{path}:{line}: ") and words in str(e.value)
+
+
+def test_k_zero_and_contexts(tmp_path, specmlx_home):
+    """k = 0 is valid in a pair as on the command line; a pair's context is the smaller of
+    its models' own, else [defaults]."""
+    path = write(
+        tmp_path,
+        '[models.a]\nsource = "hf:a/b"\ncontext = 16384\n[models.b]\nsource = "hf:a/c"\n'
+        'context = 8192\n[models.c]\nsource = "hf:a/d"\n[pairs.p]\ntarget = "a"\ndraft = "b"\n'
+        "k = 0\n",
+    )
+    reg = load_registry([path])
+    assert reg.pairs["p"].k == 0
+    a, b, c = (reg.resolve(x) for x in "abc")
+    assert reg.context_for(a) == 16384 and reg.context_for(a, b) == 8192
+    assert reg.context_for(c) == reg.defaults.context == 4096
 
 
 def test_pair_naming_unknown_model_is_refused(tmp_path, specmlx_home):

@@ -1,0 +1,142 @@
+"""The one place that turns a k setting into a chooser, and the store of adaptive choosers.
+
+``num_draft`` is an int (a fixed k), "auto" (adaptive k) or a stats.KChooser. For "auto",
+``ChooserStore`` keeps one AdaptiveK per target, drafter, sampler and machine: in memory for a
+long-lived process (the server, the bench) and on disk under $SPECMLX_HOME/adaptive across
+runs, so each run starts from what the last one learned. Both files it writes (the chooser
+state and the target's probed verify curve) are best effort: a read-only home costs one
+warning line and the run goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .adaptive import AdaptiveK, probe_verify
+from .errors import BadInput
+from .machine import machine_id
+from .paths import Warn, load_json, save_json, specmlx_home
+from .sampling import SamplingParams
+from .stats import KChooser, RoundReport
+
+KSetting = int | str | KChooser
+PROBE_VERSION = "v3"  # bump when the probe's method changes: old curves are then ignored
+
+
+class FixedK:
+    """A fixed k, as a chooser."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __call__(self, _last: RoundReport | None) -> int:
+        return self.k
+
+    def plain_next(self) -> bool:
+        """Whether the next round is plain whatever this one brings (see AdaptiveK)."""
+        return self.k == 0
+
+
+def make_chooser(num_draft: KSetting) -> KChooser:
+    """An int k >= 0 -> FixedK; "auto" -> a fresh AdaptiveK; a chooser -> itself.
+    BadInput for anything else."""
+    if callable(num_draft):
+        return num_draft
+    if num_draft == "auto":
+        return AdaptiveK()
+    if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 0:
+        raise BadInput(
+            f"k (number of draft tokens) must be an integer >= 0 or 'auto', got {num_draft!r}"
+        )
+    return FixedK(num_draft)
+
+
+def _state_path(kind: str, identity: str) -> Path:
+    """A file under $SPECMLX_HOME/kind for this machine, backend, BLAS, MLX and ``identity``."""
+    key = f"{machine_id(str(mx.default_device()))}|{identity}"
+    return specmlx_home() / kind / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+
+
+class ChooserStore:
+    """Adaptive-k choosers by (target identity, drafter identity, sampler, machine).
+
+    persist: read and write $SPECMLX_HOME (False: memory only, as the bench wants).
+    verify_ratio: a measured verify curve for fresh choosers (default: probe the target once,
+    cached on disk by the target's identity). warn: gets one line when a write fails.
+    """
+
+    def __init__(
+        self,
+        *,
+        persist: bool = True,
+        verify_ratio: list[float] | None = None,
+        warn: Warn | None = None,
+    ):
+        self.persist, self.verify_ratio, self.warn = persist, verify_ratio, warn
+        self._live: dict[str, AdaptiveK] = {}
+        self._paths: dict[int, Path] = {}
+        self._warned = False
+
+    @staticmethod
+    def key(target_id: str, drafter_id: str, sampling: SamplingParams) -> str:
+        """The identity a chooser's estimates belong to (the machine is added on disk)."""
+        return f"{target_id}|{drafter_id}|{sampling}"
+
+    def get(
+        self,
+        target: nn.Module,
+        target_id: str,
+        drafter_id: str,
+        sampling: SamplingParams,
+        prompt_ids: Sequence[int],
+    ) -> AdaptiveK:
+        """The chooser for this pair and sampler: live, else as the last run left it on disk,
+        else fresh and seeded with the target's verify curve (probed over ``prompt_ids``).
+
+        target: the target model (probed only when no curve is known); target_id and
+        drafter_id: full model identities (registry.ModelSpec.identity; "lookup" or "none"
+        for drafters without a model); sampling: the sampler, since acceptance depends on it.
+        """
+        key = self.key(target_id, drafter_id, sampling)
+        if key in self._live:
+            return self._live[key]
+        path = _state_path("adaptive", key)
+        chooser = None
+        state = load_json(path) if self.persist else None
+        if state is not None:
+            try:
+                chooser = AdaptiveK(**state["state"])
+            except (KeyError, TypeError):  # from another version: start afresh
+                chooser = None
+        if chooser is None:
+            ratio = self.verify_ratio or self._probe(target, target_id, list(prompt_ids))
+            chooser = AdaptiveK(verify_ratio=ratio)
+        self._live[key] = chooser
+        self._paths[id(chooser)] = path
+        return chooser
+
+    def save(self, chooser: AdaptiveK) -> None:
+        """Keep what ``chooser`` learned for the next run (best effort)."""
+        path = self._paths.get(id(chooser))
+        if self.persist and path is not None:
+            self._save(path, {"state": chooser.state()})
+
+    def _probe(self, target: nn.Module, target_id: str, ids: list[int], k_max: int = 8):
+        path = _state_path("probes", f"{target_id}|{k_max}|{PROBE_VERSION}")
+        cached = load_json(path) if self.persist else None
+        if cached is not None and isinstance(cached.get("ratio"), list):
+            return cached["ratio"]
+        ratio = probe_verify(target, ids, k_max)
+        if self.persist:
+            self._save(path, {"identity": target_id, "ratio": ratio})
+        return ratio
+
+    def _save(self, path: Path, data: dict) -> None:
+        # one warning per store: a read-only home would otherwise repeat it every request
+        if not save_json(path, data, None if self._warned else self.warn):
+            self._warned = True

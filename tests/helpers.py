@@ -1,0 +1,263 @@
+"""Tiny random-weight mlx-lm llama models and tokenizers: right for mechanics, never for speed
+claims. Shared by the test modules (conftest.py turns some into fixtures)."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+from specmlx import gguf
+from specmlx.stats import RoundReport
+
+
+def make_tiny(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, sharpen: float = 1.0):
+    """A random llama; ``sharpen`` scales the output head so distributions are peaky."""
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    model = llama.Model(args)
+    if sharpen != 1.0:
+        model.lm_head.weight = model.lm_head.weight * sharpen
+    mx.eval(model.parameters())
+    return model
+
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. 0123456789",
+    "import os\nfor i in range(10):\n    print(i, os.getcwd())\n",
+    "class Point:\n    x: int = 0\n    y: int = 0\n",
+]
+SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
+
+
+def tiny_tokenizer(corpus: list[str] | None = None, extra_tokens: int = 0, vocab_size: int = 320):
+    """A byte-level BPE PreTrainedTokenizerFast; `extra_tokens` appends <extra_i> tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(corpus or CORPUS, trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+    if extra_tokens:
+        tok.add_tokens([f"<extra_{i}>" for i in range(extra_tokens)])
+    return tok
+
+
+def tiny_config(vocab_size: int, **over) -> dict:
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    return config | over
+
+
+def make_tiny_model(
+    path: Path,
+    *,
+    seed: int = 0,
+    corpus: list[str] | None = None,
+    extra_tokens: int = 0,
+    vocab_size: int | None = None,
+    **config_over,
+) -> Path:
+    """Save a random tiny llama + tokenizer as an MLX model dir; logits width = tokenizer size."""
+    from mlx_lm.models import llama
+    from mlx_lm.utils import save_config, save_model
+
+    tok = tiny_tokenizer(corpus, extra_tokens)
+    config = tiny_config(vocab_size or len(tok), **config_over)
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    save_model(path, model)
+    save_config(dict(config), path / "config.json")
+    tok.save_pretrained(str(path))
+    return path
+
+
+# ------------------------------------------------------------------ GGUF files
+
+GGML = {"F32": 0, "Q4_0": 2, "Q8_0": 8, "Q5_K": 13}
+_TO_GGUF = {v: k for k, v in gguf._BLOCK_NAMES.items()}
+_TOP_TO_GGUF = {v: k for k, v in gguf._TOP_NAMES.items()}
+
+
+def gguf_name(mlx_name: str) -> str:
+    base, _, leaf = mlx_name.rpartition(".")
+    if base.startswith("model.layers."):
+        _, _, n, *rest = base.split(".")
+        return f"blk.{n}.{_TO_GGUF['.'.join(rest)]}.{leaf}"
+    return f"{_TOP_TO_GGUF[base]}.{leaf}"
+
+
+def q8_0(x: np.ndarray) -> bytes:
+    blocks = x.reshape(-1, 32)
+    d = np.abs(blocks).max(axis=1, keepdims=True) / 127
+    q = np.round(blocks / np.where(d == 0, 1, d)).astype(np.int8)
+    rows = [d16.tobytes() + qs.tobytes() for d16, qs in zip(d.astype(np.float16), q, strict=True)]
+    return b"".join(rows)
+
+
+def write_gguf(path: Path, meta: dict, tensors: dict[str, tuple[str, tuple, bytes]]) -> Path:
+    """A minimal GGUF v3 writer: scalars, strings, lists; tensors as (type, mlx shape, bytes)."""
+
+    def s(x: str) -> bytes:
+        b = x.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    def value(v) -> bytes:
+        if isinstance(v, bool):
+            return struct.pack("<I?", 7, v)
+        if isinstance(v, int):
+            return struct.pack("<II", 4, v)
+        if isinstance(v, float):
+            return struct.pack("<If", 6, v)
+        if isinstance(v, str):
+            return struct.pack("<I", 8) + s(v)
+        kind = 8 if isinstance(v[0], str) else 6 if isinstance(v[0], float) else 5
+        head = struct.pack("<IIQ", 9, kind, len(v))
+        if kind == 8:
+            return head + b"".join(s(x) for x in v)
+        return head + struct.pack(f"<{len(v)}{'f' if kind == 6 else 'i'}", *v)
+
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta))
+    out += b"".join(s(k) + value(v) for k, v in meta.items())
+    offset, blobs = 0, []
+    for name, (kind, shape, data) in tensors.items():
+        dims = shape[::-1]
+        out += s(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, GGML[kind], offset)
+        pad = b"\0" * (-len(data) % 32)
+        blobs.append(data + pad)
+        offset += len(data) + len(pad)
+    out += b"\0" * (-len(out) % 32)
+    path.write_bytes(out + b"".join(blobs))
+    return path
+
+
+def tokenizer_meta(tok) -> dict:
+    model = json.loads(tok.backend_tokenizer.to_str())["model"]
+    vocab = {t: i for t, i in tok.get_vocab().items()}
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "smollm",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [
+            3 if t.startswith("<") and t.endswith(">") else 1 for t in tokens
+        ],
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    }
+
+
+def build_tiny_gguf(tmp_path: Path):
+    """(path, reference, meta, tensors) for a tiny llama written as GGUF.
+
+    The projections and embeddings are Q8_0, the norms F32; the reference (rope_traditional,
+    like llama.cpp's layout) holds the same Q8_0-rounded weights in float32."""
+    tok = tiny_tokenizer()
+    config = tiny_config(len(tok), hidden_size=64, rope_traditional=True)
+    mx.random.seed(3)
+    ref = llama.Model(llama.ModelArgs.from_dict(config))
+    tensors, rounded = {}, {}
+    for name, w in tree_flatten(ref.parameters()):
+        x = np.array(w, dtype=np.float32)
+        if x.ndim == 2:
+            data = q8_0(x)
+            blocks = np.frombuffer(data, dtype=np.uint8).reshape(-1, 34)
+            d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+            q = blocks[:, 2:].copy().view(np.int8).astype(np.float32)
+            rounded[name] = mx.array((q * d).reshape(x.shape))
+            tensors[gguf_name(name)] = ("Q8_0", x.shape, data)
+        else:
+            tensors[gguf_name(name)] = ("F32", x.shape, x.tobytes())
+    ref.load_weights(list(rounded.items()), strict=False)
+    meta = {
+        "general.architecture": "llama",
+        "llama.embedding_length": 64,
+        "llama.block_count": 2,
+        "llama.feed_forward_length": 128,
+        "llama.attention.head_count": 4,
+        "llama.attention.head_count_kv": 2,
+        "llama.attention.layer_norm_rms_epsilon": 1e-5,
+        "llama.rope.freq_base": 10000.0,
+        "llama.context_length": 256,
+        **tokenizer_meta(tok),
+    }
+    return write_gguf(tmp_path / "tiny.gguf", meta, tensors), ref, meta, tensors
+
+
+# ------------------------------------------------------------------ k choosers
+
+
+class Feed:
+    """Plays the engine for a chooser: asks for k, then reports the round."""
+
+    def __init__(self, chooser, last=None):
+        self.chooser, self.last, self.timed = chooser, last, 0
+
+    def k(self) -> int:
+        return self.chooser(self.last)
+
+    def done(self, k, n, round_s, draft_s=None) -> None:
+        self.last = RoundReport(k, n, round_s, draft_s)
+        self.timed += draft_s is not None
+
+
+def steady(feed, rounds, accept, draft_s=0.03, verify=lambda k: 0.1 + 0.005 * k):
+    """Feed ``rounds`` rounds: each draft accepted with probability ``accept`` (seeded), the
+    drafting timed apart on one drafting round in eight, as the engine does. Returns the ks."""
+    rng = random.Random(0)
+    ks = []
+    for _ in range(rounds):
+        k = feed.k()
+        ks.append(k)
+        n = next((i for i in range(k) if rng.random() >= accept), k)  # leading acceptances
+        timed = k > 0 and (feed.timed == 0 or rng.random() < 1 / 8)
+        feed.done(k, n, draft_s * k + verify(k), draft_s * k if timed else None)
+    return ks

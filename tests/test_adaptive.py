@@ -1,0 +1,191 @@
+"""The adaptive-k chooser on synthetic rounds (no timing asserted), and the chooser store."""
+
+import copy
+import random
+import statistics
+
+import pytest
+from helpers import Feed, make_tiny, steady
+
+from specmlx.adaptive import AdaptiveK, best_k, expected_tokens
+from specmlx.engine import generate_tokens
+from specmlx.stats import RoundReport
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.0, 8) == 1.0
+
+
+def test_chooser_flat_curve_high_acceptance_picks_large_k():
+    assert best_k(0.9, 0.05, [1.0 + 0.02 * k for k in range(9)], 8) >= 6
+
+
+def test_chooser_steep_curve_or_low_acceptance_picks_zero():
+    assert best_k(0.9, 0.05, [1.0 + 1.0 * k for k in range(9)], 8) == 0
+    assert best_k(0.05, 0.1, [1.0 + 0.02 * k for k in range(9)], 8) == 0
+    assert best_k(0.5, 2.0, [1.0] * 9, 8) == 0  # draft dearer than the target
+
+
+def test_chooser_learns_from_rounds():
+    chooser = AdaptiveK(k_max=8)
+    feed = Feed(chooser)
+    assert feed.k() == 2  # nothing measured yet
+    for _ in range(30):  # every draft accepted, draft at 0.3 of a step, flat verify curve
+        k = feed.k()
+        feed.done(k, k, 0.1 + 0.031 * k, 0.03 * k)
+    assert feed.k() >= 6
+    ks = []
+    for _ in range(120):  # now nothing is accepted
+        ks.append(feed.k())
+        feed.done(ks[-1], 0, 0.1 + 0.031 * ks[-1])
+    # ~30 trials of memory: a few misses do not end drafting, a long run of them does; near
+    # break-even it may still draft now and then
+    assert all(k > 0 for k in ks[:5]), ks
+    assert ks[-60:].count(0) >= 48, ks
+
+
+def test_chooser_learns_draft_time_from_the_timed_rounds():
+    chooser = AdaptiveK()
+    steady(Feed(chooser), 48, accept=0.75)
+    assert chooser.t_draft == pytest.approx(0.03, rel=0.05)
+
+
+def test_one_slow_round_does_not_move_the_plan():
+    feed = Feed(AdaptiveK(neighbor_every=0))
+    steady(feed, 30, accept=0.75)
+    twin = copy.deepcopy(feed)
+    steady(twin, 1, accept=0.75)
+    steady(feed, 1, accept=0.75, verify=lambda k: 1.0)  # descheduled for a second
+    chooser = feed.chooser
+    assert feed.k() == twin.k()
+    twin = twin.chooser
+    # the slow round counts as at most 2x the prediction, then is averaged in
+    assert chooser.verify_curve()[0] < 1.25 * twin.verify_curve()[0]
+
+
+def test_verify_times_follow_the_machine_at_every_k():
+    """The curve is one level times a shape: rounds at k = 4 update t_verify(0) too, so a
+    slowdown is not mistaken for speculation getting cheaper relative to plain steps."""
+    chooser = AdaptiveK(neighbor_every=0)
+    feed = Feed(chooser)
+    steady(feed, 40, accept=1.0)
+    t0 = chooser.verify_curve()[0]
+    steady(feed, 40, accept=1.0, draft_s=0.06, verify=lambda k: 0.2 + 0.01 * k)
+    assert chooser.verify_curve()[0] == pytest.approx(2 * t0, rel=0.1)
+
+
+def test_chooser_tries_the_neighbours_of_its_k():
+    feed = Feed(AdaptiveK(neighbor_every=4))
+    ks = steady(feed, 40, 0.75, draft_s=0.01, verify=lambda k: 0.1 + 0.002 * k)
+    settled = max(set(ks[8:]), key=ks[8:].count)
+    assert settled > 1 and {settled - 1, settled + 1} <= set(ks[8:]), ks
+
+
+def _useless(chooser, rounds):
+    """Feed one generation of rounds in which nothing is accepted: a plain round takes
+    0.42 s, a round with k drafts 0.61 + 0.08 (k - 1) s of which 3 ms a draft token."""
+    feed, ks = Feed(chooser), []
+    for _ in range(rounds):
+        ks.append(feed.k())
+        k = ks[-1]
+        feed.done(k, 0, 0.42 if k == 0 else 0.61 + 0.08 * (k - 1), 0.003 * k)
+    return ks
+
+
+def test_plain_rounds_are_timed_directly():
+    """The probe says a 2-token pass costs 1.1 plain steps, but a round with a draft costs
+    1.45 (catch-up, rollback, acceptance). The second round is a plain one that measures what
+    speculation must beat, so a useless draft is still dropped within a few rounds."""
+    chooser = AdaptiveK(verify_ratio=[1.0 + 0.1 * k for k in range(9)])
+    ks = _useless(chooser, 24)
+    assert ks[:2] == [2, 0], ks  # measure a drafting round, then a plain one
+    assert chooser.t_plain == pytest.approx(0.42)
+    assert ks[8:].count(0) >= 10, ks  # plain, bar probes while the estimates settle
+
+
+def test_chooser_reprobes_after_a_run_of_zeros():
+    chooser = AdaptiveK(k_max=4, reprobe_every=5, a=0.0, prior_weight=100.0)
+    feed = Feed(chooser, RoundReport(0, 0, 0.1))
+    ks = []
+    for _ in range(12):
+        ks.append(feed.k())
+        feed.done(ks[-1], 0, 0.1 + 0.01 * ks[-1])
+    assert ks.count(0) >= 9 and 1 in ks
+
+
+def test_plain_next_keeps_its_word():
+    """When the chooser says the next round is plain (so the engine queues its pass early),
+    the next call returns 0 whatever the round in between brought; and once the draft is
+    dropped it says so on most rounds, so plain decoding overlaps like target-only."""
+    chooser, rng = AdaptiveK(), random.Random(3)
+    feed = Feed(chooser)
+    promised, promises, broken = False, 0, 0
+    for _ in range(400):
+        k = feed.k()
+        broken += promised and k != 0
+        promised = chooser.plain_next()
+        promises += promised
+        n = sum(1 for _ in range(k) if rng.random() < 0.05)  # rarely, a probe scores
+        round_s = rng.uniform(0.3, 0.5) + (0.2 + 0.08 * k if k else 0.0)
+        feed.done(k, n, round_s, 0.003 * k if k else None)
+    assert broken == 0
+    assert promises > 300
+
+
+def test_useless_draft_settles_at_zero():
+    """End to end: a draft that never agrees gets k = 0 within a few rounds, losslessly."""
+    target = make_tiny(0, layers=4, hidden=64)
+    draft = make_tiny(5, layers=4, hidden=64)  # random weights: useless and as dear as the target
+    ks = []
+    chooser = AdaptiveK()
+
+    def record(last):
+        ks.append(chooser(last))
+        return ks[-1]
+
+    gen = generate_tokens(target, draft, [1, 2, 3], num_draft=record, max_tokens=40)
+    out = [e.token for e in gen]
+    assert out == [e.token for e in generate_tokens(target, None, [1, 2, 3], max_tokens=40)]
+    assert ks[6:].count(0) >= len(ks[6:]) - 2, ks  # settled, except an occasional re-probe
+
+
+def test_expected_tokens_when_acceptance_comes_in_runs():
+    # the first draft passes with a = 0.8, each later one with 0.9 once those before passed
+    assert expected_tokens(0.8, 5, 0.9) == pytest.approx(1 + 0.8 * (1 - 0.9**5) / 0.1)
+    assert expected_tokens(0.8, 0, 0.9) == 1.0
+    assert expected_tokens(0.5, 3, 1.0) == 2.5
+    # on the same costs, runs of acceptance make long drafts pay where independence would not
+    curve = [1.0 + 0.15 * k for k in range(9)]
+    assert best_k(0.8, 0.1, curve, 8, a_later=0.95) > best_k(0.8, 0.1, curve, 8) + 2
+
+
+def test_chooser_learns_first_and_later_acceptance_apart():
+    """Rounds whose first draft passes 80% of the time and later ones 95%: the chooser
+    estimates both, and drafts longer than it would if they were one rate."""
+    chooser, rng, ks = AdaptiveK(neighbor_every=0), random.Random(1), []
+    feed = Feed(chooser)
+    for _ in range(200):
+        k = feed.k()
+        ks.append(k)
+        n = 0
+        while n < k and rng.random() < (0.8 if n == 0 else 0.95):
+            n += 1
+        feed.done(k, n, 0.1 + 0.02 * k, 0.005 * k)
+    assert chooser.acceptance == pytest.approx(0.8, abs=0.15)
+    assert chooser.continuation == pytest.approx(0.95, abs=0.05)
+    settled = statistics.median(ks[-100:])
+    pooled = (0.8 + 0.95) / 2
+    assert settled > best_k(pooled, 0.005, chooser.verify_curve(), 8, k_min=1), ks
+
+
+def test_estimates_carry_over_to_the_next_generation():
+    """One chooser per pair: a new generation starts without re-learning, so a draft found
+    useless is not tried again on the next prompt's first rounds."""
+    chooser = AdaptiveK()
+    ks = [k for _ in range(3) for k in _useless(chooser, 24)]  # three generations
+    assert ks[:2] == [2, 0]  # calibration happens once, on the first generation
+    # later generations start where the last one ended: plain, bar rare (backed-off) probes
+    assert ks[24:28] == [0, 0, 0, 0] and ks[24:].count(0) >= 44, ks
+    assert ks[48:].count(0) >= 23, ks

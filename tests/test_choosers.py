@@ -1,0 +1,111 @@
+"""The k-setting resolver and the chooser store: identity keys, best-effort state files,
+atomic writes under concurrency."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from helpers import Feed, make_tiny, steady
+
+from specmlx.adaptive import AdaptiveK
+from specmlx.choosers import ChooserStore, FixedK, make_chooser
+from specmlx.errors import BadInput
+from specmlx.paths import atomic_write, load_json, save_json
+from specmlx.registry import load_registry
+from specmlx.sampling import SamplingParams
+
+GREEDY, WARM = SamplingParams(), SamplingParams(0.8, 0.95)
+
+
+def test_make_chooser_resolves_every_setting():
+    assert isinstance(make_chooser(3), FixedK) and make_chooser(0).plain_next()
+    assert isinstance(make_chooser("auto"), AdaptiveK)
+    mine = AdaptiveK()
+    assert make_chooser(mine) is mine
+    for bad in (-1, "many", 2.5, True):
+        with pytest.raises(BadInput):
+            make_chooser(bad)
+
+
+def test_store_resumes_per_pair_and_sampler(specmlx_home):
+    model, ids = make_tiny(0), [1, 2, 3, 4]
+    store = ChooserStore()
+    fresh = store.get(model, "t", "d", GREEDY, ids)
+    assert fresh.level is None and len(fresh.verify_ratio) == 9  # seeded with the probe
+    assert store.get(model, "t", "d", GREEDY, ids) is fresh  # live in this process
+    steady(Feed(fresh), 30, accept=0.7)
+    store.save(fresh)
+    again = ChooserStore().get(model, "t", "d", GREEDY, ids)  # the next run
+    assert again.state() == fresh.state() and again.best_now() == fresh.best_now()
+    assert ChooserStore().get(model, "t", "d", WARM, ids).level is None  # its own sampler
+    assert ChooserStore().get(model, "t", "d2", GREEDY, ids).level is None  # its own drafter
+    for f in (specmlx_home / "adaptive").glob("*.json"):
+        f.write_text("{not json")  # a damaged file is ignored, not fatal
+    assert ChooserStore().get(model, "t", "d", GREEDY, ids).level is None
+    assert ChooserStore(persist=False).get(model, "t", "d", GREEDY, ids).level is None
+
+
+def test_float_and_quantized_models_do_not_share_state(specmlx_home):
+    """The key was once `source|dtype`: a float target reused a curve probed on a 4-bit one."""
+    reg = load_registry()
+    pairs = [("smollm2-135m", "smollm2-135m-q4"), ("codellama-7b", "codellama-7b-q4")]
+    for a, b in pairs:
+        assert reg.resolve(a).identity != reg.resolve(b).identity, (a, b)
+    model, ids, probes = make_tiny(0), [1, 2, 3], []
+    store = ChooserStore()
+    store._probe = lambda m, ident, i, k_max=8: probes.append(ident) or [1.0] * 9
+    for a, b in pairs:
+        for name in (a, b):
+            store.get(model, reg.resolve(name).identity, "none", GREEDY, ids)
+    assert len(set(probes)) == 4  # each target probed for itself
+
+
+def test_a_read_only_home_costs_one_warning(tmp_path, monkeypatch):
+    """The default -k auto once crashed when the probe could not be saved."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECMLX_HOME", str(blocker / "home"))  # mkdir fails: not a directory
+    warnings: list[str] = []
+    store = ChooserStore(warn=warnings.append)
+    chooser = store.get(make_tiny(0), "t", "d", GREEDY, [1, 2, 3])
+    steady(Feed(chooser), 10, accept=0.5)
+    store.save(chooser)
+    store.save(chooser)
+    assert len(warnings) == 1 and "could not save" in warnings[0], warnings
+
+
+def test_atomic_writes_from_two_writers_at_once(tmp_path):
+    """Two processes (or server requests) saving one state file: every read sees a whole
+    file, and neither writer fails (a fixed `.tmp` name made them rename each other's file)."""
+    path = tmp_path / "state" / "s.json"
+    payloads = [{"writer": w, "pad": "x" * 50_000} for w in range(2)]
+    errors, bad_reads = [], []
+
+    def write(data):
+        try:
+            for _ in range(150):
+                atomic_write(path, json.dumps(data))
+        except OSError as e:
+            errors.append(e)
+
+    def read():
+        for _ in range(300):
+            if path.exists():
+                got = load_json(path)
+                if got not in payloads:
+                    bad_reads.append(got)
+
+    threads = [threading.Thread(target=write, args=(p,)) for p in payloads]
+    threads.append(threading.Thread(target=read))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and not bad_reads
+    assert load_json(path) in payloads
+    assert sorted(p.name for p in path.parent.iterdir()) == ["s.json"]  # no temp files left
+    assert save_json(tmp_path / "state" / "t.json", {"a": 1}) and load_json(
+        path.with_name("t.json")
+    )
