@@ -160,6 +160,21 @@ def test_model_too_big_for_memory(registry, monkeypatch):
     one_line_error(run("run", "x"), 1, "GB")
 
 
+def test_memory_is_planned_for_the_prompt_and_max_tokens(registry, monkeypatch):
+    """The plan once ignored --max-tokens: it is for prompt + max tokens (within the context),
+    so a budget that cannot hold the whole context can still hold a short run."""
+    from specmlx import loading
+
+    planned = []
+    real = loading.plan_memory
+    monkeypatch.setattr(
+        loading, "plan_memory", lambda t, d, ctx, **kw: planned.append(ctx) or real(t, d, ctx, **kw)
+    )
+    assert run("run", "-n", "8", "--draft", "none", "x = 1").exit_code == 0
+    assert run("run", "-n", "100", "--draft", "none", "x = 1").exit_code == 0
+    assert planned[0] < planned[1] < 512 and planned[1] - planned[0] == 92
+
+
 def test_non_utf8_stdin(registry):
     one_line_error(run("run", "-", input=b"\xff\xfe bad"), 2, "UTF-8")
 

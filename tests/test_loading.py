@@ -516,3 +516,55 @@ def test_a_repo_with_only_tokenizer_model_loads(tmp_path):
     ids = got.tokenizer.encode(text)
     assert got.tokenizer.decode(ids, skip_special_tokens=True) == text
     assert len(ids) < 0.7 * len(text)  # the trained merges are used
+
+
+# ------------------------------------------------------------------ Qwen2.5-Coder stand-ins
+
+
+def _tiny_qwen(path: Path, tokenizer, vocab_size: int, seed: int, tie: bool) -> Path:
+    """A tiny random qwen2 model with a real Qwen tokenizer and Qwen's logit width."""
+    from mlx_lm.models import qwen2
+    from mlx_lm.utils import save_config, save_model
+
+    config = {
+        "model_type": "qwen2", "hidden_size": 16, "num_hidden_layers": 2,
+        "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "rms_norm_eps": 1e-6, "vocab_size": vocab_size, "tie_word_embeddings": tie,
+        "eos_token_id": tokenizer.eos_token_id,
+    }  # fmt: skip
+    mx.random.seed(seed)
+    model = qwen2.Model(qwen2.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    save_model(path, model)
+    save_config(dict(config), path / "config.json")
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+def test_qwen_coder_pair_with_different_logit_widths(tmp_path, specmlx_home):
+    """Qwen2.5-Coder-32B has 152064 logit rows, its 0.5B draft 151936, on one tokenizer: the
+    pair check accepts them and speculation is lossless. Stand-ins: tiny random qwen2 models
+    on the real Qwen2 vocabulary (llama.cpp's ggml-vocab-qwen2.gguf)."""
+    from vocab_files import vocab_file_or_skip
+
+    from specmlx.engine import generate_tokens
+    from specmlx.gguf import read_gguf_header
+
+    vocab = vocab_file_or_skip("qwen2")
+    tok = gguf_tokenizer(read_gguf_header(vocab)[0], vocab)
+    big = _tiny_qwen(tmp_path / "qwen-32b", tok._tokenizer, 152064, seed=1, tie=False)
+    small = _tiny_qwen(tmp_path / "qwen-0.5b", tok._tokenizer, 151936, seed=2, tie=True)
+    extra = tmp_path / "qwen.toml"
+    extra.write_text(
+        f'[models.qt]\nsource = "local:{big}"\n[models.qd]\nsource = "local:{small}"\n'
+    )
+    target, draft, shared = load_pair("qt", "qd", registry=load_registry([extra]), context=64)
+    assert (target.vocab_size, draft.vocab_size, shared) == (152064, 151936, 151936)
+    ids = target.tokenizer.encode("def quicksort(xs):\n    ")
+    plain = [e.token for e in generate_tokens(target.model, None, ids, max_tokens=12)]
+    spec = generate_tokens(target.model, draft.model, ids, num_draft=3, max_tokens=12)
+    assert [e.token for e in spec] == plain
+    reg = load_registry()  # and the shipped registry names the real pair
+    pair = reg.pairs["qwen-coder"]
+    assert reg.resolve(pair.target).ref == "Qwen/Qwen2.5-Coder-32B-Instruct"
+    assert reg.resolve(pair.draft).ref == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
