@@ -35,15 +35,15 @@ PROMPTS = (
 )
 
 
-def widen(weights: Weights, args: ModelArgs, m: int) -> tuple[Weights, ModelArgs]:
-    """Widen a llama model m times (hidden, heads, kv heads, MLP units); logits are unchanged."""
+def widened_args(args: ModelArgs, m: int) -> ModelArgs:
+    """The llama args of ``args`` widened m times (hidden, heads, kv heads, MLP units)."""
     if m < 1 or args.model_type != "llama":
         raise ValueError("widen needs a llama model and an integer m >= 1")
     head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
     # The residual stream gains (m-1)*d entries that stay exactly 0, so the RMS over m*d
     # entries is the real RMS / sqrt(m) (eps too, once it is divided by m); norm weights
     # scaled by sqrt(1/m) restore the real dims' values and zero weights keep the rest 0.
-    wide = replace(
+    return replace(
         args,
         hidden_size=args.hidden_size * m,
         intermediate_size=args.intermediate_size * m,
@@ -52,6 +52,11 @@ def widen(weights: Weights, args: ModelArgs, m: int) -> tuple[Weights, ModelArgs
         head_dim=head_dim,
         rms_norm_eps=args.rms_norm_eps / m,
     )
+
+
+def widen(weights: Weights, args: ModelArgs, m: int) -> tuple[Weights, ModelArgs]:
+    """Widen a llama model m times (hidden, heads, kv heads, MLP units); logits are unchanged."""
+    wide = widened_args(args, m)
     # Every axis grows at its end: new q heads h >= n_heads map to kv head h // group
     # >= n_kv_heads (the new, all-zero ones), and the old heads keep their kv heads.
     shapes = {k: v.shape for k, v in tree_flatten(Model(wide).parameters())}
@@ -208,8 +213,11 @@ def build_demo(
     shutil.rmtree(out, ignore_errors=True)
     base = load_model(load_registry().resolve("smollm2-135m"), progress=progress)
     base.model.set_dtype(mx.float32)  # the check compares float32 against float32
-    n = base.nbytes // 4
-    size = n * 4 * (m * m + 1 + 0.1)  # ~m^2 x the weights for the target, 1x for the draft
+    # float32 on disk: the widened target (shapes only: nothing is computed) and the draft
+    wide = sum(
+        v.size for _, v in tree_flatten(Model(widened_args(base.model.args, m)).parameters())
+    )
+    size = 4 * (wide + base.nbytes // 4)
     say(progress, f"building {out} (about {size / 1e9:.1f} GB; widening, quantizing, then "
         "checking logits: a minute or two on a CPU)")  # fmt: skip
     facts = build_cpu_pair(base.model, base.tokenizer, out, m, bits, group_size)
