@@ -176,19 +176,25 @@ def run(
     seed: int = typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
     stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template."),
+    suffix: str = typer.Option(
+        None, "--suffix", help="Fill in the middle: the text after the cursor (PROMPT before)."
+    ),
+    suffix_file: Path = typer.Option(None, "--suffix-file", help="--suffix, read from a file."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No live line or summary."),
     show_draft: bool = typer.Option(False, "--show-draft", help="Colour draft-accepted text."),
     context: int = typer.Option(
         None, "--context", help="Context limit (default: the models' own, from models.toml)."
     ),
+    server: str = typer.Option(
+        None, "--server", envvar="SPECMLX_SERVER", help="Send it to a running `specmlx serve`."
+    ),
+    api_key: str = typer.Option(
+        None, "--api-key", envvar="SPECMLX_API_KEY", help="The server's API key."
+    ),
 ) -> None:
     """Generate a completion: text on stdout, live stats and a summary on stderr."""
-    from .choosers import ChooserStore
-    from .loading import load_pair
-    from .registry import load_registry
     from .sampling import SamplingParams
-    from .stream import encode_prompt, stream_text
 
     params = SamplingParams(temp, top_p, top_k, min_p)  # validates before any loading
     if max_tokens <= 0:
@@ -196,11 +202,63 @@ def run(
     if context is not None and context <= 0:
         raise BadInput(f"--context must be > 0, got {context}")
     text = read_prompt(prompt)
-    if not text.strip():
+    after = read_suffix(suffix, suffix_file)
+    if after is not None and chat:
+        raise BadInput("--suffix fills in the middle of raw text: drop --chat")
+    if not text.strip() and not (after or "").strip():
         raise BadInput("the prompt is empty")
+    console = err_console()
+    render = _Render(console, as_json, quiet, show_draft, k or "")
+    job = Job(text, after, params, max_tokens, seed, stop or [], chat)
+    if server:
+        if target or (draft not in (None, "none", "lookup")) or context or lookup:
+            raise BadInput(
+                "with --server the server's models run: drop --target, --context, --lookup "
+                "and --draft ALIAS (--draft none or lookup still choose how it drafts)"
+            )
+        _run_remote(job, render, server, api_key, draft, k)
+    else:
+        _run_local(job, render, target, draft, lookup, k, context, quiet)
+
+
+@dataclass
+class Job:
+    """What `specmlx run` was asked to generate, wherever the models are."""
+
+    text: str
+    suffix: str | None
+    params: object  # SamplingParams
+    max_tokens: int
+    seed: int | None
+    stop: list[str]
+    chat: bool
+
+
+def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
+    """--suffix or the text of --suffix-file (UTF-8), or None."""
+    if suffix is not None and suffix_file is not None:
+        raise BadInput("give --suffix or --suffix-file, not both")
+    if suffix_file is None:
+        return suffix
+    try:
+        return suffix_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{suffix_file} is not valid UTF-8 (byte {e.start})") from None
+    except OSError as e:
+        raise BadInput(f"cannot read --suffix-file {suffix_file}: {e.strerror or e}") from None
+
+
+def _run_local(job: Job, render, target, draft, lookup, k, context, quiet) -> None:
+    from .choosers import ChooserStore
+    from .fim import encode_infill, require_fim
+    from .loading import load_pair
+    from .registry import load_registry
+    from .stream import encode_prompt, stream_text
+
     registry = load_registry()
     models = resolve_models(registry, target, draft, lookup, k)
-    console = err_console()
+    render.k_label = str(models.k)
+    console = render.console
     say = (
         None
         if quiet
@@ -211,61 +269,82 @@ def run(
         tspec, registry.resolve(models.draft) if models.draft else None
     )
     # plan memory for what this run can reach: a token never takes less than a byte of text
-    planned = min(limit, len(text.encode()) + max_tokens + 64)
+    size = len(job.text.encode()) + len((job.suffix or "").encode())
+    planned = min(limit, size + job.max_tokens + 64)
     tgt, drf, shared = load_pair(
         models.target, models.draft, registry=registry, context=planned, progress=say
     )
-    ids = encode_prompt(tgt.tokenizer, text, chat=chat)
-    check_context(len(ids), max_tokens, limit, tgt.spec.alias)
+    extra_eos: tuple[int, ...] = ()
+    if job.suffix is not None:
+        template = require_fim(tgt.tokenizer, drf.tokenizer if drf else None, tgt.spec.alias)
+        ids = encode_infill(tgt.tokenizer, template, job.text, job.suffix)
+        extra_eos = template.stops
+    else:
+        ids = encode_prompt(tgt.tokenizer, job.text, chat=job.chat)
+    check_context(len(ids), job.max_tokens, limit, tgt.spec.alias)
     num_draft = models.k if (drf or models.lookup) else 0
     store = chooser = None
     if num_draft == "auto":  # adaptive k, resumed from this machine's last run of the pair
         store = ChooserStore(warn=print_warning)
         drafter = f"{drf.identity if drf else 'none'}|lookup={models.lookup}"
-        chooser = num_draft = store.get(tgt.model, tgt.identity, drafter, params, ids)
+        chooser = num_draft = store.get(tgt.model, tgt.identity, drafter, job.params, ids)
+    eos = sorted({*(getattr(tgt.tokenizer, "eos_token_ids", ()) or ()), *extra_eos})
     stats = Stats()
     responses = stream_text(
         tgt.model,
         drf.model if drf else None,
         tgt.tokenizer,
         ids,
-        stop_strings=stop or (),
+        stop_strings=job.stop,
         stats=stats,
-        sampling=params,
+        sampling=job.params,
         num_draft=num_draft,
         lookup=models.lookup,
         vocab_size=shared if drf else None,
-        max_tokens=max_tokens,
-        seed=seed,
+        max_tokens=job.max_tokens,
+        seed=job.seed,
+        eos_ids=eos,
     )
     parts = ([drf.spec.alias] if drf else []) + (["lookup"] if models.lookup else [])
-    draft_name = " + ".join(parts) or "none"
-    render = _Render(console, as_json, quiet, show_draft, str(models.k))
-    interrupted = False
-    try:
-        render.stream(responses, stats)
-    except KeyboardInterrupt:
-        interrupted = True  # keep what was generated: print it and the stats, exit 130
-    except BrokenPipeError:
-        # the reader went away (| head): end quietly, and keep Python's exit flush silent
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise typer.Exit(0) from None
+    interrupted = render.stream(responses, stats)
     if store is not None:
         store.save(chooser)
-    render.finish(stats, tgt.spec.alias, draft_name, tgt.load_seconds, interrupted)
-    if as_json:
-        out = {
-            "text": render.text,
-            "tokens": render.tokens,
-            "stats": stats.as_dict(),
-            "target": tgt.spec.alias,
-            "draft": draft_name,
-            "k": models.k,
-            "temperature": params.temperature,
-            "seed": seed,
-        }
-        sys.stdout.write(json.dumps(out) + "\n")
-        sys.stdout.flush()
+    where = {"load_s": tgt.load_seconds}
+    render.finish(stats, tgt.spec.alias, " + ".join(parts) or "none", where, interrupted)
+    render.json(stats, tgt.spec.alias, " + ".join(parts) or "none", models.k, job)
+    if interrupted:
+        raise typer.Exit(130)
+
+
+def _run_remote(job: Job, render, url: str, api_key, draft, k) -> None:
+    from .client import Remote, stream_remote
+
+    body: dict = {
+        "max_tokens": job.max_tokens,
+        "temperature": job.params.temperature,
+        "top_p": job.params.top_p,
+        "top_k": job.params.top_k,
+        "min_p": job.params.min_p,
+        "stop": job.stop or None,
+        "seed": job.seed,
+    }
+    if draft is not None:
+        body["draft"] = draft
+    if k is not None:
+        body["num_draft"] = parse_k(k)
+    if job.chat:
+        body["messages"] = [{"role": "user", "content": job.text}]
+    else:
+        body["prompt"] = job.text
+        if job.suffix is not None:
+            body["suffix"] = job.suffix
+    stats, names = Stats(), {"model": "?", "drafter": "?"}
+    pieces = stream_remote(Remote(url, api_key), body, stats, chat=job.chat, names=names)
+    interrupted = render.stream(pieces, stats)
+    pieces.close()  # an interrupted stream closes the connection: the server cancels it
+    shown = f"{names['model']} (served by {url})"
+    render.finish(stats, shown, names["drafter"], {"server": url}, interrupted)
+    render.json(stats, names["model"], names["drafter"], k or "server default", job)
     if interrupted:
         raise typer.Exit(130)
 
@@ -290,23 +369,33 @@ class _Render:
         # a live line only where it cannot tangle with the text: stderr is a terminal, stdout not
         self.live_ok = not quiet and console.is_terminal and (as_json or not sys.stdout.isatty())
 
-    def stream(self, responses, stats) -> None:
+    def stream(self, responses, stats) -> bool:
+        """Write each response's text; True when Ctrl-C stopped it (what came is kept). A
+        closed stdout (| head) ends the command quietly with exit code 0."""
         live = Live(
             console=self.console, transient=True, refresh_per_second=8, redirect_stdout=False
         )
-        with live if self.live_ok else _Null():
-            for r in responses:
-                self.text += r.text
-                if r.token is not None:
-                    self.tokens.append(r.token)
-                if not self.as_json and r.text:
-                    out = f"\x1b[32m{r.text}\x1b[0m" if self.colour and r.from_draft else r.text
-                    sys.stdout.write(out)
-                    sys.stdout.flush()
-                if self.live_ok:
-                    live.update(live_line(stats, self.k_label))
+        try:
+            with live if self.live_ok else _Null():
+                for r in responses:
+                    self.text += r.text
+                    if r.token is not None:
+                        self.tokens.append(r.token)
+                    if not self.as_json and r.text:
+                        colour = self.colour and r.from_draft
+                        sys.stdout.write(f"\x1b[32m{r.text}\x1b[0m" if colour else r.text)
+                        sys.stdout.flush()
+                    if self.live_ok:
+                        live.update(live_line(stats, self.k_label))
+        except KeyboardInterrupt:
+            return True
+        except BrokenPipeError:
+            # the reader went away: end quietly, and keep Python's exit flush silent
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(0) from None
+        return False
 
-    def finish(self, stats, target, draft_name, load_s, interrupted: bool = False) -> None:
+    def finish(self, stats, target, draft_name, where: dict, interrupted: bool = False) -> None:
         if not self.as_json and self.text and not self.text.endswith("\n"):
             try:
                 sys.stdout.write("\n")
@@ -314,7 +403,24 @@ class _Render:
             except BrokenPipeError:
                 pass
         if not self.quiet or interrupted:
-            self.console.print(summary(stats, target=target, draft=draft_name, load_s=load_s))
+            self.console.print(summary(stats, target=target, draft=draft_name, **where))
+
+    def json(self, stats, target, draft_name, k, job) -> None:
+        """The --json object on stdout (nothing without --json)."""
+        if not self.as_json:
+            return
+        out = {
+            "text": self.text,
+            "tokens": self.tokens,
+            "stats": stats.as_dict(),
+            "target": target,
+            "draft": draft_name,
+            "k": k,
+            "temperature": job.params.temperature,
+            "seed": job.seed,
+        }
+        sys.stdout.write(json.dumps(out) + "\n")
+        sys.stdout.flush()
 
 
 class _Null:
@@ -323,6 +429,107 @@ class _Null:
 
     def __exit__(self, *exc):
         return False
+
+
+@app.command()
+@cli_errors
+def serve(
+    target: str = typer.Option(None, "--target", "-t", help="Target alias, path or hf repo."),
+    draft: str = typer.Option(
+        None, "--draft", "-d", help="Draft alias/path, 'lookup' (prompt lookup), or 'none'."
+    ),
+    k: str = typer.Option(None, "-k", "--num-draft", help="Default draft tokens per round."),
+    max_tokens: int = typer.Option(256, "-n", "--max-tokens", help="Default tokens a request."),
+    temp: float = typer.Option(0.0, "--temp", help="Default temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Default nucleus mass in (0, 1]."),
+    top_k: int = typer.Option(0, "--top-k", help="Default top-k (0: off)."),
+    min_p: float = typer.Option(0.0, "--min-p", help="Default min-p (0: off)."),
+    context: int = typer.Option(
+        None, "--context", help="Context limit (default: the models' own, from models.toml)."
+    ),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on."),
+    api_key: str = typer.Option(
+        None, "--api-key", envvar="SPECMLX_API_KEY", help="Require this Bearer token."
+    ),
+    public: bool = typer.Option(
+        False, "--public-without-key", help="Allow a non-loopback --host without --api-key."
+    ),
+    max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait (then 503)."),
+    prompt_cache: str = typer.Option(
+        "4GB", "--prompt-cache", help="Memory for KV caches kept across requests (0: off)."
+    ),
+    max_body: str = typer.Option("16MB", "--max-body", help="Largest request body (then 413)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No loading progress."),
+) -> None:
+    """Load the pair once and serve OpenAI-compatible completions, chat and /infill."""
+    import ipaddress
+
+    from .loading import load_pair
+    from .memory import parse_size
+    from .registry import load_registry
+    from .sampling import SamplingParams
+    from .serve import ServerSettings, create_app, run_server
+    from .worker import Worker
+
+    params = SamplingParams(temp, top_p, top_k, min_p)
+    if max_tokens <= 0 or max_queue < 0 or not 0 <= port < 65536:
+        raise BadInput("--max-tokens must be > 0, --max-queue >= 0 and --port in 0..65535")
+    if context is not None and context <= 0:
+        raise BadInput(f"--context must be > 0, got {context}")
+    loopback = host == "localhost"
+    try:
+        loopback = loopback or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if not loopback and not api_key and not public:
+        raise BadInput(
+            f"--host {host} is reachable from other machines: set --api-key (or "
+            "SPECMLX_API_KEY), or say --public-without-key"
+        )
+    cache_budget, body_limit = parse_size(prompt_cache), parse_size(max_body)
+    registry = load_registry()
+    models = resolve_models(registry, target, draft, False, k)
+    console = err_console()
+    say = None if quiet else (lambda m: console.print(m, style="dim", soft_wrap=True, markup=False))
+    tspec = registry.resolve(models.target)
+    limit = context or registry.context_for(
+        tspec, registry.resolve(models.draft) if models.draft else None
+    )
+    tgt, drf, shared = load_pair(
+        models.target,
+        models.draft,
+        registry=registry,
+        context=limit,
+        reserve=cache_budget,
+        progress=say,
+    )
+    worker = Worker(tgt, drf, shared, max_queue=max_queue, cache_budget=cache_budget,
+                    warn=print_warning)  # fmt: skip
+    drafter = "model" if drf else ("lookup" if models.lookup else "none")
+    settings = ServerSettings(
+        model_name=tgt.spec.alias,
+        context=limit,
+        max_tokens=max_tokens,
+        sampling=params,
+        num_draft=models.k if drafter != "none" else 0,
+        drafter=drafter,
+        api_key=api_key,
+        max_body=body_limit,
+    )
+    shown = f"[{host}]" if ":" in host else host
+    draft_name = drf.spec.alias if drf else drafter
+
+    def ready() -> None:
+        console.print(
+            f"[green]specmlx serve[/green] listening on http://{shown}:{port}  "
+            f"({tgt.spec.alias} ← {draft_name}, k {settings.num_draft}, context {limit}); "
+            "Ctrl-C stops",
+            soft_wrap=True,
+        )
+
+    run_server(create_app(worker, settings, on_ready=ready), host, port)
+    console.print("specmlx serve: stopped", style="dim")
 
 
 @models_app.command("list")

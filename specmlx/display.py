@@ -36,7 +36,9 @@ def live_line(stats: Stats, k_label: str) -> Text:
     return line
 
 
-def summary(stats: Stats, *, target: str, draft: str, load_s: float) -> Table:
+def summary(
+    stats: Stats, *, target: str, draft: str, load_s: float | None = None, server: str = ""
+) -> Table:
     """The final statistics, one row each, explained in the README."""
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_column(style="dim")
@@ -61,7 +63,10 @@ def summary(stats: Stats, *, target: str, draft: str, load_s: float) -> Table:
                 f"draft {stats.draft_s:.2f} s, target {stats.target_s:.2f} s "
                 f"(draft timed on {stats.timed_rounds} of {stats.rounds} rounds)",
             )
-    t.add_row("memory", f"peak {gb(stats.peak_memory)}, load {load_s:.1f} s")
+    load = f", load {load_s:.1f} s" if load_s is not None else ""
+    t.add_row(
+        "memory", f"peak {gb(stats.peak_memory)}{load}" + (" (on the server)" if server else "")
+    )
     if stats.finish_reason:
         t.add_row("finish", stats.finish_reason)
     return t

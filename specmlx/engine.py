@@ -34,7 +34,8 @@ from .stats import RoundReport, Stats, TokenEvent
 
 __all__ = ["KVState", "Stats", "TokenEvent", "TIME_DRAFT_EVERY", "generate_tokens"]
 
-_STREAM = mx.new_stream(mx.default_device())
+# MLX streams belong to a thread: the server generates on a worker thread of its own
+_STREAM = getattr(mx, "new_thread_local_stream", mx.new_stream)(mx.default_device())
 # drafting rounds: the first and then one in 8 get a second host sync, to time the draft apart
 TIME_DRAFT_EVERY = 8
 # fed to the draft in place of an id its embedding table lacks (a padding row of a wider

@@ -179,19 +179,22 @@ def load_pair(
     *,
     registry: Registry | None = None,
     context: int | None = None,
+    reserve: int = 0,
     progress: Progress | None = None,
 ) -> tuple[Loaded, Loaded | None, int]:
     """Resolve, plan memory, load both models and check them: (target, draft, shared ids).
 
     target_name, draft_name: aliases, paths or hub repos (draft None: the target alone);
     registry: where aliases resolve (default: the merged models.toml files); context: tokens
-    to plan the KV caches for (default: the pair's context, registry.context_for);
-    progress: gets a line before slow steps."""
+    to plan the KV caches for (default: the pair's context, registry.context_for); reserve:
+    bytes of KV caches to plan beyond that (a server's prompt cache); progress: gets a line
+    before slow steps."""
     registry = registry or load_registry()
     target = registry.resolve(target_name)
     draft = registry.resolve(draft_name) if draft_name else None
     planned = context or registry.context_for(target, draft)
-    require_fit(plan_memory(target, draft, planned, progress=progress), target, draft)
+    plan = plan_memory(target, draft, planned, reserve=reserve, progress=progress)
+    require_fit(plan, target, draft)
     t = load_model(target, progress=progress)
     d = load_model(draft, progress=progress) if draft else None
     return t, d, check_pair(t, d) if d else t.vocab_size

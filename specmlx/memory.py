@@ -236,6 +236,7 @@ def plan_memory(
     *,
     target_config: dict | None = None,
     draft_config: dict | None = None,
+    reserve: int = 0,
     progress: Progress | None = None,
 ) -> MemoryPlan:
     """Weights plus KV caches for the pair and ``context`` tokens.
@@ -243,7 +244,9 @@ def plan_memory(
     target, draft: the models (draft None: target alone; a quantize-at-load model not cached
     yet counts at full precision, its peak while loading); context: tokens to plan the KV
     caches for; target_config, draft_config: configs to size by the llama formula instead of
-    peeking at the models (tests, or callers that know them); progress: download notes."""
+    peeking at the models (tests, or callers that know them); reserve: bytes kept for more
+    KV caches (the server's prompt cache), counted with the KV caches; progress: download
+    notes."""
     sizes, kv = [], 0
     for spec, config in ((target, target_config), (draft, draft_config)):
         if spec is None:
@@ -262,6 +265,7 @@ def plan_memory(
         except KeyError as e:  # not a llama-like config: nothing honest to add up
             raise ModelLoadError(f"cannot size {spec.alias} from its config (no {e})") from None
     available, source = available_memory()
+    kv += reserve
     total = sizes[0] + sizes[1] + kv
     return MemoryPlan(sizes[0], sizes[1], kv, context, total, available, source, total <= available)
 

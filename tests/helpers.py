@@ -48,8 +48,17 @@ CORPUS = [
 SPECIALS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2
 
 
-def tiny_tokenizer(corpus: list[str] | None = None, extra_tokens: int = 0, vocab_size: int = 320):
-    """A byte-level BPE PreTrainedTokenizerFast; `extra_tokens` appends <extra_i> tokens."""
+FIM_TOKENS = ["<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<file_sep>", "<reponame>"]
+
+
+def tiny_tokenizer(
+    corpus: list[str] | None = None,
+    extra_tokens: int = 0,
+    vocab_size: int = 320,
+    fim: bool = False,
+):
+    """A byte-level BPE PreTrainedTokenizerFast; `extra_tokens` appends <extra_i> tokens;
+    `fim` adds StarCoder's fill-in-the-middle tokens as special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -72,6 +81,8 @@ def tiny_tokenizer(corpus: list[str] | None = None, extra_tokens: int = 0, vocab
     )
     if extra_tokens:
         tok.add_tokens([f"<extra_{i}>" for i in range(extra_tokens)])
+    if fim:
+        tok.add_special_tokens({"additional_special_tokens": FIM_TOKENS})
     return tok
 
 
@@ -99,13 +110,16 @@ def make_tiny_model(
     corpus: list[str] | None = None,
     extra_tokens: int = 0,
     vocab_size: int | None = None,
+    fim: bool = False,
+    chat_template: str | None = None,
     **config_over,
 ) -> Path:
     """Save a random tiny llama + tokenizer as an MLX model dir; logits width = tokenizer size."""
-    from mlx_lm.models import llama
     from mlx_lm.utils import save_config, save_model
 
-    tok = tiny_tokenizer(corpus, extra_tokens)
+    tok = tiny_tokenizer(corpus, extra_tokens, fim=fim)
+    if chat_template:
+        tok.chat_template = chat_template
     config = tiny_config(vocab_size or len(tok), **config_over)
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))

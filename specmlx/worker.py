@@ -1,0 +1,247 @@
+"""The server's generation thread: the one thread that runs MLX, one generation at a time,
+from a bounded FIFO queue, with the prompt cache and the adaptive-k choosers.
+
+It knows nothing of HTTP: a job comes in as a GenRequest with an ``emit`` callback, and its
+text, its end and any error go out through that callback (the server hands them to its event
+loop). A job that is cancelled (its client hung up) stops within one round and frees the slot.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .choosers import ChooserStore, KSetting
+from .errors import SpecmlxError
+from .loading import Loaded
+from .paths import Warn
+from .prompt_cache import PromptCache
+from .sampling import SamplingParams
+from .stats import Stats
+from .stream import stream_text
+
+
+class QueueFull(SpecmlxError):
+    """The queue holds --max-queue requests already (HTTP 503, with Retry-After)."""
+
+
+class ShuttingDown(SpecmlxError):
+    """The server is stopping; queued requests are not started."""
+
+
+@dataclass
+class GenRequest:
+    """One generation, fully resolved: tokens, sampler, budget, stops and drafter."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    drafter: str = "model"  # "model" (the loaded draft), "lookup" or "none"
+    num_draft: int | str = "auto"
+    extra_eos: tuple[int, ...] = ()  # e.g. the end-of-infill token
+
+
+@dataclass
+class Piece:
+    """Text produced by one token (often ""), the token, and whether the draft proposed it."""
+
+    text: str
+    token: int | None
+    from_draft: bool
+
+
+Emit = Callable[[str, object], None]  # ("piece", Piece) | ("done", Stats) | ("error", exc)
+
+
+@dataclass
+class Job:
+    request: GenRequest
+    emit: Emit
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    stats: Stats = field(default_factory=Stats)
+    k_label: str = ""  # the k setting, for the response
+    drafter_name: str = ""  # the draft's alias, "lookup" or "none"
+
+    def cancel(self) -> None:
+        """Stop generating (within one round) or, if still queued, never start."""
+        self.cancelled.set()
+
+
+@dataclass
+class Totals:
+    """Counters since the server started, for /metrics (written by the worker thread)."""
+
+    requests: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    rejected: int = 0  # 503: the queue was full
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    cache_hits: int = 0
+
+
+class Worker:
+    """Owns the loaded pair and the MLX thread.
+
+    target, draft: the loaded models (draft None: target alone); shared: ids the draft may
+    propose; max_queue: requests that may wait while one runs; cache_budget: bytes of KV
+    caches the prompt cache may keep; persist: keep adaptive-k state under $SPECMLX_HOME;
+    warn: gets one line when state cannot be saved."""
+
+    def __init__(
+        self,
+        target: Loaded,
+        draft: Loaded | None,
+        shared: int,
+        *,
+        max_queue: int = 16,
+        cache_budget: int = 0,
+        persist: bool = True,
+        warn: Warn | None = None,
+    ):
+        self.target, self.draft, self.shared = target, draft, shared
+        self.max_queue = max_queue
+        self.cache = PromptCache(cache_budget)
+        self.choosers = ChooserStore(persist=persist, warn=warn)
+        self.totals = Totals()
+        self.last: Stats | None = None
+        self.busy = False
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._current: Job | None = None
+        self._thread = threading.Thread(target=self._run, name="specmlx-mlx", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting (the running one excluded)."""
+        return self._queue.qsize()
+
+    def submit(self, request: GenRequest, emit: Emit) -> Job:
+        """Queue a generation; QueueFull past max_queue, ShuttingDown once stopping."""
+        job = Job(request, emit)
+        with self._lock:
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            if self._queue.qsize() >= self.max_queue:
+                self.totals.rejected += 1
+                raise QueueFull(f"{self.max_queue} requests are already waiting; retry shortly")
+            self._queue.put(job)
+        return job
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new jobs, cancel the queued and running ones, and wait for the thread."""
+        with self._lock:
+            self._stopping = True
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.emit("error", ShuttingDown("the server is shutting down"))
+        if self._current is not None:
+            self._current.cancel()
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------ the MLX thread
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():
+                self.totals.cancelled += 1
+                continue
+            self._current, self.busy = job, True
+            try:
+                self._generate(job)
+            except Exception as e:  # noqa: BLE001 - the job's client gets it; serving goes on
+                self.totals.failed += 1
+                job.emit("error", e)
+            finally:
+                self._current, self.busy = None, False
+
+    def _generate(self, job: Job) -> None:
+        r, stats = job.request, job.stats
+        use_draft = self.draft if r.drafter == "model" else None
+        num_draft: KSetting = r.num_draft if (use_draft or r.drafter == "lookup") else 0
+        chooser = None
+        if num_draft == "auto":
+            drafter = (
+                f"{use_draft.identity if use_draft else 'none'}|lookup={r.drafter == 'lookup'}"
+            )
+            chooser = num_draft = self.choosers.get(
+                self.target.model, self.target.identity, drafter, r.sampling, r.prompt_ids
+            )
+        job.k_label = str(r.num_draft)
+        job.drafter_name = use_draft.spec.alias if use_draft else r.drafter
+        tok = self.target.tokenizer
+        eos = sorted({*(getattr(tok, "eos_token_ids", ()) or ()), *r.extra_eos})
+        kv = self.cache.take(r.prompt_ids)
+        responses = stream_text(
+            self.target.model,
+            use_draft.model if use_draft else None,
+            tok,
+            r.prompt_ids,
+            stop_strings=r.stop,
+            stats=stats,
+            sampling=r.sampling,
+            num_draft=num_draft,
+            lookup=r.drafter == "lookup",
+            vocab_size=self.shared if use_draft else None,
+            max_tokens=r.max_tokens,
+            seed=r.seed,
+            eos_ids=eos,
+            kv=kv,
+        )
+        cancelled = False
+        try:
+            for piece in responses:
+                if job.cancelled.is_set():
+                    cancelled = True
+                    break
+                job.emit("piece", Piece(piece.text, piece.token, piece.from_draft))
+        finally:
+            responses.close()  # the engine leaves kv holding exactly what it says
+            self.cache.put(kv, len(r.prompt_ids))
+        if chooser is not None:
+            self.choosers.save(chooser)
+        self._count(stats, cancelled)
+        if cancelled:
+            return
+        self.last = stats
+        job.emit("done", stats)
+
+    def _count(self, stats: Stats, cancelled: bool) -> None:
+        t = self.totals
+        t.requests += 1
+        t.cancelled += cancelled
+        t.prompt_tokens += stats.prompt_tokens
+        t.cached_tokens += stats.cached_tokens
+        t.cache_hits += stats.cached_tokens > 0
+        t.generated += stats.generated
+        t.drafted += stats.drafted
+        t.accepted += stats.accepted
+        t.rounds += stats.rounds
+        t.decode_s += stats.decode_s
+        t.prefill_s += stats.prefill_s
+        mx.clear_cache()  # between requests: give the allocator's free blocks back

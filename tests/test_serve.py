@@ -1,0 +1,451 @@
+"""`specmlx serve` with the official openai client against real servers on 127.0.0.1 (tiny
+random models; one test on the real SmolLM2 weights): the OpenAI shapes, the prompt cache,
+bounded concurrency, disconnects, infill, the bad-request matrix, and `specmlx run --server`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from helpers import make_tiny_model
+from typer.testing import CliRunner
+
+from specmlx.cli import app
+
+KEY = "sk-test-key"
+CHAT = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+CODE = "import os\nfor i in range(10):\n    print(i, os.getcwd())\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def models_toml(root: Path, fim: bool = True) -> Path:
+    """Tiny target and draft (FIM tokens and a chat template unless fim=False)."""
+    for name, seed in (("t", 0), ("d", 1)):
+        if not (root / name).exists():
+            make_tiny_model(root / name, seed=seed, fim=fim, chat_template=CHAT)
+    toml = root / "models.toml"
+    toml.write_text(
+        '[defaults]\npair = "tiny"\npair_cpu = "tiny"\ncontext = 2048\n'
+        f'[models.tiny-t]\nsource = "local:{root / "t"}"\n'
+        f'[models.tiny-d]\nsource = "local:{root / "d"}"\n'
+        '[pairs.tiny]\ntarget = "tiny-t"\ndraft = "tiny-d"\nk = 3\n'
+    )
+    return toml
+
+
+def server_env(root: Path, toml: Path) -> dict:
+    env = dict(os.environ, SPECMLX_MODELS=str(toml), SPECMLX_HOME=str(root / "home"))
+    env["XDG_CONFIG_HOME"] = str(root / "xdg")
+    for name in ("SPECMLX_SERVER", "SPECMLX_API_KEY", "SPECMLX_MEMORY_BUDGET"):
+        env.pop(name, None)
+    return env
+
+
+class Server:
+    """`specmlx serve` in its own process on a free loopback port."""
+
+    def __init__(self, root: Path, toml: Path, *args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "specmlx", "serve", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(
+            cmd, env=server_env(root, toml), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        raise RuntimeError("server did not start")
+
+    def stop(self, sig=signal.SIGTERM) -> tuple[int, str]:
+        self.proc.send_signal(sig)
+        _, err = self.proc.communicate(timeout=60)
+        return self.proc.returncode, err.decode()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("serve")
+
+
+@pytest.fixture(scope="module")
+def server(root):
+    s = Server(root, models_toml(root), "--api-key", KEY, "--max-queue", "16")
+    yield s
+    code, err = s.stop()
+    assert code == 0, err  # SIGTERM: finish or cancel, then exit 0
+    assert "Traceback" not in err, err
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=120, **kw)
+
+
+def local_json(root: Path, *args: str) -> dict:
+    """`specmlx run --json` in this process with the same models: the reference."""
+    env = server_env(root, root / "models.toml")
+    r = CliRunner().invoke(app, ["run", "--json", "-q", *args], env=env)
+    assert r.exit_code == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+# ------------------------------------------------------------------ the OpenAI shapes
+
+
+def test_completions_chat_and_streaming(client):
+    done = client.completions.create(model="tiny-t", prompt=CODE, max_tokens=12)
+    assert done.object == "text_completion" and done.id.startswith("cmpl-")
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 12
+    assert done.usage.total_tokens == done.usage.prompt_tokens + 12
+    assert done.model_extra["specmlx"]["target_passes"] >= 1
+    chunks = list(
+        client.completions.create(
+            model="tiny-t", prompt=CODE, max_tokens=12, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    assert chunks[-1].usage.completion_tokens == 12 and not chunks[-1].choices
+    assert chunks[-2].choices[0].finish_reason == "length"
+    msgs = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(model="tiny-t", messages=msgs, max_tokens=8)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    streamed = client.chat.completions.create(
+        model="tiny-t", messages=msgs, max_tokens=8, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+    assert client.models.list().data[0].id == "tiny-t"
+
+
+@pytest.mark.parametrize("draft", ["model", "lookup", "none"])
+def test_greedy_text_through_the_server_equals_specmlx_run(root, client, draft):
+    got = client.completions.create(
+        model="tiny-t", prompt=CODE, max_tokens=20,
+        extra_body={"draft": draft, "return_tokens": True},
+    )  # fmt: skip
+    ref = local_json(root, "-n", "20", "--draft", {"model": "tiny-d"}.get(draft, draft), CODE)
+    assert got.choices[0].text == ref["text"]
+    assert got.choices[0].model_extra["token_ids"] == ref["tokens"]
+
+
+def test_the_prompt_cache_serves_a_shared_prefix_exactly(root, client):
+    """The editor case: the same file, a line longer. The second request reuses the first
+    one's KV caches (reported as cached tokens) and returns what a cold run returns."""
+    first = CODE * 6
+    client.completions.create(model="tiny-t", prompt=first, max_tokens=8)
+    second = first + "def helper(x):\n"
+    got = client.completions.create(
+        model="tiny-t", prompt=second, max_tokens=16, extra_body={"return_tokens": True}
+    )
+    cached = got.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 0.8 * got.usage.prompt_tokens, got.usage
+    assert got.model_extra["specmlx"]["cached_tokens"] == cached
+    cold = local_json(root, "-n", "16", second)
+    assert got.choices[0].model_extra["token_ids"] == cold["tokens"]
+
+
+def test_eight_concurrent_streams_each_complete_and_unmixed(client):
+    prompts = [f"def f{i}(x):\n    return x * {i}\n" for i in range(8)]
+    alone = [client.completions.create(model="tiny-t", prompt=p, max_tokens=24) for p in prompts]
+
+    def stream(p):
+        parts = client.completions.create(model="tiny-t", prompt=p, max_tokens=24, stream=True)
+        return "".join(c.choices[0].text for c in parts if c.choices)
+
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(stream, prompts))
+    assert together == [a.choices[0].text for a in alone]
+
+
+def test_a_client_that_hangs_up_frees_the_slot(server, client):
+    before = metrics(server)
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", timeout=60,
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"prompt": CODE, "max_tokens": 1900, "stream": True, "draft": "none"},
+    ) as r:  # fmt: skip
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    # gone after one chunk: the generation stops within a round or two
+    t0 = time.monotonic()
+    done = client.completions.create(model="tiny-t", prompt="x = 1", max_tokens=4)
+    assert done.choices[0].finish_reason == "length"
+    after = metrics(server)
+    assert (
+        after["specmlx_requests_cancelled_total"] == before["specmlx_requests_cancelled_total"] + 1
+    )
+    generated = after["specmlx_generated_tokens_total"] - before["specmlx_generated_tokens_total"]
+    assert generated < 600, generated  # far from the 1900 asked for
+    assert time.monotonic() - t0 < 60
+
+
+def metrics(server) -> dict[str, float]:
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    rows = [ln.split() for ln in text.splitlines() if ln and not ln.startswith("#")]
+    return {name: float(value) for name, value in rows}
+
+
+def test_metrics_count_tokens_and_acceptance(server, client):
+    client.completions.create(model="tiny-t", prompt=CODE * 2, max_tokens=16)
+    m = metrics(server)
+    for name in (
+        "requests_total", "generated_tokens_total", "drafted_tokens_total", "acceptance_rate",
+        "tokens_per_pass", "decode_tokens_per_second", "queue_depth", "prompt_cache_hits_total",
+    ):  # fmt: skip
+        assert f"specmlx_{name}" in m, name
+    assert m["specmlx_requests_total"] >= 1 and m["specmlx_generated_tokens_total"] >= 16
+
+
+# ------------------------------------------------------------------ fill in the middle
+
+
+def test_infill_in_llama_cpp_shape_and_suffix_completions(root, server, client):
+    body = {
+        "input_prefix": "def add(a, b):\n", "input_suffix": "\n    return c\n",
+        "input_extra": [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}],
+        "n_predict": 12, "temperature": 0,
+    }  # fmt: skip
+    r = post(server, "/infill", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["stop"] is True and out["tokens_predicted"] <= 12 and "timings" in out
+    assert out["timings"]["predicted_n"] == out["tokens_predicted"]
+    got = client.completions.create(
+        model="tiny-t", prompt="def add(a, b):\n", suffix="\n    return c\n", max_tokens=10
+    )
+    ref = local_json(root, "-n", "10", "--suffix", "\n    return c\n", "def add(a, b):\n")
+    assert got.choices[0].text == ref["text"]
+    streamed = httpx.post(server.url + "/infill", json=body | {"stream": True}, timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}).text  # fmt: skip
+    events = [json.loads(ln[6:]) for ln in streamed.splitlines() if ln.startswith("data: ")]
+    assert events[-1]["stop"] is True
+    assert "".join(e["content"] for e in events) == out["content"]
+
+
+# ------------------------------------------------------------------ bad requests
+
+
+BAD = [
+    ("/v1/completions", "{not json", 400, "not valid JSON"),
+    ("/v1/completions", {"max_tokens": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5, "max_tokens": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n must be 1"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "", "max_tokens": 3}, 400, "empty"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "draft": "bigger"}, 400, "draft"),
+    ("/v1/completions", {"prompt": "x", "num_draft": -2}, 400, "num_draft"),
+    ("/v1/completions", {"prompt": "word " * 3000, "max_tokens": 10}, 400, "context"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 4000}, 400, "context of 2048"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+    ("/infill", {"input_prefix": "x", "temperature": -3}, 400, "temperature"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,words", BAD)
+def test_bad_requests_get_a_4xx_json_error(server, path, body, status, words):
+    if isinstance(body, str):
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        r = httpx.post(server.url + path, content=body, headers=headers, timeout=60)
+    else:
+        r = post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "code"} and words in err["message"], err
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_keys_routes_and_sizes(server):
+    assert post(server, "/v1/completions", {"prompt": "x"}, key=None).status_code == 401
+    wrong = post(server, "/v1/completions", {"prompt": "x"}, key="sk-wrong")
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    missing = httpx.get(server.url + "/v2/nothing", headers={"Authorization": f"Bearer {KEY}"})
+    assert missing.status_code == 404 and "error" in missing.json()
+    huge = post(server, "/v1/completions", {"prompt": "x" * (17 * 2**20)})
+    assert huge.status_code == 413 and "error" in huge.json()
+    assert httpx.get(server.url + "/health").status_code == 200  # no key needed, still up
+
+
+# ------------------------------------------------------------------ a second server
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    """No FIM tokens, one request may wait, no prompt cache."""
+    root = tmp_path_factory.mktemp("serve-small")
+    s = Server(root, models_toml(root, fim=False), "--max-queue", "1", "--prompt-cache", "0")
+    yield s
+    code, err = s.stop(signal.SIGINT)  # Ctrl-C: exit 0 as well
+    assert code == 0, err
+
+
+def test_past_the_queue_limit_a_503_with_retry_after(small_server):
+    body = {"prompt": CODE, "max_tokens": 1500, "draft": "none"}
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: post(small_server, "/v1/completions", body), range(6)))
+    codes = sorted(a.status_code for a in answers)
+    assert codes.count(503) >= 3 and codes.count(200) >= 2, codes  # one runs, one waits
+    busy = next(a for a in answers if a.status_code == 503)
+    assert busy.headers["Retry-After"] and busy.json()["error"]["code"] == "overloaded"
+
+
+def test_infill_on_a_model_without_fim_tokens_is_a_400(small_server):
+    r = post(small_server, "/infill", {"input_prefix": "def f():", "input_suffix": "\n"})
+    assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]
+    r = post(small_server, "/v1/completions", {"prompt": "def f():", "suffix": "\n"})
+    assert r.status_code == 400
+
+
+def test_a_public_host_without_a_key_is_refused(tmp_path):
+    r = CliRunner().invoke(app, ["serve", "--host", "0.0.0.0"], env=server_env(tmp_path, tmp_path))
+    assert r.exit_code == 2 and "--api-key" in r.stderr
+
+
+# ------------------------------------------------------------------ specmlx run --server
+
+
+def cli(root: Path, *args: str, server=None, input=None):
+    env = server_env(root, root / "models.toml")
+    if server is not None:
+        env |= {"SPECMLX_SERVER": server.url, "SPECMLX_API_KEY": KEY}
+    return CliRunner().invoke(app, ["run", *args], env=env, input=input)
+
+
+def test_run_through_the_server_keeps_its_contract(root, server):
+    local = cli(root, "-n", "16", CODE)
+    remote = cli(root, "-n", "16", CODE, server=server)
+    assert remote.exit_code == 0, remote.stderr
+    assert remote.stdout == local.stdout and "decode" in remote.stderr
+    assert "served by" in remote.stderr
+    a = json.loads(cli(root, "--json", "-n", "16", CODE, server=server).stdout)
+    b = json.loads(cli(root, "--json", "-n", "16", CODE).stdout)
+    assert a["text"] == b["text"] and a["tokens"] == b["tokens"] and a["draft"] == "tiny-d"
+    assert a["stats"]["generated"] == 16
+    piped = cli(root, "-n", "8", "-", server=server, input=CODE)
+    assert piped.exit_code == 0 and piped.stdout.strip()
+    infill = cli(root, "-n", "6", "--suffix", "\n    return c\n", "def add(a, b):\n", server=server)
+    assert infill.exit_code == 0, infill.stderr
+
+
+@pytest.mark.parametrize(
+    "args,code,words",
+    [
+        (["--temp", "-1", "x"], 2, "temperature"),
+        (["-n", "4000", "x"], 2, "context of 2048"),
+        (["--target", "tiny-t", "x"], 2, "--server"),
+    ],
+)
+def test_run_through_the_server_bad_input(root, server, args, code, words):
+    r = cli(root, *args, server=server)
+    assert r.exit_code == code and words in r.stderr, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), lines
+
+
+def test_run_with_an_unreachable_server_is_one_line(root):
+    env = server_env(root, root / "models.toml") | {
+        "SPECMLX_SERVER": f"http://127.0.0.1:{free_port()}"
+    }
+    r = CliRunner().invoke(app, ["run", "x"], env=env)
+    assert r.exit_code == 1 and "cannot reach the specmlx server" in r.stderr
+    assert "loading" not in r.stderr  # not a silent local load
+
+
+def test_run_through_the_server_closed_pipe_and_ctrl_c(root, server):
+    env = server_env(root, root / "models.toml") | {
+        "SPECMLX_SERVER": server.url,
+        "SPECMLX_API_KEY": KEY,
+    }
+    cmd = f"{sys.executable} -m specmlx run -n 1500 --draft none -q 'def f():' | head -c 5; exit ${{PIPESTATUS[0]}}"
+    p = subprocess.run(
+        cmd, shell=True, executable="/bin/bash", capture_output=True, env=env, timeout=120
+    )
+    assert p.returncode == 0 and len(p.stdout) <= 5, p.stderr
+    assert b"Traceback" not in p.stderr
+    child = subprocess.Popen(
+        [sys.executable, "-m", "specmlx", "run", "-n", "1900", "--draft", "none", CODE],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    first = child.stdout.read(1)  # it is generating
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 130 and first, err
+    assert b"decode" in err and b"Traceback" not in err
+
+
+# ------------------------------------------------------------------ real weights
+
+
+@pytest.mark.slow
+def test_real_weights_through_the_server_equal_specmlx_run(tmp_path):
+    from specmlx.errors import SpecmlxError
+    from specmlx.loading import load_model
+    from specmlx.registry import load_registry
+
+    try:
+        load_model(load_registry().resolve("smollm2-135m"))  # fetched once, cached
+    except SpecmlxError as e:
+        pytest.skip(f"SmolLM2-135M unavailable: {e}")
+    toml = tmp_path / "models.toml"
+    toml.write_text('[defaults]\npair = "smollm2"\npair_cpu = "smollm2"\n')
+    env = dict(os.environ, SPECMLX_MODELS=str(toml))
+    env.pop("SPECMLX_SERVER", None)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "specmlx", "serve", "--port", str(port)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                httpx.get(url + "/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None, proc.stderr.read()
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        prompt = "def fibonacci(n):\n    "
+        got = client.completions.create(model="x", prompt=prompt, max_tokens=32,
+                                        extra_body={"return_tokens": True})  # fmt: skip
+        r = CliRunner().invoke(app, ["run", "--json", "-q", "-n", "32", prompt], env=env)
+        assert got.choices[0].model_extra["token_ids"] == json.loads(r.stdout)["tokens"]
+        assert got.model_extra["specmlx"]["drafted"] > 0
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
