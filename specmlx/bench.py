@@ -229,7 +229,12 @@ def bench(
     on_run: Callable[[Run], None] | None = None,
 ) -> dict:
     """Run every system on every prompt and temperature, interleaved, ``s.repeats`` times.
-    Returns {"rows", "runs", "verify_curve", "draft_cost"}; the CLI adds the environment."""
+
+    target, draft: the loaded models (draft None: no draft rows); prompts: rows with "id"
+    and "prompt"; encode: a prompt row -> token ids; s: what to sweep; draft_name: the
+    draft's alias for the rows; shared: ids the draft may propose; on_run: called after each
+    generation (progress). Returns {"rows", "runs", "verify_curve", "draft_cost"}; the CLI
+    adds the environment."""
     encoded = [(p["id"], encode(p)) for p in prompts]
     todo = systems(draft_name, s)
     ctx = encoded[0][1] + encoded[0][1][: s.max_tokens // 2]

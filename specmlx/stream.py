@@ -23,7 +23,8 @@ class Response:
 
 
 def encode_prompt(tokenizer, text: str, *, chat: bool = False) -> list[int]:
-    """Raw completion (right for code) or the tokenizer's chat template."""
+    """Token ids of ``text`` as a raw completion (right for code, BOS as the tokenizer adds
+    it) or, with ``chat``, as one user message through the tokenizer's chat template."""
     if not text.strip() and not chat:
         raise BadInput("the prompt is empty")
     if chat:
@@ -57,7 +58,13 @@ def stream_text(
     **engine_kwargs,
 ) -> Iterator[Response]:
     """Stream text, UTF-8 safe across token boundaries (mlx-lm's streaming detokenizer).
-    Generation ends at EOS, the token budget, or a stop string (which is not emitted)."""
+    Generation ends at EOS, the token budget, or a stop string (which is not emitted).
+
+    target, draft, prompt_ids: as for engine.generate_tokens; tokenizer: the target's (its
+    EOS ids end generation unless ``eos_ids`` is given); stop_strings: text that ends the
+    generation, held back while it may be forming; stats: updated live; engine_kwargs: the
+    rest of generate_tokens' arguments (sampling, num_draft, max_tokens, seed, kv, ...).
+    Closing the iterator early closes the engine's generator (its KVState stays exact)."""
     stats = stats if stats is not None else Stats()
     engine_kwargs.setdefault("eos_ids", sorted(getattr(tokenizer, "eos_token_ids", ()) or ()))
     stops = [s for s in stop_strings if s]
