@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from functools import wraps
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.live import Live
@@ -26,6 +27,27 @@ from .stats import Stats
 
 # Commands import the model-loading modules when they run, so that `--help`, `--version`
 # and bad-usage errors answer without loading MLX, mlx-lm and transformers.
+
+# options that run, serve and bench share (each command keeps its own default and wording
+# where they differ)
+TargetOpt = Annotated[
+    str | None, typer.Option("--target", "-t", help="Target alias, path or hf repo.")
+]
+DraftOpt = Annotated[
+    str | None,
+    typer.Option("--draft", "-d", help="Draft alias/path, 'lookup' (prompt lookup), or 'none'."),
+]
+TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy.")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1].")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).")]
+MinPOpt = Annotated[
+    float, typer.Option("--min-p", help="Drop tokens below min_p x the top one (0: off).")
+]
+ContextOpt = Annotated[
+    int | None,
+    typer.Option("--context", help="Context limit (default: the models' own, from models.toml)."),
+]
+
 
 app = typer.Typer(
     add_completion=True,
@@ -162,17 +184,15 @@ def resolve_models(registry, target: str | None, draft: str | None, lookup: bool
 @cli_errors
 def run(
     prompt: str = typer.Argument(None, help="Prompt text; '-' or absent reads stdin."),
-    target: str = typer.Option(None, "--target", "-t", help="Target alias, path or hf repo."),
-    draft: str = typer.Option(
-        None, "--draft", "-d", help="Draft alias/path, 'lookup' (prompt lookup), or 'none'."
-    ),
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
     lookup: bool = typer.Option(False, "--lookup", help="Prompt lookup first, then the draft."),
     k: str = typer.Option(None, "-k", "--num-draft", help="Draft tokens per round, or 'auto'."),
     max_tokens: int = typer.Option(256, "-n", "--max-tokens", help="Tokens to generate."),
-    temp: float = typer.Option(0.0, "--temp", help="Temperature; 0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass in (0, 1]."),
-    top_k: int = typer.Option(0, "--top-k", help="Keep the k most likely tokens (0: off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Drop tokens below min_p x the top one."),
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
     seed: int = typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
     stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template."),
@@ -183,9 +203,7 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No live line or summary."),
     show_draft: bool = typer.Option(False, "--show-draft", help="Colour draft-accepted text."),
-    context: int = typer.Option(
-        None, "--context", help="Context limit (default: the models' own, from models.toml)."
-    ),
+    context: ContextOpt = None,
     server: str = typer.Option(
         None, "--server", envvar="SPECMLX_SERVER", help="Send it to a running `specmlx serve`."
     ),
@@ -434,19 +452,15 @@ class _Null:
 @app.command()
 @cli_errors
 def serve(
-    target: str = typer.Option(None, "--target", "-t", help="Target alias, path or hf repo."),
-    draft: str = typer.Option(
-        None, "--draft", "-d", help="Draft alias/path, 'lookup' (prompt lookup), or 'none'."
-    ),
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
     k: str = typer.Option(None, "-k", "--num-draft", help="Default draft tokens per round."),
     max_tokens: int = typer.Option(256, "-n", "--max-tokens", help="Default tokens a request."),
-    temp: float = typer.Option(0.0, "--temp", help="Default temperature; 0 is greedy."),
-    top_p: float = typer.Option(1.0, "--top-p", help="Default nucleus mass in (0, 1]."),
-    top_k: int = typer.Option(0, "--top-k", help="Default top-k (0: off)."),
-    min_p: float = typer.Option(0.0, "--min-p", help="Default min-p (0: off)."),
-    context: int = typer.Option(
-        None, "--context", help="Context limit (default: the models' own, from models.toml)."
-    ),
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    context: ContextOpt = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
     api_key: str = typer.Option(
@@ -602,8 +616,8 @@ def _split(text: str, convert, name: str) -> list:
 @app.command()
 @cli_errors
 def bench(
-    target: str = typer.Option(None, "--target", "-t", help="Target alias or path."),
-    draft: str = typer.Option(None, "--draft", "-d", help="Draft alias/path, or 'none'."),
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
     prompts: str = typer.Option(
         None, "--prompts", help='JSONL of {"prompt": ...}; default: built-in.'
     ),
