@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from .adaptive import AdaptiveK, pass_times
 from .choosers import ChooserStore
+from .distributed import Lockstep, SharedK, World
 from .engine import generate_tokens
 from .errors import BadInput
 from .machine import blas_in_use, version
@@ -164,9 +165,11 @@ def run_one(
     seed: int,
     shared: int | None,
     chooser: AdaptiveK | None = None,
+    world: World | None = None,
 ):
     """Generate once with one system; returns (tokens, decoded, decode_s, drafted, accepted).
-    ``chooser`` is the system's adaptive-k state when k is "auto" (a fresh one if None)."""
+    ``chooser`` is the system's adaptive-k state when k is "auto" (a fresh one if None);
+    ``world``: the ranks the target is split over (k decided on rank 0, tokens compared)."""
     top_p = s.top_p if temp > 0 else 1.0
     if system.system == "mlx-lm":
         flags: list[bool] = []
@@ -186,6 +189,11 @@ def run_one(
     stats = Stats()
     use_draft = draft if system.drafter not in ("none", "lookup") else None
     k = (chooser or "auto") if system.k == "auto" else system.k
+    lockstep = None
+    if world is not None and world.distributed:
+        lockstep = Lockstep(world)
+        if system.k == "auto":
+            k = SharedK(chooser or AdaptiveK(), world)
     gen = generate_tokens(
         target,
         use_draft,
@@ -197,8 +205,11 @@ def run_one(
         seed=seed,
         vocab_size=shared,
         stats=stats,
+        lockstep=lockstep,
     )
     tokens, decoded, secs = _timed((e.token, e.from_draft) for e in gen)
+    if lockstep is not None:
+        lockstep.check()
     return tokens, decoded, secs, stats.drafted, stats.accepted
 
 
@@ -227,14 +238,16 @@ def bench(
     draft_name: str | None = None,
     shared: int | None = None,
     on_run: Callable[[Run], None] | None = None,
+    world: World | None = None,
 ) -> dict:
     """Run every system on every prompt and temperature, interleaved, ``s.repeats`` times.
 
     target, draft: the loaded models (draft None: no draft rows); prompts: rows with "id"
     and "prompt"; encode: a prompt row -> token ids; s: what to sweep; draft_name: the
     draft's alias for the rows; shared: ids the draft may propose; on_run: called after each
-    generation (progress). Returns {"rows", "runs", "verify_curve", "draft_cost"}; the CLI
-    adds the environment."""
+    generation (progress); world: the ranks the target is split over (every rank runs this
+    same sequence). Returns {"rows", "runs", "verify_curve", "draft_cost"}; the CLI adds
+    the environment."""
     encoded = [(p["id"], encode(p)) for p in prompts]
     todo = systems(draft_name, s)
     ctx = encoded[0][1] + encoded[0][1][: s.max_tokens // 2]
@@ -256,7 +269,9 @@ def bench(
     for system in todo:
         for temp in s.temps if system.k == "auto" else s.temps[:1]:
             chooser = choosers.get((system, temp))
-            run_one(system, target, draft, encoded[0][1], temp, warm, s.seed, shared, chooser)
+            run_one(
+                system, target, draft, encoded[0][1], temp, warm, s.seed, shared, chooser, world
+            )
     runs: list[Run] = []
     for rep in range(s.repeats):
         for pid, ids in encoded:
@@ -273,6 +288,7 @@ def bench(
                         seed,
                         shared,
                         choosers.get((system, temp)),
+                        world,
                     )
                     run = Run(
                         system.label, pid, temp, rep, tokens, decoded, secs, drafted, accepted

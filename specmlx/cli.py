@@ -21,6 +21,7 @@ from typer.core import TyperCommand
 
 from . import __version__
 from .display import err_console, live_line, print_error, print_warning, summary
+from .distributed import rank_prefix
 from .errors import BadInput, SpecmlxError
 from .machine import version
 from .stats import Stats
@@ -84,7 +85,7 @@ def cli_errors(fn):
         except (typer.Exit, typer.Abort):
             raise
         except SpecmlxError as e:
-            print_error(str(e))
+            print_error(rank_prefix() + str(e))
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             err_console().print("[yellow]interrupted[/yellow]")
@@ -180,9 +181,21 @@ def resolve_models(registry, target: str | None, draft: str | None, lookup: bool
     return Models(target, None if draft == "none" else draft, lookup, kk)
 
 
+HostsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--hosts", help="Split the target over ranks: IPs, comma separated (localhost for local)."
+    ),
+]
+HostfileOpt = Annotated[
+    Path | None, typer.Option("--hostfile", help="Split the target over MLX's hostfile's hosts.")
+]
+
+
 @app.command(cls=PromptCommand)
 @cli_errors
 def run(
+    ctx: typer.Context,
     prompt: str = typer.Argument(None, help="Prompt text; '-' or absent reads stdin."),
     target: TargetOpt = None,
     draft: DraftOpt = None,
@@ -210,8 +223,11 @@ def run(
     api_key: str = typer.Option(
         None, "--api-key", envvar="SPECMLX_API_KEY", help="The server's API key."
     ),
+    hosts: HostsOpt = None,
+    hostfile: HostfileOpt = None,
 ) -> None:
     """Generate a completion: text on stdout, live stats and a summary on stderr."""
+    from .distributed import join, launched
     from .sampling import SamplingParams
 
     params = SamplingParams(temp, top_p, top_k, min_p)  # validates before any loading
@@ -228,6 +244,10 @@ def run(
     console = err_console()
     render = _Render(console, as_json, quiet, show_draft, k or "")
     job = Job(text, after, params, max_tokens, seed, stop or [], chat)
+    if (hosts or hostfile) and not launched():
+        if server:
+            raise BadInput("--hosts/--hostfile start ranks here; --server sends to a server")
+        raise typer.Exit(_launch_ranks(ctx, job, hosts, hostfile, target))
     if server:
         if target or (draft not in (None, "none", "lookup")) or context or lookup:
             raise BadInput(
@@ -236,7 +256,7 @@ def run(
             )
         _run_remote(job, render, server, api_key, draft, k)
     else:
-        _run_local(job, render, target, draft, lookup, k, context, quiet)
+        _run_local(job, render, target, draft, lookup, k, context, quiet, join())
 
 
 @dataclass
@@ -266,8 +286,9 @@ def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
         raise BadInput(f"cannot read --suffix-file {suffix_file}: {e.strerror or e}") from None
 
 
-def _run_local(job: Job, render, target, draft, lookup, k, context, quiet) -> None:
+def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world) -> None:
     from .choosers import ChooserStore
+    from .distributed import Lockstep, SharedK, Watchdog, barrier, lost_peer, shared_seed
     from .fim import encode_infill, require_fim
     from .loading import load_pair
     from .registry import load_registry
@@ -277,11 +298,18 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet) -> No
     models = resolve_models(registry, target, draft, lookup, k)
     render.k_label = str(models.k)
     console = render.console
+    quiet = quiet or not world.leader
+    if not world.leader:  # only rank 0 writes: the others' text would repeat it
+        render.quiet, render.as_json, render.live_ok = True, False, False
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of this rank
     say = (
         None
         if quiet
         else (lambda msg: console.print(msg, style="dim", soft_wrap=True, markup=False))
     )
+    watchdog = None
+    if world.distributed:
+        watchdog = Watchdog(rank_timeout(), lambda m: print_error(rank_prefix() + m))
     tspec = registry.resolve(models.target)
     limit = context or registry.context_for(
         tspec, registry.resolve(models.draft) if models.draft else None
@@ -290,8 +318,18 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet) -> No
     size = len(job.text.encode()) + len((job.suffix or "").encode())
     planned = min(limit, size + job.max_tokens + 64)
     tgt, drf, shared = load_pair(
-        models.target, models.draft, registry=registry, context=planned, progress=say
-    )
+        models.target, models.draft, registry=registry, context=planned, progress=say,
+        group=world.group if world.distributed else None,
+    )  # fmt: skip
+    lockstep = None
+    if world.distributed:
+        watchdog.beat("loading the models on the other ranks")
+        try:
+            barrier(world)
+        except RuntimeError as e:
+            raise (lost_peer(e) or e) from None
+        job.seed = shared_seed(world, job.seed)
+        lockstep = Lockstep(world, beat=lambda: watchdog.beat("generating"))
     extra_eos: tuple[int, ...] = ()
     if job.suffix is not None:
         template = require_fim(tgt.tokenizer, drf.tokenizer if drf else None, tgt.spec.alias)
@@ -306,6 +344,8 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet) -> No
         store = ChooserStore(warn=print_warning)
         drafter = f"{drf.identity if drf else 'none'}|lookup={models.lookup}"
         chooser = num_draft = store.get(tgt.model, tgt.identity, drafter, job.params, ids)
+        if world.distributed:  # rank 0 decides k for all: each rank's timings differ
+            num_draft = SharedK(chooser, world)
     eos = sorted({*(getattr(tgt.tokenizer, "eos_token_ids", ()) or ()), *extra_eos})
     stats = Stats()
     responses = stream_text(
@@ -322,16 +362,101 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet) -> No
         max_tokens=job.max_tokens,
         seed=job.seed,
         eos_ids=eos,
+        lockstep=lockstep,
     )
     parts = ([drf.spec.alias] if drf else []) + (["lookup"] if models.lookup else [])
-    interrupted = render.stream(responses, stats)
-    if store is not None:
+    try:
+        interrupted = render.stream(responses, stats)
+        if lockstep is not None and not interrupted:
+            lockstep.check()  # the last rounds too
+            watchdog.disarm()
+    except RuntimeError as e:
+        raise (lost_peer(e) or e) from None
+    if store is not None and world.leader:
         store.save(chooser)
     where = {"load_s": tgt.load_seconds}
+    ranks = None
+    if world.distributed:
+        where["ranks"] = f"{world.size} ({world.backend}), {_ms(stats)} per target pass"
+        pass_s = stats.decode_s / stats.rounds if stats.rounds else None
+        ranks = {"size": world.size, "backend": world.backend, "target_pass_s": pass_s}
     render.finish(stats, tgt.spec.alias, " + ".join(parts) or "none", where, interrupted)
-    render.json(stats, tgt.spec.alias, " + ".join(parts) or "none", models.k, job)
+    render.json(stats, tgt.spec.alias, " + ".join(parts) or "none", models.k, job, ranks)
     if interrupted:
         raise typer.Exit(130)
+
+
+def _ms(stats: Stats) -> str:
+    return f"{stats.decode_s / stats.rounds * 1000:.1f} ms" if stats.rounds else "-"
+
+
+def rank_timeout() -> float:
+    """Seconds a rank waits for the others before giving up ($SPECMLX_RANK_TIMEOUT, 300)."""
+    try:
+        return float(os.environ.get("SPECMLX_RANK_TIMEOUT") or 300)
+    except ValueError:
+        raise BadInput("SPECMLX_RANK_TIMEOUT must be a number of seconds") from None
+
+
+def _check_split(hosts, hostfile, target) -> None:
+    """Before any rank starts: the hosts are well formed and the target can be split over
+    them (both one-line errors)."""
+    from .distributed import check_shardable, parse_hosts
+    from .loading import shard_support
+    from .memory import peek
+    from .registry import load_registry
+
+    names = parse_hosts(hosts, hostfile)
+    registry = load_registry()
+    spec = registry.resolve(resolve_models(registry, target, None, False, None).target)
+    config, _ = peek(spec)
+    check_shardable(config, len(names), spec.alias, shard_support(config))
+
+
+def _launch(ctx: typer.Context, command: str, hosts, hostfile, tail: list[str] = ()) -> int:
+    """Start this same command as ranks with mlx.launch; returns the exit code."""
+    from .distributed import launch
+
+    skip = {"hosts", "hostfile", "prompt", "suffix_file", "seed" if command == "run" else ""}
+    return launch([command, *_option_argv(ctx, skip), *tail], hosts, hostfile)
+
+
+def _launch_ranks(ctx: typer.Context, job: Job, hosts, hostfile, target) -> int:
+    """`specmlx run` as ranks: the prompt, suffix file and seed are resolved here, once."""
+    _check_split(hosts, hostfile, target)
+    tail = []
+    if job.suffix is not None and ctx.params.get("suffix_file") is not None:
+        tail += ["--suffix", job.suffix]  # the ranks may not see this machine's files
+    seed = job.seed if job.seed is not None else int.from_bytes(os.urandom(6), "little")
+    # the prompt was read here (stdin reaches the ranks without an end), so it travels as
+    # an argument
+    if len(job.text.encode()) > 100_000:
+        raise BadInput("with --hosts the prompt travels on the command line: 100 KB at most")
+    return _launch(ctx, "run", hosts, hostfile, [*tail, "--seed", str(seed), "--", job.text])
+
+
+def _option_argv(ctx: typer.Context, skip: set[str]) -> list[str]:
+    """This command's options as given, back as arguments (for the ranks to run it too)."""
+    out: list[str] = []
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if (
+            param.name in skip
+            or not getattr(param, "opts", None)
+            or param.param_type_name != "option"
+        ):
+            continue
+        if value is None or value == param.default or (param.multiple and not value):
+            continue
+        flag = max(param.opts, key=len)
+        if param.is_flag:
+            out.append(flag)
+        elif param.multiple:
+            for v in value:
+                out += [flag, str(v)]
+        else:
+            out += [flag, str(value)]
+    return out
 
 
 def _run_remote(job: Job, render, url: str, api_key, draft, k) -> None:
@@ -423,8 +548,8 @@ class _Render:
         if not self.quiet or interrupted:
             self.console.print(summary(stats, target=target, draft=draft_name, **where))
 
-    def json(self, stats, target, draft_name, k, job) -> None:
-        """The --json object on stdout (nothing without --json)."""
+    def json(self, stats, target, draft_name, k, job, ranks: dict | None = None) -> None:
+        """The --json object on stdout (nothing without --json); ``ranks`` when distributed."""
         if not self.as_json:
             return
         out = {
@@ -437,6 +562,8 @@ class _Render:
             "temperature": job.params.temperature,
             "seed": job.seed,
         }
+        if ranks is not None:
+            out["ranks"] = ranks
         sys.stdout.write(json.dumps(out) + "\n")
         sys.stdout.flush()
 
@@ -616,6 +743,7 @@ def _split(text: str, convert, name: str) -> list:
 @app.command()
 @cli_errors
 def bench(
+    ctx: typer.Context,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     prompts: str = typer.Option(
@@ -634,12 +762,15 @@ def bench(
     json_out: str = typer.Option(None, "--json", help="Write rows, runs and environment here."),
     md_out: str = typer.Option(None, "--markdown", help="Write a Markdown table here."),
     plot_out: str = typer.Option(None, "--plot", help="Write a PNG plot here (matplotlib)."),
+    hosts: HostsOpt = None,
+    hostfile: HostfileOpt = None,
 ) -> None:
     """Benchmark target-only, specmlx and mlx-lm side by side in one process."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from . import bench as b
     from .display import bench_table
+    from .distributed import barrier, join, launched
     from .loading import load_pair
     from .registry import load_registry
     from .sampling import SamplingParams
@@ -665,15 +796,25 @@ def bench(
         raise BadInput("-n and --repeats must be > 0")
     rows = b.load_prompts(prompts, kind if not prompts else "all")
     rows = rows[:limit] if limit > 0 else rows
+    if (hosts or hostfile) and not launched():
+        _check_split(hosts, hostfile, target)
+        raise typer.Exit(_launch(ctx, "bench", hosts, hostfile))
+    world = join()
     registry = load_registry()
     models = resolve_models(registry, target, draft, False, None)
     console = err_console()
+    if not world.leader:  # every rank runs the same sequence; rank 0 reports it
+        console.quiet = True
+        json_out = md_out = plot_out = None
     tgt, drf, shared = load_pair(
         models.target,
         models.draft,
         registry=registry,
+        group=world.group if world.distributed else None,
         progress=lambda m: console.print(m, style="dim", soft_wrap=True, markup=False),
     )
+    if world.distributed:
+        barrier(world)
     todo = b.systems(drf.spec.alias if drf else None, settings)
     total = settings.repeats * len(rows) * len(settings.temps) * len(todo)
     progress = Progress(
@@ -699,9 +840,11 @@ def bench(
             draft_name=drf.spec.alias if drf else None,
             shared=shared,
             on_run=on_run,
+            world=world,
         )
     info = {"target": _model_info(tgt), "draft": _model_info(drf) if drf else None}
     result["environment"] = b.environment(info)
+    result["environment"]["ranks"] = {"size": world.size, "backend": world.backend}
     result["settings"] = {
         **b.asdict(settings),
         "prompts": prompts or f"built-in ({kind})",

@@ -37,7 +37,13 @@ def live_line(stats: Stats, k_label: str) -> Text:
 
 
 def summary(
-    stats: Stats, *, target: str, draft: str, load_s: float | None = None, server: str = ""
+    stats: Stats,
+    *,
+    target: str,
+    draft: str,
+    load_s: float | None = None,
+    server: str = "",
+    ranks: str = "",
 ) -> Table:
     """The final statistics, one row each, explained in the README."""
     t = Table(show_header=False, box=None, pad_edge=False)
@@ -67,6 +73,8 @@ def summary(
     t.add_row(
         "memory", f"peak {gb(stats.peak_memory)}{load}" + (" (on the server)" if server else "")
     )
+    if ranks:
+        t.add_row("ranks", ranks)
     if stats.finish_reason:
         t.add_row("finish", stats.finish_reason)
     return t

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -81,6 +81,7 @@ def generate_tokens(
     stats: Stats | None = None,
     prefill_step: int = 512,
     kv: KVState | None = None,
+    lockstep: Callable[[list[int]], None] | None = None,
 ) -> Iterator[TokenEvent]:
     """Generate from ``target``, speculating with ``draft`` (a model), prompt lookup
     (``lookup=True``), both (lookup first), or neither (plain target decoding).
@@ -104,6 +105,8 @@ def generate_tokens(
     prefill_step: prompt tokens per prefill chunk (bounds prefill memory).
     kv: caches to reuse (their longest common prefix with the prompt is kept, the rest of the
         prompt is prefilled) and that hold the context afterwards; fresh ones if None.
+    lockstep: called with each round's new tokens before they are yielded; it may raise to
+        stop (distributed.Lockstep compares the ranks' tokens this way).
     """
     sampling = SamplingParams() if sampling is None else sampling
     if not isinstance(sampling, SamplingParams):
@@ -142,11 +145,12 @@ def generate_tokens(
         mx.clear_cache()  # prefill's temporaries: decoding needs the room
         stats.prefill_s = time.perf_counter() - t0
         process = None if sampling.greedy else make_processor(sampling)
+        check = lockstep or (lambda _tokens: None)
         if not speculating:
-            loop = _plain(target, kv, prompt, process, key, stops, stats)
+            loop = _plain(target, kv, prompt, process, key, stops, stats, check)
         else:
             spec = _Speculation(target, kv, draft, process, vocab_size, lookup)
-            loop = spec.run(prompt, next_k, key, stops, stats)
+            loop = spec.run(prompt, next_k, key, stops, stats, check)
         try:
             yield from loop
         finally:
@@ -213,7 +217,7 @@ class _Stops:
         return new, None
 
 
-def _plain(target, kv, prompt, process, key, stops, stats) -> Iterator[TokenEvent]:
+def _plain(target, kv, prompt, process, key, stops, stats, check) -> Iterator[TokenEvent]:
     """Target-only decoding, overlapping the next step with the host like mlx-lm's
     generate_step: step i+1 is queued (async_eval) before token i is read back."""
     cache = kv.target
@@ -242,6 +246,7 @@ def _plain(target, kv, prompt, process, key, stops, stats) -> Iterator[TokenEven
             elapsed = time.perf_counter() - t0
             stats.record(RoundReport(0, 0, elapsed), stops.count)
             stats.finish_reason = reason
+            check(new)
             if new:
                 yield TokenEvent(new[0], False)
             if reason:
@@ -279,7 +284,7 @@ class _Speculation:
             vocab_size = min(vocab_size, self.draft_rows)
         self.vocab_size = vocab_size
 
-    def run(self, prompt, next_k, key, stops, stats) -> Iterator[TokenEvent]:
+    def run(self, prompt, next_k, key, stops, stats, check) -> Iterator[TokenEvent]:
         ctx = list(prompt)
         drafting_rounds = 0
         plain_next = getattr(next_k, "plain_next", lambda: False)
@@ -303,6 +308,7 @@ class _Speculation:
                 last = RoundReport(k, n, time.perf_counter() - t0, t_draft)
                 stats.record(last, stops.count)
                 stats.finish_reason = reason
+                check(new)
                 for i, t in enumerate(new):
                     yield TokenEvent(t, i < n)
                 if reason:

@@ -16,9 +16,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .distributed import check_shardable
 from .errors import IncompatiblePair, ModelLoadError
 from .gguf import load_gguf
-from .memory import plan_memory, read_config, require_fit, resolve_dtype
+from .memory import peek, plan_memory, read_config, require_fit, resolve_dtype
 from .registry import ModelSpec, Registry, load_registry
 from .sources import Progress, cached_quantized, fetch, file_facts, quantized_dir, say
 
@@ -40,8 +41,9 @@ class Loaded:
 # ---------------------------------------------------------------- MLX / HF directories
 
 
-def _load_dir(path: Path) -> tuple[nn.Module, TokenizerWrapper, dict]:
-    """Load an MLX/HF model directory with mlx-lm, naming the file when something is broken."""
+def _load_dir(path: Path, lazy: bool = False) -> tuple[nn.Module, TokenizerWrapper, dict]:
+    """Load an MLX/HF model directory with mlx-lm, naming the file when something is broken.
+    ``lazy``: leave the weights unread (to shard them before they are evaluated)."""
     from mlx_lm.utils import load_model as mlx_load_model
     from mlx_lm.utils import load_tokenizer
 
@@ -51,7 +53,7 @@ def _load_dir(path: Path) -> tuple[nn.Module, TokenizerWrapper, dict]:
         msg = f"no *.safetensors in {path}: weights missing (convert .bin ones with mlx_lm.convert)"
         raise ModelLoadError(msg)
     try:
-        model, config = mlx_load_model(path)
+        model, config = mlx_load_model(path, lazy=lazy)
     except RuntimeError as e:  # mx.load: truncated or corrupt safetensors
         bad = next((f for f in files if _unreadable(f)), files[0])
         msg = str(e).splitlines()[0]
@@ -106,13 +108,26 @@ def _quantize_to_cache(spec: ModelSpec, src: Path, progress: Progress | None):
 # ---------------------------------------------------------------- loading
 
 
-def load_model(spec: ModelSpec, *, progress: Progress | None = None) -> Loaded:
+def load_model(
+    spec: ModelSpec,
+    *,
+    progress: Progress | None = None,
+    group: mx.distributed.Group | None = None,
+) -> Loaded:
     """Fetch (if needed) and load one model and its tokenizer, cast to the spec's dtype.
 
-    spec: the model (registry.ModelSpec); progress: gets a line before slow steps."""
+    spec: the model (registry.ModelSpec); progress: gets a line before slow steps; group:
+    split the model over these ranks (tensor parallelism, mlx-lm's shard): the weights are
+    sharded before they are read, so no rank ever holds the whole model."""
     start = time.perf_counter()
     dtype = resolve_dtype(spec.dtype)
+    shards = group.size() if group is not None else 1
     cached = cached_quantized(spec) if spec.quantize else None
+    if shards > 1 and spec.quantize and cached is None:
+        raise ModelLoadError(
+            f"{spec.alias} is quantized at its first load, which needs the whole model on one "
+            f"machine: run `specmlx models pull {spec.alias}` on each host first"
+        )
     path = cached or fetch(spec, progress=progress)
     identity = f"{spec.identity}|{file_facts(path)}"
     if path.is_file():
@@ -122,8 +137,10 @@ def load_model(spec: ModelSpec, *, progress: Progress | None = None) -> Loaded:
         model, tokenizer, config, identity = _quantize_to_cache(spec, path, progress)
     else:
         say(progress, f"loading {spec.alias} from {path}")
-        model, tokenizer, config = _load_dir(path)
+        model, tokenizer, config = _load_dir(path, lazy=shards > 1)
         identity = config.get("specmlx_identity", identity)  # a quantized copy: its source's
+    if shards > 1:
+        model.shard(group)  # before any weight is evaluated: each rank reads its share
     model.set_dtype(dtype)  # floating parameters only: packed weights stay uint32
     mx.eval(model.parameters())
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
@@ -173,6 +190,18 @@ def check_pair(target: Loaded, draft: Loaded) -> int:
     return shared
 
 
+def shard_support(config: dict) -> bool:
+    """Whether mlx-lm implements tensor parallelism (a ``shard`` method) for this config's
+    architecture; decided from the class alone, without loading anything."""
+    from mlx_lm.utils import _get_classes  # mlx-lm's own config -> class lookup
+
+    try:
+        model_class, _ = _get_classes(config)
+    except (ValueError, KeyError):
+        return False
+    return hasattr(model_class, "shard")
+
+
 def load_pair(
     target_name: str,
     draft_name: str | None = None,
@@ -180,6 +209,7 @@ def load_pair(
     registry: Registry | None = None,
     context: int | None = None,
     reserve: int = 0,
+    group: mx.distributed.Group | None = None,
     progress: Progress | None = None,
 ) -> tuple[Loaded, Loaded | None, int]:
     """Resolve, plan memory, load both models and check them: (target, draft, shared ids).
@@ -187,14 +217,20 @@ def load_pair(
     target_name, draft_name: aliases, paths or hub repos (draft None: the target alone);
     registry: where aliases resolve (default: the merged models.toml files); context: tokens
     to plan the KV caches for (default: the pair's context, registry.context_for); reserve:
-    bytes of KV caches to plan beyond that (a server's prompt cache); progress: gets a line
-    before slow steps."""
+    bytes of KV caches to plan beyond that (a server's prompt cache); group: ranks to split
+    the target over (the draft is loaded whole on each; the plan is per rank, and a target
+    that cannot be split is refused before anything loads); progress: gets a line before
+    slow steps."""
     registry = registry or load_registry()
     target = registry.resolve(target_name)
     draft = registry.resolve(draft_name) if draft_name else None
     planned = context or registry.context_for(target, draft)
-    plan = plan_memory(target, draft, planned, reserve=reserve, progress=progress)
+    shards = group.size() if group is not None else 1
+    if shards > 1:
+        config, _ = peek(target, progress=progress)
+        check_shardable(config, shards, target.alias, shard_support(config))
+    plan = plan_memory(target, draft, planned, reserve=reserve, shards=shards, progress=progress)
     require_fit(plan, target, draft)
-    t = load_model(target, progress=progress)
+    t = load_model(target, progress=progress, group=group)
     d = load_model(draft, progress=progress) if draft else None
     return t, d, check_pair(t, d) if d else t.vocab_size

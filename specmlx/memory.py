@@ -40,6 +40,7 @@ class MemoryPlan:
     available_bytes: int
     available_from: str
     fits: bool
+    shards: int = 1  # ranks the target is split over: the numbers are per rank
 
 
 def resolve_dtype(name: str) -> mx.Dtype:
@@ -154,19 +155,27 @@ def _with_quantize(spec: ModelSpec, config: dict) -> dict:
     return config
 
 
-def tensor_bytes(tensors: Tensors, spec: ModelSpec, dtype_bytes: int) -> int:
+# the layers tensor parallelism splits (mlx-lm's shard(): attention and MLP projections);
+# embeddings, the head and the norms stay whole on every rank
+_SHARDED = re.compile(
+    r"(?:layers|blk)\.\d+\..*(?:_proj|attn_[qkv]\b|attn_output|ffn_(?:gate|up|down))"
+)
+
+
+def tensor_bytes(tensors: Tensors, spec: ModelSpec, dtype_bytes: int, shards: int = 1) -> int:
     """Bytes of the weights as loaded: floats cast to the spec's dtype (or quantized at load,
     for 2-D weights whose rows split into groups), packed integers as stored, GGUF Q4_0/Q4_1/
-    Q8_0 kept quantized with ``keep_quantized`` (else dequantized)."""
+    Q8_0 kept quantized with ``keep_quantized`` (else dequantized). With ``shards`` ranks,
+    each holds 1/shards of the attention and MLP projections and all of the rest."""
     q = spec.quantize
     packed = {n.rsplit(".", 1)[0] for n in tensors if n.endswith(".scales")}
     total = 0
     for name, (kind, shape) in tensors.items():
         n = math.prod(shape)
         if kind in MX_QUANTIZED and spec.keep_quantized:
-            total += n * MX_QUANTIZED[kind] // 8 + n // 32 * 2 * dtype_bytes
+            size = n * MX_QUANTIZED[kind] // 8 + n // 32 * 2 * dtype_bytes
         elif kind in _INTS:
-            total += n * _INTS[kind]
+            size = n * _INTS[kind]
         elif (
             q
             and name.endswith(".weight")
@@ -174,15 +183,17 @@ def tensor_bytes(tensors: Tensors, spec: ModelSpec, dtype_bytes: int) -> int:
             and len(shape) == 2
             and shape[-1] % q.group_size == 0
         ):
-            total += n * q.bits // 8 + n // q.group_size * 2 * dtype_bytes
+            size = n * q.bits // 8 + n // q.group_size * 2 * dtype_bytes
         else:
-            total += n * dtype_bytes
+            size = n * dtype_bytes
+        total += size // shards if shards > 1 and _SHARDED.search(name) else size
     return total
 
 
-def formula_bytes(config: dict, dtype_bytes: int) -> int:
+def formula_bytes(config: dict, dtype_bytes: int, shards: int = 1) -> int:
     """Estimated bytes of a llama-like model's weights from its config (KeyError if the
-    config lacks a llama field): the fallback when no tensor table can be read."""
+    config lacks a llama field): the fallback when no tensor table can be read. With
+    ``shards`` ranks, the per-rank share (the projections split, embeddings whole)."""
     c = config.get("text_config", config)
     h, layers, inter, heads = (
         c["hidden_size"],
@@ -191,7 +202,7 @@ def formula_bytes(config: dict, dtype_bytes: int) -> int:
         c["num_attention_heads"],
     )
     kv, hd = c.get("num_key_value_heads") or heads, c.get("head_dim") or h // heads
-    linear = layers * (2 * h * heads * hd + 2 * h * kv * hd + 3 * h * inter)
+    linear = layers * (2 * h * heads * hd + 2 * h * kv * hd + 3 * h * inter) // shards
     linear += c["vocab_size"] * h * (1 if c.get("tie_word_embeddings", False) else 2)
     norms = (2 * layers + 1) * h * dtype_bytes
     if q := c.get("quantization") or config.get("quantization"):
@@ -209,11 +220,14 @@ def kv_bytes(config: dict, context: int, dtype_bytes: int) -> int:
     return 2 * c["num_hidden_layers"] * kv * hd * context * dtype_bytes
 
 
-def weight_bytes(spec: ModelSpec, config: dict, tensors: Tensors | None) -> int:
-    """Bytes of ``spec``'s weights as loaded: from the tensor table when there is one, else
-    the llama formula (KeyError when the config is not llama-like either)."""
+def weight_bytes(spec: ModelSpec, config: dict, tensors: Tensors | None, shards: int = 1) -> int:
+    """Bytes of ``spec``'s weights as loaded (per rank with ``shards`` ranks): from the tensor
+    table when there is one, else the llama formula (KeyError when the config is not
+    llama-like either)."""
     nbytes = resolve_dtype(spec.dtype).size
-    return tensor_bytes(tensors, spec, nbytes) if tensors else formula_bytes(config, nbytes)
+    if tensors:
+        return tensor_bytes(tensors, spec, nbytes, shards)
+    return formula_bytes(config, nbytes, shards)
 
 
 def model_size(spec: ModelSpec) -> int | None:
@@ -237,18 +251,21 @@ def plan_memory(
     target_config: dict | None = None,
     draft_config: dict | None = None,
     reserve: int = 0,
+    shards: int = 1,
     progress: Progress | None = None,
 ) -> MemoryPlan:
     """Weights plus KV caches for the pair and ``context`` tokens.
 
     target, draft: the models (draft None: target alone; a quantize-at-load model not cached
     yet counts at full precision, its peak while loading); context: tokens to plan the KV
-    caches for; target_config, draft_config: configs to size by the llama formula instead of
+    caches for; shards: ranks the target is split over (the plan is then per rank: a share of
+    the target and of its KV cache, the whole draft); target_config, draft_config: configs
+    to size by the llama formula instead of
     peeking at the models (tests, or callers that know them); reserve: bytes kept for more
     KV caches (the server's prompt cache), counted with the KV caches; progress: download
     notes."""
     sizes, kv = [], 0
-    for spec, config in ((target, target_config), (draft, draft_config)):
+    for spec, config, split in ((target, target_config, shards), (draft, draft_config, 1)):
         if spec is None:
             sizes.append(0)
             continue
@@ -260,30 +277,32 @@ def plan_memory(
             spec = replace(spec, quantize=None)
         nbytes = resolve_dtype(spec.dtype).size
         try:
-            sizes.append(weight_bytes(spec, config, tensors))
-            kv += kv_bytes(config, context, nbytes)
+            sizes.append(weight_bytes(spec, config, tensors, split))
+            kv += kv_bytes(config, context, nbytes) // split
         except KeyError as e:  # not a llama-like config: nothing honest to add up
             raise ModelLoadError(f"cannot size {spec.alias} from its config (no {e})") from None
     available, source = available_memory()
     kv += reserve
     total = sizes[0] + sizes[1] + kv
-    return MemoryPlan(sizes[0], sizes[1], kv, context, total, available, source, total <= available)
+    fits = total <= available
+    return MemoryPlan(sizes[0], sizes[1], kv, context, total, available, source, fits, shards)
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.1f} GB"
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def require_fit(plan: MemoryPlan, target: ModelSpec, draft: ModelSpec | None) -> None:
     """Raise DoesNotFit, with the numbers and what to change, when the plan does not fit."""
     if plan.fits:
         return
-    parts = [f"target {target.alias} {_gb(plan.target_bytes)}"]
+    share = f" (its share on each of {plan.shards} ranks)" if plan.shards > 1 else ""
+    parts = [f"target {target.alias}{share} {_gb(plan.target_bytes)}"]
     if draft is not None:
         parts.append(f"draft {draft.alias} {_gb(plan.draft_bytes)}")
     parts.append(f"KV caches for {plan.context} tokens {_gb(plan.kv_bytes)}")
     raise DoesNotFit(
         f"{' + '.join(parts)} = {_gb(plan.total_bytes)}, but only {_gb(plan.available_bytes)} "
-        f"is available ({plan.available_from}); use a quantized target (a -q4 alias) "
-        "or a smaller --context or --max-tokens"
+        f"is available{' per rank' if plan.shards > 1 else ''} ({plan.available_from}); use "
+        "a quantized target (a -q4 alias), more ranks, or a smaller --context or --max-tokens"
     )

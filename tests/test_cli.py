@@ -157,7 +157,7 @@ def test_corrupt_safetensors(registry):
 
 def test_model_too_big_for_memory(registry, monkeypatch):
     monkeypatch.setenv("SPECMLX_MEMORY_BUDGET", "1000")
-    one_line_error(run("run", "x"), 1, "GB")
+    one_line_error(run("run", "x"), 1, "MB", "available")
 
 
 def test_memory_is_planned_for_the_prompt_and_max_tokens(registry, monkeypatch):

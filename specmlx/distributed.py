@@ -1,0 +1,394 @@
+"""Speculation across machines: the target sharded over MLX's distributed backend (tensor
+parallelism, mlx-lm's `model.shard(group)`), the draft replicated, every rank running the
+same rounds in lockstep.
+
+After the target's all-reduces every rank sees the same logits, so with the same seed and the
+same k every rank accepts the same tokens. Three things keep them together: the seed is rank
+0's; an adaptive chooser decides on rank 0 and the decision is shared (timings differ per
+rank); and a running hash of the emitted tokens is compared every few rounds, so ranks that
+ever disagree stop with one clear error instead of writing diverging text. A watchdog bounds
+the wait for a rank that died or hangs. The ranks are started by `mlx.launch`; MLX is the
+transport.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from .errors import BadInput, SpecmlxError
+from .stats import KChooser, RoundReport
+
+
+class LockstepError(SpecmlxError):
+    """The ranks emitted different tokens, or lost each other (exit code 1)."""
+
+
+@dataclass
+class World:
+    """This process's place among the ranks (size 1: not distributed)."""
+
+    group: mx.distributed.Group | None
+    rank: int = 0
+    size: int = 1
+    backend: str = "none"
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the one that writes to stdout and stderr."""
+        return self.rank == 0
+
+
+def launched() -> bool:
+    """Whether this process was started as a rank by mlx.launch (or mpirun)."""
+    env = os.environ
+    return "MLX_RANK" in env or "OMPI_COMM_WORLD_RANK" in env
+
+
+def join() -> World:
+    """Join the ranks this process was launched with (a World of one when it was not)."""
+    if not launched():
+        return World(None)
+    # the prompt comes in argv; a closed stdin also stops mlx.launch polling it (see launch)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    group = mx.distributed.init()
+    env = os.environ
+    backend = (
+        "ring"
+        if env.get("MLX_HOSTFILE") is not None
+        else "jaccl"
+        if any(k.startswith("MLX_IBV") or k.startswith("MLX_JACCL") for k in env)
+        else "mpi"
+        if "OMPI_COMM_WORLD_RANK" in env
+        else "unknown"
+    )
+    return World(group, group.rank(), group.size(), backend)
+
+
+def _from_rank0(world: World, values: Sequence[int]) -> list[int]:
+    """Rank 0's integers, on every rank (an all-sum where the others add zeros)."""
+    mine = mx.array([int(v) if world.leader else 0 for v in values], dtype=mx.int64)
+    out = mx.distributed.all_sum(mine, group=world.group, stream=mx.cpu)
+    return [int(v) for v in out.tolist()]
+
+
+def shared_seed(world: World, seed: int | None) -> int | None:
+    """Every rank must sample with the same key: rank 0's seed (drawn if None) for all."""
+    if not world.distributed:
+        return seed
+    mine = seed if seed is not None else int.from_bytes(os.urandom(6), "little")
+    return _from_rank0(world, [mine])[0]
+
+
+class SharedK:
+    """A k chooser whose decisions are rank 0's: each rank times its own rounds, so adaptive
+    choosers would drift apart, and ranks that draft different k run different passes. One
+    small all-sum a round (k and plain_next together) keeps them in step."""
+
+    def __init__(self, inner: KChooser, world: World):
+        self.inner, self.world, self._plain = inner, world, False
+
+    def __call__(self, last: RoundReport | None) -> int:
+        k = self.inner(last) if self.world.leader else 0
+        plain = getattr(self.inner, "plain_next", lambda: False)() if self.world.leader else 0
+        k, plain = _from_rank0(self.world, [k, plain])
+        self._plain = bool(plain)
+        return k
+
+    def plain_next(self) -> bool:
+        return self._plain
+
+
+class Lockstep:
+    """Compares a running hash of the emitted tokens across ranks every ``every`` rounds
+    (one all-gather of one integer); raises LockstepError on every rank if they differ.
+    Called by the engine with each round's new tokens; ``check(final=True)`` at the end."""
+
+    MOD = (1 << 31) - 1  # fits exactly in the int64 the collective carries
+
+    def __init__(self, world: World, every: int = 4, beat: Callable[[], None] | None = None):
+        self.world, self.every, self.beat = world, every, beat
+        self.hash, self.rounds, self.tokens = 0, 0, 0
+
+    def __call__(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.hash = (self.hash * 1_000_003 + int(t) + 1) % self.MOD
+        self.tokens += len(tokens)
+        self.rounds += 1
+        if self.beat is not None:
+            self.beat()
+        if self.rounds % self.every == 0:
+            self.check()
+
+    def check(self) -> None:
+        """Compare now (the engine also calls this when generation ends)."""
+        if not self.world.distributed:
+            return
+        mine = mx.array([self.hash, self.tokens], dtype=mx.int64)
+        seen = mx.distributed.all_gather(mine[None], group=self.world.group, stream=mx.cpu)
+        rows = [tuple(r) for r in seen.tolist()]
+        if len(set(rows)) > 1:
+            raise LockstepError(
+                f"the ranks generated different tokens (token counts {[r[1] for r in rows]}, "
+                "hashes differ); stopped rather than write diverging text"
+            )
+
+
+def lost_peer(e: BaseException) -> LockstepError | None:
+    """The error to report when an MLX collective failed because another rank went away."""
+    text = str(e)
+    if isinstance(e, RuntimeError) and ("[ring]" in text or "peer" in text):
+        return LockstepError(f"lost the connection to another rank ({text.strip()})")
+    return None
+
+
+class Watchdog:
+    """Ends the process with a clear error when the ranks make no progress for ``timeout``
+    seconds: a rank that died mid-collective usually fails fast, one that hangs (or never
+    connects) would otherwise block the others forever."""
+
+    def __init__(self, timeout: float, say: Callable[[str], None]):
+        self.timeout, self.say = timeout, say
+        self.last = time.monotonic()
+        self.what = "connecting to the other ranks"
+        self._armed = True
+        threading.Thread(target=self._watch, daemon=True, name="specmlx-watchdog").start()
+
+    def beat(self, what: str | None = None) -> None:
+        self.last = time.monotonic()
+        if what is not None:
+            self.what = what
+
+    def disarm(self) -> None:
+        self._armed = False
+
+    def _watch(self) -> None:
+        while self._armed:
+            time.sleep(min(1.0, self.timeout / 4))
+            if self._armed and time.monotonic() - self.last > self.timeout:
+                self.say(
+                    f"no progress from the other ranks for {self.timeout:.0f} s while "
+                    f"{self.what} (a rank died, hangs or never connected); stopping"
+                )
+                os._exit(1)
+
+
+def check_shardable(config: dict, size: int, name: str, has_shard: bool) -> None:
+    """BadInput before anything loads when ``size`` ranks cannot split this model: mlx-lm
+    must implement tensor parallelism for it, and its heads and MLP must divide evenly."""
+    if not has_shard:
+        raise BadInput(
+            f"{name} ({config.get('model_type', '?')}) has no tensor-parallel sharding in "
+            "mlx-lm, so it cannot be split over ranks"
+        )
+    c = config.get("text_config", config)
+    heads, kv = c.get("num_attention_heads"), c.get("num_key_value_heads")
+    kv = kv or heads
+    for what, n in (("attention heads", heads), ("KV heads", kv), ("MLP units", c.get("intermediate_size"))):  # fmt: skip
+        if n is not None and n % size:
+            raise BadInput(
+                f"{name} has {heads} query / {kv} KV heads and {c.get('intermediate_size')} "
+                f"MLP units: its {what} ({n}) do not split evenly over {size} ranks"
+            )
+
+
+# ---------------------------------------------------------------- launching the ranks
+
+_RANK_REPORT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
+_RING_NOISE = re.compile(r"^\[ring\]")
+_RANK_ERROR = re.compile(r"^error: rank \d+: (.*)")  # see rank_prefix
+
+
+def rank_prefix() -> str:
+    """ "rank N: " for the errors of a rank other than 0 (the launcher shows them only when
+    rank 0 did not already say the same)."""
+    rank = os.environ.get("MLX_RANK")
+    return f"rank {rank}: " if rank not in (None, "0") else ""
+
+
+def parse_hosts(hosts: str | None, hostfile: Path | None) -> list[str]:
+    """The ranks' addresses from --hosts (comma separated; `localhost` means 127.0.0.1) or
+    MLX's JSON hostfile, checked before anything starts; BadInput says what is wrong."""
+    if hosts and hostfile:
+        raise BadInput("give --hosts or --hostfile, not both")
+    if hostfile is not None:
+        try:
+            data = json.loads(Path(hostfile).read_text())
+        except OSError as e:
+            raise BadInput(f"cannot read --hostfile {hostfile}: {e.strerror or e}") from None
+        except ValueError as e:
+            raise BadInput(f"--hostfile {hostfile} is not JSON: {e}") from None
+        entries = data.get("hosts") if isinstance(data, dict) else data
+        if not isinstance(entries, list) or len(entries) < 2:
+            raise BadInput(
+                f'--hostfile {hostfile}: expected {{"hosts": [{{"ssh": ..., "ips": [...]}}, ...]}} '
+                "with at least two hosts (MLX's hostfile format)"
+            )
+        out = []
+        for i, h in enumerate(entries):
+            if (
+                not isinstance(h, dict)
+                or not h.get("ssh")
+                or not isinstance(h.get("ips", []), list)
+            ):
+                raise BadInput(f'--hostfile {hostfile}: host {i} needs "ssh" and a list "ips"')
+            out.append(str(h["ssh"]))
+        return out
+    names = [h.strip() for h in (hosts or "").split(",")]
+    if len(names) < 2 or not all(names):
+        raise BadInput(f"--hosts needs two or more comma-separated hosts, got {hosts!r}")
+    out = []
+    for h in names:
+        h = "127.0.0.1" if h == "localhost" else h
+        try:
+            ipaddress.ip_address(h)
+        except ValueError:
+            raise BadInput(
+                f"--hosts {h}: the ring backend connects by IP address; give IPs (or "
+                "localhost), or a --hostfile with the ssh names and their IPs"
+            ) from None
+        out.append(h)
+    return out
+
+
+def barrier(world: World) -> None:
+    """Wait until every rank gets here (one all-sum)."""
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=world.group, stream=mx.cpu))
+
+
+def launch(argv: list[str], hosts: str | None, hostfile: Path | None) -> int:
+    """Run `specmlx ARGV` as ranks under mlx.launch (ring backend); return the exit code.
+
+    argv: the command's arguments, without --hosts/--hostfile. Rank 0's output passes
+    through; the launcher's and the ring's own noise is filtered, and its per-rank exit
+    reports become this process's exit code (mlx.launch itself always exits 0)."""
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+    cmd = [launcher, "--backend", "ring", "--python", sys.executable]
+    if hostfile is not None:
+        cmd += ["--hostfile", str(hostfile)]
+    else:
+        cmd += ["--hosts", ",".join(parse_hosts(hosts, None))]
+    cmd += ["--", "-m", "specmlx", *argv]
+    codes: dict[int, int] = {}
+    said: list[str] = []  # rank 0's error lines
+    held: list[tuple[str, str]] = []  # the other ranks' (line, message)
+    # stdin: a pipe left open (the launcher forwards stdin to every rank and would spin on
+    # an end of file); the prompt travels in argv
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+    def relay_stderr() -> None:
+        for raw in proc.stderr:
+            line = re.sub(r"\x1b\[[0-9;]*m", "", raw.decode(errors="replace"))
+            if m := _RANK_REPORT.search(line):
+                codes[int(m.group(1))] = int(m.group(2)) if m.group(2) else -9
+                # a rank that failed: the launcher stops the others, but cannot stop one
+                # that hangs (or is stopped); give it a bounded time, then end them all
+                timer = threading.Timer(15, _kill_group, (proc,))
+                timer.daemon = True
+                timer.start()
+            elif m := _RANK_ERROR.match(line.strip()):
+                held.append((line, m.group(1).strip()))
+            elif not _RING_NOISE.match(line.strip()):
+                if line.startswith("error: "):
+                    said.append(line[len("error: ") :].strip())
+                sys.stderr.write(raw.decode(errors="replace"))
+                sys.stderr.flush()
+
+    def unspin() -> None:
+        # mlx.launch polls each rank's stdin for writing, which never blocks: a busy loop
+        # that takes a core. Ranks close their stdin (see `join`); a byte sent now and then
+        # then fails to reach them, and the launcher stops polling that pipe.
+        while proc.poll() is None:
+            try:
+                proc.stdin.write(b"\n")
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                return
+            time.sleep(0.5)
+
+    relay = threading.Thread(target=relay_stderr, daemon=True)
+    relay.start()
+    threading.Thread(target=unspin, daemon=True).start()
+    try:
+        while chunk := proc.stdout.read1(65536):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+        proc.wait()
+    except KeyboardInterrupt:  # rank 0 prints what it has and its stats, then exits 130
+        os.killpg(proc.pid, signal.SIGINT)
+        _drain(proc)
+    except BrokenPipeError:  # the reader went away (| head): stop the ranks, end quietly
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    relay.join(timeout=5)
+    for line, message in held:  # what rank 0 did not say already
+        if message not in said:
+            sys.stderr.write(line if line.endswith("\n") else line + "\n")
+    return _exit_code(codes, sys.stderr)
+
+
+def _exit_code(codes: dict[int, int], err) -> int:
+    """This command's exit code from the launcher's per-rank reports (rank -> code, negative
+    for a signal). Rank 0's own failure (it printed why) wins; a rank that died otherwise is
+    named in one line, since the launcher stopped the others (SIGTERM) before they could."""
+    if not any(codes.values()):
+        return 0
+    own = codes.get(0, 0)
+    if own > 0:
+        return own
+    culprit = next(
+        ((r, c) for r, c in sorted(codes.items()) if c > 0 or (c < 0 and c != -signal.SIGTERM)),
+        None,
+    )
+    if culprit is not None:
+        r, c = culprit
+        how = f"was killed by signal {-c}" if c < 0 else f"exited with code {c}"
+        err.write(f"error: rank {r} {how}; the other ranks were stopped\n")
+        err.flush()
+        return c if c > 0 else 1
+    return 1
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _drain(proc: subprocess.Popen) -> None:
+    try:
+        while chunk := proc.stdout.read1(65536):
+            sys.stdout.buffer.write(chunk)
+        sys.stdout.buffer.flush()
+        proc.wait(timeout=60)
+    except (KeyboardInterrupt, subprocess.TimeoutExpired):
+        _kill_group(proc)

@@ -1,0 +1,293 @@
+"""The target split over two local ranks (MLX's ring backend over loopback, started by
+mlx.launch): token-identical to one process, greedy and sampled; lockstep, failures and the
+per-rank memory plan. Real-weight tests (SmolLM2 widened to 18/6 heads) are marked slow."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import make_tiny_model
+
+from specmlx.distributed import (
+    Lockstep,
+    SharedK,
+    World,
+    _exit_code,
+    check_shardable,
+    parse_hosts,
+)
+from specmlx.errors import BadInput
+
+TWO = ["--hosts", "localhost,localhost"]
+PROMPT = "def add(a, b):\n    return"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("dist")
+    for name, seed in (("t", 0), ("d", 1)):
+        make_tiny_model(root / name, seed=seed)  # 4 query / 2 KV heads: they split in two
+    toml = root / "models.toml"
+    toml.write_text(
+        '[defaults]\npair = "tiny"\npair_cpu = "tiny"\ncontext = 2048\n'
+        f'[models.tiny-t]\nsource = "local:{root / "t"}"\n'
+        f'[models.tiny-d]\nsource = "local:{root / "d"}"\n'
+        '[pairs.tiny]\ntarget = "tiny-t"\ndraft = "tiny-d"\nk = 3\n'
+    )
+    env = dict(os.environ, SPECMLX_MODELS=str(toml), SPECMLX_HOME=str(root / "home"))
+    env["XDG_CONFIG_HOME"] = str(root / "xdg")
+    for name in ("SPECMLX_SERVER", "SPECMLX_MEMORY_BUDGET", "MLX_RANK"):
+        env.pop(name, None)
+    return {"root": root, "env": env}
+
+
+def specmlx(env: dict, *args: str, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "specmlx", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
+
+
+def tokens(done: subprocess.CompletedProcess) -> list[int]:
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)["tokens"]
+
+
+# ------------------------------------------------------------------ checks before anything runs
+
+
+def test_hosts_and_hostfiles_are_checked(tmp_path):
+    assert parse_hosts("localhost,127.0.0.1", None) == ["127.0.0.1", "127.0.0.1"]
+    for bad, words in (("one", "two or more"), ("a,b", "IP address"), ("1.2.3.4,", "two or more")):
+        with pytest.raises(BadInput, match=words):
+            parse_hosts(bad, None)
+    hostfile = tmp_path / "hosts.json"
+    for text, words in (
+        ("{not json", "not JSON"),
+        ('{"hosts": [{"ssh": "a", "ips": ["1.2.3.4"]}]}', "at least two hosts"),
+        ('{"hosts": [{"ssh": "a"}, {"ips": ["1.2.3.4"]}]}', 'host 1 needs "ssh"'),
+    ):
+        hostfile.write_text(text)
+        with pytest.raises(BadInput, match=words):
+            parse_hosts(None, hostfile)
+    hostfile.write_text('{"hosts": [{"ssh": "m1", "ips": ["10.0.0.1"]}, {"ssh": "m2", "ips": []}]}')
+    assert parse_hosts(None, hostfile) == ["m1", "m2"]
+    with pytest.raises(BadInput, match="cannot read"):
+        parse_hosts(None, tmp_path / "missing.json")
+
+
+def test_what_cannot_be_split_is_refused_clearly():
+    smollm2 = {"num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536}
+    with pytest.raises(BadInput, match=r"9 query / 3 KV heads .* do not split evenly over 2"):
+        check_shardable(smollm2, 2, "smollm2-135m", True)
+    check_shardable(smollm2, 3, "smollm2-135m", True)
+    wide = {"num_attention_heads": 18, "num_key_value_heads": 6, "intermediate_size": 3072}
+    check_shardable(wide, 2, "smollm2-135m-x2", True)  # the stand-in widened 2x splits
+    with pytest.raises(BadInput, match="no tensor-parallel sharding"):
+        check_shardable({"model_type": "mamba"}, 2, "m", False)
+
+
+def test_exit_codes_from_the_launchers_reports():
+    class Err:
+        text = ""
+
+        def write(self, s):
+            self.text += s
+
+        def flush(self):
+            pass
+
+    err = Err()
+    assert _exit_code({}, err) == 0 and _exit_code({0: 0, 1: 0}, err) == 0
+    assert _exit_code({0: 2, 1: -15}, err) == 2 and not err.text  # rank 0 said why itself
+    assert _exit_code({0: -15, 1: -9}, err) == 1
+    assert err.text == "error: rank 1 was killed by signal 9; the other ranks were stopped\n"
+    assert _exit_code({0: -15, 1: 3}, Err()) == 3
+
+
+def test_one_rank_needs_no_collectives():
+    one = World(None)
+    lock = Lockstep(one)
+    lock([1, 2, 3])
+    before = lock.hash
+    lock([4])
+    lock.check()  # nothing to compare with
+    assert lock.hash != before and lock.tokens == 4
+    inner = iter([3, 0, 2])
+    shared = SharedK(lambda _last: next(inner), World(None, rank=0, size=1))
+    assert [shared(None) for _ in range(3)] == [3, 0, 2]
+
+
+# ------------------------------------------------------------------ two local ranks
+
+
+@pytest.mark.parametrize("k", ["3", "auto"])
+def test_two_ranks_greedy_equals_one_process(models, k):
+    env = models["env"]
+    args = ["run", "--json", "-q", "-n", "40", "-k", k, PROMPT]
+    one = specmlx(env, *args)
+    two = specmlx(env, *args, *TWO)
+    assert tokens(two) == tokens(one)
+    ranks = json.loads(two.stdout)["ranks"]
+    assert ranks["size"] == 2 and ranks["backend"] == "ring" and ranks["target_pass_s"] > 0
+
+
+def test_two_ranks_sampled_with_a_seed_equal_one_process(models):
+    env = models["env"]
+    args = ["run", "--json", "-q", "-n", "40", "-k", "3", "--temp", "0.9", "--seed", "11"]
+    one, two = specmlx(env, *args, PROMPT), specmlx(env, *args, *TWO, PROMPT)
+    assert tokens(two) == tokens(one)
+    other = specmlx(env, *args[:-1], "12", *TWO, PROMPT)
+    assert tokens(other) != tokens(one)  # the seed matters: the comparison above means something
+
+
+def test_two_ranks_text_stats_stdin_and_one_writer(models):
+    env = models["env"]
+    two = specmlx(env, "run", "-n", "12", *TWO, "-", input=PROMPT)
+    one = specmlx(env, "run", "-n", "12", "-q", PROMPT)
+    assert two.returncode == 0, two.stderr
+    assert two.stdout == one.stdout  # rank 0's text only, once
+    assert two.stderr.count("decode") == 1 and "ranks" in two.stderr and "2 (ring)" in two.stderr
+    assert "[ring]" not in two.stderr and "WARN" not in two.stderr
+
+
+def test_a_killed_rank_stops_the_other_with_a_clear_error(models):
+    env = models["env"]
+    wrapper = subprocess.Popen(
+        [sys.executable, "-m", "specmlx", "run", "-q", "-n", "1900", "-k", "3", *TWO, PROMPT],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    rank1 = _wait_for_rank(1)
+    assert wrapper.stdout.read(1)  # rank 0 is writing: generation is under way
+    t0 = time.monotonic()
+    os.kill(rank1, signal.SIGKILL)
+    _, err = wrapper.communicate(timeout=60)
+    assert wrapper.returncode == 1 and time.monotonic() - t0 < 30
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "rank" in lines[0], err
+
+
+def test_a_hung_rank_is_bounded_by_the_watchdog(models):
+    env = models["env"] | {"SPECMLX_RANK_TIMEOUT": "4"}
+    wrapper = subprocess.Popen(
+        [sys.executable, "-m", "specmlx", "run", "-q", "-n", "1900", "-k", "3", *TWO, PROMPT],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    rank1 = _wait_for_rank(1)
+    assert wrapper.stdout.read(1)
+    os.kill(rank1, signal.SIGSTOP)  # alive but silent: no socket error to notice
+    try:
+        _, err = wrapper.communicate(timeout=60)
+    finally:
+        os.kill(rank1, signal.SIGCONT) if _alive(rank1) else None
+    assert wrapper.returncode == 1 and "no progress from the other ranks for 4 s" in err, err
+
+
+def _wait_for_rank(rank: int, timeout: float = 60) -> int:
+    """The pid of the rank started by mlx.launch (MLX_RANK in its environment)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"MLX_RANK={rank}".encode() in environ and b"specmlx" in cmdline:
+                return int(pid)
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} never started")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def test_the_per_rank_memory_plan_refuses_a_small_budget(models):
+    env = models["env"] | {"SPECMLX_MEMORY_BUDGET": "300kB"}
+    done = specmlx(env, "run", "-q", "-n", "8", *TWO, PROMPT)
+    assert done.returncode == 1 and not done.stdout
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "its share on each of 2 ranks" in lines[0], done.stderr
+    assert "per rank" in lines[0]
+
+
+def test_bad_hosts_are_one_line_before_anything_starts(models):
+    done = specmlx(models["env"], "run", "-q", "--hosts", "alpha,beta", PROMPT)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "IP address" in done.stderr
+
+
+# ------------------------------------------------------------------ real weights
+
+
+@pytest.fixture(scope="module")
+def wide_smollm2(tmp_path_factory):
+    """SmolLM2-135M widened 2x with zero weights (18 query / 6 KV heads; the same logits),
+    saved as an MLX dir: a real model that splits over two ranks."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from specmlx.errors import SpecmlxError
+    from specmlx.loading import load_model
+    from specmlx.registry import load_registry
+    from specmlx.standin import _save, widen
+
+    try:
+        base = load_model(load_registry().resolve("smollm2-135m"))
+    except SpecmlxError as e:
+        pytest.skip(f"SmolLM2-135M unavailable: {e}")
+    root = tmp_path_factory.mktemp("wide")
+    weights = {k: v.astype(mx.float32) for k, v in tree_flatten(base.model.parameters())}
+    wide, args = widen(weights, base.model.args, 2)
+    _save(root / "x2", wide, args, base.tokenizer)
+    toml = root / "models.toml"
+    toml.write_text(
+        f'[models.wide]\nsource = "local:{root / "x2"}"\ndtype = "float32"\n'
+        '[defaults]\npair = "p"\npair_cpu = "p"\n[pairs.p]\ntarget = "wide"\ndraft = "smollm2-135m-q4"\n'
+    )
+    env = dict(os.environ, SPECMLX_MODELS=str(toml))
+    for name in ("SPECMLX_SERVER", "SPECMLX_MEMORY_BUDGET", "MLX_RANK"):
+        env.pop(name, None)
+    return env
+
+
+@pytest.mark.slow
+def test_real_weights_two_ranks_equal_one_process(wide_smollm2):
+    args = ["run", "--json", "-q", "-n", "24", "-k", "3", "def fibonacci(n):\n    "]
+    one, two = specmlx(wide_smollm2, *args), specmlx(wide_smollm2, *args, *TWO)
+    assert tokens(two) == tokens(one)
+    assert json.loads(two.stdout)["stats"]["accepted"] > 0  # the q4 draft really drafted
+    refused = specmlx(wide_smollm2, "run", "-q", "--target", "smollm2-135m", "--draft", "none",
+                      *TWO, "x")  # fmt: skip
+    assert refused.returncode == 2 and "9 query / 3 KV heads" in refused.stderr
+
+
+def test_bench_runs_under_two_ranks(models, tmp_path):
+    out = tmp_path / "bench.json"
+    done = specmlx(
+        models["env"], "bench", "-n", "8", "--repeats", "1", "--limit", "1", "-k", "2,auto",
+        "--temp", "0", "--compare", "none", "--json", str(out), *TWO,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(out.read_text())
+    assert result["environment"]["ranks"] == {"size": 2, "backend": "ring"}
+    assert all(row["identical_to_target"] for row in result["rows"])
+    assert done.stderr.count("specmlx bench") == 1  # one table: rank 0's
