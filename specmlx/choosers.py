@@ -114,7 +114,7 @@ class ChooserStore:
             except (KeyError, TypeError):  # from another version: start afresh
                 chooser = None
         if chooser is None:
-            ratio = self.verify_ratio or self._probe(target, target_id, list(prompt_ids))
+            ratio = self.verify_ratio or self.probe(target, target_id, list(prompt_ids))
             chooser = AdaptiveK(verify_ratio=ratio)
         self._live[key] = chooser
         self._paths[id(chooser)] = path
@@ -126,14 +126,21 @@ class ChooserStore:
         if self.persist and path is not None:
             self._save(path, {"state": chooser.state()})
 
-    def _probe(self, target: nn.Module, target_id: str, ids: list[int], k_max: int = 8):
+    def cached_probe(self, target_id: str, k_max: int = 8) -> list[float] | None:
+        """The target's verify curve from an earlier probe on this machine, if any."""
         path = _state_path("probes", f"{target_id}|{k_max}|{PROBE_VERSION}")
         cached = load_json(path) if self.persist else None
-        if cached is not None and isinstance(cached.get("ratio"), list):
-            return cached["ratio"]
-        ratio = probe_verify(target, ids, k_max)
-        if self.persist:
-            self._save(path, {"identity": target_id, "ratio": ratio})
+        ratio = cached.get("ratio") if cached is not None else None
+        return ratio if isinstance(ratio, list) else None
+
+    def probe(self, target: nn.Module, target_id: str, ids: list[int], k_max: int = 8):
+        """The target's verify curve: cached on disk by identity, else probed and saved."""
+        ratio = self.cached_probe(target_id, k_max)
+        if ratio is None:
+            ratio = probe_verify(target, ids, k_max)
+            if self.persist:
+                path = _state_path("probes", f"{target_id}|{k_max}|{PROBE_VERSION}")
+                self._save(path, {"identity": target_id, "ratio": ratio})
         return ratio
 
     def _save(self, path: Path, data: dict) -> None:

@@ -288,7 +288,15 @@ def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
 
 def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world) -> None:
     from .choosers import ChooserStore
-    from .distributed import Lockstep, SharedK, Watchdog, barrier, lost_peer, shared_seed
+    from .distributed import (
+        Lockstep,
+        SharedK,
+        Watchdog,
+        barrier,
+        lost_peer,
+        shared_probe,
+        shared_seed,
+    )
     from .fim import encode_infill, require_fim
     from .loading import load_pair
     from .registry import load_registry
@@ -341,7 +349,9 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world
     num_draft = models.k if (drf or models.lookup) else 0
     store = chooser = None
     if num_draft == "auto":  # adaptive k, resumed from this machine's last run of the pair
-        store = ChooserStore(warn=print_warning)
+        store = ChooserStore(warn=print_warning, persist=world.leader)
+        if world.distributed:
+            store.verify_ratio = shared_probe(world, store, tgt.model, tgt.identity, ids)
         drafter = f"{drf.identity if drf else 'none'}|lookup={models.lookup}"
         chooser = num_draft = store.get(tgt.model, tgt.identity, drafter, job.params, ids)
         if world.distributed:  # rank 0 decides k for all: each rank's timings differ
@@ -579,6 +589,7 @@ class _Null:
 @app.command()
 @cli_errors
 def serve(
+    ctx: typer.Context,
     target: TargetOpt = None,
     draft: DraftOpt = None,
     k: str = typer.Option(None, "-k", "--num-draft", help="Default draft tokens per round."),
@@ -602,10 +613,14 @@ def serve(
     ),
     max_body: str = typer.Option("16MB", "--max-body", help="Largest request body (then 413)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No loading progress."),
+    hosts: HostsOpt = None,
+    hostfile: HostfileOpt = None,
 ) -> None:
     """Load the pair once and serve OpenAI-compatible completions, chat and /infill."""
     import ipaddress
+    import signal
 
+    from .distributed import barrier, join, launched
     from .loading import load_pair
     from .memory import parse_size
     from .registry import load_registry
@@ -629,9 +644,14 @@ def serve(
             "SPECMLX_API_KEY), or say --public-without-key"
         )
     cache_budget, body_limit = parse_size(prompt_cache), parse_size(max_body)
+    if (hosts or hostfile) and not launched():
+        _check_split(hosts, hostfile, target)
+        raise typer.Exit(_launch(ctx, "serve", hosts, hostfile))
+    world = join()
     registry = load_registry()
     models = resolve_models(registry, target, draft, False, k)
     console = err_console()
+    quiet = quiet or not world.leader
     say = None if quiet else (lambda m: console.print(m, style="dim", soft_wrap=True, markup=False))
     tspec = registry.resolve(models.target)
     limit = context or registry.context_for(
@@ -643,10 +663,17 @@ def serve(
         registry=registry,
         context=limit,
         reserve=cache_budget,
+        group=world.group if world.distributed else None,
         progress=say,
     )
     worker = Worker(tgt, drf, shared, max_queue=max_queue, cache_budget=cache_budget,
-                    warn=print_warning)  # fmt: skip
+                    warn=print_warning, world=world)  # fmt: skip
+    if world.distributed:
+        barrier(world)
+        if not world.leader:  # rank 0 serves; this rank runs its requests in step
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # it stops when rank 0 says so
+            worker.follow()
+            return
     drafter = "model" if drf else ("lookup" if models.lookup else "none")
     settings = ServerSettings(
         model_name=tgt.spec.alias,
@@ -664,8 +691,9 @@ def serve(
     def ready() -> None:
         console.print(
             f"[green]specmlx serve[/green] listening on http://{shown}:{port}  "
-            f"({tgt.spec.alias} ← {draft_name}, k {settings.num_draft}, context {limit}); "
-            "Ctrl-C stops",
+            f"({tgt.spec.alias} ← {draft_name}, k {settings.num_draft}, context {limit}"
+            + (f", {world.size} ranks" if world.distributed else "")
+            + "); Ctrl-C stops",
             soft_wrap=True,
         )
 

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -35,6 +36,10 @@ from .stats import KChooser, RoundReport
 
 class LockstepError(SpecmlxError):
     """The ranks emitted different tokens, or lost each other (exit code 1)."""
+
+
+class Cancelled(SpecmlxError):
+    """Rank 0 stopped this generation (its client went away); raised on every rank."""
 
 
 @dataclass
@@ -70,6 +75,8 @@ def join() -> World:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
+    # `launch` starts mlx.launch with Ctrl-C ignored, and ranks inherit that: take it back
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     group = mx.distributed.init()
     env = os.environ
     backend = (
@@ -84,10 +91,26 @@ def join() -> World:
     return World(group, group.rank(), group.size(), backend)
 
 
-def _from_rank0(world: World, values: Sequence[int]) -> list[int]:
-    """Rank 0's integers, on every rank (an all-sum where the others add zeros)."""
-    mine = mx.array([int(v) if world.leader else 0 for v in values], dtype=mx.int64)
-    out = mx.distributed.all_sum(mine, group=world.group, stream=mx.cpu)
+def float_bits(x: float) -> int:
+    """A float as the int64 of its IEEE bits: sent through an integer all-sum, every rank
+    gets exactly rank 0's value."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def bits_float(n: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", n))[0]
+
+
+def share(world: World, values: Sequence[int], n: int | None = None) -> list[int]:
+    """Rank 0's ``values`` on every rank (an all-sum where the others add zeros); the other
+    ranks pass anything of the same length, or just ``n``.
+
+    It runs on the current default stream, as the target's own all-reduces do: during a
+    generation that orders it after a target pass still in flight (a queued plain pass),
+    so every rank pairs the same collectives in the same order."""
+    n = len(values) if n is None else n
+    mine = [int(v) for v in values] if world.leader else [0] * n
+    out = mx.distributed.all_sum(mx.array(mine, dtype=mx.int64), group=world.group)
     return [int(v) for v in out.tolist()]
 
 
@@ -96,7 +119,19 @@ def shared_seed(world: World, seed: int | None) -> int | None:
     if not world.distributed:
         return seed
     mine = seed if seed is not None else int.from_bytes(os.urandom(6), "little")
-    return _from_rank0(world, [mine])[0]
+    return share(world, [mine])[0]
+
+
+def shared_probe(world: World, store, model, identity: str, ids: list[int]) -> list[float]:
+    """The target's verify curve for adaptive k (store: a choosers.ChooserStore; model,
+    identity: the target). Probing runs target passes, which are collective, so every rank
+    probes or none does: rank 0's cached curve decides."""
+    cached = store.cached_probe(identity) if world.leader else None
+    if share(world, [cached is None])[0]:
+        return store.probe(model, identity, ids)  # every rank, the same passes
+    # rank 0's curve, to every rank: then no rank probes on its own later
+    n = share(world, [len(cached or [])])[0]
+    return [bits_float(b) for b in share(world, [float_bits(x) for x in cached or []], n)]
 
 
 class SharedK:
@@ -110,7 +145,7 @@ class SharedK:
     def __call__(self, last: RoundReport | None) -> int:
         k = self.inner(last) if self.world.leader else 0
         plain = getattr(self.inner, "plain_next", lambda: False)() if self.world.leader else 0
-        k, plain = _from_rank0(self.world, [k, plain])
+        k, plain = share(self.world, [k, plain])
         self._plain = bool(plain)
         return k
 
@@ -120,13 +155,26 @@ class SharedK:
 
 class Lockstep:
     """Compares a running hash of the emitted tokens across ranks every ``every`` rounds
-    (one all-gather of one integer); raises LockstepError on every rank if they differ.
-    Called by the engine with each round's new tokens; ``check(final=True)`` at the end."""
+    (one all-gather of a few integers); raises LockstepError on every rank if they differ.
+    Called by the engine with each round's new tokens; ``check()`` once more at the end.
+
+    stoppable: compare every round and carry rank 0's ``cancelled()`` with it, so that a
+    generation rank 0 stops (the server's client hung up) stops on every rank at the same
+    round (Cancelled); every rank passes stoppable, only rank 0 a ``cancelled``."""
 
     MOD = (1 << 31) - 1  # fits exactly in the int64 the collective carries
 
-    def __init__(self, world: World, every: int = 4, beat: Callable[[], None] | None = None):
-        self.world, self.every, self.beat = world, every, beat
+    def __init__(
+        self,
+        world: World,
+        every: int = 4,
+        beat: Callable[[], None] | None = None,
+        *,
+        stoppable: bool = False,
+        cancelled: Callable[[], bool] | None = None,
+    ):
+        self.world, self.every, self.beat = world, 1 if stoppable else every, beat
+        self.stoppable, self.cancelled = stoppable, cancelled
         self.hash, self.rounds, self.tokens = 0, 0, 0
 
     def __call__(self, tokens: list[int]) -> None:
@@ -143,14 +191,18 @@ class Lockstep:
         """Compare now (the engine also calls this when generation ends)."""
         if not self.world.distributed:
             return
-        mine = mx.array([self.hash, self.tokens], dtype=mx.int64)
-        seen = mx.distributed.all_gather(mine[None], group=self.world.group, stream=mx.cpu)
-        rows = [tuple(r) for r in seen.tolist()]
+        stop = int(bool(self.cancelled and self.cancelled()))
+        mine = mx.array([self.hash, self.tokens, stop], dtype=mx.int64)
+        # the default stream: after any target pass still in flight (see share)
+        seen = mx.distributed.all_gather(mine[None], group=self.world.group)
+        rows = [tuple(r[:2]) for r in seen.tolist()]
         if len(set(rows)) > 1:
             raise LockstepError(
                 f"the ranks generated different tokens (token counts {[r[1] for r in rows]}, "
                 "hashes differ); stopped rather than write diverging text"
             )
+        if self.stoppable and seen.tolist()[0][2]:
+            raise Cancelled("cancelled by rank 0")
 
 
 def lost_peer(e: BaseException) -> LockstepError | None:
@@ -293,12 +345,15 @@ def launch(argv: list[str], hosts: str | None, hostfile: Path | None) -> int:
     held: list[tuple[str, str]] = []  # the other ranks' (line, message)
     # stdin: a pipe left open (the launcher forwards stdin to every rank and would spin on
     # an end of file); the prompt travels in argv
+    # the launcher ignores Ctrl-C (the ranks take it: rank 0 prints what it has) and lives in
+    # a process group of its own, so that a closed pipe or a failure can stop it all
     proc = subprocess.Popen(
         cmd,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
 
     def relay_stderr() -> None:
@@ -334,6 +389,9 @@ def launch(argv: list[str], hosts: str | None, hostfile: Path | None) -> int:
     relay = threading.Thread(target=relay_stderr, daemon=True)
     relay.start()
     threading.Thread(target=unspin, daemon=True).start()
+    # SIGTERM (a service manager stopping us) reaches the ranks as Ctrl-C: a server drains
+    # and exits 0, a run prints what it has
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(proc.pid, signal.SIGINT))
     try:
         while chunk := proc.stdout.read1(65536):
             sys.stdout.buffer.write(chunk)

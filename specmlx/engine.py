@@ -291,10 +291,10 @@ class _Speculation:
         last, settled = None, True  # settled: the caches match ctx (not mid-round)
         try:
             while True:
-                settled = False
                 t0 = time.perf_counter()
                 # a round emits up to k + 1 tokens: never draft past the budget
                 k = max(0, min(next_k(last), stops.max_tokens - stops.count - 1))
+                settled = False  # (a chooser that raises leaves the caches as they were)
                 # a queued pass would be waited for inside the draft's timing: skip, time the next
                 time_draft = k > 0 and drafting_rounds % TIME_DRAFT_EVERY == 0 and self.head is None
                 drafting_rounds += k > 0 and self.head is None

@@ -8,6 +8,7 @@ loop). A job that is cancelled (its client hung up) stops within one round and f
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -16,6 +17,16 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .choosers import ChooserStore, KSetting
+from .distributed import (
+    Cancelled,
+    Lockstep,
+    SharedK,
+    World,
+    bits_float,
+    float_bits,
+    share,
+    shared_probe,
+)
 from .errors import SpecmlxError
 from .loading import Loaded
 from .paths import Warn
@@ -98,7 +109,8 @@ class Worker:
     target, draft: the loaded models (draft None: target alone); shared: ids the draft may
     propose; max_queue: requests that may wait while one runs; cache_budget: bytes of KV
     caches the prompt cache may keep; persist: keep adaptive-k state under $SPECMLX_HOME;
-    warn: gets one line when state cannot be saved."""
+    warn: gets one line when state cannot be saved; world: the ranks the target is split
+    over: rank 0 serves and sends each request to the others, which ``follow``."""
 
     def __init__(
         self,
@@ -110,11 +122,14 @@ class Worker:
         cache_budget: int = 0,
         persist: bool = True,
         warn: Warn | None = None,
+        world: World | None = None,
     ):
         self.target, self.draft, self.shared = target, draft, shared
         self.max_queue = max_queue
+        self.world = world or World(None)
         self.cache = PromptCache(cache_budget)
-        self.choosers = ChooserStore(persist=persist, warn=warn)
+        self.choosers = ChooserStore(persist=persist and self.world.leader, warn=warn)
+        self._ratio: list[float] | None = None  # the verify curve, probed once (distributed)
         self.totals = Totals()
         self.last: Stats | None = None
         self.busy = False
@@ -163,10 +178,21 @@ class Worker:
 
     # ------------------------------------------------------------ the MLX thread
 
+    def follow(self) -> None:
+        """On ranks other than 0: run the generations rank 0 sends, in step, until it says
+        stop. Nothing is emitted; rank 0 answers the clients."""
+        while (request := _receive(self.world)) is not None:
+            try:
+                self._generate(Job(request, lambda _kind, _value: None))
+            except Exception:  # noqa: BLE001 - rank 0 reports it; stay in step for the next
+                self.totals.failed += 1
+
     def _run(self) -> None:
         while True:
             job = self._queue.get()
             if job is None:
+                if self.world.distributed:
+                    _send(self.world, None)  # the other ranks stop following
                 return
             if job.cancelled.is_set():
                 self.totals.cancelled += 1
@@ -181,17 +207,29 @@ class Worker:
                 self._current, self.busy = None, False
 
     def _generate(self, job: Job) -> None:
-        r, stats = job.request, job.stats
+        r, stats, world = job.request, job.stats, self.world
+        if world.distributed and world.leader:
+            r.seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(6), "little")
+            _send(world, r)
         use_draft = self.draft if r.drafter == "model" else None
         num_draft: KSetting = r.num_draft if (use_draft or r.drafter == "lookup") else 0
-        chooser = None
+        chooser = lockstep = None
         if num_draft == "auto":
+            if world.distributed and self._ratio is None:
+                self._ratio = self.choosers.verify_ratio = shared_probe(
+                    world, self.choosers, self.target.model, self.target.identity, r.prompt_ids
+                )
             drafter = (
                 f"{use_draft.identity if use_draft else 'none'}|lookup={r.drafter == 'lookup'}"
             )
             chooser = num_draft = self.choosers.get(
                 self.target.model, self.target.identity, drafter, r.sampling, r.prompt_ids
             )
+            if world.distributed:
+                num_draft = SharedK(chooser, world)
+        if world.distributed:  # every round: the tokens compared, rank 0's cancel shared
+            stop = job.cancelled.is_set if world.leader else None
+            lockstep = Lockstep(world, stoppable=True, cancelled=stop)
         job.k_label = str(r.num_draft)
         job.drafter_name = use_draft.spec.alias if use_draft else r.drafter
         tok = self.target.tokenizer
@@ -212,18 +250,22 @@ class Worker:
             seed=r.seed,
             eos_ids=eos,
             kv=kv,
+            lockstep=lockstep,
         )
         cancelled = False
         try:
             for piece in responses:
-                if job.cancelled.is_set():
+                # with ranks, the cancel travels with the next round's lockstep check
+                if job.cancelled.is_set() and not world.distributed:
                     cancelled = True
                     break
                 job.emit("piece", Piece(piece.text, piece.token, piece.from_draft))
+        except Cancelled:
+            cancelled = True
         finally:
             responses.close()  # the engine leaves kv holding exactly what it says
             self.cache.put(kv, len(r.prompt_ids))
-        if chooser is not None:
+        if chooser is not None and world.leader:
             self.choosers.save(chooser)
         self._count(stats, cancelled)
         if cancelled:
@@ -245,3 +287,45 @@ class Worker:
         t.decode_s += stats.decode_s
         t.prefill_s += stats.prefill_s
         mx.clear_cache()  # between requests: give the allocator's free blocks back
+
+
+# ---------------------------------------------------------------- requests between ranks
+
+_DRAFTERS = ("model", "lookup", "none")
+_HEADER = 13  # ints: see _send
+
+
+def _send(world: World, r: GenRequest | None) -> None:
+    """Rank 0: hand one request (None: stop following) to the other ranks."""
+    if r is None:
+        share(world, [0] * _HEADER)
+        return
+    stops = "\0".join(r.stop).encode()
+    s = r.sampling
+    header = [
+        1, len(r.prompt_ids), r.max_tokens, r.seed, _DRAFTERS.index(r.drafter),
+        -1 if r.num_draft == "auto" else int(r.num_draft), len(r.extra_eos), len(stops),
+        float_bits(s.temperature), float_bits(s.top_p), s.top_k, float_bits(s.min_p), 0,
+    ]  # fmt: skip
+    share(world, header)
+    share(world, [*r.prompt_ids, *r.extra_eos, *stops])
+
+
+def _receive(world: World) -> GenRequest | None:
+    """Other ranks: wait for rank 0's next request (None: stop)."""
+    h = share(world, [], _HEADER)
+    if h[0] == 0:
+        return None
+    n_prompt, n_eos, n_stop = h[1], h[6], h[7]
+    payload = share(world, [], n_prompt + n_eos + n_stop)
+    stops = bytes(payload[n_prompt + n_eos :]).decode()
+    return GenRequest(
+        prompt_ids=payload[:n_prompt],
+        sampling=SamplingParams(bits_float(h[8]), bits_float(h[9]), h[10], bits_float(h[11])),
+        max_tokens=h[2],
+        seed=h[3],
+        stop=stops.split("\0") if stops else [],
+        drafter=_DRAFTERS[h[4]],
+        num_draft="auto" if h[5] < 0 else h[5],
+        extra_eos=tuple(payload[n_prompt : n_prompt + n_eos]),
+    )

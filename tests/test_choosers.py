@@ -55,7 +55,7 @@ def test_float_and_quantized_models_do_not_share_state(specmlx_home):
         assert reg.resolve(a).identity != reg.resolve(b).identity, (a, b)
     model, ids, probes = make_tiny(0), [1, 2, 3], []
     store = ChooserStore()
-    store._probe = lambda m, ident, i, k_max=8: probes.append(ident) or [1.0] * 9
+    store.probe = lambda m, ident, i, k_max=8: probes.append(ident) or [1.0] * 9
     for a, b in pairs:
         for name in (a, b):
             store.get(model, reg.resolve(name).identity, "none", GREEDY, ids)

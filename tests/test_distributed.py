@@ -291,3 +291,55 @@ def test_bench_runs_under_two_ranks(models, tmp_path):
     assert result["environment"]["ranks"] == {"size": 2, "backend": "ring"}
     assert all(row["identical_to_target"] for row in result["rows"])
     assert done.stderr.count("specmlx bench") == 1  # one table: rank 0's
+
+
+def test_serve_over_two_ranks(models):
+    """rank 0 serves HTTP and sends each request to rank 1, which runs it in step: the same
+    tokens as one process; a client that hangs up stops both ranks at the same round; the
+    next request is fine; SIGTERM stops every rank with exit code 0."""
+    import httpx
+
+    env = models["env"]
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "specmlx", "serve", "--port", str(port), *TWO],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        for _ in range(300):
+            try:
+                httpx.get(url + "/health", timeout=1)
+                break
+            except httpx.TransportError:
+                assert server.poll() is None, server.stderr.read()
+                time.sleep(0.2)
+        body = {"prompt": PROMPT, "max_tokens": 24, "return_tokens": True}
+        for extra, args in (
+            ({}, []),
+            ({"temperature": 0.8, "seed": 5}, ["--temp", "0.8", "--seed", "5"]),
+        ):
+            got = httpx.post(url + "/v1/completions", json=body | extra, timeout=120).json()
+            one = specmlx(env, "run", "--json", "-q", "-n", "24", *args, PROMPT)
+            assert got["choices"][0]["token_ids"] == tokens(one)
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"prompt": PROMPT, "max_tokens": 1500, "stream": True}) as r:  # fmt: skip
+            assert next(r.iter_lines()).startswith("data: ")
+        again = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        assert again["choices"][0]["token_ids"] == got["choices"][0]["token_ids"][:0] + tokens(
+            specmlx(env, "run", "--json", "-q", "-n", "24", PROMPT)
+        )
+        metrics = httpx.get(url + "/metrics").text
+        assert "specmlx_requests_cancelled_total 1" in metrics
+    finally:
+        server.send_signal(signal.SIGTERM)
+        _, err = server.communicate(timeout=60)
+    assert server.returncode == 0, err
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
