@@ -168,12 +168,12 @@ def test_a_killed_rank_stops_the_other_with_a_clear_error(models):
         [sys.executable, "-m", "specmlx", "run", "-q", "-n", "1900", "-k", "3", *TWO, PROMPT],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    rank1 = _wait_for_rank(1)
+    rank1 = _wait_for_rank(1, wrapper.pid)
     assert wrapper.stdout.read(1)  # rank 0 is writing: generation is under way
     t0 = time.monotonic()
     os.kill(rank1, signal.SIGKILL)
     _, err = wrapper.communicate(timeout=60)
-    assert wrapper.returncode == 1 and time.monotonic() - t0 < 30
+    assert wrapper.returncode == 1 and time.monotonic() - t0 < 30, err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), err
     assert "rank" in lines[0], err
@@ -185,7 +185,7 @@ def test_a_hung_rank_is_bounded_by_the_watchdog(models):
         [sys.executable, "-m", "specmlx", "run", "-q", "-n", "1900", "-k", "3", *TWO, PROMPT],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    rank1 = _wait_for_rank(1)
+    rank1 = _wait_for_rank(1, wrapper.pid)
     assert wrapper.stdout.read(1)
     os.kill(rank1, signal.SIGSTOP)  # alive but silent: no socket error to notice
     try:
@@ -195,8 +195,9 @@ def test_a_hung_rank_is_bounded_by_the_watchdog(models):
     assert wrapper.returncode == 1 and "no progress from the other ranks for 4 s" in err, err
 
 
-def _wait_for_rank(rank: int, timeout: float = 60) -> int:
-    """The pid of the rank started by mlx.launch (MLX_RANK in its environment)."""
+def _wait_for_rank(rank: int, under: int, timeout: float = 60) -> int:
+    """The pid of the rank that mlx.launch started below process ``under`` (MLX_RANK in its
+    environment): never a rank of another test's run."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for pid in os.listdir("/proc"):
@@ -208,9 +209,21 @@ def _wait_for_rank(rank: int, timeout: float = 60) -> int:
             except OSError:
                 continue
             if f"MLX_RANK={rank}".encode() in environ and b"specmlx" in cmdline:
-                return int(pid)
+                if _descends(int(pid), under):
+                    return int(pid)
         time.sleep(0.2)
     raise AssertionError(f"rank {rank} never started")
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
 
 
 def _alive(pid: int) -> bool:
