@@ -43,6 +43,14 @@ TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely to
 MinPOpt = Annotated[
     float, typer.Option("--min-p", help="Drop tokens below min_p x the top one (0: off).")
 ]
+VerifyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--verify",
+        help="How sampled rounds check the drafts: 'token' (one by one, the default) or "
+        "'block' (the block jointly: same output distribution, never fewer kept on average).",
+    ),
+]
 ContextOpt = Annotated[
     int | None,
     typer.Option("--context", help="Context limit (default: the models' own, from models.toml)."),
@@ -193,6 +201,7 @@ def run(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     min_p: MinPOpt = 0.0,
+    verify: VerifyOpt = None,
     seed: int = typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
     stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template."),
@@ -212,9 +221,12 @@ def run(
     ),
 ) -> None:
     """Generate a completion: text on stdout, live stats and a summary on stderr."""
+    from .acceptance import sampled_rule
     from .sampling import SamplingParams
 
     params = SamplingParams(temp, top_p, top_k, min_p)  # validates before any loading
+    if verify is not None:
+        sampled_rule(verify)
     if max_tokens <= 0:
         raise BadInput(f"--max-tokens must be > 0, got {max_tokens}")
     if context is not None and context <= 0:
@@ -227,7 +239,7 @@ def run(
         raise BadInput("the prompt is empty")
     console = err_console()
     render = _Render(console, as_json, quiet, show_draft, k or "")
-    job = Job(text, after, params, max_tokens, seed, stop or [], chat)
+    job = Job(text, after, params, max_tokens, seed, stop or [], chat, verify)
     if server:
         if target or (draft not in (None, "none", "lookup")) or context or lookup:
             raise BadInput(
@@ -250,6 +262,7 @@ class Job:
     seed: int | None
     stop: list[str]
     chat: bool
+    verify: str | None = None  # None: "token" here, the server's default there
 
 
 def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
@@ -305,7 +318,9 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet) -> No
     if num_draft == "auto":  # adaptive k, resumed from this machine's last run of the pair
         store = ChooserStore(warn=print_warning)
         drafter = f"{drf.identity if drf else 'none'}|lookup={models.lookup}"
-        chooser = num_draft = store.get(tgt.model, tgt.identity, drafter, job.params, ids)
+        chooser = num_draft = store.get(
+            tgt.model, tgt.identity, drafter, job.params, ids, verify=job.verify or "token"
+        )
     eos = sorted({*(getattr(tgt.tokenizer, "eos_token_ids", ()) or ()), *extra_eos})
     stats = Stats()
     responses = stream_text(
@@ -322,14 +337,16 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet) -> No
         max_tokens=job.max_tokens,
         seed=job.seed,
         eos_ids=eos,
+        verify=job.verify or "token",
     )
     parts = ([drf.spec.alias] if drf else []) + (["lookup"] if models.lookup else [])
     interrupted = render.stream(responses, stats)
     if store is not None:
         store.save(chooser)
     where = {"load_s": tgt.load_seconds}
-    render.finish(stats, tgt.spec.alias, " + ".join(parts) or "none", where, interrupted)
-    render.json(stats, tgt.spec.alias, " + ".join(parts) or "none", models.k, job)
+    drafter_shown = " + ".join(parts) or "none"
+    render.finish(stats, tgt.spec.alias, drafter_shown, where, interrupted)
+    render.json(stats, tgt.spec.alias, drafter_shown, models.k, job, job.verify or "token")
     if interrupted:
         raise typer.Exit(130)
 
@@ -350,6 +367,8 @@ def _run_remote(job: Job, render, url: str, api_key, draft, k) -> None:
         body["draft"] = draft
     if k is not None:
         body["num_draft"] = parse_k(k)
+    if job.verify is not None:
+        body["verify"] = job.verify
     if job.chat:
         body["messages"] = [{"role": "user", "content": job.text}]
     else:
@@ -362,7 +381,8 @@ def _run_remote(job: Job, render, url: str, api_key, draft, k) -> None:
     pieces.close()  # an interrupted stream closes the connection: the server cancels it
     shown = f"{names['model']} (served by {url})"
     render.finish(stats, shown, names["drafter"], {"server": url}, interrupted)
-    render.json(stats, names["model"], names["drafter"], k or "server default", job)
+    verify = names.get("verify") or job.verify or "server default"
+    render.json(stats, names["model"], names["drafter"], k or "server default", job, verify)
     if interrupted:
         raise typer.Exit(130)
 
@@ -423,7 +443,7 @@ class _Render:
         if not self.quiet or interrupted:
             self.console.print(summary(stats, target=target, draft=draft_name, **where))
 
-    def json(self, stats, target, draft_name, k, job) -> None:
+    def json(self, stats, target, draft_name, k, job, verify: str) -> None:
         """The --json object on stdout (nothing without --json)."""
         if not self.as_json:
             return
@@ -436,6 +456,7 @@ class _Render:
             "k": k,
             "temperature": job.params.temperature,
             "seed": job.seed,
+            "verify": verify,
         }
         sys.stdout.write(json.dumps(out) + "\n")
         sys.stdout.flush()
@@ -460,6 +481,7 @@ def serve(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     min_p: MinPOpt = 0.0,
+    verify: VerifyOpt = None,
     context: ContextOpt = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
@@ -479,6 +501,7 @@ def serve(
     """Load the pair once and serve OpenAI-compatible completions, chat and /infill."""
     import ipaddress
 
+    from .acceptance import sampled_rule
     from .loading import load_pair
     from .memory import parse_size
     from .registry import load_registry
@@ -487,6 +510,8 @@ def serve(
     from .worker import Worker
 
     params = SamplingParams(temp, top_p, top_k, min_p)
+    verify = verify or "token"
+    sampled_rule(verify)
     if max_tokens <= 0 or max_queue < 0 or not 0 <= port < 65536:
         raise BadInput("--max-tokens must be > 0, --max-queue >= 0 and --port in 0..65535")
     if context is not None and context <= 0:
@@ -530,6 +555,7 @@ def serve(
         drafter=drafter,
         api_key=api_key,
         max_body=body_limit,
+        verify=verify,
     )
     shown = f"[{host}]" if ":" in host else host
     draft_name = drf.spec.alias if drf else drafter

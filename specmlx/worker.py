@@ -45,6 +45,7 @@ class GenRequest:
     drafter: str = "model"  # "model" (the loaded draft), "lookup" or "none"
     num_draft: int | str = "auto"
     extra_eos: tuple[int, ...] = ()  # e.g. the end-of-infill token
+    verify: str = "token"  # how sampled rounds check drafts: "token" or "block"
 
 
 @dataclass
@@ -190,7 +191,12 @@ class Worker:
                 f"{use_draft.identity if use_draft else 'none'}|lookup={r.drafter == 'lookup'}"
             )
             chooser = num_draft = self.choosers.get(
-                self.target.model, self.target.identity, drafter, r.sampling, r.prompt_ids
+                self.target.model,
+                self.target.identity,
+                drafter,
+                r.sampling,
+                r.prompt_ids,
+                verify=r.verify,
             )
         job.k_label = str(r.num_draft)
         job.drafter_name = use_draft.spec.alias if use_draft else r.drafter
@@ -212,6 +218,7 @@ class Worker:
             seed=r.seed,
             eos_ids=eos,
             kv=kv,
+            verify=r.verify,
         )
         cancelled = False
         try:
