@@ -656,6 +656,12 @@ def bench(
     repeats: int = typer.Option(3, "--repeats", help="Interleaved repeats; medians reported."),
     compare: str = typer.Option("mlx-lm", "--compare", help="mlx-lm or none."),
     lookup: bool = typer.Option(False, "--lookup", help="Add prompt-lookup and hybrid rows."),
+    verifies: str = typer.Option(
+        "token",
+        "--verify",
+        help="specmlx rows per acceptance rule: token, block or token,block (side by side; "
+        "block rows are sampled only, greedy is the same under both).",
+    ),
     seed: int = typer.Option(0, "--seed", help="Base seed (repeat r uses seed + r)."),
     json_out: str = typer.Option(None, "--json", help="Write rows, runs and environment here."),
     md_out: str = typer.Option(None, "--markdown", help="Write a Markdown table here."),
@@ -680,6 +686,7 @@ def bench(
         compare_mlx_lm=compare == "mlx-lm",
         lookup=lookup,
         seed=seed,
+        verifies=list(dict.fromkeys(_split(verifies, _rule_name, "--verify"))),
     )
     if compare not in ("mlx-lm", "none"):
         raise BadInput(f"--compare must be mlx-lm or none, got {compare!r}")
@@ -740,6 +747,14 @@ def bench(
         Path(md_out).write_text(b.to_markdown(result))
     if plot_out:
         b.plot(result, plot_out)
+
+
+def _rule_name(name: str) -> str:
+    """A --verify value, checked where the engine checks it."""
+    from .acceptance import sampled_rule
+
+    sampled_rule(name)
+    return name
 
 
 def _model_info(loaded) -> dict:

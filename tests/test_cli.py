@@ -264,9 +264,34 @@ def test_bench_json_schema(registry, tmp_path):
     assert "| system |" in md.read_text()
 
 
+def test_bench_compares_token_and_block_side_by_side(registry, tmp_path):
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    r = run(
+        "bench", "--prompts", str(prompts), "-k", "2,auto", "--temp", "0,0.8", "-n", "8",
+        "--repeats", "1", "--verify", "token,block", "--json", str(out), "--markdown", str(md),
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    spec = [
+        (row["k"], row["verify"], row["temperature"]) for row in rows if row["system"] == "specmlx"
+    ]
+    assert spec == [
+        (2, "token", 0.0), ("auto", "token", 0.0),
+        (2, "token", 0.8), (2, "block", 0.8), ("auto", "token", 0.8), ("auto", "block", 0.8),
+    ]  # fmt: skip
+    greedy = [row for row in rows if row["temperature"] == 0]
+    assert all(row["same_as_target"] == "identical" for row in greedy)  # on CPU: exactly
+    assert all(row["same_as_target"] is None for row in rows if row["temperature"] > 0)
+    assert "| verify |" in md.read_text() and "identical" in md.read_text()
+    assert "verify" in r.stderr  # the table's column
+
+
 @pytest.mark.parametrize(
     "args,words",
     [
+        (["--verify", "token,blocks"], ["--verify", "token, block"]),
         (["--prompts", "/nonexistent.jsonl"], ["nonexistent"]),
         (["-k", "1,-2"], ["-k"]),
         (["--set", "poems"], ["--set"]),
