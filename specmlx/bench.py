@@ -1,11 +1,19 @@
-"""The side-by-side benchmark: target-only, specmlx at each k, mlx-lm's own speculative loop.
+"""The side-by-side benchmark: target-only, specmlx at each k (token-wise and, when asked,
+block verification), mlx-lm's own speculative loop.
 
 Every system runs in one process on the same loaded models, prompts, sampler settings and
 seeds, interleaved within each repeat so that a noisy machine's drift hits all of them alike.
+mlx-lm gets specmlx's own sampler (temperature first, then the filters), so every row samples
+the same target distribution.
 Decode speed counts the tokens after a system's first target pass (prefill and the first
 round excluded, the same rule for every system) over the wall time they took. Adaptive k
 keeps its estimates from one generation to the next, as `specmlx run` does on disk, and its
 warm-up feeds them: the rows measure auto once it has seen the pair, not its first rounds ever.
+
+Greedy rows are checked against target-only: "identical", "near-tie" (the first difference is
+where the target's two candidates score within a rounding tolerance, which another kernel
+shape on a GPU can flip) or "diverged". The target's logits there are recomputed after the
+runs, for the differing generations only.
 """
 
 from __future__ import annotations
@@ -22,15 +30,22 @@ from importlib import resources
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
+from .acceptance import sampled_rule
 from .adaptive import AdaptiveK, pass_times
 from .choosers import ChooserStore
 from .distributed import Lockstep, SharedK, World
 from .engine import generate_tokens
 from .errors import BadInput
 from .machine import blas_in_use, version
-from .sampling import SamplingParams
+from .sampling import SamplingParams, make_processor, sample
 from .stats import Stats
+
+# two logits this close (relative to the top one) count as tied: fp16 rounds at 2^-11 of a
+# value, so this is about two of its units in the last place. Coarser dtypes get 2 eps of
+# their own (bfloat16: 2^-7 relative each), since their rounding alone can flip such a pair.
+NEAR_TIE_REL = 1e-3
 
 
 def theoretical_speedup(a: float, k: int, draft_cost: float) -> float:
@@ -53,10 +68,13 @@ class System:
     system: str  # "target-only", "specmlx", "mlx-lm"
     drafter: str  # "none", the draft alias, "lookup", "<draft> + lookup"
     k: int | str
+    verify: str = "token"  # specmlx's acceptance rule for sampled rounds
 
     @property
     def label(self) -> str:
-        return f"{self.system} {self.drafter} k={self.k}"
+        # token-wise labels stay as they were before block verification existed
+        rule = "" if self.verify == "token" else f" verify={self.verify}"
+        return f"{self.system} {self.drafter} k={self.k}{rule}"
 
 
 @dataclass
@@ -72,6 +90,7 @@ class Run:
     decode_s: float
     drafted: int
     accepted: int
+    same: str | None = None  # greedy: "identical", "near-tie" or "diverged" vs target-only
 
 
 @dataclass
@@ -84,6 +103,7 @@ class BenchSettings:
     compare_mlx_lm: bool = True
     lookup: bool = False  # add lookup and hybrid rows
     seed: int = 0
+    verifies: list[str] = field(default_factory=lambda: ["token"])  # specmlx rows per rule
 
 
 def load_prompts(path: str | None, kind: str = "all") -> list[dict]:
@@ -136,14 +156,27 @@ def _timed(events: Iterable[tuple[int, bool]]) -> tuple[list[int], int, float]:
     return tokens, len(tokens) - at, end - mark
 
 
+def like_for_like_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """A sampler for mlx-lm's generate_step and speculative_generate_step that samples what
+    specmlx samples: mlx-lm's own applies top-p/min-p/top-k to the untempered distribution
+    and the temperature at the draw, specmlx the temperature first (make_processor). It
+    draws from MLX's global generator, as mlx-lm's samplers do.
+
+    params: the sampling settings; greedy gives the argmax. The sampler takes log-probabilities
+    (B, V) and returns token ids (B,)."""
+    if params.greedy:
+        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+    process = make_processor(params)  # shift-invariant: log-probabilities are logits too
+    return lambda logprobs: sample(process(logprobs), None)
+
+
 def _mlx_lm_events(
-    target, draft, ids, k, temp, top_p, max_tokens, seed
+    target, draft, ids, k, params: SamplingParams, max_tokens, seed
 ) -> Iterator[tuple[int, bool]]:
     from mlx_lm.generate import generate_step, speculative_generate_step
-    from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
-    sampler = make_sampler(temp, top_p=top_p if top_p < 1 else 0.0)
+    sampler = like_for_like_sampler(params)
     prompt = mx.array(ids, dtype=mx.uint32)
     if draft is None:
         for tok, _ in generate_step(prompt, target, max_tokens=max_tokens, sampler=sampler):
@@ -170,15 +203,13 @@ def run_one(
     """Generate once with one system; returns (tokens, decoded, decode_s, drafted, accepted).
     ``chooser`` is the system's adaptive-k state when k is "auto" (a fresh one if None);
     ``world``: the ranks the target is split over (k decided on rank 0, tokens compared)."""
-    top_p = s.top_p if temp > 0 else 1.0
+    params = _sampling(temp, s)
     if system.system == "mlx-lm":
         flags: list[bool] = []
 
         def events():
             d = draft if system.drafter != "none" else None
-            for tok, fd in _mlx_lm_events(
-                target, d, ids, system.k, temp, top_p, s.max_tokens, seed
-            ):
+            for tok, fd in _mlx_lm_events(target, d, ids, system.k, params, s.max_tokens, seed):
                 flags.append(fd)
                 yield tok, fd
 
@@ -198,7 +229,7 @@ def run_one(
         target,
         use_draft,
         ids,
-        sampling=SamplingParams(temp, top_p),
+        sampling=params,
         num_draft=k,
         lookup="lookup" in system.drafter,
         max_tokens=s.max_tokens,
@@ -206,6 +237,7 @@ def run_one(
         vocab_size=shared,
         stats=stats,
         lockstep=lockstep,
+        verify=system.verify,
     )
     tokens, decoded, secs = _timed((e.token, e.from_draft) for e in gen)
     if lockstep is not None:
@@ -214,18 +246,33 @@ def run_one(
 
 
 def systems(draft_name: str | None, s: BenchSettings) -> list[System]:
+    """Every configuration to run, target-only first; specmlx rows once per verification rule
+    in ``s.verifies``, side by side (k = 0 drafts nothing: token-wise only)."""
+
+    def rules(k: int | str) -> list[str]:
+        return [v for v in s.verifies if k != 0 or v == "token"] or ["token"]
+
+    def spec(drafter: str) -> list[System]:
+        return [System("specmlx", drafter, k, v) for k in s.ks for v in rules(k)]
+
     out = [System("target-only", "none", 0)]
     if s.compare_mlx_lm:
         out.append(System("mlx-lm", "none", 0))  # mlx-lm's generate_step: our baseline's peer
     if draft_name:
-        out += [System("specmlx", draft_name, k) for k in s.ks]
+        out += spec(draft_name)
         if s.compare_mlx_lm:
             out += [System("mlx-lm", draft_name, k) for k in s.ks if isinstance(k, int) and k > 0]
     if s.lookup:
-        out += [System("specmlx", "lookup", k) for k in s.ks]
+        out += spec("lookup")
         if draft_name:
-            out += [System("specmlx", f"{draft_name} + lookup", k) for k in s.ks]
+            out += spec(f"{draft_name} + lookup")
     return out
+
+
+def runs_at(system: System, temp: float, s: BenchSettings) -> bool:
+    """Whether ``system`` runs at ``temp``: greedy decoding is the same under both rules, so
+    block rows are sampled only, unless there is no token-wise row to stand for them."""
+    return not (system.verify == "block" and temp == 0 and "token" in s.verifies)
 
 
 def bench(
@@ -248,6 +295,8 @@ def bench(
     generation (progress); world: the ranks the target is split over (every rank runs this
     same sequence). Returns {"rows", "runs", "verify_curve", "draft_cost"}; the CLI adds
     the environment."""
+    for verify in s.verifies:
+        sampled_rule(verify)
     encoded = [(p["id"], encode(p)) for p in prompts]
     todo = systems(draft_name, s)
     ctx = encoded[0][1] + encoded[0][1][: s.max_tokens // 2]
@@ -263,11 +312,13 @@ def bench(
         for sy in todo
         if sy.k == "auto"
         for temp in s.temps
+        if runs_at(sy, temp, s)
     }
     # warm-up: compile paths and fault in weights for every system once (auto: per temperature)
     warm = BenchSettings(**{**asdict(s), "max_tokens": 8})
     for system in todo:
-        for temp in s.temps if system.k == "auto" else s.temps[:1]:
+        temps = [t for t in s.temps if runs_at(system, t, s)]
+        for temp in temps if system.k == "auto" else temps[:1]:
             chooser = choosers.get((system, temp))
             run_one(
                 system, target, draft, encoded[0][1], temp, warm, s.seed, shared, chooser, world
@@ -277,7 +328,7 @@ def bench(
         for pid, ids in encoded:
             for temp in s.temps:
                 seed = s.seed + rep
-                for system in todo:
+                for system in (sy for sy in todo if runs_at(sy, temp, s)):
                     tokens, decoded, secs, drafted, accepted = run_one(
                         system,
                         target,
@@ -296,6 +347,7 @@ def bench(
                     runs.append(run)
                     if on_run:
                         on_run(run)
+    check_identity(runs, dict(encoded), target, todo[0].label)
     return {
         "rows": summarize(runs, todo, s, cost),
         "runs": [asdict(r) for r in runs],
@@ -306,6 +358,77 @@ def bench(
 
 def _sampling(temp: float, s: BenchSettings) -> SamplingParams:
     return SamplingParams(temp, s.top_p if temp > 0 else 1.0)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (the shorter one's length when one
+    is a prefix of the other), or None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def tie_tolerance(top: float, dtype: mx.Dtype) -> float:
+    """How far below the top logit ``top`` a logit may be and still count as tied with it:
+    NEAR_TIE_REL of its magnitude, or 2 eps of ``dtype`` (the logits' own) where coarser."""
+    return max(NEAR_TIE_REL, 2 * mx.finfo(dtype).eps) * max(abs(top), 1.0)
+
+
+def classify_difference(logits: mx.array, ref_token: int, token: int) -> str:
+    """Where a greedy run first differs from target-only (which chose ``ref_token``, the run
+    ``token``), given the target's logits (V,) at that position: "near-tie" when both tokens
+    score within tie_tolerance of the best logit (so their gap, a top-2 gap, is below it:
+    a kernel's rounding can flip it), else "diverged"."""
+    top = float(logits.max().item())
+    low = min(float(logits[ref_token].item()), float(logits[token].item()))
+    return "near-tie" if top - low <= tie_tolerance(top, logits.dtype) else "diverged"
+
+
+def target_logits_after(target, context: list[int], step: int = 512) -> mx.array:
+    """The target's logits (V,) for the token after ``context``: a fresh cache prefilled in
+    chunks, then one single-token pass, the shape target-only decoding used."""
+    cache = make_prompt_cache(target)
+    head = context[:-1]
+    for i in range(0, len(head), step):
+        target(mx.array(head[i : i + step], dtype=mx.uint32)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return target(mx.array(context[-1:], dtype=mx.uint32)[None], cache=cache)[0, -1]
+
+
+def identity(target, prompt: list[int], ref: list[int], tokens: list[int]) -> str:
+    """ "identical", "near-tie" or "diverged": a greedy run's ``tokens`` against target-only's
+    ``ref`` for the same ``prompt``; the target is run (once) only when they differ. A run that
+    ends early or runs on past the reference cannot be judged by a tie: "diverged"."""
+    at = first_difference(ref, tokens)
+    if at is None:
+        return "identical"
+    if at >= min(len(ref), len(tokens)):
+        return "diverged"
+    logits = target_logits_after(target, prompt + ref[:at])
+    return classify_difference(logits, ref[at], tokens[at])
+
+
+def check_identity(runs: list[Run], prompts: dict[str, list[int]], target, base: str) -> None:
+    """Set ``same`` on every greedy run: compared with the target-only run (label ``base``)
+    of the same prompt and repeat. Sampled runs are left None."""
+    ref = {(r.prompt, r.repeat): r.tokens for r in runs if r.label == base and r.temperature == 0}
+    for r in runs:
+        if r.temperature == 0 and (r.prompt, r.repeat) in ref:
+            r.same = identity(target, prompts[r.prompt], ref[(r.prompt, r.repeat)], r.tokens)
+
+
+SAME_ORDER = ("identical", "near-tie", "diverged")
+
+
+def worst_same(runs: list[Run], ref: dict) -> str:
+    """The worst verdict over a row's greedy runs; a run never checked counts as identical
+    only when its tokens are."""
+    verdicts = [
+        r.same or ("identical" if r.tokens == ref[(r.prompt, r.repeat)] else "diverged")
+        for r in runs
+    ]
+    return max(verdicts, key=SAME_ORDER.index, default="identical")
 
 
 def summarize(
@@ -321,9 +444,10 @@ def summarize(
             for r in runs
             if r.label == base_label and r.temperature == temp
         }
-        for system in todo:
+        for system in (sy for sy in todo if runs_at(sy, temp, s)):
             tps = _per_repeat(runs, system.label, temp, s.repeats)
             mine = [r for r in runs if r.label == system.label and r.temperature == temp]
+            same = worst_same(mine, ref) if temp == 0 else None
             drafted = sum(r.drafted for r in mine)
             a = sum(r.accepted for r in mine) / drafted if drafted else 0.0
             k_mean = drafted / max(1, sum(_rounds(r) for r in mine)) if drafted else 0.0
@@ -337,6 +461,7 @@ def summarize(
                     "system": system.system,
                     "drafter": system.drafter,
                     "k": system.k,
+                    "verify": system.verify if system.system == "specmlx" else None,
                     "temperature": temp,
                     **_named("tokens_per_sec", tps),
                     **_named("speedup", speedups),
@@ -346,11 +471,8 @@ def summarize(
                     "draft_cost": cost,
                     "theoretical_speedup": theory,
                     "efficiency": speed / theory if theory else None,
-                    "identical_to_target": (
-                        all(r.tokens == ref[(r.prompt, r.repeat)] for r in mine)
-                        if temp == 0
-                        else None
-                    ),
+                    "same_as_target": same,
+                    "identical_to_target": None if same is None else same == "identical",
                     "decoded_tokens": sum(r.decoded for r in mine),
                 }
             )
@@ -403,13 +525,15 @@ def environment(models: dict) -> dict:
 
 def to_markdown(result: dict) -> str:
     """The rows as a Markdown table, plus the verify-cost curve and environment."""
-    head = "| system | drafter | k | temp | tok/s (min-max) | speedup | accept | tok/pass | theory | eff. | same as target |"
-    lines = [head, "|" + "---|" * 11]
+    head = "| system | drafter | k | verify | temp | tok/s (min-max) | speedup | accept | tok/pass | theory | eff. | same as target |"
+    lines = [head, "|" + "---|" * 12]
+    shown = {"identical": "identical", "near-tie": "near-tie", "diverged": "**diverged**"}
     for r in result["rows"]:
-        same = {True: "yes", False: "**NO**", None: "n/a"}[r["identical_to_target"]]
+        same = shown.get(r.get("same_as_target"), "n/a")
         eff = f"{r['efficiency']:.0%}" if r["efficiency"] else "-"
         lines.append(
-            f"| {r['system']} | {r['drafter']} | {r['k']} | {r['temperature']} | "
+            f"| {r['system']} | {r['drafter']} | {r['k']} | {r.get('verify') or '-'} | "
+            f"{r['temperature']} | "
             f"{r['tokens_per_sec']:.2f} ({r['tokens_per_sec_min']:.2f}-{r['tokens_per_sec_max']:.2f}) | "
             f"{r['speedup']:.2f}x | {r['acceptance_rate']:.0%} | {r['tokens_per_pass']:.2f} | "
             f"{r['theoretical_speedup']:.2f}x | {eff} | {same} |"
@@ -418,6 +542,11 @@ def to_markdown(result: dict) -> str:
     lines += ["", f"Verify cost (target pass over n tokens / 1 token): {curve}"]
     if result.get("draft_cost") is not None:
         lines.append(f"Draft/target step cost c = {result['draft_cost']:.3f}")
+    lines.append(
+        "Same as target (greedy rows): near-tie = the first difference is where the target's "
+        f"two candidates score within {NEAR_TIE_REL:g} of the top logit (2 eps of the logits' "
+        "dtype where coarser), which rounding can flip; only diverged is a failure"
+    )
     env = result.get("environment", {})
     for role, m in (env.get("models") or {}).items():
         if m:

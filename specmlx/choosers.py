@@ -83,9 +83,15 @@ class ChooserStore:
         self._warned = False
 
     @staticmethod
-    def key(target_id: str, drafter_id: str, sampling: SamplingParams) -> str:
-        """The identity a chooser's estimates belong to (the machine is added on disk)."""
-        return f"{target_id}|{drafter_id}|{sampling}"
+    def key(
+        target_id: str, drafter_id: str, sampling: SamplingParams, verify: str = "token"
+    ) -> str:
+        """The identity a chooser's estimates belong to (the machine is added on disk).
+        Sampled block verification keeps more drafts, so it learns apart (greedy decoding is
+        the same under both rules); token-wise keys stay as they were before block
+        verification existed, so saved state still applies."""
+        rule = "" if verify == "token" or sampling.greedy else f"|verify={verify}"
+        return f"{target_id}|{drafter_id}|{sampling}{rule}"
 
     def get(
         self,
@@ -94,15 +100,18 @@ class ChooserStore:
         drafter_id: str,
         sampling: SamplingParams,
         prompt_ids: Sequence[int],
+        *,
+        verify: str = "token",
     ) -> AdaptiveK:
         """The chooser for this pair and sampler: live, else as the last run left it on disk,
         else fresh and seeded with the target's verify curve (probed over ``prompt_ids``).
 
         target: the target model (probed only when no curve is known); target_id and
         drafter_id: full model identities (registry.ModelSpec.identity; "lookup" or "none"
-        for drafters without a model); sampling: the sampler, since acceptance depends on it.
+        for drafters without a model); sampling: the sampler, since acceptance depends on it;
+        prompt_ids: what a probe runs over; verify: the acceptance rule ("token", "block").
         """
-        key = self.key(target_id, drafter_id, sampling)
+        key = self.key(target_id, drafter_id, sampling, verify)
         if key in self._live:
             return self._live[key]
         path = _state_path("adaptive", key)

@@ -44,6 +44,14 @@ TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely to
 MinPOpt = Annotated[
     float, typer.Option("--min-p", help="Drop tokens below min_p x the top one (0: off).")
 ]
+VerifyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--verify",
+        help="How sampled rounds check the drafts: 'token' (one by one, the default) or "
+        "'block' (the block jointly: same output distribution, never fewer kept on average).",
+    ),
+]
 ContextOpt = Annotated[
     int | None,
     typer.Option("--context", help="Context limit (default: the models' own, from models.toml)."),
@@ -206,6 +214,7 @@ def run(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     min_p: MinPOpt = 0.0,
+    verify: VerifyOpt = None,
     seed: int = typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
     stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template."),
@@ -227,10 +236,13 @@ def run(
     hostfile: HostfileOpt = None,
 ) -> None:
     """Generate a completion: text on stdout, live stats and a summary on stderr."""
+    from .acceptance import sampled_rule
     from .distributed import join, launched
     from .sampling import SamplingParams
 
     params = SamplingParams(temp, top_p, top_k, min_p)  # validates before any loading
+    if verify is not None:
+        sampled_rule(verify)
     if max_tokens <= 0:
         raise BadInput(f"--max-tokens must be > 0, got {max_tokens}")
     if context is not None and context <= 0:
@@ -243,7 +255,7 @@ def run(
         raise BadInput("the prompt is empty")
     console = err_console()
     render = _Render(console, as_json, quiet, show_draft, k or "")
-    job = Job(text, after, params, max_tokens, seed, stop or [], chat)
+    job = Job(text, after, params, max_tokens, seed, stop or [], chat, verify)
     if (hosts or hostfile) and not launched():
         if server:
             raise BadInput("--hosts/--hostfile start ranks here; --server sends to a server")
@@ -270,6 +282,7 @@ class Job:
     seed: int | None
     stop: list[str]
     chat: bool
+    verify: str | None = None  # None: "token" here, the server's default there
 
 
 def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
@@ -353,7 +366,9 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world
         if world.distributed:
             store.verify_ratio = shared_probe(world, store, tgt.model, tgt.identity, ids)
         drafter = f"{drf.identity if drf else 'none'}|lookup={models.lookup}"
-        chooser = num_draft = store.get(tgt.model, tgt.identity, drafter, job.params, ids)
+        chooser = num_draft = store.get(
+            tgt.model, tgt.identity, drafter, job.params, ids, verify=job.verify or "token"
+        )
         if world.distributed:  # rank 0 decides k for all: each rank's timings differ
             num_draft = SharedK(chooser, world)
     eos = sorted({*(getattr(tgt.tokenizer, "eos_token_ids", ()) or ()), *extra_eos})
@@ -373,6 +388,7 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world
         seed=job.seed,
         eos_ids=eos,
         lockstep=lockstep,
+        verify=job.verify or "token",
     )
     parts = ([drf.spec.alias] if drf else []) + (["lookup"] if models.lookup else [])
     try:
@@ -390,8 +406,10 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world
         where["ranks"] = f"{world.size} ({world.backend}), {_ms(stats)} per target pass"
         pass_s = stats.decode_s / stats.rounds if stats.rounds else None
         ranks = {"size": world.size, "backend": world.backend, "target_pass_s": pass_s}
-    render.finish(stats, tgt.spec.alias, " + ".join(parts) or "none", where, interrupted)
-    render.json(stats, tgt.spec.alias, " + ".join(parts) or "none", models.k, job, ranks)
+    drafter_shown = " + ".join(parts) or "none"
+    verify = job.verify or "token"
+    render.finish(stats, tgt.spec.alias, drafter_shown, where, interrupted)
+    render.json(stats, tgt.spec.alias, drafter_shown, models.k, job, verify, ranks)
     if interrupted:
         raise typer.Exit(130)
 
@@ -485,6 +503,8 @@ def _run_remote(job: Job, render, url: str, api_key, draft, k) -> None:
         body["draft"] = draft
     if k is not None:
         body["num_draft"] = parse_k(k)
+    if job.verify is not None:
+        body["verify"] = job.verify
     if job.chat:
         body["messages"] = [{"role": "user", "content": job.text}]
     else:
@@ -497,7 +517,8 @@ def _run_remote(job: Job, render, url: str, api_key, draft, k) -> None:
     pieces.close()  # an interrupted stream closes the connection: the server cancels it
     shown = f"{names['model']} (served by {url})"
     render.finish(stats, shown, names["drafter"], {"server": url}, interrupted)
-    render.json(stats, names["model"], names["drafter"], k or "server default", job)
+    verify = names.get("verify") or job.verify or "server default"
+    render.json(stats, names["model"], names["drafter"], k or "server default", job, verify)
     if interrupted:
         raise typer.Exit(130)
 
@@ -558,7 +579,7 @@ class _Render:
         if not self.quiet or interrupted:
             self.console.print(summary(stats, target=target, draft=draft_name, **where))
 
-    def json(self, stats, target, draft_name, k, job, ranks: dict | None = None) -> None:
+    def json(self, stats, target, draft_name, k, job, verify: str, ranks: dict | None = None):
         """The --json object on stdout (nothing without --json); ``ranks`` when distributed."""
         if not self.as_json:
             return
@@ -571,6 +592,7 @@ class _Render:
             "k": k,
             "temperature": job.params.temperature,
             "seed": job.seed,
+            "verify": verify,
         }
         if ranks is not None:
             out["ranks"] = ranks
@@ -598,6 +620,7 @@ def serve(
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
     min_p: MinPOpt = 0.0,
+    verify: VerifyOpt = None,
     context: ContextOpt = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
@@ -620,6 +643,7 @@ def serve(
     import ipaddress
     import signal
 
+    from .acceptance import sampled_rule
     from .distributed import barrier, join, launched
     from .loading import load_pair
     from .memory import parse_size
@@ -629,6 +653,8 @@ def serve(
     from .worker import Worker
 
     params = SamplingParams(temp, top_p, top_k, min_p)
+    verify = verify or "token"
+    sampled_rule(verify)
     if max_tokens <= 0 or max_queue < 0 or not 0 <= port < 65536:
         raise BadInput("--max-tokens must be > 0, --max-queue >= 0 and --port in 0..65535")
     if context is not None and context <= 0:
@@ -684,6 +710,7 @@ def serve(
         drafter=drafter,
         api_key=api_key,
         max_body=body_limit,
+        verify=verify,
     )
     shown = f"[{host}]" if ":" in host else host
     draft_name = drf.spec.alias if drf else drafter
@@ -786,6 +813,12 @@ def bench(
     repeats: int = typer.Option(3, "--repeats", help="Interleaved repeats; medians reported."),
     compare: str = typer.Option("mlx-lm", "--compare", help="mlx-lm or none."),
     lookup: bool = typer.Option(False, "--lookup", help="Add prompt-lookup and hybrid rows."),
+    verifies: str = typer.Option(
+        "token",
+        "--verify",
+        help="specmlx rows per acceptance rule: token, block or token,block (side by side; "
+        "block rows are sampled only, greedy is the same under both).",
+    ),
     seed: int = typer.Option(0, "--seed", help="Base seed (repeat r uses seed + r)."),
     json_out: str = typer.Option(None, "--json", help="Write rows, runs and environment here."),
     md_out: str = typer.Option(None, "--markdown", help="Write a Markdown table here."),
@@ -813,6 +846,7 @@ def bench(
         compare_mlx_lm=compare == "mlx-lm",
         lookup=lookup,
         seed=seed,
+        verifies=list(dict.fromkeys(_split(verifies, _rule_name, "--verify"))),
     )
     if compare not in ("mlx-lm", "none"):
         raise BadInput(f"--compare must be mlx-lm or none, got {compare!r}")
@@ -885,6 +919,14 @@ def bench(
         Path(md_out).write_text(b.to_markdown(result))
     if plot_out:
         b.plot(result, plot_out)
+
+
+def _rule_name(name: str) -> str:
+    """A --verify value, checked where the engine checks it."""
+    from .acceptance import sampled_rule
+
+    sampled_rule(name)
+    return name
 
 
 def _model_info(loaded) -> dict:

@@ -53,8 +53,8 @@ def stream_remote(
     """POST ``body`` (an OpenAI completion or chat request, streamed) and yield the pieces.
 
     stats: filled from the server's statistics as they arrive; chat: send to the chat
-    endpoint (``body`` has messages); names: gets "model" and "drafter" as the server names
-    them; timeout: seconds without a byte from the server before giving up.
+    endpoint (``body`` has messages); names: gets "model", "drafter" and "verify" as the
+    server names them; timeout: seconds without a byte from the server before giving up.
     BadInput for a 4xx answer, ServerError when the server cannot be reached or fails."""
     path = "/v1/chat/completions" if chat else "/v1/completions"
     url = remote.url.rstrip("/") + path
@@ -78,7 +78,9 @@ def stream_remote(
                     raise ServerError(f"the server failed: {chunk['error'].get('message')}")
                 if names is not None:
                     names["model"] = chunk.get("model", names.get("model"))
-                    names["drafter"] = chunk.get("specmlx", {}).get("drafter", names.get("drafter"))
+                    spec = chunk.get("specmlx", {})
+                    names["drafter"] = spec.get("drafter", names.get("drafter"))
+                    names["verify"] = spec.get("verify", names.get("verify"))
                 yield from _pieces(chunk, stats, chat)
     except httpx.TransportError as e:
         raise ServerError(f"cannot reach the specmlx server at {remote.url}: {e}") from None

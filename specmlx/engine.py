@@ -25,7 +25,7 @@ import mlx.nn as nn
 from mlx_lm.generate import wired_limit
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
-from .acceptance import accept_greedy, accept_sampled, point_mass
+from .acceptance import Rule, accept_greedy, point_mass, sampled_rule
 from .choosers import KSetting, make_chooser
 from .drafters import draft_model_propose, lookup_propose
 from .errors import BadInput, IncompatiblePair
@@ -82,6 +82,7 @@ def generate_tokens(
     prefill_step: int = 512,
     kv: KVState | None = None,
     lockstep: Callable[[list[int]], None] | None = None,
+    verify: str = "token",
 ) -> Iterator[TokenEvent]:
     """Generate from ``target``, speculating with ``draft`` (a model), prompt lookup
     (``lookup=True``), both (lookup first), or neither (plain target decoding).
@@ -107,6 +108,9 @@ def generate_tokens(
         prompt is prefilled) and that hold the context afterwards; fresh ones if None.
     lockstep: called with each round's new tokens before they are yielded; it may raise to
         stop (distributed.Lockstep compares the ranks' tokens this way).
+    verify: how a sampled round checks the drafts: "token" (token by token, Leviathan et al.)
+        or "block" (the drafted block jointly, Sun et al. 2024: the same distribution, never
+        fewer tokens kept in expectation). Greedy decoding is the same under both.
     """
     sampling = SamplingParams() if sampling is None else sampling
     if not isinstance(sampling, SamplingParams):
@@ -117,6 +121,7 @@ def generate_tokens(
     if max_tokens <= 0:
         raise BadInput(f"max tokens must be > 0, got {max_tokens}")
     next_k = make_chooser(num_draft)
+    accept = sampled_rule(verify)
     stats = stats if stats is not None else Stats()
     stats.prompt_tokens = len(prompt)
     kv = kv if kv is not None else KVState()
@@ -149,7 +154,7 @@ def generate_tokens(
         if not speculating:
             loop = _plain(target, kv, prompt, process, key, stops, stats, check)
         else:
-            spec = _Speculation(target, kv, draft, process, vocab_size, lookup)
+            spec = _Speculation(target, kv, draft, process, vocab_size, lookup, accept)
             loop = spec.run(prompt, next_k, key, stops, stats, check)
         try:
             yield from loop
@@ -268,9 +273,9 @@ def _plain(target, kv, prompt, process, key, stops, stats, check) -> Iterator[To
 class _Speculation:
     """State of one speculative generation: models, caches and the sampling setup."""
 
-    def __init__(self, target, kv, draft, process, vocab_size, lookup):
+    def __init__(self, target, kv, draft, process, vocab_size, lookup, accept: Rule):
         self.target, self.tcache, self.draft, self.dcache = target, kv.target, draft, kv.draft
-        self.kv, self.process, self.lookup = kv, process, lookup
+        self.kv, self.process, self.lookup, self.accept = kv, process, lookup, accept
         self.head: mx.array | None = None  # (1, V_target) logits of a queued plain pass
         self.d_len = kv.draft_len
         self.draft_rows = 0  # ids the draft can embed
@@ -365,7 +370,7 @@ class _Speculation:
             p = self.process(logits)  # (k+1, V_target)
             q = point_mass(d, width) if q is None else _pad(q, width)  # (k, V_target)
             u = mx.random.uniform(shape=(k,), key=ku)
-            n, nxt = accept_sampled(p, q, d, u, kr)
+            n, nxt = self.accept(p, q, d, u, kr)
         out = mx.concatenate([n.astype(mx.uint32).reshape(1), d, nxt.reshape(1)])
         if queue and k == 0:
             # as target-only decoding does: the next pass runs while the host reads this one

@@ -63,6 +63,7 @@ def make_processor(params: SamplingParams) -> Processor:
     return process
 
 
-def sample(probs: mx.array, key: mx.array) -> mx.array:
-    """Draw one id per row from probabilities (..., V) -> (...,) uint32."""
+def sample(probs: mx.array, key: mx.array | None) -> mx.array:
+    """Draw one id per row from probabilities (..., V) -> (...,) uint32; the rows need not
+    sum to 1. key None draws from MLX's global generator (as mlx-lm's samplers do)."""
     return mx.random.categorical(mx.log(probs), key=key).astype(mx.uint32)

@@ -25,12 +25,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .acceptance import sampled_rule
 from .errors import BadInput, SpecmlxError
 from .fim import encode_infill, require_fim
 from .sampling import SamplingParams
 from .stats import Stats
 from .stream import encode_prompt
-from .worker import GenRequest, Piece, QueueFull, ShuttingDown, Worker
+from .worker import GenRequest, Job, Piece, QueueFull, ShuttingDown, Worker
 
 MAX_STOPS = 4  # as OpenAI allows
 
@@ -76,6 +77,7 @@ class _Sampling(BaseModel):
     # specmlx extensions
     draft: Literal["model", "lookup", "none"] | None = None
     num_draft: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
+    verify: str | None = None  # "token" or "block" (checked where the engine checks it)
     return_tokens: bool = False  # token ids in each chunk (specmlx run --server uses it)
 
     def refuse_unsupported(self) -> None:
@@ -159,7 +161,8 @@ class ServerSettings:
     model_name: the id reported in responses; context: prompt + max_tokens must fit in it;
     max_tokens: the default budget of a request; sampling: the default sampler; num_draft:
     the default k; drafter: the default drafter ("model", "lookup" or "none"); api_key:
-    required as a Bearer token when set; max_body: the largest request body in bytes."""
+    required as a Bearer token when set; max_body: the largest request body in bytes;
+    verify: the default acceptance rule of sampled rounds ("token" or "block")."""
 
     model_name: str
     context: int
@@ -169,6 +172,7 @@ class ServerSettings:
     drafter: str = "model"
     api_key: str | None = None
     max_body: int = 16 * 2**20
+    verify: str = "token"
 
 
 def create_app(
@@ -244,7 +248,7 @@ def create_app(
         gen = GenRequest(
             ids, sampling, max_tokens, None if body.seed < 0 else body.seed,
             [s for s in body.stop if s][:MAX_STOPS], _drafter(None, settings, worker),
-            settings.num_draft, template.stops,
+            settings.num_draft, template.stops, settings.verify,
         )  # fmt: skip
         return await _respond_infill(request, worker, gen, body.stream)
 
@@ -323,7 +327,17 @@ def _request(body: _Sampling, ids, extra_eos, asked, settings, worker) -> GenReq
         drafter=_drafter(body.draft, settings, worker),
         num_draft=settings.num_draft if body.num_draft is None else body.num_draft,
         extra_eos=tuple(extra_eos),
+        verify=_verify(body.verify, settings),
     )
+
+
+def _verify(asked: str | None, settings: ServerSettings) -> str:
+    verify = settings.verify if asked is None else asked
+    try:
+        sampled_rule(verify)
+    except BadInput as e:
+        raise ApiError(400, str(e)) from None
+    return verify
 
 
 # ---------------------------------------------------------------- running a job
@@ -373,7 +387,7 @@ def _usage(stats: Stats) -> dict:
     }
 
 
-def spec_stats(stats: Stats, k_label: str, drafter: str = "") -> dict:
+def spec_stats(stats: Stats, k_label: str, drafter: str = "", verify: str = "token") -> dict:
     """The speculative statistics every response carries, under "specmlx"."""
     return {
         "drafted": stats.drafted,
@@ -384,6 +398,7 @@ def spec_stats(stats: Stats, k_label: str, drafter: str = "") -> dict:
         "accept_hist": stats.accept_hist,
         "k": k_label,
         "drafter": drafter,
+        "verify": verify,
         "last_k": stats.last.k if stats.last else 0,
         "cached_tokens": stats.cached_tokens,
         "prefill_s": stats.prefill_s,
@@ -394,6 +409,10 @@ def spec_stats(stats: Stats, k_label: str, drafter: str = "") -> dict:
         "timed_rounds": stats.timed_rounds,
         "peak_memory": stats.peak_memory,
     }
+
+
+def _spec(stats: Stats, job: Job) -> dict:
+    return spec_stats(stats, job.k_label, job.drafter_name, job.request.verify)
 
 
 def _sse(data) -> str:
@@ -429,7 +448,7 @@ async def _respond(request, worker, gen: GenRequest, body: _Sampling, kind: str,
     if body.return_tokens:
         choice["token_ids"] = tokens
     out = base | {"object": kind, "choices": [choice], "usage": _usage(stats)}
-    return out | {"specmlx": spec_stats(stats, events.job.k_label, events.job.drafter_name)}
+    return out | {"specmlx": _spec(stats, events.job)}
 
 
 async def _stream(events: _Events, base: dict, chat: bool, usage: bool, with_tokens: bool):
@@ -465,7 +484,7 @@ async def _stream(events: _Events, base: dict, chat: bool, usage: bool, with_tok
             else:
                 stats: Stats = value
                 last = chunk(None if chat else "", stats.finish_reason or "stop")
-                last["specmlx"] = spec_stats(stats, events.job.k_label, events.job.drafter_name)
+                last["specmlx"] = _spec(stats, events.job)
                 yield _sse(last)
                 if usage:
                     yield _sse(base | {"object": kind, "choices": [], "usage": _usage(stats)})
@@ -498,7 +517,7 @@ async def _respond_infill(request: Request, worker: Worker, gen: GenRequest, str
                 "draft_n": stats.drafted,
                 "draft_n_accepted": stats.accepted,
             },
-            "specmlx": spec_stats(stats, events.job.k_label, events.job.drafter_name),
+            "specmlx": _spec(stats, events.job),
         }
 
     if stream:

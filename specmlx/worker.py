@@ -56,6 +56,7 @@ class GenRequest:
     drafter: str = "model"  # "model" (the loaded draft), "lookup" or "none"
     num_draft: int | str = "auto"
     extra_eos: tuple[int, ...] = ()  # e.g. the end-of-infill token
+    verify: str = "token"  # how sampled rounds check drafts: "token" or "block"
 
 
 @dataclass
@@ -223,7 +224,12 @@ class Worker:
                 f"{use_draft.identity if use_draft else 'none'}|lookup={r.drafter == 'lookup'}"
             )
             chooser = num_draft = self.choosers.get(
-                self.target.model, self.target.identity, drafter, r.sampling, r.prompt_ids
+                self.target.model,
+                self.target.identity,
+                drafter,
+                r.sampling,
+                r.prompt_ids,
+                verify=r.verify,
             )
             if world.distributed:
                 num_draft = SharedK(chooser, world)
@@ -251,6 +257,7 @@ class Worker:
             eos_ids=eos,
             kv=kv,
             lockstep=lockstep,
+            verify=r.verify,
         )
         cancelled = False
         try:
@@ -292,6 +299,7 @@ class Worker:
 # ---------------------------------------------------------------- requests between ranks
 
 _DRAFTERS = ("model", "lookup", "none")
+_VERIFIES = ("token", "block")
 _HEADER = 13  # ints: see _send
 
 
@@ -305,7 +313,8 @@ def _send(world: World, r: GenRequest | None) -> None:
     header = [
         1, len(r.prompt_ids), r.max_tokens, r.seed, _DRAFTERS.index(r.drafter),
         -1 if r.num_draft == "auto" else int(r.num_draft), len(r.extra_eos), len(stops),
-        float_bits(s.temperature), float_bits(s.top_p), s.top_k, float_bits(s.min_p), 0,
+        float_bits(s.temperature), float_bits(s.top_p), s.top_k, float_bits(s.min_p),
+        _VERIFIES.index(r.verify),
     ]  # fmt: skip
     share(world, header)
     share(world, [*r.prompt_ids, *r.extra_eos, *stops])
@@ -328,4 +337,5 @@ def _receive(world: World) -> GenRequest | None:
         drafter=_DRAFTERS[h[4]],
         num_draft="auto" if h[5] < 0 else h[5],
         extra_eos=tuple(payload[n_prompt : n_prompt + n_eos]),
+        verify=_VERIFIES[h[12]],
     )

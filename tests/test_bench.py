@@ -1,16 +1,31 @@
-"""Bench math on synthetic numbers (no timing asserted)."""
+"""Bench math on synthetic numbers (no timing asserted), the rows it runs, the identity
+verdicts on hand-built logits, and the like-for-like sampler it gives mlx-lm."""
 
+import mlx.core as mx
+import numpy as np
 import pytest
+from helpers import make_tiny
+from mlx_lm.sample_utils import make_sampler
 
 from specmlx.bench import (
     BenchSettings,
     Run,
     System,
     _timed,
+    classify_difference,
+    first_difference,
+    identity,
+    like_for_like_sampler,
+    runs_at,
     spread,
     summarize,
+    systems,
+    target_logits_after,
     theoretical_speedup,
+    tie_tolerance,
+    to_markdown,
 )
+from specmlx.sampling import SamplingParams, make_processor
 
 
 def test_theoretical_speedup_formula():
@@ -49,4 +64,91 @@ def test_summarize_rows_speedup_and_efficiency():
     theory = theoretical_speedup(0.75, 2, 0.1)
     assert row["theoretical_speedup"] == pytest.approx(theory)
     assert row["efficiency"] == pytest.approx(row["speedup"] / theory)
-    assert row["identical_to_target"] is True
+    assert row["identical_to_target"] is True and row["same_as_target"] == "identical"
+    assert row["verify"] == "token" and rows[0]["verify"] is None
+
+
+def test_verdicts_fold_into_the_worst_one_per_row():
+    s = BenchSettings(ks=[2], temps=[0.0], repeats=1, compare_mlx_lm=False)
+    base, spec = System("target-only", "none", 0), System("specmlx", "d", 2)
+    ref = Run(base.label, "p", 0.0, 0, [1, 2, 3], 3, 1.0, 0, 0, "identical")
+    tie = Run(spec.label, "p", 0.0, 0, [1, 2, 4], 3, 1.0, 2, 1, "near-tie")
+    other = Run(spec.label, "q", 0.0, 0, [5, 6], 2, 1.0, 2, 1, "identical")
+    base_q = Run(base.label, "q", 0.0, 0, [5, 6], 2, 1.0, 0, 0, "identical")
+    rows = summarize([ref, base_q, tie, other], [base, spec], s, None)
+    assert rows[1]["same_as_target"] == "near-tie" and rows[1]["identical_to_target"] is False
+    unchecked = Run(spec.label, "q", 0.0, 0, [5, 7], 2, 1.0, 2, 1)  # no verdict: tokens decide
+    rows = summarize([ref, base_q, tie, unchecked], [base, spec], s, None)
+    assert rows[1]["same_as_target"] == "diverged"
+    table = to_markdown({"rows": rows, "verify_curve": {1: 1.0}})
+    assert "**diverged**" in table and "| verify |" in table
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_a_difference_is_a_near_tie_only_between_two_tokens_at_the_top():
+    logits = mx.array([10.0, 30.0, 29.99, 20.0])  # tokens 1 and 2: 0.01 apart at 30
+    assert tie_tolerance(30.0, mx.float32) == pytest.approx(0.03)  # 1e-3 of the top logit
+    assert classify_difference(logits, 1, 2) == "near-tie"
+    assert classify_difference(logits, 2, 1) == "near-tie"
+    assert classify_difference(logits, 1, 3) == "diverged"  # 10 below the top: a real choice
+    assert classify_difference(mx.array([30.0, 29.9, 0.0]), 0, 1) == "diverged"  # 0.1 > 0.03
+    # bfloat16 rounds at 2^-8 of a value: 30 and 29.875 are neighbours there, a tie
+    bf16 = mx.array([30.0, 29.875, 0.0], dtype=mx.bfloat16)
+    assert classify_difference(bf16, 0, 1) == "near-tie"
+    assert classify_difference(mx.array([30.0, 29.0, 0.0], dtype=mx.bfloat16), 0, 1) == "diverged"
+    assert tie_tolerance(0.01, mx.float32) == pytest.approx(1e-3)  # small logits: absolute floor
+
+
+def test_identity_recomputes_the_targets_logits_where_runs_differ():
+    target = make_tiny(0)
+    prompt = [1, 5, 9]
+    ref = generate(target, prompt, 6)
+    assert identity(target, prompt, ref, ref) == "identical"
+    logits = np.array(target_logits_after(target, prompt + ref[:3]))
+    assert int(logits.argmax()) == ref[3]  # the recomputed position is the one that differs
+    worst = int(logits.argmin())
+    assert identity(target, prompt, ref, ref[:3] + [worst] + ref[4:]) == "diverged"
+    assert identity(target, prompt, ref, ref[:4]) == "diverged"  # ended early: no tie to judge
+
+
+def generate(target, prompt, n):
+    from specmlx.engine import generate_tokens
+
+    return [e.token for e in generate_tokens(target, None, prompt, max_tokens=n)]
+
+
+def test_block_rows_sit_beside_token_rows_and_run_sampled_only():
+    s = BenchSettings(ks=[0, 2, "auto"], temps=[0.0, 0.8], verifies=["token", "block"])
+    rows = [(sy.system, sy.k, sy.verify) for sy in systems("d", s)]
+    spec = [(k, v) for system, k, v in rows if system == "specmlx"]
+    assert spec == [(0, "token"), (2, "token"), (2, "block"), ("auto", "token"), ("auto", "block")]
+    block = System("specmlx", "d", 2, "block")
+    assert block.label == "specmlx d k=2 verify=block" and System("specmlx", "d", 2).label == (
+        "specmlx d k=2"
+    )
+    assert not runs_at(block, 0.0, s) and runs_at(block, 0.8, s)
+    only_block = BenchSettings(ks=[2], temps=[0.0], verifies=["block"])
+    assert runs_at(block, 0.0, only_block)  # no token-wise row to stand for it
+
+
+def test_mlx_lm_gets_specmlx_sampling_temperature_first():
+    """top-p 0.5 at T = 2 on (0.6, 0.3, 0.1): mlx-lm's own sampler filters the untempered
+    distribution (keeps token 0 alone); specmlx's tempers first, then keeps tokens 0 and 1."""
+    logits = mx.log(mx.array([[0.6, 0.3, 0.1]]))
+    params = SamplingParams(2.0, top_p=0.5)
+    want = np.array(make_processor(params)(logits))[0]
+    assert want[0] > 0 and want[1] > 0 and want[2] == 0
+    mx.random.seed(0)
+    ours = like_for_like_sampler(params)
+    draws = np.array(ours(mx.broadcast_to(logits, (4000, 3))))
+    freq = np.bincount(draws, minlength=3) / len(draws)
+    np.testing.assert_allclose(freq, want, atol=0.03)
+    theirs = make_sampler(2.0, top_p=0.5)(mx.broadcast_to(logits, (4000, 3)))
+    assert set(np.array(theirs).tolist()) == {0}  # the order the bench no longer compares
+    greedy = like_for_like_sampler(SamplingParams(0.0))
+    assert greedy(logits).item() == 0

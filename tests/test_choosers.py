@@ -47,6 +47,13 @@ def test_store_resumes_per_pair_and_sampler(specmlx_home):
     assert ChooserStore(persist=False).get(model, "t", "d", GREEDY, ids).level is None
 
 
+def test_block_verification_learns_apart_when_sampling():
+    key = ChooserStore.key
+    assert key("t", "d", WARM) == key("t", "d", WARM, "token") == f"t|d|{WARM}"  # as before
+    assert key("t", "d", WARM, "block") != key("t", "d", WARM)
+    assert key("t", "d", GREEDY, "block") == key("t", "d", GREEDY)  # greedy: the same rule
+
+
 def test_float_and_quantized_models_do_not_share_state(specmlx_home):
     """The key was once `source|dtype`: a float target reused a curve probed on a 4-bit one."""
     reg = load_registry()

@@ -79,7 +79,8 @@ def test_json_output_parses_and_adds_up(registry):
     r = run("run", "--json", "-n", "20", "-k", "2", "def add(a, b):")
     assert r.exit_code == 0, r.stderr
     out = json.loads(r.stdout)  # exactly one JSON object, nothing else
-    assert set(out) == {"text", "tokens", "stats", "target", "draft", "k", "temperature", "seed"}
+    keys = {"text", "tokens", "stats", "target", "draft", "k", "temperature", "seed", "verify"}
+    assert set(out) == keys and out["verify"] == "token"
     s = out["stats"]
     assert s["accepted"] <= s["drafted"] and len(out["tokens"]) == s["generated"] <= 20
     assert out["draft"] == "tiny-d" and out["k"] == 2
@@ -112,6 +113,21 @@ def test_auto_k_resumes_from_the_last_run(registry, specmlx_home):
     assert len(list((specmlx_home / "adaptive").glob("*.json"))) == 2  # its own state
 
 
+def test_block_verification_from_the_command_line(registry):
+    args = ("run", "--json", "-n", "16", "-k", "3", "--temp", "0.8", "--seed", "3", "x = 1")
+    a, b = run(*args, "--verify", "block"), run(*args, "--verify", "block")
+    assert a.exit_code == 0, a.stderr
+    out = json.loads(a.stdout)
+    assert out["verify"] == "block" and len(out["tokens"]) == 16
+    assert out["tokens"] == json.loads(b.stdout)["tokens"]  # seeded: reproducible
+    greedy = [run("run", "--json", "-n", "16", "--verify", v, "x = 1") for v in ("token", "block")]
+    assert json.loads(greedy[0].stdout)["tokens"] == json.loads(greedy[1].stdout)["tokens"]
+
+
+def test_serve_refuses_an_unknown_verification_rule_before_loading(registry):
+    one_line_error(run("serve", "--verify", "jointly"), 2, "verify")
+
+
 def test_vocab_superset_draft_is_accepted(registry):
     r = run("run", "--json", "-n", "10", "--draft", "tiny-d16", "x = 1")
     assert r.exit_code == 0, r.stderr
@@ -140,6 +156,7 @@ def test_version():
         (["word " * 600], 2, ["context of 512", "tokens and --max-tokens asks for 256"]),
         (["-n", "500", "x" * 20], 2, ["asks for 500", "context of 512"]),
         (["--context", "0", "x"], 2, ["--context"]),
+        (["--verify", "blocks", "x"], 2, ["verify", "token, block"]),
     ],
 )
 def test_bad_input_one_line(registry, args, code, words):
@@ -247,9 +264,34 @@ def test_bench_json_schema(registry, tmp_path):
     assert "| system |" in md.read_text()
 
 
+def test_bench_compares_token_and_block_side_by_side(registry, tmp_path):
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    r = run(
+        "bench", "--prompts", str(prompts), "-k", "2,auto", "--temp", "0,0.8", "-n", "8",
+        "--repeats", "1", "--verify", "token,block", "--json", str(out), "--markdown", str(md),
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    spec = [
+        (row["k"], row["verify"], row["temperature"]) for row in rows if row["system"] == "specmlx"
+    ]
+    assert spec == [
+        (2, "token", 0.0), ("auto", "token", 0.0),
+        (2, "token", 0.8), (2, "block", 0.8), ("auto", "token", 0.8), ("auto", "block", 0.8),
+    ]  # fmt: skip
+    greedy = [row for row in rows if row["temperature"] == 0]
+    assert all(row["same_as_target"] == "identical" for row in greedy)  # on CPU: exactly
+    assert all(row["same_as_target"] is None for row in rows if row["temperature"] > 0)
+    assert "| verify |" in md.read_text() and "identical" in md.read_text()
+    assert "verify" in r.stderr  # the table's column
+
+
 @pytest.mark.parametrize(
     "args,words",
     [
+        (["--verify", "token,blocks"], ["--verify", "token, block"]),
         (["--prompts", "/nonexistent.jsonl"], ["nonexistent"]),
         (["-k", "1,-2"], ["-k"]),
         (["--set", "poems"], ["--set"]),

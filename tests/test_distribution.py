@@ -1,6 +1,8 @@
 """Speculative sampling reproduces the target's distribution: chi-square on the joint
 distribution of the first two tokens, from 20,000 rounds batched through the engine's own
-drafting, processing and acceptance functions (the same ones a B=1 round calls)."""
+drafting, processing and acceptance functions (the same ones a B=1 round calls); and on whole
+three-token sequences generated one by one through the public generate_tokens, for both
+verification rules, with top-k, top-p and min-p on."""
 
 import mlx.core as mx
 import numpy as np
@@ -9,7 +11,7 @@ from helpers import make_tiny
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from scipy.stats import chisquare
 
-from specmlx.acceptance import accept_sampled, point_mass
+from specmlx.acceptance import RULES, accept_sampled, block_outcome, point_mass, sampled_outcome
 from specmlx.drafters import draft_model_propose, lookup_propose
 from specmlx.engine import generate_tokens
 from specmlx.sampling import SamplingParams, make_processor, sample
@@ -184,3 +186,91 @@ def test_engine_first_token_distribution(pair):
         )
         firsts.append(ev.token)
     assert pooled_chi2(np.bincount(firsts, minlength=V), p1) > 1e-3
+
+
+# ------------------------------------------- whole sequences through the public API
+
+JV = 8  # vocabulary: 8**3 = 512 possible sequences, 136 of them possible after the filters
+JOINT_PROMPT = [3]  # one token: nothing to prefill, each generation is just its rounds
+JOINT_SAMPLING = SamplingParams(1.0, top_p=0.9, top_k=6, min_p=0.05)
+# generations per rule: at ~3.5 ms each on a 2-core CPU (MLX's per-op cost, not the models')
+# this is ~35 s a rule; the exact enumeration in test_acceptance.py carries the fine math
+N_JOINT = 10_000
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    """One-layer target and a draft with a noisy head: they agree about two times in three."""
+    target = make_tiny(20, vocab=JV, layers=1, hidden=16)
+    draft = make_tiny(20, vocab=JV, layers=1, hidden=16)
+    w = draft.lm_head.weight
+    draft.lm_head.weight = w + 0.6 * w.std() * mx.random.normal(w.shape, key=mx.random.key(7))
+    mx.eval(draft.parameters())
+    return target, draft
+
+
+def sequence_joint(target, process) -> np.ndarray:
+    """P(t1, t2, t3 | prompt) by enumeration, (JV**3,): one batched pass over every
+    prompt + t1 + t2 gives p(t1), p(t2 | t1) and p(t3 | t1, t2)."""
+    ctx = mx.array([JOINT_PROMPT + [a, b] for a in range(JV) for b in range(JV)])
+    p = np.array(process(target(ctx)), dtype=np.float64)  # (JV * JV, 3, JV)
+    p1, p2, p3 = p[0, 0], p[::JV, 1], p[:, 2].reshape(JV, JV, JV)
+    return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
+
+
+def engine_sequences(target, draft, verify: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts of the three-token sequences from n seeded generations (k = 2), and how many
+    rounds kept 0, 1 and 2 drafts."""
+    counts, kept = np.zeros(JV**3), np.zeros(3)
+    for seed in range(n):
+        stats = Stats()
+        out = [
+            e.token
+            for e in generate_tokens(
+                target,
+                draft,
+                JOINT_PROMPT,
+                sampling=JOINT_SAMPLING,
+                num_draft=2,
+                max_tokens=3,
+                seed=seed,
+                vocab_size=JV,
+                stats=stats,
+                verify=verify,
+            )
+        ]
+        counts[(out[0] * JV + out[1]) * JV + out[2]] += 1
+        kept[: len(stats.accept_hist)] += stats.accept_hist
+    return counts, kept
+
+
+@pytest.mark.parametrize("verify", ["token", "block"])
+def test_engine_sequences_follow_the_target_joint(small_pair, verify):
+    target, draft = small_pair
+    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
+    counts, kept = engine_sequences(target, draft, verify, N_JOINT)
+    assert pooled_chi2(counts, joint) > 1e-3
+    # every path ran: rounds that kept nothing, one draft, and both (then the bonus token)
+    assert all(kept > 0.05 * kept.sum()), kept
+
+
+def _skips_the_residual(outcome):
+    """A wrong rule: keep what ``outcome`` keeps, then draw the next token from the target's
+    row there instead of the residual (the correction the rules depend on)."""
+
+    def rule(p, q, draft, u, key):
+        n, _ = outcome(p, q, draft, u)
+        return n, sample(mx.take_along_axis(p, n[..., None, None], axis=-2)[..., 0, :], key)
+
+    return rule
+
+
+@pytest.mark.parametrize("verify,outcome", [("token", sampled_outcome), ("block", block_outcome)])
+def test_the_sequence_test_rejects_a_rule_that_skips_the_residual(
+    small_pair, monkeypatch, verify, outcome
+):
+    target, draft = small_pair
+    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
+    monkeypatch.setitem(RULES, verify, _skips_the_residual(outcome))
+    counts, _ = engine_sequences(target, draft, verify, 1000)
+    assert pooled_chi2(counts, joint) < 1e-6

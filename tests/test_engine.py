@@ -126,6 +126,25 @@ def test_seeded_sampling_is_reproducible(pair):
     assert tokens(target, None, PROMPTS[0], **plain) == tokens(target, None, PROMPTS[0], **plain)
 
 
+def test_block_verification_keeps_caches_exact_and_is_reproducible(pair):
+    """Block verification only changes how many drafts a round keeps: the caches still hold
+    exactly the context afterwards, and a seed reproduces the output."""
+    target, draft = pair
+    kw = dict(sampling=SamplingParams(1.0, top_p=0.9), max_tokens=30, seed=5, verify="block")
+    for k in (1, 3, 6):
+        kv, stats = KVState(), Stats()
+        out = tokens(target, draft, PROMPTS[0], num_draft=k, kv=kv, stats=stats, **kw)
+        assert len(out) == 30 and kv.tokens == (PROMPTS[0] + out)[:-1]
+        _check_caches(target, draft, kv.target, kv.draft, PROMPTS[0] + out, False)
+        assert stats.accepted <= stats.drafted and sum(stats.accept_hist) == stats.rounds
+        assert out == tokens(target, draft, PROMPTS[0], num_draft=k, **kw)
+    lookup = tokens(target, draft, PROMPTS[2], num_draft=3, lookup=True, **kw)
+    assert lookup == tokens(target, draft, PROMPTS[2], num_draft=3, lookup=True, **kw)
+    # greedy decoding is the same under both rules: the target's own tokens
+    greedy = tokens(target, draft, PROMPTS[0], num_draft=4, max_tokens=30, verify="block")
+    assert greedy == tokens(target, None, PROMPTS[0], max_tokens=30)
+
+
 def _keys(cache):
     """The valid part of each layer's key cache (stale entries past the offset are ignored)."""
     return [np.array(c.state[0][..., : c.offset, :]) for c in cache]
@@ -321,7 +340,7 @@ def test_host_syncs_per_round(pair, monkeypatch):
         count[0] = 0
         return 4
 
-    for temp in (0.0, 1.0):
+    for temp, verify in ((0.0, "token"), (1.0, "token"), (1.0, "block")):
         counts.clear()
         gen = generate_tokens(
             target,
@@ -331,6 +350,7 @@ def test_host_syncs_per_round(pair, monkeypatch):
             max_tokens=60,
             sampling=SamplingParams(temp),
             seed=0,
+            verify=verify,
         )
         list(gen)
         per_round = counts[1:]  # the first window includes prefill
@@ -359,6 +379,7 @@ def test_time_split_adds_up(pair):
         {"num_draft": -1},
         {"num_draft": "many"},
         {"sampling": 0.5},
+        {"verify": "blocks"},
     ],
 )
 def test_bad_arguments(pair, kwargs):

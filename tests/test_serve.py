@@ -121,6 +121,22 @@ def local_json(root: Path, *args: str) -> dict:
 # ------------------------------------------------------------------ the OpenAI shapes
 
 
+def test_a_request_picks_its_verification_rule(root, client):
+    sampled = {"temperature": 0.8, "seed": 4}
+    for verify in ("token", "block"):
+        got = client.completions.create(
+            model="tiny-t", prompt=CODE, max_tokens=12, extra_body={"verify": verify, **sampled}
+        )
+        assert got.model_extra["specmlx"]["verify"] == verify
+    default = client.completions.create(model="tiny-t", prompt=CODE, max_tokens=4)
+    assert default.model_extra["specmlx"]["verify"] == "token"  # the server's default
+    # greedy decoding is the same under both rules
+    greedy = client.completions.create(
+        model="tiny-t", prompt=CODE, max_tokens=16, extra_body={"verify": "block"}
+    )
+    assert greedy.choices[0].text == local_json(root, "-n", "16", CODE)["text"]
+
+
 def test_completions_chat_and_streaming(client):
     done = client.completions.create(model="tiny-t", prompt=CODE, max_tokens=12)
     assert done.object == "text_completion" and done.id.startswith("cmpl-")
@@ -270,6 +286,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "draft": "bigger"}, 400, "draft"),
     ("/v1/completions", {"prompt": "x", "num_draft": -2}, 400, "num_draft"),
+    ("/v1/completions", {"prompt": "x", "verify": "blocks"}, 400, "verify"),
     ("/v1/completions", {"prompt": "word " * 3000, "max_tokens": 10}, 400, "context"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 4000}, 400, "context of 2048"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -361,6 +378,12 @@ def test_run_through_the_server_keeps_its_contract(root, server):
     assert piped.exit_code == 0 and piped.stdout.strip()
     infill = cli(root, "-n", "6", "--suffix", "\n    return c\n", "def add(a, b):\n", server=server)
     assert infill.exit_code == 0, infill.stderr
+    # --verify travels with the request; the server's default shows when it is not given
+    block = cli(
+        root, "--json", "-n", "8", "--temp", "0.8", "--verify", "block", CODE, server=server
+    )
+    assert block.exit_code == 0, block.stderr
+    assert json.loads(block.stdout)["verify"] == "block" and a["verify"] == "token"
 
 
 @pytest.mark.parametrize(
