@@ -328,17 +328,18 @@ def barrier(world: World) -> None:
 
 
 def launch(argv: list[str], hosts: str | None, hostfile: Path | None) -> int:
-    """Run `specmlx ARGV` as ranks under mlx.launch (ring backend); return the exit code.
+    """Run `specmlx ARGV` as ranks under mlx.launch; return the exit code. --hosts use the
+    ring backend; a hostfile names its own (ring over Ethernet or Thunderbolt, jaccl for RDMA).
 
     argv: the command's arguments, without --hosts/--hostfile. Rank 0's output passes
     through; the launcher's and the ring's own noise is filtered, and its per-rank exit
     reports become this process's exit code (mlx.launch itself always exits 0)."""
     launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
-    cmd = [launcher, "--backend", "ring", "--python", sys.executable]
-    if hostfile is not None:
+    cmd = [launcher, "--python", sys.executable]
+    if hostfile is not None:  # its "backend" decides (ring by default; jaccl for RDMA)
         cmd += ["--hostfile", str(hostfile)]
     else:
-        cmd += ["--hosts", ",".join(parse_hosts(hosts, None))]
+        cmd += ["--backend", "ring", "--hosts", ",".join(parse_hosts(hosts, None))]
     cmd += ["--", "-m", "specmlx", *argv]
     codes: dict[int, int] = {}
     said: list[str] = []  # rank 0's error lines

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 import random
+import signal
+import socket
 import struct
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -275,3 +280,39 @@ def steady(feed, rounds, accept, draft_s=0.03, verify=lambda k: 0.1 + 0.005 * k)
         timed = k > 0 and (feed.timed == 0 or rng.random() < 1 / 8)
         feed.done(k, n, draft_s * k + verify(k), draft_s * k if timed else None)
     return ks
+
+
+# ------------------------------------------------------------------ servers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`specmlx serve ARGS` in its own process on a free loopback port, with ``env``."""
+
+    def __init__(self, env: dict, *args: str):
+        import httpx
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "specmlx", "serve", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+        raise RuntimeError("server did not start")
+
+    def stop(self, sig=signal.SIGTERM) -> tuple[int, str]:
+        self.proc.send_signal(sig)
+        _, err = self.proc.communicate(timeout=60)
+        return self.proc.returncode, err.decode()

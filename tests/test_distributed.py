@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import make_tiny_model
+from helpers import Server, make_tiny_model
 
 from specmlx.distributed import (
     Lockstep,
@@ -313,20 +313,9 @@ def test_serve_over_two_ranks(models):
     import httpx
 
     env = models["env"]
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "specmlx", "serve", "--port", str(port), *TWO],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    server = Server(env, *TWO)
+    url = server.url
     try:
-        for _ in range(300):
-            try:
-                httpx.get(url + "/health", timeout=1)
-                break
-            except httpx.TransportError:
-                assert server.poll() is None, server.stderr.read()
-                time.sleep(0.2)
         body = {"prompt": PROMPT, "max_tokens": 24, "return_tokens": True}
         for extra, args in (
             ({}, []),
@@ -339,20 +328,10 @@ def test_serve_over_two_ranks(models):
                           json={"prompt": PROMPT, "max_tokens": 1500, "stream": True}) as r:  # fmt: skip
             assert next(r.iter_lines()).startswith("data: ")
         again = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
-        assert again["choices"][0]["token_ids"] == got["choices"][0]["token_ids"][:0] + tokens(
-            specmlx(env, "run", "--json", "-q", "-n", "24", PROMPT)
-        )
+        greedy = specmlx(env, "run", "--json", "-q", "-n", "24", PROMPT)
+        assert again["choices"][0]["token_ids"] == tokens(greedy)
         metrics = httpx.get(url + "/metrics").text
         assert "specmlx_requests_cancelled_total 1" in metrics
     finally:
-        server.send_signal(signal.SIGTERM)
-        _, err = server.communicate(timeout=60)
-    assert server.returncode == 0, err
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        code, err = server.stop()
+    assert code == 0, err

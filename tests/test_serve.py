@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import make_tiny_model
+from helpers import Server, free_port, make_tiny_model
 from typer.testing import CliRunner
 
 from specmlx.cli import app
@@ -28,12 +27,6 @@ CHAT = (
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
 CODE = "import os\nfor i in range(10):\n    print(i, os.getcwd())\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def models_toml(root: Path, fim: bool = True) -> Path:
@@ -59,33 +52,6 @@ def server_env(root: Path, toml: Path) -> dict:
     return env
 
 
-class Server:
-    """`specmlx serve` in its own process on a free loopback port."""
-
-    def __init__(self, root: Path, toml: Path, *args: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "specmlx", "serve", "--port", str(self.port), *args]
-        self.proc = subprocess.Popen(
-            cmd, env=server_env(root, toml), stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
-        raise RuntimeError("server did not start")
-
-    def stop(self, sig=signal.SIGTERM) -> tuple[int, str]:
-        self.proc.send_signal(sig)
-        _, err = self.proc.communicate(timeout=60)
-        return self.proc.returncode, err.decode()
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("serve")
@@ -93,7 +59,7 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(root):
-    s = Server(root, models_toml(root), "--api-key", KEY, "--max-queue", "16")
+    s = Server(server_env(root, models_toml(root)), "--api-key", KEY, "--max-queue", "16")
     yield s
     code, err = s.stop()
     assert code == 0, err  # SIGTERM: finish or cancel, then exit 0
@@ -326,7 +292,9 @@ def test_keys_routes_and_sizes(server):
 def small_server(tmp_path_factory):
     """No FIM tokens, one request may wait, no prompt cache."""
     root = tmp_path_factory.mktemp("serve-small")
-    s = Server(root, models_toml(root, fim=False), "--max-queue", "1", "--prompt-cache", "0")
+    s = Server(
+        server_env(root, models_toml(root, fim=False)), "--max-queue", "1", "--prompt-cache", "0"
+    )
     yield s
     code, err = s.stop(signal.SIGINT)  # Ctrl-C: exit 0 as well
     assert code == 0, err
