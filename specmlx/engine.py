@@ -18,12 +18,13 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.generate import wired_limit
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from .acceptance import Rule, accept_greedy, point_mass, sampled_rule
 from .choosers import KSetting, make_chooser
@@ -139,7 +140,7 @@ def generate_tokens(
     key = mx.random.key(seed if seed is not None else random.getrandbits(63))
     mx.reset_peak_memory()
 
-    with mx.stream(_STREAM), wired_limit(target, [_STREAM]):
+    with mx.stream(_STREAM), _wired():
         t0 = time.perf_counter()
         stats.cached_tokens = _reuse(kv, prompt[:-1], target, draft)
         _prefill(target, kv.target, prompt[len(kv.tokens) : -1], prefill_step)
@@ -160,6 +161,19 @@ def generate_tokens(
             yield from loop
         finally:
             stats.peak_memory = mx.get_peak_memory()
+
+
+@contextmanager
+def _wired() -> Iterator[None]:
+    """Keep the weights wired (resident) on a Mac while generating, as mlx-lm's
+    generate does; its own helper prints a warning on stdout, which carries our text."""
+    old = maybe_set_recommended_wired_limit()  # None where the device reports no limit
+    try:
+        yield
+    finally:
+        if old is not None:
+            mx.synchronize(_STREAM)
+            mx.set_wired_limit(old)
 
 
 def _reuse(kv: KVState, context: list[int], target: nn.Module, draft: nn.Module | None) -> int:
