@@ -135,6 +135,22 @@ def make_tiny_model(
     return path
 
 
+def tiny_pair(root: Path, **model_kw) -> Path:
+    """Tiny target (seed 0) and draft (seed 1) under ``root`` and a models.toml making them
+    the default pair "tiny" (k = 3, context 2048); returns the toml's path."""
+    for name, seed in (("t", 0), ("d", 1)):
+        if not (root / name).exists():
+            make_tiny_model(root / name, seed=seed, **model_kw)
+    toml = root / "models.toml"
+    toml.write_text(
+        '[defaults]\npair = "tiny"\npair_cpu = "tiny"\ncontext = 2048\n'
+        f'[models.tiny-t]\nsource = "local:{root / "t"}"\n'
+        f'[models.tiny-d]\nsource = "local:{root / "d"}"\n'
+        '[pairs.tiny]\ntarget = "tiny-t"\ndraft = "tiny-d"\nk = 3\n'
+    )
+    return toml
+
+
 # ------------------------------------------------------------------ GGUF files
 
 GGML = {"F32": 0, "Q4_0": 2, "Q8_0": 8, "Q5_K": 13}

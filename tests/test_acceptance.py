@@ -89,9 +89,10 @@ def test_point_mass_acceptance_is_p_of_d():
     np.testing.assert_allclose(freq, [0.5 / 0.7, 0.0, 0.2 / 0.7, 0.0], atol=0.02)
 
 
-def test_greedy_is_the_one_hot_case_of_the_rule():
+@pytest.mark.parametrize("rule", [accept_sampled, accept_block], ids=["token", "block"])
+def test_greedy_is_the_one_hot_case_of_the_rule(rule):
     rng = np.random.default_rng(0)
-    for _ in range(20):
+    for _ in range(30):
         logits = rng.normal(size=(4, 6)).astype(np.float32)
         draft = rng.integers(0, 6, size=3)
         m = int(rng.integers(0, 4))  # the first m drafts agree with the target
@@ -99,7 +100,7 @@ def test_greedy_is_the_one_hot_case_of_the_rule():
         g = accept_greedy(mx.array(logits), mx.array(draft, dtype=mx.uint32))
         onehot_p = np.eye(6, dtype=np.float32)[logits.argmax(-1)]
         onehot_q = np.eye(6, dtype=np.float32)[draft]
-        s = accept_sampled(
+        s = rule(
             mx.array(onehot_p),
             mx.array(onehot_q),
             mx.array(draft, dtype=mx.uint32),
@@ -159,26 +160,6 @@ def test_block_stops_at_the_largest_position_under_its_threshold():
     # draft (a, a): h = (0, 1/4). Nothing kept for u2 >= 1/4: the token-wise residual -> b
     assert _block(p, [PAPER_Q] * 2, [0, 0], [0.0, 0.3]) == (0, 1)
     assert _block(p, [PAPER_Q] * 2, [0, 0], [0.9, 0.2]) == (2, 1)
-
-
-def test_block_is_the_one_hot_case_of_greedy():
-    rng = np.random.default_rng(1)
-    for _ in range(30):
-        logits = rng.normal(size=(4, 6)).astype(np.float32)
-        draft = rng.integers(0, 6, size=3)
-        m = int(rng.integers(0, 4))  # the first m drafts agree with the target
-        draft[:m] = logits.argmax(-1)[:m]
-        g = accept_greedy(mx.array(logits), mx.array(draft, dtype=mx.uint32))
-        onehot_p = np.eye(6, dtype=np.float32)[logits.argmax(-1)]
-        onehot_q = np.eye(6, dtype=np.float32)[draft]
-        b = accept_block(
-            mx.array(onehot_p),
-            mx.array(onehot_q),
-            mx.array(draft, dtype=mx.uint32),
-            mx.array(rng.uniform(size=3).astype(np.float32)),
-            mx.random.key(0),
-        )
-        assert (int(g[0].item()), int(g[1].item())) == (int(b[0].item()), int(b[1].item()))
 
 
 def test_block_with_point_mass_drafts_matches_its_closed_form():

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import Server, make_tiny_model
+from helpers import Server, tiny_pair
 
 from specmlx.distributed import (
     Lockstep,
@@ -32,15 +32,7 @@ PROMPT = "def add(a, b):\n    return"
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("dist")
-    for name, seed in (("t", 0), ("d", 1)):
-        make_tiny_model(root / name, seed=seed)  # 4 query / 2 KV heads: they split in two
-    toml = root / "models.toml"
-    toml.write_text(
-        '[defaults]\npair = "tiny"\npair_cpu = "tiny"\ncontext = 2048\n'
-        f'[models.tiny-t]\nsource = "local:{root / "t"}"\n'
-        f'[models.tiny-d]\nsource = "local:{root / "d"}"\n'
-        '[pairs.tiny]\ntarget = "tiny-t"\ndraft = "tiny-d"\nk = 3\n'
-    )
+    toml = tiny_pair(root)  # 4 query / 2 KV heads: they split in two
     env = dict(os.environ, SPECMLX_MODELS=str(toml), SPECMLX_HOME=str(root / "home"))
     env["XDG_CONFIG_HOME"] = str(root / "xdg")
     for name in ("SPECMLX_SERVER", "SPECMLX_MEMORY_BUDGET", "MLX_RANK"):

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from helpers import Server, free_port, make_tiny_model
+from helpers import Server, free_port, tiny_pair
 from typer.testing import CliRunner
 
 from specmlx.cli import app
@@ -31,17 +31,7 @@ CODE = "import os\nfor i in range(10):\n    print(i, os.getcwd())\n"
 
 def models_toml(root: Path, fim: bool = True) -> Path:
     """Tiny target and draft (FIM tokens and a chat template unless fim=False)."""
-    for name, seed in (("t", 0), ("d", 1)):
-        if not (root / name).exists():
-            make_tiny_model(root / name, seed=seed, fim=fim, chat_template=CHAT)
-    toml = root / "models.toml"
-    toml.write_text(
-        '[defaults]\npair = "tiny"\npair_cpu = "tiny"\ncontext = 2048\n'
-        f'[models.tiny-t]\nsource = "local:{root / "t"}"\n'
-        f'[models.tiny-d]\nsource = "local:{root / "d"}"\n'
-        '[pairs.tiny]\ntarget = "tiny-t"\ndraft = "tiny-d"\nk = 3\n'
-    )
-    return toml
+    return tiny_pair(root, fim=fim, chat_template=CHAT)
 
 
 def server_env(root: Path, toml: Path) -> dict:
