@@ -38,6 +38,7 @@ from .choosers import ChooserStore
 from .distributed import Lockstep, SharedK, World
 from .engine import generate_tokens
 from .errors import BadInput
+from .lookup import LookupMemory
 from .machine import blas_in_use, version
 from .sampling import SamplingParams, make_processor, sample
 from .stats import Stats
@@ -46,6 +47,7 @@ from .stats import Stats
 # value, so this is about two of its units in the last place. Coarser dtypes get 2 eps of
 # their own (bfloat16: 2^-7 relative each), since their rounding alone can flip such a pair.
 NEAR_TIE_REL = 1e-3
+MEMORY = " + memory"  # the drafter suffix of rows whose lookup also searches a lookup memory
 
 
 def theoretical_speedup(a: float, k: int, draft_cost: float) -> float:
@@ -66,7 +68,7 @@ class System:
     """One configuration under test."""
 
     system: str  # "target-only", "specmlx", "mlx-lm"
-    drafter: str  # "none", the draft alias, "lookup", "<draft> + lookup"
+    drafter: str  # "none", the draft alias, "lookup", "<draft> + lookup", "... + memory"
     k: int | str
     verify: str = "token"  # specmlx's acceptance rule for sampled rounds
 
@@ -102,6 +104,7 @@ class BenchSettings:
     repeats: int = 3
     compare_mlx_lm: bool = True
     lookup: bool = False  # add lookup and hybrid rows
+    memory: bool = False  # with lookup: add rows that also look up in a lookup memory
     seed: int = 0
     verifies: list[str] = field(default_factory=lambda: ["token"])  # specmlx rows per rule
 
@@ -199,10 +202,12 @@ def run_one(
     shared: int | None,
     chooser: AdaptiveK | None = None,
     world: World | None = None,
+    memory: LookupMemory | None = None,
 ):
     """Generate once with one system; returns (tokens, decoded, decode_s, drafted, accepted).
     ``chooser`` is the system's adaptive-k state when k is "auto" (a fresh one if None);
-    ``world``: the ranks the target is split over (k decided on rank 0, tokens compared)."""
+    ``world``: the ranks the target is split over (k decided on rank 0, tokens compared);
+    ``memory``: the lookup memory of a "+ memory" system (it remembers this output)."""
     params = _sampling(temp, s)
     if system.system == "mlx-lm":
         flags: list[bool] = []
@@ -218,7 +223,7 @@ def run_one(
         rounds = len(flags) - accepted  # every mlx-lm round ends with one target token
         return tokens, decoded, secs, rounds * int(system.k), accepted
     stats = Stats()
-    use_draft = draft if system.drafter not in ("none", "lookup") else None
+    use_draft = draft if system.drafter.split(" + ")[0] not in ("none", "lookup") else None
     k = (chooser or "auto") if system.k == "auto" else system.k
     lockstep = None
     if world is not None and world.distributed:
@@ -232,6 +237,7 @@ def run_one(
         sampling=params,
         num_draft=k,
         lookup="lookup" in system.drafter,
+        lookup_memory=memory if system.drafter.endswith(MEMORY) else None,
         max_tokens=s.max_tokens,
         seed=seed,
         vocab_size=shared,
@@ -264,8 +270,12 @@ def systems(draft_name: str | None, s: BenchSettings) -> list[System]:
             out += [System("mlx-lm", draft_name, k) for k in s.ks if isinstance(k, int) and k > 0]
     if s.lookup:
         out += spec("lookup")
+        if s.memory:
+            out += spec("lookup" + MEMORY)
         if draft_name:
             out += spec(f"{draft_name} + lookup")
+            if s.memory:
+                out += spec(f"{draft_name} + lookup{MEMORY}")
     return out
 
 
@@ -293,67 +303,191 @@ def bench(
     and "prompt"; encode: a prompt row -> token ids; s: what to sweep; draft_name: the
     draft's alias for the rows; shared: ids the draft may propose; on_run: called after each
     generation (progress); world: the ranks the target is split over (every rank runs this
-    same sequence). Returns {"rows", "runs", "verify_curve", "draft_cost"}; the CLI adds
-    the environment."""
-    for verify in s.verifies:
-        sampled_rule(verify)
+    same sequence). A "+ memory" row's lookup memory starts empty in each repeat and
+    remembers that repeat's outputs, prompt after prompt. Returns {"rows", "runs",
+    "verify_curve", "draft_cost"}; the CLI adds the environment."""
     encoded = [(p["id"], encode(p)) for p in prompts]
-    todo = systems(draft_name, s)
-    ctx = encoded[0][1] + encoded[0][1][: s.max_tokens // 2]
-    t = pass_times(target, ctx, [*range(1, 10), 16], reps=5)
-    curve = {n: t[n] / t[1] for n in t}
-    cost = pass_times(draft, ctx, [1], reps=5)[1] / t[1] if draft is not None else None
-    # one adaptive-k state per auto system and temperature, kept across its generations as
-    # `specmlx run` keeps it on disk: what is measured is auto after its first few rounds.
-    # They start from this measured curve and live in memory only.
-    store = ChooserStore(persist=False, verify_ratio=[curve[k + 1] for k in range(9)])
-    choosers = {
-        (sy, temp): store.get(target, "bench", sy.label, _sampling(temp, s), encoded[0][1])
-        for sy in todo
-        if sy.k == "auto"
-        for temp in s.temps
-        if runs_at(sy, temp, s)
-    }
-    # warm-up: compile paths and fault in weights for every system once (auto: per temperature)
-    warm = BenchSettings(**{**asdict(s), "max_tokens": 8})
-    for system in todo:
-        temps = [t for t in s.temps if runs_at(system, t, s)]
-        for temp in temps if system.k == "auto" else temps[:1]:
-            chooser = choosers.get((system, temp))
-            run_one(
-                system, target, draft, encoded[0][1], temp, warm, s.seed, shared, chooser, world
-            )
+    bed = _Bed(target, draft, encoded[0][1], s, draft_name, shared, world)
     runs: list[Run] = []
     for rep in range(s.repeats):
+        memories = bed.memories()
         for pid, ids in encoded:
             for temp in s.temps:
-                seed = s.seed + rep
-                for system in (sy for sy in todo if runs_at(sy, temp, s)):
-                    tokens, decoded, secs, drafted, accepted = run_one(
-                        system,
-                        target,
-                        draft,
-                        ids,
-                        temp,
-                        s,
-                        seed,
-                        shared,
-                        choosers.get((system, temp)),
-                        world,
-                    )
-                    run = Run(
-                        system.label, pid, temp, rep, tokens, decoded, secs, drafted, accepted
-                    )
+                for system in bed.systems_at(temp):
+                    run = bed.run(system, ids, temp, rep, pid, memories.get((system, temp)))
                     runs.append(run)
                     if on_run:
                         on_run(run)
-    check_identity(runs, dict(encoded), target, todo[0].label)
-    return {
-        "rows": summarize(runs, todo, s, cost),
-        "runs": [asdict(r) for r in runs],
-        "verify_curve": curve,
-        "draft_cost": cost,
-    }
+    check_identity(runs, dict(encoded), target, bed.todo[0].label)
+    return bed.result(runs)
+
+
+def bench_sequences(
+    target,
+    draft,
+    sequences: list[dict],
+    encode: Callable[[dict], list[int]],
+    decode: Callable[[list[int]], str],
+    s: BenchSettings,
+    *,
+    draft_name: str | None = None,
+    shared: int | None = None,
+    on_run: Callable[[Run], None] | None = None,
+    world: World | None = None,
+) -> dict:
+    """The editing sequences: each step asks for one more edit of the file the previous step
+    wrote (every system follows its own outputs; greedy rows write the same ones). A
+    "+ memory" row's lookup memory starts empty at each sequence and remembers its steps.
+
+    sequences: rows from load_sequences; decode: token ids -> text (the next step's file);
+    the rest as for ``bench``. Returns what ``bench`` returns; runs are named <id>-<step>."""
+    first = edit_step(sequences[0], 0, sequences[0]["file"])
+    bed = _Bed(target, draft, encode(first), s, draft_name, shared, world)
+    runs: list[Run] = []
+    prompts: dict[str, list[int]] = {}
+    for rep in range(s.repeats):
+        for seq in sequences:
+            memories = bed.memories()
+            for temp in s.temps:
+                files = {system: seq["file"] for system in bed.systems_at(temp)}
+                for step in range(len(seq["edits"])):
+                    for system in bed.systems_at(temp):
+                        row = edit_step(seq, step, files[system])
+                        ids = encode(row)
+                        memory = memories.get((system, temp))
+                        run = bed.run(system, ids, temp, rep, row["id"], memory)
+                        if system == bed.todo[0]:
+                            prompts.setdefault(row["id"], ids)
+                        files[system] = code_of(decode(run.tokens))
+                        runs.append(run)
+                        if on_run:
+                            on_run(run)
+    check_identity(runs, prompts, target, bed.todo[0].label)
+    return bed.result(runs)
+
+
+class _Bed:
+    """What every benchmark shares: the systems, the measured verify curve and draft cost,
+    one adaptive-k state per auto system and temperature, and a warm-up."""
+
+    def __init__(self, target, draft, ids, s: BenchSettings, draft_name, shared, world):
+        for verify in s.verifies:
+            sampled_rule(verify)
+        self.target, self.draft, self.s, self.shared, self.world = target, draft, s, shared, world
+        self.todo = systems(draft_name, s)
+        ctx = ids + ids[: s.max_tokens // 2]
+        t = pass_times(target, ctx, [*range(1, 10), 16], reps=5)
+        self.curve = {n: t[n] / t[1] for n in t}
+        self.cost = pass_times(draft, ctx, [1], reps=5)[1] / t[1] if draft is not None else None
+        # one adaptive-k state per auto system and temperature, kept across its generations as
+        # `specmlx run` keeps it on disk: what is measured is auto after its first few rounds.
+        # They start from this measured curve and live in memory only.
+        store = ChooserStore(persist=False, verify_ratio=[self.curve[k + 1] for k in range(9)])
+        self.choosers = {
+            (sy, temp): store.get(target, "bench", sy.label, _sampling(temp, s), ids)
+            for sy in self.todo
+            if sy.k == "auto"
+            for temp in s.temps
+            if runs_at(sy, temp, s)
+        }
+        # warm-up: compile paths and fault in weights for every system once (auto: per
+        # temperature); lookup memories are left empty
+        warm = BenchSettings(**{**asdict(s), "max_tokens": 8})
+        for system in self.todo:
+            temps = [t for t in s.temps if runs_at(system, t, s)]
+            for temp in temps if system.k == "auto" else temps[:1]:
+                chooser = self.choosers.get((system, temp))
+                run_one(system, target, draft, ids, temp, warm, s.seed, shared, chooser, world)
+
+    def systems_at(self, temp: float) -> list[System]:
+        return [sy for sy in self.todo if runs_at(sy, temp, self.s)]
+
+    def memories(self) -> dict:
+        """A fresh, empty in-memory lookup memory for each "+ memory" system and temperature."""
+        return {
+            (sy, temp): LookupMemory()
+            for sy in self.todo
+            if sy.drafter.endswith(MEMORY)
+            for temp in self.s.temps
+        }
+
+    def run(self, system, ids, temp, rep, pid, memory) -> Run:
+        tokens, decoded, secs, drafted, accepted = run_one(
+            system,
+            self.target,
+            self.draft,
+            ids,
+            temp,
+            self.s,
+            self.s.seed + rep,
+            self.shared,
+            self.choosers.get((system, temp)),
+            self.world,
+            memory,
+        )
+        return Run(system.label, pid, temp, rep, tokens, decoded, secs, drafted, accepted)
+
+    def result(self, runs: list[Run]) -> dict:
+        return {
+            "rows": summarize(runs, self.todo, self.s, self.cost),
+            "runs": [asdict(r) for r in runs],
+            "verify_curve": self.curve,
+            "draft_cost": self.cost,
+        }
+
+
+EDIT_ASK = (
+    "Rewrite this code with {edit} (everything else unchanged). "
+    "Reply with the complete rewritten code only.\n\n```{lang}\n{file}\n```"
+)
+
+
+def load_sequences(path: str | None = None) -> list[dict]:
+    """Editing sequences: JSONL rows {"id", "lang", "file", "edits": [...]}; default: the
+    built-in ones (data/edit_sequences.jsonl)."""
+    try:
+        text = (
+            Path(path).read_text(encoding="utf-8")
+            if path
+            else resources.files("specmlx")
+            .joinpath("data/edit_sequences.jsonl")
+            .read_text(encoding="utf-8")
+        )
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"cannot read edit sequences {path}: {e}") from None
+    rows = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BadInput(f"{path}:{i}: not JSON ({e.msg})") from None
+        edits = row.get("edits") if isinstance(row, dict) else None
+        if not isinstance(edits, list) or not edits or not isinstance(row.get("file"), str):
+            raise BadInput(f'{path}:{i}: expected an object with "file" and a list of "edits"')
+        row.setdefault("id", f"s{i}")
+        row.setdefault("lang", "")
+        rows.append(row)
+    return rows
+
+
+def edit_step(seq: dict, step: int, file: str) -> dict:
+    """The prompt row (a chat instruction) for edit number ``step`` of ``seq`` on ``file``."""
+    ask = EDIT_ASK.format(edit=seq["edits"][step], lang=seq["lang"], file=file.rstrip("\n"))
+    return {"id": f"{seq['id']}-{step + 1}", "prompt": ask, "chat": True}
+
+
+def code_of(text: str) -> str:
+    """The code in a reply: its first fenced block (to the end when the fence is never
+    closed), else the whole reply."""
+    start = text.find("```")
+    if start < 0:
+        return text.strip("\n") + "\n"
+    body = text[start + 3 :]
+    body = body[body.find("\n") + 1 :] if "\n" in body else ""
+    end = body.find("```")
+    return (body if end < 0 else body[:end]).strip("\n") + "\n"
 
 
 def _sampling(temp: float, s: BenchSettings) -> SamplingParams:
@@ -452,7 +586,7 @@ def summarize(
             a = sum(r.accepted for r in mine) / drafted if drafted else 0.0
             k_mean = drafted / max(1, sum(_rounds(r) for r in mine)) if drafted else 0.0
             k_theory = system.k if isinstance(system.k, int) else k_mean
-            cost = 0.0 if "lookup" == system.drafter else (draft_cost or 0.0)
+            cost = 0.0 if system.drafter.startswith("lookup") else (draft_cost or 0.0)
             theory = theoretical_speedup(a, k_theory, cost) if system.k != 0 else 1.0
             speedups = [x / b for x, b in zip(tps, base, strict=True)]
             speed = statistics.median(speedups)

@@ -208,6 +208,12 @@ def run(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     lookup: bool = typer.Option(False, "--lookup", help="Prompt lookup first, then the draft."),
+    lookup_memory: bool = typer.Option(
+        True,
+        "--lookup-memory/--no-lookup-memory",
+        help="With lookup: also look up (and keep) recent outputs, per tokenizer under "
+        "$SPECMLX_HOME/lookup.",
+    ),
     k: str = typer.Option(None, "-k", "--num-draft", help="Draft tokens per round, or 'auto'."),
     max_tokens: int = typer.Option(256, "-n", "--max-tokens", help="Tokens to generate."),
     temp: TempOpt = 0.0,
@@ -255,7 +261,7 @@ def run(
         raise BadInput("the prompt is empty")
     console = err_console()
     render = _Render(console, as_json, quiet, show_draft, k or "")
-    job = Job(text, after, params, max_tokens, seed, stop or [], chat, verify)
+    job = Job(text, after, params, max_tokens, seed, stop or [], chat, verify, lookup_memory)
     if (hosts or hostfile) and not launched():
         if server:
             raise BadInput("--hosts/--hostfile start ranks here; --server sends to a server")
@@ -283,6 +289,7 @@ class Job:
     stop: list[str]
     chat: bool
     verify: str | None = None  # None: "token" here, the server's default there
+    lookup_memory: bool = True  # with lookup, here: search and keep recent outputs too
 
 
 def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
@@ -312,6 +319,7 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world
     )
     from .fim import encode_infill, require_fim
     from .loading import load_pair
+    from .lookup import LookupMemory
     from .registry import load_registry
     from .stream import encode_prompt, stream_text
 
@@ -372,6 +380,14 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world
         if world.distributed:  # rank 0 decides k for all: each rank's timings differ
             num_draft = SharedK(chooser, world)
     eos = sorted({*(getattr(tgt.tokenizer, "eos_token_ids", ()) or ()), *extra_eos})
+    memory = None
+    if models.lookup and job.lookup_memory and not world.distributed:
+        # (every rank must propose the same tokens: the ranks' stores could differ)
+        memory = LookupMemory(
+            LookupMemory.directory_for(tgt.tokenizer),
+            vocab_size=tgt.vocab_size,
+            warn=print_warning,
+        )
     stats = Stats()
     responses = stream_text(
         tgt.model,
@@ -383,6 +399,7 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world
         sampling=job.params,
         num_draft=num_draft,
         lookup=models.lookup,
+        lookup_memory=memory,
         vocab_size=shared if drf else None,
         max_tokens=job.max_tokens,
         seed=job.seed,
@@ -635,6 +652,12 @@ def serve(
         "4GB", "--prompt-cache", help="Memory for KV caches kept across requests (0: off)."
     ),
     max_body: str = typer.Option("16MB", "--max-body", help="Largest request body (then 413)."),
+    lookup_memory: bool = typer.Option(
+        True,
+        "--lookup-memory/--no-lookup-memory",
+        help="Lookup requests also search (and keep) recent outputs, per tokenizer under "
+        "$SPECMLX_HOME/lookup.",
+    ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No loading progress."),
     hosts: HostsOpt = None,
     hostfile: HostfileOpt = None,
@@ -693,7 +716,7 @@ def serve(
         progress=say,
     )
     worker = Worker(tgt, drf, shared, max_queue=max_queue, cache_budget=cache_budget,
-                    warn=print_warning, world=world)  # fmt: skip
+                    warn=print_warning, world=world, lookup_memory=lookup_memory)  # fmt: skip
     if world.distributed:
         barrier(world)
         if not world.leader:  # rank 0 serves; this rank runs its requests in step
@@ -804,7 +827,12 @@ def bench(
     prompts: str = typer.Option(
         None, "--prompts", help='JSONL of {"prompt": ...}; default: built-in.'
     ),
-    kind: str = typer.Option("code", "--set", help="Built-in prompts: code, edit or all."),
+    kind: str = typer.Option(
+        "code",
+        "--set",
+        help="Built-in prompts: code, edit, all, or edit-sequence (successive edits of one "
+        "file, each on the previous output; --prompts then names a JSONL of sequences).",
+    ),
     limit: int = typer.Option(0, "--limit", help="Use only the first N prompts (0: all)."),
     ks: str = typer.Option("1,2,4,8,auto", "-k", help="Draft lengths to sweep, e.g. 1,2,4,auto."),
     temps: str = typer.Option("0,0.8", "--temp", help="Temperatures, e.g. 0,0.8."),
@@ -813,6 +841,12 @@ def bench(
     repeats: int = typer.Option(3, "--repeats", help="Interleaved repeats; medians reported."),
     compare: str = typer.Option("mlx-lm", "--compare", help="mlx-lm or none."),
     lookup: bool = typer.Option(False, "--lookup", help="Add prompt-lookup and hybrid rows."),
+    memory: bool = typer.Option(
+        False,
+        "--lookup-memory",
+        help="Also add lookup rows with a lookup memory (empty at each repeat or sequence; "
+        "implies --lookup).",
+    ),
     verifies: str = typer.Option(
         "token",
         "--verify",
@@ -844,19 +878,24 @@ def bench(
         max_tokens=max_tokens,
         repeats=repeats,
         compare_mlx_lm=compare == "mlx-lm",
-        lookup=lookup,
+        lookup=lookup or memory,
+        memory=memory,
         seed=seed,
         verifies=list(dict.fromkeys(_split(verifies, _rule_name, "--verify"))),
     )
     if compare not in ("mlx-lm", "none"):
         raise BadInput(f"--compare must be mlx-lm or none, got {compare!r}")
-    if kind not in ("code", "edit", "all"):
-        raise BadInput(f"--set must be code, edit or all, got {kind!r}")
+    if kind not in ("code", "edit", "all", "edit-sequence"):
+        raise BadInput(f"--set must be code, edit, all or edit-sequence, got {kind!r}")
     for t in settings.temps:
         SamplingParams(temperature=t, top_p=top_p)  # raises BadInput for bad values
     if max_tokens <= 0 or repeats <= 0:
         raise BadInput("-n and --repeats must be > 0")
-    rows = b.load_prompts(prompts, kind if not prompts else "all")
+    sequences = kind == "edit-sequence"
+    if sequences:
+        rows = b.load_sequences(prompts)
+    else:
+        rows = b.load_prompts(prompts, kind if not prompts else "all")
     rows = rows[:limit] if limit > 0 else rows
     if (hosts or hostfile) and not launched():
         _check_split(hosts, hostfile, target)
@@ -878,7 +917,8 @@ def bench(
     if world.distributed:
         barrier(world)
     todo = b.systems(drf.spec.alias if drf else None, settings)
-    total = settings.repeats * len(rows) * len(settings.temps) * len(todo)
+    generations = sum(len(r["edits"]) for r in rows) if sequences else len(rows)
+    total = settings.repeats * generations * len(settings.temps) * len(todo)
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -893,17 +933,20 @@ def bench(
         def on_run(run):
             progress.update(task, advance=1, description=run.label[:40])
 
-        result = b.bench(
-            tgt.model,
-            drf.model if drf else None,
-            rows,
-            lambda row: encode_prompt(tgt.tokenizer, row["prompt"], chat=bool(row.get("chat"))),
-            settings,
-            draft_name=drf.spec.alias if drf else None,
-            shared=shared,
-            on_run=on_run,
-            world=world,
-        )
+        def encode(row):
+            return encode_prompt(tgt.tokenizer, row["prompt"], chat=bool(row.get("chat")))
+
+        common = dict(draft_name=drf.spec.alias if drf else None, shared=shared, world=world)
+        draft_model = drf.model if drf else None
+        if sequences:
+            decode = tgt.tokenizer.decode
+            result = b.bench_sequences(
+                tgt.model, draft_model, rows, encode, decode, settings, on_run=on_run, **common
+            )
+        else:
+            result = b.bench(
+                tgt.model, draft_model, rows, encode, settings, on_run=on_run, **common
+            )
     info = {"target": _model_info(tgt), "draft": _model_info(drf) if drf else None}
     result["environment"] = b.environment(info)
     result["environment"]["ranks"] = {"size": world.size, "backend": world.backend}

@@ -1,16 +1,14 @@
 """Drafters propose up to k tokens (and, for sampling, the distribution q each came from).
 
-Verification, acceptance and rollback are the same for every drafter, which is what keeps
-all of them lossless: a drafter can only change how many tokens a target pass yields.
+The draft model lives here, prompt lookup in lookup.py. Verification, acceptance and rollback
+are the same for every drafter, which is what keeps all of them lossless: a drafter can only
+change how many tokens a target pass yields.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from .sampling import Processor, sample
 
@@ -48,20 +46,3 @@ def draft_model_propose(
         mx.async_eval(t)  # start computing while the next step's graph is built: no host wait
     d = mx.stack(tokens, axis=1)
     return d, (mx.stack(qs, axis=1) if qs else None)
-
-
-def lookup_propose(history: Sequence[int], k: int, max_ngram: int = 4) -> list[int]:
-    """Prompt lookup: the continuation of the most recent earlier occurrence of the longest
-    suffix (max_ngram tokens down to 1) of ``history``; at most k tokens, [] when nothing matches.
-    """
-    if k <= 0 or len(history) < 2:
-        return []
-    h = np.asarray(history)
-    for n in range(min(max_ngram, len(h) - 1), 0, -1):
-        tail = h[-n:]
-        # candidate starts i <= len-n-1: excludes the suffix matching itself at the end
-        starts = np.flatnonzero(h[: len(h) - n] == tail[0])
-        for i in starts[::-1]:  # most recent first
-            if np.array_equal(h[i : i + n], tail):
-                return h[i + n : i + n + k].tolist()
-    return []

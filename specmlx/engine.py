@@ -28,8 +28,9 @@ from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from .acceptance import Rule, accept_greedy, point_mass, sampled_rule
 from .choosers import KSetting, make_chooser
-from .drafters import draft_model_propose, lookup_propose
+from .drafters import draft_model_propose
 from .errors import BadInput, IncompatiblePair
+from .lookup import Lookup, LookupMemory
 from .sampling import SamplingParams, make_processor, sample
 from .stats import RoundReport, Stats, TokenEvent
 
@@ -78,6 +79,7 @@ def generate_tokens(
     eos_ids: Sequence[int] = (),
     stop_ids: Sequence[Sequence[int]] = (),
     lookup: bool = False,
+    lookup_memory: LookupMemory | None = None,
     vocab_size: int | None = None,
     stats: Stats | None = None,
     prefill_step: int = 512,
@@ -102,6 +104,8 @@ def generate_tokens(
     eos_ids: ids that end generation and are not emitted.
     stop_ids: token sequences that end generation; they are emitted (stream.py strips text).
     lookup: propose from earlier occurrences in the context first (prompt lookup).
+    lookup_memory: with lookup, also propose from these earlier outputs; this generation's
+        output is added to it at the end (lookup.LookupMemory; None: the context only).
     vocab_size: how many ids the draft may propose (default: the smaller logit width).
     stats: updated live (a fresh one if None).
     prefill_step: prompt tokens per prefill chunk (bounds prefill memory).
@@ -155,7 +159,8 @@ def generate_tokens(
         if not speculating:
             loop = _plain(target, kv, prompt, process, key, stops, stats, check)
         else:
-            spec = _Speculation(target, kv, draft, process, vocab_size, lookup, accept)
+            finder = Lookup(prompt, lookup_memory) if lookup else None
+            spec = _Speculation(target, kv, draft, process, vocab_size, finder, accept)
             loop = spec.run(prompt, next_k, key, stops, stats, check)
         try:
             yield from loop
@@ -287,9 +292,9 @@ def _plain(target, kv, prompt, process, key, stops, stats, check) -> Iterator[To
 class _Speculation:
     """State of one speculative generation: models, caches and the sampling setup."""
 
-    def __init__(self, target, kv, draft, process, vocab_size, lookup, accept: Rule):
+    def __init__(self, target, kv, draft, process, vocab_size, finder: Lookup | None, accept: Rule):
         self.target, self.tcache, self.draft, self.dcache = target, kv.target, draft, kv.draft
-        self.kv, self.process, self.lookup, self.accept = kv, process, lookup, accept
+        self.kv, self.process, self.finder, self.accept = kv, process, finder, accept
         self.head: mx.array | None = None  # (1, V_target) logits of a queued plain pass
         self.d_len = kv.draft_len
         self.draft_rows = 0  # ids the draft can embed
@@ -323,6 +328,8 @@ class _Speculation:
                 new, reason = stops.cut(tokens[:n] + [tokens[k]])
                 self.rollback(ctx, k, n_kept=len(new) - 1 if reason else n, done=reason is not None)
                 ctx += new
+                if self.finder is not None:
+                    self.finder.extend(new)
                 settled = True
                 last = RoundReport(k, n, time.perf_counter() - t0, t_draft)
                 stats.record(last, stops.count)
@@ -333,6 +340,8 @@ class _Speculation:
                 if reason:
                     return
         finally:
+            if self.finder is not None:
+                self.finder.remember()
             if not settled:  # an exception mid-round: what the caches hold is unknown
                 self.kv.drop()
             else:
@@ -351,7 +360,7 @@ class _Speculation:
         and for adaptive k. ``queue``: if this round is plain, queue the next plain pass."""
         t0 = time.perf_counter()
         kd, ku, kr = mx.random.split(key, 3)
-        proposal = lookup_propose(ctx, k) if self.lookup else []
+        proposal = self.finder.propose(k) if self.finder is not None else []
         d, q = mx.array(proposal, dtype=mx.uint32), None
         if not proposal and self.draft is not None and k > 0:
             rows = self.draft_rows

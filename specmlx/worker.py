@@ -29,6 +29,7 @@ from .distributed import (
 )
 from .errors import SpecmlxError
 from .loading import Loaded
+from .lookup import LookupMemory
 from .paths import Warn
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
@@ -111,7 +112,9 @@ class Worker:
     propose; max_queue: requests that may wait while one runs; cache_budget: bytes of KV
     caches the prompt cache may keep; persist: keep adaptive-k state under $SPECMLX_HOME;
     warn: gets one line when state cannot be saved; world: the ranks the target is split
-    over: rank 0 serves and sends each request to the others, which ``follow``."""
+    over: rank 0 serves and sends each request to the others, which ``follow``;
+    lookup_memory: lookup requests also search the outputs of earlier ones (and, with
+    persist, of earlier runs: lookup.LookupMemory; never with ranks, whose stores differ)."""
 
     def __init__(
         self,
@@ -124,6 +127,7 @@ class Worker:
         persist: bool = True,
         warn: Warn | None = None,
         world: World | None = None,
+        lookup_memory: bool = True,
     ):
         self.target, self.draft, self.shared = target, draft, shared
         self.max_queue = max_queue
@@ -131,6 +135,10 @@ class Worker:
         self.cache = PromptCache(cache_budget)
         self.choosers = ChooserStore(persist=persist and self.world.leader, warn=warn)
         self._ratio: list[float] | None = None  # the verify curve, probed once (distributed)
+        self.memory = None
+        if lookup_memory and not self.world.distributed:
+            where = LookupMemory.directory_for(target.tokenizer) if persist else None
+            self.memory = LookupMemory(where, vocab_size=target.vocab_size, warn=warn)
         self.totals = Totals()
         self.last: Stats | None = None
         self.busy = False
@@ -251,6 +259,7 @@ class Worker:
             sampling=r.sampling,
             num_draft=num_draft,
             lookup=r.drafter == "lookup",
+            lookup_memory=self.memory,
             vocab_size=self.shared if use_draft else None,
             max_tokens=r.max_tokens,
             seed=r.seed,

@@ -94,6 +94,22 @@ def test_stdin_prompt_and_greedy_matches_target_only(registry):
     assert ta == tb == tc
 
 
+def test_lookup_memory_keeps_outputs_per_tokenizer(registry, specmlx_home):
+    """With lookup, each run's output is kept under $SPECMLX_HOME/lookup/<tokenizer> and the
+    next run looks it up (the same prompt again: its whole output is now a match, so fewer
+    target passes); --no-lookup-memory neither reads nor writes; the text never changes."""
+    args = ("run", "--json", "-n", "24", "-k", "6", "--draft", "lookup", "def add(a, b):")
+    off = run(*args, "--no-lookup-memory")
+    assert off.exit_code == 0, off.stderr
+    assert not (specmlx_home / "lookup").exists()
+    first, second = run(*args), run(*args)
+    stores = list((specmlx_home / "lookup").iterdir())
+    assert len(stores) == 1 and len(list(stores[0].glob("*.tok"))) == 2
+    outs = [json.loads(r.stdout) for r in (off, first, second)]
+    assert outs[0]["tokens"] == outs[1]["tokens"] == outs[2]["tokens"]
+    assert outs[2]["stats"]["rounds"] < outs[1]["stats"]["rounds"]
+
+
 def test_auto_k_resumes_from_the_last_run(registry, specmlx_home):
     """-k auto keeps what it learned per pair and sampler on disk; the next run starts there
     (a fresh chooser drafts 2 then measures a plain round; a resumed one does neither)."""

@@ -12,7 +12,8 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from scipy.stats import chisquare
 
 from specmlx.acceptance import RULES, accept_sampled, block_outcome, point_mass, sampled_outcome
-from specmlx.drafters import draft_model_propose, lookup_propose
+from specmlx.drafters import draft_model_propose
+from specmlx.lookup import lookup_propose
 from specmlx.engine import generate_tokens
 from specmlx.sampling import SamplingParams, make_processor, sample
 from specmlx.stats import Stats
