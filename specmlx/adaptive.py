@@ -8,6 +8,11 @@ a_later = a is the independent case. All of it is estimated live from the engine
 reports, and carried from one generation to the next (a pair's costs and rough acceptance do
 not change per prompt).
 k only changes how many tokens are drafted, never which tokens come out: it stays lossless.
+
+With prompt lookup as well, each round also weighs the lookup proposal against the draft
+model's (or a plain step): lookup drafting costs nothing, so its L tokens cost one target
+pass over L + 1, and its acceptance is estimated per match length (a longer matched n-gram
+predicts better), with its own a_later. The better expected tokens per second wins.
 """
 
 from __future__ import annotations
@@ -87,6 +92,8 @@ class AdaptiveK:
     _first: list[float] | None = None  # [accepted, tried] at the first position, prior included
     _later: list[float] = field(default_factory=lambda: [0.0, 0.0])  # the same after it
     _fix: dict[int, float] = field(default_factory=dict)
+    # prompt lookup, by match length: [accepted, tried] at the first position, then after it
+    _lookup: dict[int, list[float]] = field(default_factory=dict)
     _drafting_rounds: int = 0
     _zeros: int = 0
     _wait: int = 0
@@ -95,12 +102,13 @@ class AdaptiveK:
         if self._first is None:
             self._first = [self.a * self.prior_weight, self.prior_weight]
         self._fix = {int(k): v for k, v in self._fix.items()}  # JSON keys are strings
+        self._lookup = {int(n): list(v) for n, v in self._lookup.items()}
 
     def __call__(self, last: RoundReport | None) -> int:
         """The next round's k, after folding in ``last`` (None: a generation starts; what
         was learned in earlier ones carries over)."""
         if last is not None:
-            self.update(last.k, last.accepted, last.seconds, last.draft_seconds)
+            self.update(last.k, last.accepted, last.seconds, last.draft_seconds, last.lookup)
         if self.level is None:
             return min(2, self.k_max)  # measure something first
         if self.t_plain is None:
@@ -153,9 +161,55 @@ class AdaptiveK:
         a, n = self.acceptance, self._first[1]
         return min(1.0, a + self.explore * (a * (1 - a) / n) ** 0.5)
 
-    def update(self, k: int, n: int, round_s: float, draft_s: float | None = None) -> None:
+    def lookup_length(self, match: int, available: int, k: int, draft: bool) -> int:
+        """How many of ``available`` lookup tokens (found by a ``match``-token n-gram) to
+        verify this round: the length with the most expected tokens per second, or 0 when the
+        alternative is worth more: drafting k tokens with the draft model (``draft``, k > 0),
+        else a plain step. Optimistic by ``explore`` standard errors, as for stopping."""
+        lengths = range(1, min(available, self.k_max) + 1)
+        if not lengths or self.level is None:  # nothing timed yet: try it, and time it
+            return len(lengths)
+        curve = self.verify_curve()
+        a, later = self.lookup_acceptance(match, optimistic=True), self.lookup_continuation(match)
+        best = max(lengths, key=lambda n: expected_tokens(a, n, later) / curve[n])
+        value = expected_tokens(a, best, later) / curve[best]
+        if draft and k > 0:
+            td = self.t_draft or 0.0
+            rival = expected_tokens(self.acceptance, k, self.continuation) / (k * td + curve[k])
+        else:
+            rival = 1.0 / min(self.t_plain or curve[0], curve[0])
+        return best if value > rival else 0
+
+    def lookup_acceptance(self, match: int, optimistic: bool = False) -> float:
+        """The chance that the first token of a lookup proposal found by a ``match``-token
+        n-gram is accepted (prior: 0.5 for a 1-gram, up to 0.8; worth ``prior_weight``)."""
+        wins, tries = self._lookup.get(match, [0.0] * 4)[:2]
+        prior = min(0.8, 0.4 + 0.1 * match)
+        a = (prior * self.prior_weight + wins) / (self.prior_weight + tries)
+        if optimistic:
+            a += self.explore * (a * (1 - a) / (self.prior_weight + tries)) ** 0.5
+        return min(1.0, a)
+
+    def lookup_continuation(self, match: int) -> float:
+        """a_later for lookup after a ``match``-token n-gram: copied text tends to go on
+        being copied, more so after a long match."""
+        wins, tries = self._lookup.get(match, [0.0] * 4)[2:]
+        prior = self.lookup_acceptance(match)
+        return (prior * self.prior_weight + wins) / (self.prior_weight + tries)
+
+    def update(
+        self, k: int, n: int, round_s: float, draft_s: float | None = None, lookup: int = 0
+    ) -> None:
         """Fold one round in: n of k drafts accepted in ``round_s`` seconds, of which
-        ``draft_s`` drafting when it was timed apart."""
+        ``draft_s`` drafting when it was timed apart; ``lookup`` > 0: prompt lookup proposed
+        them from a match that long (its acceptance is learned apart, its drafting is free)."""
+        if k > 0 and lookup:
+            counts = self._lookup.setdefault(lookup, [0.0] * 4)
+            first, later = counts[:2], counts[2:]
+            self._count(first, later, k, n)
+            counts[:] = first + later
+            self._time(k, round_s)  # nothing to draft: the round is the target's pass
+            return
         if k == 0:
             self.t_plain = round_s if self.t_plain is None else self._blend(self.t_plain, round_s)
         if k > 0 and draft_s is None and self.t_draft and self.level:
@@ -164,17 +218,24 @@ class AdaptiveK:
             draft = k * self.t_draft
             draft_s = round_s * draft / (draft + self.level * self._shape(k))
         if k > 0:
-            # position 1 was tried once; positions 2..min(n + 1, k) were tried when it passed
-            later = (n - 1, min(n + 1, k) - 1) if n > 0 else (0, 0)
-            for counts, (wins, tries) in ((self._first, (n > 0, 1)), (self._later, later)):
-                counts[0] = self.decay * counts[0] + wins
-                counts[1] = self.decay * counts[1] + tries
+            self._count(self._first, self._later, k, n)
             if n > 0:
                 self._wait = self.reprobe_every  # the draft scored: no backing off
             if draft_s is not None:
                 step = draft_s / k
                 self.t_draft = step if self.t_draft is None else self._blend(self.t_draft, step)
-        target_s = max(round_s - (draft_s or 0.0), 1e-9)
+        self._time(k, max(round_s - (draft_s or 0.0), 1e-9))
+
+    def _count(self, first: list[float], later: list[float], k: int, n: int) -> None:
+        """Decayed acceptance counts: position 1 was tried once; positions 2..min(n + 1, k)
+        were tried when the one before passed."""
+        tried_later = (n - 1, min(n + 1, k) - 1) if n > 0 else (0, 0)
+        for counts, (wins, tries) in ((first, (n > 0, 1)), (later, tried_later)):
+            counts[0] = self.decay * counts[0] + wins
+            counts[1] = self.decay * counts[1] + tries
+
+    def _time(self, k: int, target_s: float) -> None:
+        """Fold in a target pass over k + 1 tokens that took ``target_s`` seconds."""
         shape = self._shape(k)
         if self.level is None:
             self.level = target_s / shape

@@ -296,6 +296,9 @@ class _Speculation:
         self.target, self.tcache, self.draft, self.dcache = target, kv.target, draft, kv.draft
         self.kv, self.process, self.finder, self.accept = kv, process, finder, accept
         self.head: mx.array | None = None  # (1, V_target) logits of a queued plain pass
+        # with lookup and an adaptive chooser: how many lookup tokens to verify, 0 for none
+        self.lookup_length: Callable[[int, int, int, bool], int] | None = None
+        self.match = 0  # the n-gram match behind this round's lookup proposal (0: none)
         self.d_len = kv.draft_len
         self.draft_rows = 0  # ids the draft can embed
         if draft is not None:
@@ -312,6 +315,9 @@ class _Speculation:
         ctx = list(prompt)
         drafting_rounds = 0
         plain_next = getattr(next_k, "plain_next", lambda: False)
+        if self.finder is not None:  # a lookup match can turn up any round: never queue plain
+            plain_next = lambda: False  # noqa: E731
+            self.lookup_length = getattr(next_k, "lookup_length", None)
         last, settled = None, True  # settled: the caches match ctx (not mid-round)
         try:
             while True:
@@ -324,14 +330,15 @@ class _Speculation:
                 drafting_rounds += k > 0 and self.head is None
                 queue = k == 0 and stops.count + 1 < stops.max_tokens and plain_next()
                 key, sub = mx.random.split(key)
-                n, tokens, k, t_draft = self.round(ctx, k, sub, time_draft, queue)
+                room = stops.max_tokens - stops.count - 1
+                n, tokens, k, t_draft = self.round(ctx, k, sub, time_draft, queue, room)
                 new, reason = stops.cut(tokens[:n] + [tokens[k]])
                 self.rollback(ctx, k, n_kept=len(new) - 1 if reason else n, done=reason is not None)
                 ctx += new
                 if self.finder is not None:
                     self.finder.extend(new)
                 settled = True
-                last = RoundReport(k, n, time.perf_counter() - t0, t_draft)
+                last = RoundReport(k, n, time.perf_counter() - t0, t_draft, self.match)
                 stats.record(last, stops.count)
                 stats.finish_reason = reason
                 check(new)
@@ -351,16 +358,24 @@ class _Speculation:
                 self.kv.tokens, self.kv.draft_len = ctx[:-1], self.d_len
 
     def round(
-        self, ctx: list[int], k: int, key: mx.array, time_draft: bool = False, queue: bool = False
+        self,
+        ctx: list[int],
+        k: int,
+        key: mx.array,
+        time_draft: bool = False,
+        queue: bool = False,
+        room: int | None = None,
     ) -> tuple[int, list[int], int, float | None]:
         """Draft -> verify -> accept as one lazy graph, read back with one host sync.
         Returns (n accepted, [d_1..d_k, next], k used, draft seconds or None). ``time_draft``
         adds a second sync after drafting, to time the draft apart from the target: the
         engine asks for it on one drafting round in TIME_DRAFT_EVERY, for the statistics
-        and for adaptive k. ``queue``: if this round is plain, queue the next plain pass."""
+        and for adaptive k. ``queue``: if this round is plain, queue the next plain pass.
+        ``room``: the most drafts the token budget allows (default k); an adaptive chooser
+        may verify that many lookup tokens instead of k from the draft model."""
         t0 = time.perf_counter()
         kd, ku, kr = mx.random.split(key, 3)
-        proposal = self.finder.propose(k) if self.finder is not None else []
+        proposal = self.propose_lookup(k, k if room is None else room)
         d, q = mx.array(proposal, dtype=mx.uint32), None
         if not proposal and self.draft is not None and k > 0:
             rows = self.draft_rows
@@ -373,7 +388,7 @@ class _Speculation:
             self.d_len += len(pending) + k - 1
         k = d.shape[0]
         t_draft = None
-        if time_draft and k > 0:
+        if time_draft and k > 0 and not proposal:  # lookup drafting is host work: untimed
             mx.eval(d if q is None else [d, q])
             t_draft = time.perf_counter() - t0
 
@@ -402,6 +417,21 @@ class _Speculation:
             mx.async_eval(self.head)
         out = out.tolist()
         return out[0], out[1:], k, t_draft
+
+    def propose_lookup(self, k: int, room: int) -> list[int]:
+        """This round's lookup proposal ([] for none): with a fixed k, lookup comes first and
+        proposes up to k; an adaptive chooser weighs up to ``room`` lookup tokens against k
+        from the draft model (or a plain step) by expected tokens per second."""
+        self.match = 0
+        if self.finder is None:
+            return []
+        if self.lookup_length is None:
+            match, found = self.finder.find(k)
+        else:
+            match, found = self.finder.find(room)
+            found = found[: self.lookup_length(match, len(found), k, self.draft is not None)]
+        self.match = match if found else 0
+        return found
 
     def rollback(self, ctx: list[int], k: int, n_kept: int, done: bool = False) -> None:
         """Trim both caches to the kept context; ``ctx`` is the context before this round.

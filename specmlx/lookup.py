@@ -243,17 +243,22 @@ class Lookup:
         """Tokens that joined the context."""
         self.index.extend(new)
 
-    def propose(self, k: int) -> list[int]:
-        """Up to k tokens to verify next; [] when neither the context nor memory matches."""
+    def find(self, k: int) -> tuple[int, list[int]]:
+        """(n, tokens): up to k tokens to verify next and the length of the n-gram match
+        they follow; (0, []) when neither the context nor memory matches."""
         if k <= 0:
-            return []
+            return 0, []
         tail = self.index.tokens[-self.index.max_n :]
         n, end = self.index.match(tail)
         if self.memory is not None:
             m, tokens = self.memory.propose(tail, k)
             if m > n:
-                return tokens
-        return self.index.after(end, k) if n else []
+                return m, tokens
+        return (n, self.index.after(end, k)) if n else (0, [])
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens to verify next; [] when nothing matches."""
+        return self.find(k)[1]
 
     def remember(self) -> None:
         """Store this generation's output in memory (if there is one)."""

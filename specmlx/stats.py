@@ -24,6 +24,7 @@ class RoundReport:
     accepted: int  # drafts the target accepted
     seconds: float  # the whole round: drafting, verification, acceptance, rollback
     draft_seconds: float | None = None  # drafting alone, when it was timed apart
+    lookup: int = 0  # > 0: prompt lookup proposed this round's drafts, from a match this long
 
 
 @runtime_checkable

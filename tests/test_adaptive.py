@@ -1,6 +1,7 @@
 """The adaptive-k chooser on synthetic rounds (no timing asserted), and the chooser store."""
 
 import copy
+import json
 import random
 import statistics
 
@@ -189,3 +190,48 @@ def test_estimates_carry_over_to_the_next_generation():
     # later generations start where the last one ended: plain, bar rare (backed-off) probes
     assert ks[24:28] == [0, 0, 0, 0] and ks[24:].count(0) >= 44, ks
     assert ks[48:].count(0) >= 23, ks
+
+
+def _warm(chooser: AdaptiveK) -> AdaptiveK:
+    """A chooser that has timed the target: 1 s a plain step, +15% for a second token and
+    +5% for each one after it (about the CPU's curve)."""
+    chooser.verify_ratio = [1.0] + [1.1 + 0.05 * k for k in range(1, 9)]
+    chooser.update(0, 0, 1.0)
+    chooser.update(0, 0, 1.0)
+    return chooser
+
+
+def test_lookup_is_weighed_against_the_draft_by_value():
+    """Lookup acceptance is learned per match length, apart from the draft's: a long match
+    that keeps being copied wins over a mediocre draft; a 1-token match that keeps failing
+    loses to it, and to a plain step when there is no draft model."""
+    chooser = _warm(AdaptiveK(t_draft=0.2))
+    for _ in range(30):
+        chooser.update(4, 2, 2.1, 0.8)  # the draft: 2 of 4
+        chooser.update(8, 8, 1.5, lookup=4)  # lookup after a 4-gram match: all 8 kept
+        chooser.update(3, 0, 1.25, lookup=1)  # after a 1-gram match: nothing kept
+    a_draft = chooser.acceptance
+    assert chooser.lookup_acceptance(4) > 0.9 and chooser.lookup_acceptance(1) < 0.2
+    assert chooser.lookup_length(4, 12, 4, draft=True) == 8  # the whole flat curve
+    assert chooser.lookup_length(4, 3, 4, draft=True) == 3  # what the match offers
+    assert chooser.lookup_length(1, 8, 4, draft=True) == 0
+    assert chooser.lookup_length(1, 8, 0, draft=False) == 0  # plain is better
+    assert chooser.acceptance == a_draft  # lookup rounds left the draft's estimates alone
+    assert chooser.t_draft == pytest.approx(0.2, rel=0.3)
+
+
+def test_lookup_rounds_leave_the_draft_time_alone():
+    """Lookup drafting is host work: its rounds must not teach the chooser that drafting
+    is free (they once did, through the timed rounds)."""
+    chooser = _warm(AdaptiveK(t_draft=0.2))
+    before = chooser.t_draft
+    for _ in range(20):
+        chooser(RoundReport(6, 6, 1.4, 0.0001, lookup=3))
+    assert chooser.t_draft == before
+    assert 3 in chooser.state()["_lookup"]
+    resumed = AdaptiveK(**json.loads(json.dumps(chooser.state())))
+    assert resumed.lookup_acceptance(3) == pytest.approx(chooser.lookup_acceptance(3))
+
+
+def test_an_untimed_chooser_tries_lookup():
+    assert AdaptiveK().lookup_length(2, 5, 2, draft=True) == 5

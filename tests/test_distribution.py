@@ -13,8 +13,8 @@ from scipy.stats import chisquare
 
 from specmlx.acceptance import RULES, accept_sampled, block_outcome, point_mass, sampled_outcome
 from specmlx.drafters import draft_model_propose
-from specmlx.lookup import lookup_propose
 from specmlx.engine import generate_tokens
+from specmlx.lookup import lookup_propose
 from specmlx.sampling import SamplingParams, make_processor, sample
 from specmlx.stats import Stats
 

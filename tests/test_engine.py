@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
+from specmlx.adaptive import AdaptiveK
 from specmlx.engine import TIME_DRAFT_EVERY, KVState, generate_tokens
 from specmlx.errors import BadInput
 from specmlx.sampling import SamplingParams
@@ -502,3 +503,40 @@ def test_closing_the_generator_early_leaves_the_kv_state_consistent(pair, k):
         # and the next generation from it is right
         out = tokens(target, draft, PROMPTS[0] + base[:3], num_draft=k, max_tokens=10, kv=kv)
         assert out == base[3:13]
+
+
+def test_hybrid_by_value_is_lossless_and_keeps_one_sync_a_round(pair, monkeypatch):
+    """Auto k with lookup and a draft: each round picks lookup or the draft model by value;
+    lookup rounds say so (RoundReport.lookup), cost no extra host sync, and the output is
+    the target's."""
+    target, draft = pair
+    base = tokens(target, None, PROMPTS[0], max_tokens=40)
+    prompt = PROMPTS[0] + base[:30] + PROMPTS[0]  # lookup can copy the first run's output
+    want = tokens(target, None, prompt, max_tokens=40)
+    count, seen = [0], []
+
+    def counting(fn):
+        def wrapped(*a, **kw):
+            count[0] += 1
+            return fn(*a, **kw)
+
+        return wrapped
+
+    class Watched(AdaptiveK):
+        def __call__(self, last):
+            seen.append((count[0], last))
+            count[0] = 0
+            return super().__call__(last)
+
+    monkeypatch.setattr(mx, "eval", counting(mx.eval))
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(mx.array, name, counting(getattr(mx.array, name)))
+    chooser = Watched(verify_ratio=[1.0] + [1.1 + 0.05 * k for k in range(1, 9)])
+    for _ in range(3):  # the chooser learns across generations, as a store keeps it
+        seen.clear()
+        out = tokens(target, draft, prompt, lookup=True, num_draft=chooser, max_tokens=40)
+        assert out == want
+    rounds = seen[2:]  # after prefill and the first round
+    lookups = [n for n, last in rounds if last.lookup]
+    assert lookups and all(n == 1 for n in lookups), rounds
+    assert all(n <= 2 for n, _ in rounds)  # a second one only on a timed draft-model round
