@@ -18,12 +18,16 @@ predicts better), with its own a_later. The better expected tokens per second wi
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .stats import RoundReport
+
+CONF_BINS = 10  # per-token stopping: acceptance is learned per tenth of draft confidence
+DRAFT_MORE = 2  # per-token stopping: drafts added per extension (one host sync each)
 
 
 def expected_tokens(a: float, k: int, a_later: float | None = None) -> float:
@@ -48,6 +52,22 @@ def best_k(
     target pass over k + 1 tokens; a_later: acceptance of later drafts (default a)."""
     ks = range(k_min, k_max + 1)
     return max(ks, key=lambda k: expected_tokens(a, k, a_later) / (k * t_draft + verify[k]))
+
+
+def prefix_rate(p: Sequence[float], sunk: float, curve: Sequence[float]) -> tuple[int, float]:
+    """Of len(p) drafted tokens, how many to verify: L in 1..len(p) maximizing
+    (1 + p_1 + p_1 p_2 + ... + p_1...p_L) / (sunk + curve[L]), the expected tokens per second
+    of the round, where p_i is the chance that draft i is accepted when all before it were,
+    ``sunk`` the drafting time already spent and curve[L] a target pass over L + 1 tokens.
+    Returns (L, that rate)."""
+    best, run, total = (1, 0.0), 1.0, 1.0
+    for n, pi in enumerate(p, 1):
+        run *= pi
+        total += run
+        rate = total / (sunk + curve[n])
+        if rate > best[1]:
+            best = (n, rate)
+    return best
 
 
 @dataclass
@@ -92,6 +112,9 @@ class AdaptiveK:
     _first: list[float] | None = None  # [accepted, tried] at the first position, prior included
     _later: list[float] = field(default_factory=lambda: [0.0, 0.0])  # the same after it
     _fix: dict[int, float] = field(default_factory=dict)
+    # per-token stopping: [accepted, tried] by draft confidence bin (a draft tried once all
+    # before it were accepted)
+    _conf: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(CONF_BINS)])
     # prompt lookup, by match length: [accepted, tried] at the first position, then after it
     _lookup: dict[int, list[float]] = field(default_factory=dict)
     _drafting_rounds: int = 0
@@ -109,6 +132,7 @@ class AdaptiveK:
         was learned in earlier ones carries over)."""
         if last is not None:
             self.update(last.k, last.accepted, last.seconds, last.draft_seconds, last.lookup)
+            self._observe(last.confidences[: last.k], last.accepted)
         if self.level is None:
             return min(2, self.k_max)  # measure something first
         if self.t_plain is None:
@@ -160,6 +184,45 @@ class AdaptiveK:
     def optimistic(self) -> float:
         a, n = self.acceptance, self._first[1]
         return min(1.0, a + self.explore * (a * (1 - a) / n) ** 0.5)
+
+    def draft_plan(self, confidences: Sequence[float]) -> tuple[int, int]:
+        """Per-token stopping, after drafting len(confidences) tokens (the draft's
+        probability of each): (L, more) = keep the first L drafts, or first draft ``more``
+        and ask again. Draft j + 1 is worth it while what it adds, P(drafts 1..j all
+        accepted) * a_later expected tokens for t_draft + curve[j + 1] - curve[j] seconds,
+        beats the round's expected tokens per second with j drafts; P comes from what
+        drafts at each confidence scored before.
+
+        Whether draft j is kept depends only on the confidences of drafts 1..j-1, as if the
+        draft had stopped there, never on its own: keeping drafts for their own q would
+        favour some tokens over others and bias sampling (tests/test_distribution.py)."""
+        m = len(confidences)
+        if self.level is None:  # nothing timed yet: verify what was drafted, and time it
+            return m, 0
+        td, curve, later = self.t_draft or 0.0, self.verify_curve(), self.continuation
+        run = total = 1.0  # P(drafts 1..j accepted); expected tokens of a round with j drafts
+        for j in range(1, m + 1):
+            run *= self.confident(confidences[j - 1])
+            total += run
+            if j >= self.k_max:
+                return j, 0
+            extra = max(td + curve[j + 1] - curve[j], 1e-12)
+            if run * later / extra <= total / (j * td + curve[j]):
+                return j, 0
+        return m, min(DRAFT_MORE, self.k_max - m)
+
+    def confident(self, confidence: float) -> float:
+        """The chance that a draft the draft model gave probability ``confidence`` is
+        accepted when those before it were: learned per bin, a_later as the prior."""
+        wins, tries = self._conf[min(int(confidence * CONF_BINS), CONF_BINS - 1)]
+        return (self.continuation * self.prior_weight + wins) / (self.prior_weight + tries)
+
+    def _observe(self, confidences: Sequence[float], n: int) -> None:
+        """Fold in a round's confidences: drafts 1..n were accepted, draft n + 1 was not."""
+        for i, c in enumerate(confidences[: n + 1]):
+            counts = self._conf[min(int(c * CONF_BINS), CONF_BINS - 1)]
+            counts[0] = self.decay * counts[0] + (i < n)
+            counts[1] = self.decay * counts[1] + 1
 
     def lookup_length(self, match: int, available: int, k: int, draft: bool) -> int:
         """How many of ``available`` lookup tokens (found by a ``match``-token n-gram) to

@@ -40,6 +40,8 @@ __all__ = ["KVState", "Stats", "TokenEvent", "TIME_DRAFT_EVERY", "generate_token
 _STREAM = getattr(mx, "new_thread_local_stream", mx.new_stream)(mx.default_device())
 # drafting rounds: the first and then one in 8 get a second host sync, to time the draft apart
 TIME_DRAFT_EVERY = 8
+# per-token stopping: the most extensions a round may draft (each one host sync)
+DRAFT_MORE_MAX = 8
 # fed to the draft in place of an id its embedding table lacks (a padding row of a wider
 # target's logits): the draft's guesses get worse for a while, the output stays exact
 SAFE_ID = 0
@@ -86,6 +88,7 @@ def generate_tokens(
     kv: KVState | None = None,
     lockstep: Callable[[list[int]], None] | None = None,
     verify: str = "token",
+    draft_stop: bool = False,
 ) -> Iterator[TokenEvent]:
     """Generate from ``target``, speculating with ``draft`` (a model), prompt lookup
     (``lookup=True``), both (lookup first), or neither (plain target decoding).
@@ -116,6 +119,10 @@ def generate_tokens(
     verify: how a sampled round checks the drafts: "token" (token by token, Leviathan et al.)
         or "block" (the drafted block jointly, Sun et al. 2024: the same distribution, never
         fewer tokens kept in expectation). Greedy decoding is the same under both.
+    draft_stop: per-token stopping, with an adaptive chooser (num_draft "auto" or an
+        AdaptiveK): the draft model's k becomes where a round starts; it reads the draft's
+        confidences (one more host sync), drafts on in steps of adaptive.DRAFT_MORE while the
+        chooser's cost model says it pays (a sync each), and verifies the best prefix.
     """
     sampling = SamplingParams() if sampling is None else sampling
     if not isinstance(sampling, SamplingParams):
@@ -161,6 +168,7 @@ def generate_tokens(
         else:
             finder = Lookup(prompt, lookup_memory) if lookup else None
             spec = _Speculation(target, kv, draft, process, vocab_size, finder, accept)
+            spec.plan = getattr(next_k, "draft_plan", None) if draft_stop else None
             loop = spec.run(prompt, next_k, key, stops, stats, check)
         try:
             yield from loop
@@ -299,6 +307,9 @@ class _Speculation:
         # with lookup and an adaptive chooser: how many lookup tokens to verify, 0 for none
         self.lookup_length: Callable[[int, int, int, bool], int] | None = None
         self.match = 0  # the n-gram match behind this round's lookup proposal (0: none)
+        # per-token stopping: the chooser's plan, and this round's kept drafts' confidences
+        self.plan: Callable[[list[float]], tuple[int, int]] | None = None
+        self.confs: list[float] = []
         self.d_len = kv.draft_len
         self.draft_rows = 0  # ids the draft can embed
         if draft is not None:
@@ -338,7 +349,8 @@ class _Speculation:
                 if self.finder is not None:
                     self.finder.extend(new)
                 settled = True
-                last = RoundReport(k, n, time.perf_counter() - t0, t_draft, self.match)
+                seconds = time.perf_counter() - t0
+                last = RoundReport(k, n, seconds, t_draft, self.match, tuple(self.confs))
                 stats.record(last, stops.count)
                 stats.finish_reason = reason
                 check(new)
@@ -375,20 +387,25 @@ class _Speculation:
         may verify that many lookup tokens instead of k from the draft model."""
         t0 = time.perf_counter()
         kd, ku, kr = mx.random.split(key, 3)
-        proposal = self.propose_lookup(k, k if room is None else room)
+        room = k if room is None else room
+        proposal = self.propose_lookup(k, room)
         d, q = mx.array(proposal, dtype=mx.uint32), None
+        t_draft, self.confs = None, []
         if not proposal and self.draft is not None and k > 0:
             rows = self.draft_rows
             pending = [t if t < rows else SAFE_ID for t in ctx[self.d_len :]]
             x = mx.array(pending, dtype=mx.uint32)[None]  # (1, L)
-            d, q = draft_model_propose(
+            if self.plan is not None:
+                kd, kx = mx.random.split(kd)
+            d, q, conf = draft_model_propose(
                 self.draft, self.dcache, x, k, self.vocab_size, self.process, kd
             )
-            d, q = d[0], (None if q is None else q[0])  # (k,), (k, vocab)
             self.d_len += len(pending) + k - 1
+            if self.plan is not None:
+                d, q, t_draft = self.stop_or_extend(d, q, conf, room, kx, t0)
+            d, q = d[0], (None if q is None else q[0])  # (k,), (k, vocab)
         k = d.shape[0]
-        t_draft = None
-        if time_draft and k > 0 and not proposal:  # lookup drafting is host work: untimed
+        if time_draft and k > 0 and not proposal and t_draft is None:  # (lookup: host work)
             mx.eval(d if q is None else [d, q])
             t_draft = time.perf_counter() - t0
 
@@ -417,6 +434,30 @@ class _Speculation:
             mx.async_eval(self.head)
         out = out.tolist()
         return out[0], out[1:], k, t_draft
+
+    def stop_or_extend(self, d, q, conf, room: int, key: mx.array, t0: float):
+        """Per-token stopping: read the draft's confidences (one host sync), draft more while
+        the chooser's plan says it pays (one sync per extension, never one per token), and
+        keep the prefix worth verifying. d (1, m), q (1, m, vocab) or None, conf (1, m).
+        Returns the kept d and q and the drafting seconds, scaled to the tokens kept."""
+        confs = conf[0].tolist()
+        keys = mx.random.split(key, DRAFT_MORE_MAX)
+        for ext in range(DRAFT_MORE_MAX):
+            keep, more = self.plan(confs)
+            more = min(more, room - len(confs))
+            if more <= 0:
+                break
+            d2, q2, c2 = draft_model_propose(
+                self.draft, self.dcache, d[:, -1:], more, self.vocab_size, self.process, keys[ext]
+            )
+            self.d_len += more  # the last draft is fed now, the newest one is not
+            d = mx.concatenate([d, d2], axis=1)
+            q = None if q is None else mx.concatenate([q, q2], axis=1)
+            confs += c2[0].tolist()
+        keep = max(1, min(keep, len(confs)))
+        self.confs = confs[:keep]
+        drafted = (time.perf_counter() - t0) * keep / len(confs)
+        return d[:, :keep], (None if q is None else q[:, :keep]), drafted
 
     def propose_lookup(self, k: int, room: int) -> list[int]:
         """This round's lookup proposal ([] for none): with a fixed k, lookup comes first and

@@ -25,6 +25,7 @@ class RoundReport:
     seconds: float  # the whole round: drafting, verification, acceptance, rollback
     draft_seconds: float | None = None  # drafting alone, when it was timed apart
     lookup: int = 0  # > 0: prompt lookup proposed this round's drafts, from a match this long
+    confidences: tuple[float, ...] = ()  # per-token stopping: the draft's q of each draft
 
 
 @runtime_checkable

@@ -69,7 +69,7 @@ def speculative_first_two(target, draft, process, key, drafter="model", rule=acc
     dcache = _prefilled(draft, N)
     last = mx.full((N, 1), PROMPT[-1], dtype=mx.uint32)
     if drafter == "model":
-        d, q = draft_model_propose(draft, dcache, last, K, V, process, k1)
+        d, q, _ = draft_model_propose(draft, dcache, last, K, V, process, k1)
         pending = None  # draft saw PROMPT[-1] and d1; rows needing round 2 trim back to PROMPT
     else:
         prop = lookup_propose(PROMPT, K)
@@ -87,7 +87,7 @@ def speculative_first_two(target, draft, process, key, drafter="model", rule=acc
         x = t1[:, None]
     else:
         x = mx.concatenate([pending, t1[:, None]], axis=1)
-    d2, q2 = draft_model_propose(draft, dcache, x, K, V, process, k3)
+    d2, q2, _ = draft_model_propose(draft, dcache, x, K, V, process, k3)
     n2, nxt2 = rule(target, tcache, t1[:, None], d2, q2, process, k4)
     t2_round2 = mx.where(n2 >= 1, d2[:, 0], nxt2)
     t2 = mx.where(n >= 1, t2_round1, t2_round2)
@@ -219,9 +219,29 @@ def sequence_joint(target, process) -> np.ndarray:
     return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
 
 
-def engine_sequences(target, draft, verify: str, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Counts of the three-token sequences from n seeded generations (k = 2), and how many
-    rounds kept 0, 1 and 2 drafts."""
+class ConfidencePlan:
+    """A k chooser with per-token stopping by a fixed confidence threshold: start each round
+    with one draft, draft on while the last draft's confidence is at least ``bar``. With
+    ``own`` it also drops a draft for its own low confidence: the wrong way to stop."""
+
+    def __init__(self, bar: float, own: bool = False):
+        self.bar, self.own = bar, own
+
+    def __call__(self, _last) -> int:
+        return 1
+
+    def draft_plan(self, confidences):
+        m = len(confidences)
+        if confidences[-1] >= self.bar:
+            return m, 1
+        return (m - 1 if self.own else m), 0
+
+
+def engine_sequences(
+    target, draft, verify: str, n: int, num_draft=2, draft_stop: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Counts of the three-token sequences from n seeded generations (k = 2, or a chooser
+    object made afresh per generation), and how many rounds kept 0, 1 and 2 drafts."""
     counts, kept = np.zeros(JV**3), np.zeros(3)
     for seed in range(n):
         stats = Stats()
@@ -232,12 +252,13 @@ def engine_sequences(target, draft, verify: str, n: int) -> tuple[np.ndarray, np
                 draft,
                 JOINT_PROMPT,
                 sampling=JOINT_SAMPLING,
-                num_draft=2,
+                num_draft=num_draft,
                 max_tokens=3,
                 seed=seed,
                 vocab_size=JV,
                 stats=stats,
                 verify=verify,
+                draft_stop=draft_stop,
             )
         ]
         counts[(out[0] * JV + out[1]) * JV + out[2]] += 1
@@ -274,4 +295,24 @@ def test_the_sequence_test_rejects_a_rule_that_skips_the_residual(
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
     monkeypatch.setitem(RULES, verify, _skips_the_residual(outcome))
     counts, _ = engine_sequences(target, draft, verify, 1000)
+    assert pooled_chi2(counts, joint) < 1e-6
+
+
+def test_per_token_stopping_keeps_the_joint(small_pair):
+    """Per-token stopping decides each draft's fate from the confidences before it: whole
+    sequences still follow the target's joint distribution (every path taken)."""
+    target, draft = small_pair
+    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
+    counts, kept = engine_sequences(
+        target, draft, "token", N_JOINT, num_draft=ConfidencePlan(0.25), draft_stop=True
+    )
+    assert pooled_chi2(counts, joint) > 1e-3
+    assert all(kept > 0.05 * kept.sum()), kept
+
+
+def test_the_sequence_test_rejects_stopping_on_a_drafts_own_confidence(small_pair):
+    target, draft = small_pair
+    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
+    plan = ConfidencePlan(0.25, own=True)
+    counts, _ = engine_sequences(target, draft, "token", N_JOINT, num_draft=plan, draft_stop=True)
     assert pooled_chi2(counts, joint) < 1e-6

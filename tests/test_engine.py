@@ -11,11 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
-from specmlx.adaptive import AdaptiveK
+from specmlx.adaptive import DRAFT_MORE, AdaptiveK
 from specmlx.engine import TIME_DRAFT_EVERY, KVState, generate_tokens
 from specmlx.errors import BadInput
 from specmlx.sampling import SamplingParams
-from specmlx.stats import Stats
+from specmlx.stats import RoundReport, Stats
 
 PROMPTS = [[1, 5, 9, 3, 7], [2], [4, 4, 4, 8, 15, 16, 23, 42, 8, 15, 16]]
 
@@ -540,3 +540,66 @@ def test_hybrid_by_value_is_lossless_and_keeps_one_sync_a_round(pair, monkeypatc
     lookups = [n for n, last in rounds if last.lookup]
     assert lookups and all(n == 1 for n in lookups), rounds
     assert all(n <= 2 for n, _ in rounds)  # a second one only on a timed draft-model round
+
+
+def test_per_token_stopping_is_lossless_and_syncs_per_extension_not_per_token(pair, monkeypatch):
+    """draft_stop: the round reads the draft's confidences once, drafts on in steps of
+    DRAFT_MORE (a sync each) while the plan says it pays, and verifies the best prefix.
+    Greedy output is the target's; the syncs grow with extensions, not with drafted tokens.
+    The draft is the target itself here, so drafting on pays and extensions happen."""
+    target, _ = pair
+    draft = make_tiny(0)
+    want = tokens(target, None, PROMPTS[1], max_tokens=50)
+    count, seen = [0], []
+
+    class Watched(AdaptiveK):
+        def __call__(self, last):
+            seen.append((count[0], last))
+            count[0] = 0
+            return super().__call__(last)
+
+    def counting(fn):
+        def wrapped(*a, **kw):
+            count[0] += 1
+            return fn(*a, **kw)
+
+        return wrapped
+
+    monkeypatch.setattr(mx, "eval", counting(mx.eval))
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(mx.array, name, counting(getattr(mx.array, name)))
+    chooser = Watched(verify_ratio=[1.0] + [1.02 + 0.01 * k for k in range(1, 9)], t_draft=1e-4)
+    for _ in range(3):
+        seen.clear()
+        out = tokens(target, draft, PROMPTS[1], num_draft=chooser, max_tokens=50, draft_stop=True)
+        assert out == want
+    rounds = [(n, last) for n, last in seen[2:] if last.k]
+    assert rounds and all(len(last.confidences) == last.k for _, last in rounds)
+    assert all(0.0 < c <= 1.0 for _, last in rounds for c in last.confidences)
+    # a round: its own sync, one to read the confidences, one per extension of DRAFT_MORE
+    assert all(n <= 2 + (last.k + DRAFT_MORE - 1) // DRAFT_MORE for n, last in rounds), rounds
+    assert max(last.k for _, last in rounds) > 4  # it drafted past its first chunk
+    assert sum(n for n, _ in rounds) < sum(last.k for _, last in rounds) + len(rounds)
+    # a draft that disagrees; sampled too (its distribution: tests/test_distribution.py)
+    for temp in (0.0, 1.0):
+        kw = dict(num_draft=AdaptiveK(), max_tokens=30, sampling=SamplingParams(temp), seed=3)
+        a = tokens(target, pair[1], PROMPTS[0], draft_stop=True, **kw)
+        assert len(a) == 30 and all(0 <= t < 64 for t in a)
+        if temp == 0:
+            assert a == tokens(target, None, PROMPTS[0], max_tokens=30)
+
+
+def test_draft_plan_stops_at_doubtful_drafts_and_extends_confident_ones():
+    chooser = AdaptiveK(verify_ratio=[1.0] + [1.1 + 0.05 * k for k in range(1, 9)], t_draft=0.1)
+    chooser.update(0, 0, 1.0)
+    chooser.update(0, 0, 1.0)
+    for _ in range(40):  # confident drafts are accepted, doubtful ones are not
+        chooser(RoundReport(4, 2, 1.6, 0.4, confidences=(0.95, 0.9, 0.2, 0.1)))
+    assert chooser.confident(0.95) > 0.8 and chooser.confident(0.25) < 0.2
+    # stop after the doubtful one: it was drafted on the strength of those before it, so it
+    # is verified; what comes after it is not (its own confidence never decides its fate)
+    assert chooser.draft_plan([0.95, 0.9, 0.2, 0.1]) == (3, 0)
+    assert chooser.draft_plan([0.95, 0.2, 0.9, 0.9]) == (2, 0)
+    keep, more = chooser.draft_plan([0.95, 0.92])
+    assert (keep, more) == (2, DRAFT_MORE)  # all confident: draft on
+    assert chooser.draft_plan([0.1])[0] == 1  # a round verifies at least one draft
