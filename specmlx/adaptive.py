@@ -126,6 +126,9 @@ class AdaptiveK:
             self._first = [self.a * self.prior_weight, self.prior_weight]
         self._fix = {int(k): v for k, v in self._fix.items()}  # JSON keys are strings
         self._lookup = {int(n): list(v) for n, v in self._lookup.items()}
+        self._conf = [[float(w), float(t)] for w, t in self._conf]
+        if len(self._conf) != CONF_BINS:  # saved with other bins: start them afresh
+            self._conf = [[0.0, 0.0] for _ in range(CONF_BINS)]
 
     def __call__(self, last: RoundReport | None) -> int:
         """The next round's k, after folding in ``last`` (None: a generation starts; what

@@ -48,6 +48,7 @@ from .stats import Stats
 # their own (bfloat16: 2^-7 relative each), since their rounding alone can flip such a pair.
 NEAR_TIE_REL = 1e-3
 MEMORY = " + memory"  # the drafter suffix of rows whose lookup also searches a lookup memory
+STOP = " + stop"  # the drafter suffix of auto rows whose draft model stops per token
 
 
 def theoretical_speedup(a: float, k: int, draft_cost: float) -> float:
@@ -105,33 +106,37 @@ class BenchSettings:
     compare_mlx_lm: bool = True
     lookup: bool = False  # add lookup and hybrid rows
     memory: bool = False  # with lookup: add rows that also look up in a lookup memory
+    draft_stop: bool = False  # add auto rows whose draft model stops per token
     seed: int = 0
     verifies: list[str] = field(default_factory=lambda: ["token"])  # specmlx rows per rule
+
+
+def read_jsonl(path: str | None, builtin: str, what: str) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line of the JSONL file ``path``, or of
+    the packaged data/``builtin`` when path is None; ``what`` names it in errors."""
+    try:
+        text = (
+            Path(path).read_text(encoding="utf-8")
+            if path
+            else resources.files("specmlx").joinpath(f"data/{builtin}").read_text(encoding="utf-8")
+        )
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(
+            f"cannot read {what} {path}: {e.strerror if isinstance(e, OSError) else e}"
+        ) from None
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                yield i, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BadInput(f"{path}:{i}: not JSON ({e.msg})") from None
 
 
 def load_prompts(path: str | None, kind: str = "all") -> list[dict]:
     """The packaged code prompts, or any JSONL of {"prompt": ...}; ``kind`` filters by "kind".
     A row with "chat": true is an instruction, sent through the tokenizer's chat template."""
-    try:
-        text = (
-            Path(path).read_text(encoding="utf-8")
-            if path
-            else resources.files("specmlx")
-            .joinpath("data/prompts.jsonl")
-            .read_text(encoding="utf-8")
-        )
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(
-            f"cannot read prompts {path}: {e.strerror if isinstance(e, OSError) else e}"
-        ) from None
     rows = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise BadInput(f"{path}:{i}: not JSON ({e.msg})") from None
+    for i, row in read_jsonl(path, "prompts.jsonl", "prompts"):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
             raise BadInput(f'{path}:{i}: expected an object with a non-empty "prompt" string')
         row.setdefault("id", f"p{i}")
@@ -238,6 +243,7 @@ def run_one(
         num_draft=k,
         lookup="lookup" in system.drafter,
         lookup_memory=memory if system.drafter.endswith(MEMORY) else None,
+        draft_stop=system.drafter.endswith(STOP),
         max_tokens=s.max_tokens,
         seed=seed,
         vocab_size=shared,
@@ -266,6 +272,8 @@ def systems(draft_name: str | None, s: BenchSettings) -> list[System]:
         out.append(System("mlx-lm", "none", 0))  # mlx-lm's generate_step: our baseline's peer
     if draft_name:
         out += spec(draft_name)
+        if s.draft_stop and "auto" in s.ks:  # per-token stopping needs the adaptive chooser
+            out += [System("specmlx", draft_name + STOP, "auto", v) for v in rules("auto")]
         if s.compare_mlx_lm:
             out += [System("mlx-lm", draft_name, k) for k in s.ks if isinstance(k, int) and k > 0]
     if s.lookup:
@@ -445,24 +453,8 @@ EDIT_ASK = (
 def load_sequences(path: str | None = None) -> list[dict]:
     """Editing sequences: JSONL rows {"id", "lang", "file", "edits": [...]}; default: the
     built-in ones (data/edit_sequences.jsonl)."""
-    try:
-        text = (
-            Path(path).read_text(encoding="utf-8")
-            if path
-            else resources.files("specmlx")
-            .joinpath("data/edit_sequences.jsonl")
-            .read_text(encoding="utf-8")
-        )
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"cannot read edit sequences {path}: {e}") from None
     rows = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise BadInput(f"{path}:{i}: not JSON ({e.msg})") from None
+    for i, row in read_jsonl(path, "edit_sequences.jsonl", "edit sequences"):
         edits = row.get("edits") if isinstance(row, dict) else None
         if not isinstance(edits, list) or not edits or not isinstance(row.get("file"), str):
             raise BadInput(f'{path}:{i}: expected an object with "file" and a list of "edits"')

@@ -120,7 +120,7 @@ class ChooserStore:
         if state is not None:
             try:
                 chooser = AdaptiveK(**state["state"])
-            except (KeyError, TypeError):  # from another version: start afresh
+            except (KeyError, TypeError, ValueError):  # from another version: start afresh
                 chooser = None
         if chooser is None:
             ratio = self.verify_ratio or self.probe(target, target_id, list(prompt_ids))

@@ -52,6 +52,14 @@ VerifyOpt = Annotated[
         "'block' (the block jointly: same output distribution, never fewer kept on average).",
     ),
 ]
+DraftStopOpt = Annotated[
+    bool,
+    typer.Option(
+        "--draft-stop",
+        help="With -k auto: the draft stops within a round when its own confidence says more "
+        "drafts would not pay (and drafts past k when they would), per the cost model.",
+    ),
+]
 ContextOpt = Annotated[
     int | None,
     typer.Option("--context", help="Context limit (default: the models' own, from models.toml)."),
@@ -221,6 +229,7 @@ def run(
     top_k: TopKOpt = 0,
     min_p: MinPOpt = 0.0,
     verify: VerifyOpt = None,
+    draft_stop: DraftStopOpt = False,
     seed: int = typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
     stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template."),
@@ -261,20 +270,29 @@ def run(
         raise BadInput("the prompt is empty")
     console = err_console()
     render = _Render(console, as_json, quiet, show_draft, k or "")
-    job = Job(text, after, params, max_tokens, seed, stop or [], chat, verify, lookup_memory)
+    job = Job(
+        text, after, params, max_tokens, seed, stop or [], chat, verify, lookup_memory, draft_stop
+    )
     if (hosts or hostfile) and not launched():
         if server:
             raise BadInput("--hosts/--hostfile start ranks here; --server sends to a server")
         raise typer.Exit(_launch_ranks(ctx, job, hosts, hostfile, target))
     if server:
-        if target or (draft not in (None, "none", "lookup")) or context or lookup:
+        if target or (draft not in (None, "none", "lookup")) or context or lookup or draft_stop:
             raise BadInput(
-                "with --server the server's models run: drop --target, --context, --lookup "
-                "and --draft ALIAS (--draft none or lookup still choose how it drafts)"
+                "with --server the server's models run: drop --target, --context, --lookup, "
+                "--draft-stop and --draft ALIAS (--draft none or lookup still choose how it "
+                "drafts)"
             )
         _run_remote(job, render, server, api_key, draft, k)
     else:
         _run_local(job, render, target, draft, lookup, k, context, quiet, join())
+
+
+def check_draft_stop(models, draft_stop: bool) -> None:
+    """--draft-stop stops a draft model's drafting by the adaptive chooser's cost model."""
+    if draft_stop and not (models.draft and models.k == "auto"):
+        raise BadInput("--draft-stop needs a draft model and -k auto")
 
 
 @dataclass
@@ -290,6 +308,7 @@ class Job:
     chat: bool
     verify: str | None = None  # None: "token" here, the server's default there
     lookup_memory: bool = True  # with lookup, here: search and keep recent outputs too
+    draft_stop: bool = False  # with auto k: per-token stopping of the draft model
 
 
 def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
@@ -325,6 +344,7 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world
 
     registry = load_registry()
     models = resolve_models(registry, target, draft, lookup, k)
+    check_draft_stop(models, job.draft_stop)
     render.k_label = str(models.k)
     console = render.console
     quiet = quiet or not world.leader
@@ -406,6 +426,7 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world
         eos_ids=eos,
         lockstep=lockstep,
         verify=job.verify or "token",
+        draft_stop=job.draft_stop,
     )
     parts = ([drf.spec.alias] if drf else []) + (["lookup"] if models.lookup else [])
     try:
@@ -638,6 +659,7 @@ def serve(
     top_k: TopKOpt = 0,
     min_p: MinPOpt = 0.0,
     verify: VerifyOpt = None,
+    draft_stop: DraftStopOpt = False,
     context: ContextOpt = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
@@ -699,6 +721,7 @@ def serve(
     world = join()
     registry = load_registry()
     models = resolve_models(registry, target, draft, False, k)
+    check_draft_stop(models, draft_stop)
     console = err_console()
     quiet = quiet or not world.leader
     say = None if quiet else (lambda m: console.print(m, style="dim", soft_wrap=True, markup=False))
@@ -716,7 +739,8 @@ def serve(
         progress=say,
     )
     worker = Worker(tgt, drf, shared, max_queue=max_queue, cache_budget=cache_budget,
-                    warn=print_warning, world=world, lookup_memory=lookup_memory)  # fmt: skip
+                    warn=print_warning, world=world, lookup_memory=lookup_memory,
+                    draft_stop=draft_stop)  # fmt: skip
     if world.distributed:
         barrier(world)
         if not world.leader:  # rank 0 serves; this rank runs its requests in step
@@ -847,6 +871,9 @@ def bench(
         help="Also add lookup rows with a lookup memory (empty at each repeat or sequence; "
         "implies --lookup).",
     ),
+    draft_stop: bool = typer.Option(
+        False, "--draft-stop", help="Also add auto rows whose draft stops per token."
+    ),
     verifies: str = typer.Option(
         "token",
         "--verify",
@@ -880,6 +907,7 @@ def bench(
         compare_mlx_lm=compare == "mlx-lm",
         lookup=lookup or memory,
         memory=memory,
+        draft_stop=draft_stop,
         seed=seed,
         verifies=list(dict.fromkeys(_split(verifies, _rule_name, "--verify"))),
     )

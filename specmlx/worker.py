@@ -114,7 +114,8 @@ class Worker:
     warn: gets one line when state cannot be saved; world: the ranks the target is split
     over: rank 0 serves and sends each request to the others, which ``follow``;
     lookup_memory: lookup requests also search the outputs of earlier ones (and, with
-    persist, of earlier runs: lookup.LookupMemory; never with ranks, whose stores differ)."""
+    persist, of earlier runs: lookup.LookupMemory; never with ranks, whose stores differ);
+    draft_stop: auto-k requests with a draft model stop drafting per token (engine)."""
 
     def __init__(
         self,
@@ -128,8 +129,10 @@ class Worker:
         warn: Warn | None = None,
         world: World | None = None,
         lookup_memory: bool = True,
+        draft_stop: bool = False,
     ):
         self.target, self.draft, self.shared = target, draft, shared
+        self.draft_stop = draft_stop
         self.max_queue = max_queue
         self.world = world or World(None)
         self.cache = PromptCache(cache_budget)
@@ -267,6 +270,7 @@ class Worker:
             kv=kv,
             lockstep=lockstep,
             verify=r.verify,
+            draft_stop=self.draft_stop,
         )
         cancelled = False
         try:

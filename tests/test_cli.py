@@ -90,8 +90,9 @@ def test_stdin_prompt_and_greedy_matches_target_only(registry):
     a = run("run", "-", "--json", "-n", "15", "--draft", "none", input="class Point:\n")
     b = run("run", "--json", "-n", "15", "-k", "4", "class Point:\n")
     c = run("run", "--json", "-n", "15", "--draft", "lookup", "class Point:\n")
-    ta, tb, tc = (json.loads(x.stdout)["tokens"] for x in (a, b, c))
-    assert ta == tb == tc
+    d = run("run", "--json", "-n", "15", "-k", "auto", "--draft-stop", "class Point:\n")
+    ta, tb, tc, td = (json.loads(x.stdout)["tokens"] for x in (a, b, c, d))
+    assert ta == tb == tc == td
 
 
 def test_lookup_memory_keeps_outputs_per_tokenizer(registry, specmlx_home):
@@ -173,6 +174,8 @@ def test_version():
         (["-n", "500", "x" * 20], 2, ["asks for 500", "context of 512"]),
         (["--context", "0", "x"], 2, ["--context"]),
         (["--verify", "blocks", "x"], 2, ["verify", "token, block"]),
+        (["-k", "3", "--draft-stop", "x"], 2, ["--draft-stop", "-k auto"]),
+        (["--draft", "none", "--draft-stop", "x"], 2, ["--draft-stop", "draft model"]),
     ],
 )
 def test_bad_input_one_line(registry, args, code, words):
@@ -302,6 +305,21 @@ def test_bench_compares_token_and_block_side_by_side(registry, tmp_path):
     assert all(row["same_as_target"] is None for row in rows if row["temperature"] > 0)
     assert "| verify |" in md.read_text() and "identical" in md.read_text()
     assert "verify" in r.stderr  # the table's column
+
+
+def test_bench_draft_stop_rows(registry, tmp_path):
+    """--draft-stop adds an auto row whose draft stops per token, beside plain auto."""
+    out, prompts = tmp_path / "bench.json", tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def add(a, b):"}\n')
+    r = run(
+        "bench", "--prompts", str(prompts), "-k", "2,auto", "--temp", "0", "-n", "12",
+        "--repeats", "1", "--compare", "none", "--draft-stop", "--json", str(out),
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    spec = [(row["drafter"], row["k"]) for row in rows if row["system"] == "specmlx"]
+    assert spec == [("tiny-d", 2), ("tiny-d", "auto"), ("tiny-d + stop", "auto")]
+    assert all(row["same_as_target"] == "identical" for row in rows)
 
 
 @pytest.mark.parametrize(

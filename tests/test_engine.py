@@ -1,6 +1,7 @@
 """Engine mechanics on tiny random models: losslessness, rollback, stops, syncs."""
 
 import itertools
+import json
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -318,12 +319,9 @@ def test_target_only_cache_consistent_after_stop(pair):
     assert kv.target[0].offset == len(PROMPTS[0]) + len(out) - 1 == len(kv.tokens)
 
 
-def test_host_syncs_per_round(pair, monkeypatch):
-    """Instrument every way the host waits for MLX (eval, item, tolist, conversions) and count
-    them per round. async_eval only queues work without waiting, so it is not counted."""
-    target, draft = pair
-    counts = []
-    count = [0]
+def count_host_syncs(monkeypatch, count: list[int]) -> None:
+    """Add one to count[0] at every way the host waits for MLX (eval, item, tolist, the
+    conversions); async_eval only queues work without waiting, so it is not counted."""
 
     def counting(fn):
         def wrapped(*a, **kw):
@@ -335,6 +333,30 @@ def test_host_syncs_per_round(pair, monkeypatch):
     monkeypatch.setattr(mx, "eval", counting(mx.eval))
     for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
         monkeypatch.setattr(mx.array, name, counting(getattr(mx.array, name)))
+
+
+class Watched(AdaptiveK):
+    """An AdaptiveK that logs (host syncs since the last round, the last RoundReport) into
+    ``seen`` at each round, from the counter count_host_syncs keeps."""
+
+    def __init__(self, count: list[int], seen: list, **kw):
+        super().__init__(**kw)
+        self.count, self.seen = count, seen
+
+    def __call__(self, last):
+        self.seen.append((self.count[0], last))
+        self.count[0] = 0
+        return super().__call__(last)
+
+
+def test_host_syncs_per_round(pair, monkeypatch):
+    """Instrument every way the host waits for MLX (eval, item, tolist, conversions) and count
+    them per round. async_eval only queues work without waiting, so it is not counted."""
+    target, draft = pair
+    counts = []
+    count = [0]
+
+    count_host_syncs(monkeypatch, count)
 
     def choose(last):
         counts.append((count[0], last is not None and last.draft_seconds is not None))
@@ -515,23 +537,8 @@ def test_hybrid_by_value_is_lossless_and_keeps_one_sync_a_round(pair, monkeypatc
     want = tokens(target, None, prompt, max_tokens=40)
     count, seen = [0], []
 
-    def counting(fn):
-        def wrapped(*a, **kw):
-            count[0] += 1
-            return fn(*a, **kw)
-
-        return wrapped
-
-    class Watched(AdaptiveK):
-        def __call__(self, last):
-            seen.append((count[0], last))
-            count[0] = 0
-            return super().__call__(last)
-
-    monkeypatch.setattr(mx, "eval", counting(mx.eval))
-    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
-        monkeypatch.setattr(mx.array, name, counting(getattr(mx.array, name)))
-    chooser = Watched(verify_ratio=[1.0] + [1.1 + 0.05 * k for k in range(1, 9)])
+    count_host_syncs(monkeypatch, count)
+    chooser = Watched(count, seen, verify_ratio=[1.0] + [1.1 + 0.05 * k for k in range(1, 9)])
     for _ in range(3):  # the chooser learns across generations, as a store keeps it
         seen.clear()
         out = tokens(target, draft, prompt, lookup=True, num_draft=chooser, max_tokens=40)
@@ -552,23 +559,10 @@ def test_per_token_stopping_is_lossless_and_syncs_per_extension_not_per_token(pa
     want = tokens(target, None, PROMPTS[1], max_tokens=50)
     count, seen = [0], []
 
-    class Watched(AdaptiveK):
-        def __call__(self, last):
-            seen.append((count[0], last))
-            count[0] = 0
-            return super().__call__(last)
-
-    def counting(fn):
-        def wrapped(*a, **kw):
-            count[0] += 1
-            return fn(*a, **kw)
-
-        return wrapped
-
-    monkeypatch.setattr(mx, "eval", counting(mx.eval))
-    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
-        monkeypatch.setattr(mx.array, name, counting(getattr(mx.array, name)))
-    chooser = Watched(verify_ratio=[1.0] + [1.02 + 0.01 * k for k in range(1, 9)], t_draft=1e-4)
+    count_host_syncs(monkeypatch, count)
+    chooser = Watched(
+        count, seen, verify_ratio=[1.0] + [1.02 + 0.01 * k for k in range(1, 9)], t_draft=1e-4
+    )
     for _ in range(3):
         seen.clear()
         out = tokens(target, draft, PROMPTS[1], num_draft=chooser, max_tokens=50, draft_stop=True)
@@ -603,3 +597,8 @@ def test_draft_plan_stops_at_doubtful_drafts_and_extends_confident_ones():
     keep, more = chooser.draft_plan([0.95, 0.92])
     assert (keep, more) == (2, DRAFT_MORE)  # all confident: draft on
     assert chooser.draft_plan([0.1])[0] == 1  # a round verifies at least one draft
+    # what was learned per confidence survives a save, and bins saved in another shape reset
+    resumed = AdaptiveK(**json.loads(json.dumps(chooser.state())))
+    assert resumed.draft_plan([0.95, 0.9, 0.2, 0.1]) == (3, 0)
+    odd = AdaptiveK(**{**chooser.state(), "_conf": [[1.0, 2.0]]})
+    assert odd.confident(0.95) == pytest.approx(odd.continuation)
