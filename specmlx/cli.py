@@ -21,7 +21,7 @@ from typer.core import TyperCommand
 
 from . import __version__
 from .display import err_console, live_line, print_error, print_warning, summary
-from .distributed import rank_prefix
+from .distributed import leave, rank_prefix
 from .errors import BadInput, SpecmlxError
 from .machine import version
 from .stats import Stats
@@ -746,7 +746,7 @@ def serve(
         if not world.leader:  # rank 0 serves; this rank runs its requests in step
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # it stops when rank 0 says so
             worker.follow()
-            return
+            leave(0)
     drafter = "model" if drf else ("lookup" if models.lookup else "none")
     settings = ServerSettings(
         model_name=tgt.spec.alias,
@@ -773,6 +773,8 @@ def serve(
 
     run_server(create_app(worker, settings, on_ready=ready), host, port)
     console.print("specmlx serve: stopped", style="dim")
+    if world.distributed:
+        leave(0)
 
 
 @models_app.command("list")
