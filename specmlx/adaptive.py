@@ -12,7 +12,9 @@ k only changes how many tokens are drafted, never which tokens come out: it stay
 With prompt lookup as well, each round also weighs the lookup proposal against the draft
 model's (or a plain step): lookup drafting costs nothing, so its L tokens cost one target
 pass over L + 1, and its acceptance is estimated per match length (a longer matched n-gram
-predicts better), with its own a_later. The better expected tokens per second wins.
+predicts better), with its own a_later. The better expected tokens per second wins. A lookup
+proposal may run past the draft model's k_max, up to LOOKUP_MAX, wherever the target's
+verify curve is flat enough to pay for it (copied text tends to go on being copied).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from .stats import RoundReport
 
 CONF_BINS = 10  # per-token stopping: acceptance is learned per tenth of draft confidence
 DRAFT_MORE = 2  # per-token stopping: drafts added per extension (one host sync each)
+LOOKUP_MAX = 15  # the longest lookup proposal: a target pass over 16 tokens
+# token counts a verify probe times; the curve between them is interpolated
+PROBE_SIZES = (*range(1, 10), 12, 16)
 
 
 def expected_tokens(a: float, k: int, a_later: float | None = None) -> float:
@@ -96,7 +101,8 @@ class AdaptiveK:
     nothing.
     """
 
-    k_max: int = 8
+    k_max: int = 8  # the most drafts from the draft model
+    lookup_max: int = LOOKUP_MAX  # the longest lookup proposal
     decay: float = 0.95  # weight of acceptance history, per drafting round
     time_decay: float = 0.8  # weight of the time level and t_draft, per round
     shape_decay: float = 0.98  # per round at that k: the level takes most of any change
@@ -232,7 +238,7 @@ class AdaptiveK:
         verify this round: the length with the most expected tokens per second, or 0 when the
         alternative is worth more: drafting k tokens with the draft model (``draft``, k > 0),
         else a plain step. Optimistic by ``explore`` standard errors, as for stopping."""
-        lengths = range(1, min(available, self.k_max) + 1)
+        lengths = range(1, min(available, self.lookup_max) + 1)
         if not lengths or self.level is None:  # nothing timed yet: try it, and time it
             return len(lengths)
         curve = self.verify_curve()
@@ -316,9 +322,9 @@ class AdaptiveK:
             self._fix[k] = self.shape_decay * old + (1 - self.shape_decay) * seen
 
     def verify_curve(self) -> list[float]:
-        """t_verify(k) for k in 0..k_max, never cheaper than a smaller k."""
+        """t_verify(k) for k in 0..max(k_max, lookup_max), never cheaper than a smaller k."""
         curve = []
-        for k in range(self.k_max + 1):
+        for k in range(max(self.k_max, self.lookup_max) + 1):
             t = (self.level or 0.0) * self._shape(k)
             curve.append(max(t, curve[-1]) if curve else t)
         return curve
@@ -329,7 +335,10 @@ class AdaptiveK:
 
     def _ratio(self, k: int) -> float:
         r = self.verify_ratio
-        return r[k] if r and k < len(r) else 1.0 + 0.1 * k  # +10% a token until probed
+        if r and k < len(r):
+            return r[k]
+        # +10% a token past what was probed (a curve saved before lookup ran longer ends at 8)
+        return (r[-1] if r else 1.0) + 0.1 * (k - (len(r) - 1 if r else 0))
 
     def _shape(self, k: int) -> float:
         return self._ratio(k) * self._fix.get(k, 1.0)
@@ -359,8 +368,23 @@ def pass_times(model, ids: list[int], ns: list[int], reps: int = 3) -> dict[int,
     return best
 
 
-def probe_verify(model, ids: list[int], k_max: int = 8, reps: int = 3) -> list[float]:
+def curve_from(times: dict[int, float], k_max: int) -> list[float]:
+    """t_verify(k) / t_verify(0) for k in 0..k_max from passes timed over some token counts
+    (``times``: n tokens -> seconds, n = 1 among them): linear between the counts timed,
+    flat past the largest."""
+    ns = sorted(times)
+    out = []
+    for n in range(1, k_max + 2):
+        lo = max(m for m in ns if m <= n)
+        hi = min((m for m in ns if m >= n), default=lo)
+        w = 0.0 if hi == lo else (n - lo) / (hi - lo)
+        out.append(((1 - w) * times[lo] + w * times[hi]) / times[1])
+    return out
+
+
+def probe_verify(model, ids: list[int], k_max: int = LOOKUP_MAX, reps: int = 3) -> list[float]:
     """t_verify(k) / t_verify(0) for k in 0..k_max: a target pass over k + 1 tokens against
-    one token. On Metal this curve is known not to be flat; adaptive k needs it."""
-    t = pass_times(model, ids[-64:] or [0], list(range(1, k_max + 2)), reps)
-    return [t[k + 1] / t[1] for k in range(k_max + 1)]
+    one token, timed at PROBE_SIZES (and k_max + 1) and interpolated between. On Metal this
+    curve is known not to be flat; adaptive k needs it."""
+    sizes = sorted({n for n in PROBE_SIZES if n <= k_max + 1} | {k_max + 1})
+    return curve_from(pass_times(model, ids[-64:] or [0], sizes, reps), k_max)

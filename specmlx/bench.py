@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from .acceptance import sampled_rule
-from .adaptive import AdaptiveK, pass_times
+from .adaptive import LOOKUP_MAX, PROBE_SIZES, AdaptiveK, curve_from, pass_times
 from .choosers import ChooserStore
 from .distributed import Lockstep, SharedK, World
 from .engine import generate_tokens
@@ -384,13 +384,13 @@ class _Bed:
         self.target, self.draft, self.s, self.shared, self.world = target, draft, s, shared, world
         self.todo = systems(draft_name, s)
         ctx = ids + ids[: s.max_tokens // 2]
-        t = pass_times(target, ctx, [*range(1, 10), 16], reps=5)
+        t = pass_times(target, ctx, list(PROBE_SIZES), reps=5)
         self.curve = {n: t[n] / t[1] for n in t}
         self.cost = pass_times(draft, ctx, [1], reps=5)[1] / t[1] if draft is not None else None
         # one adaptive-k state per auto system and temperature, kept across its generations as
         # `specmlx run` keeps it on disk: what is measured is auto after its first few rounds.
         # They start from this measured curve and live in memory only.
-        store = ChooserStore(persist=False, verify_ratio=[self.curve[k + 1] for k in range(9)])
+        store = ChooserStore(persist=False, verify_ratio=curve_from(t, LOOKUP_MAX))
         self.choosers = {
             (sy, temp): store.get(target, "bench", sy.label, _sampling(temp, s), ids)
             for sy in self.todo

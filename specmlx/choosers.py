@@ -17,7 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from .adaptive import AdaptiveK, probe_verify
+from .adaptive import LOOKUP_MAX, AdaptiveK, probe_verify
 from .errors import BadInput
 from .machine import machine_id
 from .paths import Warn, load_json, save_json, specmlx_home
@@ -135,14 +135,14 @@ class ChooserStore:
         if self.persist and path is not None:
             self._save(path, {"state": chooser.state()})
 
-    def cached_probe(self, target_id: str, k_max: int = 8) -> list[float] | None:
+    def cached_probe(self, target_id: str, k_max: int = LOOKUP_MAX) -> list[float] | None:
         """The target's verify curve from an earlier probe on this machine, if any."""
         path = _state_path("probes", f"{target_id}|{k_max}|{PROBE_VERSION}")
         cached = load_json(path) if self.persist else None
         ratio = cached.get("ratio") if cached is not None else None
         return ratio if isinstance(ratio, list) else None
 
-    def probe(self, target: nn.Module, target_id: str, ids: list[int], k_max: int = 8):
+    def probe(self, target: nn.Module, target_id: str, ids: list[int], k_max: int = LOOKUP_MAX):
         """The target's verify curve: cached on disk by identity, else probed and saved."""
         ratio = self.cached_probe(target_id, k_max)
         if ratio is None:

@@ -8,7 +8,14 @@ import statistics
 import pytest
 from helpers import Feed, make_tiny, steady
 
-from specmlx.adaptive import AdaptiveK, best_k, expected_tokens
+from specmlx.adaptive import (
+    LOOKUP_MAX,
+    AdaptiveK,
+    best_k,
+    curve_from,
+    expected_tokens,
+    probe_verify,
+)
 from specmlx.engine import generate_tokens
 from specmlx.stats import RoundReport
 
@@ -212,7 +219,9 @@ def test_lookup_is_weighed_against_the_draft_by_value():
         chooser.update(3, 0, 1.25, lookup=1)  # after a 1-gram match: nothing kept
     a_draft = chooser.acceptance
     assert chooser.lookup_acceptance(4) > 0.9 and chooser.lookup_acceptance(1) < 0.2
-    assert chooser.lookup_length(4, 12, 4, draft=True) == 8  # the whole flat curve
+    # all 12 the match offers: a copy this reliable pays even where the curve (known up to 8)
+    # is extended at +10% a token
+    assert chooser.lookup_length(4, 12, 4, draft=True) == 12
     assert chooser.lookup_length(4, 3, 4, draft=True) == 3  # what the match offers
     assert chooser.lookup_length(1, 8, 4, draft=True) == 0
     assert chooser.lookup_length(1, 8, 0, draft=False) == 0  # plain is better
@@ -231,6 +240,35 @@ def test_lookup_rounds_leave_the_draft_time_alone():
     assert 3 in chooser.state()["_lookup"]
     resumed = AdaptiveK(**json.loads(json.dumps(chooser.state())))
     assert resumed.lookup_acceptance(3) == pytest.approx(chooser.lookup_acceptance(3))
+
+
+def test_copied_text_runs_past_the_draft_k_max_while_the_curve_is_flat():
+    """A lookup proposal may be as long as the flat part of the verify curve (issue 14), not
+    the draft model's k_max; where the curve climbs it stops, and a curve saved before probes
+    reached that far is extended at +10% a token (no longer proposal looks free)."""
+    chooser = AdaptiveK(t_draft=0.2, k_max=8, verify_ratio=[1.0] + [2.0] * LOOKUP_MAX)
+    chooser.update(0, 0, 1.0)
+    chooser.update(0, 0, 1.0)
+    for _ in range(30):
+        chooser.update(LOOKUP_MAX, LOOKUP_MAX, 2.0, lookup=4)  # a 4-gram match: all kept
+    assert chooser.lookup_length(4, 40, 4, draft=True) == LOOKUP_MAX > chooser.k_max
+    steep = AdaptiveK(verify_ratio=[1.0] + [2.0] * 8 + [2.0 + 0.5 * k for k in range(1, 8)])
+    steep.update(0, 0, 1.0)
+    steep.update(0, 0, 1.0)
+    steep._lookup = copy.deepcopy(chooser._lookup)
+    assert steep.lookup_length(4, 40, 0, draft=False) == 8
+    old = AdaptiveK(verify_ratio=[1.0] + [2.0] * 8)  # saved when probes stopped at 8
+    old.update(0, 0, 1.0)  # a plain step: 1 s
+    assert old.verify_curve()[8:11] == pytest.approx([2.0, 2.1, 2.2])
+    assert len(old.verify_curve()) == LOOKUP_MAX + 1
+
+
+def test_verify_curve_from_sparse_probes():
+    """Passes are timed at a few token counts; the curve in between is linear, flat after."""
+    curve = curve_from({1: 1.0, 2: 1.5, 4: 2.5, 8: 2.5}, 9)
+    assert curve == pytest.approx([1.0, 1.5, 2.0, 2.5, 2.5, 2.5, 2.5, 2.5, 2.5, 2.5])
+    ratio = probe_verify(make_tiny(5), [1, 2, 3], k_max=10, reps=1)
+    assert len(ratio) == 11 and ratio[0] == 1.0 and all(r > 0 for r in ratio)
 
 
 def test_an_untimed_chooser_tries_lookup():

@@ -9,7 +9,7 @@ import threading
 import pytest
 from helpers import Feed, make_tiny, steady
 
-from specmlx.adaptive import AdaptiveK
+from specmlx.adaptive import LOOKUP_MAX, AdaptiveK
 from specmlx.choosers import ChooserStore, FixedK, make_chooser
 from specmlx.errors import BadInput
 from specmlx.paths import atomic_write, load_json, save_json
@@ -33,7 +33,7 @@ def test_store_resumes_per_pair_and_sampler(specmlx_home):
     model, ids = make_tiny(0), [1, 2, 3, 4]
     store = ChooserStore()
     fresh = store.get(model, "t", "d", GREEDY, ids)
-    assert fresh.level is None and len(fresh.verify_ratio) == 9  # seeded with the probe
+    assert fresh.level is None and len(fresh.verify_ratio) == LOOKUP_MAX + 1  # the probe
     assert store.get(model, "t", "d", GREEDY, ids) is fresh  # live in this process
     steady(Feed(fresh), 30, accept=0.7)
     store.save(fresh)

@@ -120,7 +120,7 @@ def test_auto_k_resumes_from_the_last_run(registry, specmlx_home):
     saved = list((specmlx_home / "adaptive").glob("*.json"))
     assert len(saved) == 1
     state = json.loads(saved[0].read_text())["state"]
-    assert state["level"] > 0 and state["t_plain"] > 0 and len(state["verify_ratio"]) == 9
+    assert state["level"] > 0 and state["t_plain"] > 0 and len(state["verify_ratio"]) == 16
     second = run("run", "--json", "-n", "12", "-k", "auto", "def add(a, b):")
     assert json.loads(saved[0].read_text())["state"] != state  # it kept learning
     toks = [json.loads(r.stdout)["tokens"] for r in (base, first, second)]
