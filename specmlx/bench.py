@@ -32,7 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from .acceptance import sampled_rule
+from .acceptance import DEFAULT_VERIFY, sampled_rule
 from .adaptive import LOOKUP_MAX, PROBE_SIZES, AdaptiveK, curve_from, pass_times
 from .choosers import ChooserStore
 from .distributed import Lockstep, SharedK, World
@@ -71,12 +71,12 @@ class System:
     system: str  # "target-only", "specmlx", "mlx-lm"
     drafter: str  # "none", the draft alias, "lookup", "<draft> + lookup", "... + memory"
     k: int | str
-    verify: str = "token"  # specmlx's acceptance rule for sampled rounds
+    verify: str = DEFAULT_VERIFY  # specmlx's acceptance rule for sampled rounds
 
     @property
     def label(self) -> str:
-        # token-wise labels stay as they were before block verification existed
-        rule = "" if self.verify == "token" else f" verify={self.verify}"
+        # rows of the default rule are labelled as before there was a choice
+        rule = "" if self.verify == DEFAULT_VERIFY else f" verify={self.verify}"
         return f"{self.system} {self.drafter} k={self.k}{rule}"
 
 
@@ -108,7 +108,7 @@ class BenchSettings:
     memory: bool = False  # with lookup: add rows that also look up in a lookup memory
     draft_stop: bool = False  # add auto rows whose draft model stops per token
     seed: int = 0
-    verifies: list[str] = field(default_factory=lambda: ["token"])  # specmlx rows per rule
+    verifies: list[str] = field(default_factory=lambda: [DEFAULT_VERIFY])  # rows per rule
 
 
 def read_jsonl(path: str | None, builtin: str, what: str) -> Iterator[tuple[int, object]]:
@@ -259,10 +259,10 @@ def run_one(
 
 def systems(draft_name: str | None, s: BenchSettings) -> list[System]:
     """Every configuration to run, target-only first; specmlx rows once per verification rule
-    in ``s.verifies``, side by side (k = 0 drafts nothing: token-wise only)."""
+    in ``s.verifies``, side by side (k = 0 drafts nothing: one row, under the first rule)."""
 
     def rules(k: int | str) -> list[str]:
-        return [v for v in s.verifies if k != 0 or v == "token"] or ["token"]
+        return s.verifies if k != 0 else s.verifies[:1]
 
     def spec(drafter: str) -> list[System]:
         return [System("specmlx", drafter, k, v) for k in s.ks for v in rules(k)]
@@ -290,7 +290,8 @@ def systems(draft_name: str | None, s: BenchSettings) -> list[System]:
 def runs_at(system: System, temp: float, s: BenchSettings) -> bool:
     """Whether ``system`` runs at ``temp``: greedy decoding is the same under both rules, so
     block rows are sampled only, unless there is no token-wise row to stand for them."""
-    return not (system.verify == "block" and temp == 0 and "token" in s.verifies)
+    block = system.system == "specmlx" and system.verify == "block"
+    return not (block and temp == 0 and "token" in s.verifies)
 
 
 def bench(

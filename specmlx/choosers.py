@@ -17,6 +17,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from .acceptance import DEFAULT_VERIFY
 from .adaptive import LOOKUP_MAX, AdaptiveK, probe_verify
 from .errors import BadInput
 from .machine import machine_id
@@ -84,7 +85,7 @@ class ChooserStore:
 
     @staticmethod
     def key(
-        target_id: str, drafter_id: str, sampling: SamplingParams, verify: str = "token"
+        target_id: str, drafter_id: str, sampling: SamplingParams, verify: str = DEFAULT_VERIFY
     ) -> str:
         """The identity a chooser's estimates belong to (the machine is added on disk).
         Sampled block verification keeps more drafts, so it learns apart (greedy decoding is
@@ -101,7 +102,7 @@ class ChooserStore:
         sampling: SamplingParams,
         prompt_ids: Sequence[int],
         *,
-        verify: str = "token",
+        verify: str = DEFAULT_VERIFY,
     ) -> AdaptiveK:
         """The chooser for this pair and sampler: live, else as the last run left it on disk,
         else fresh and seeded with the target's verify curve (probed over ``prompt_ids``).

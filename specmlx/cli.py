@@ -20,6 +20,7 @@ from rich.live import Live
 from typer.core import TyperCommand
 
 from . import __version__
+from .acceptance import DEFAULT_VERIFY
 from .display import err_console, live_line, print_error, print_warning, summary
 from .distributed import leave, rank_prefix
 from .errors import BadInput, SpecmlxError
@@ -48,8 +49,8 @@ VerifyOpt = Annotated[
     str | None,
     typer.Option(
         "--verify",
-        help="How sampled rounds check the drafts: 'token' (one by one, the default) or "
-        "'block' (the block jointly: same output distribution, never fewer kept on average).",
+        help="How sampled rounds check the drafts: 'block' (the block jointly, the default: "
+        "same output distribution, never fewer kept on average) or 'token' (one by one).",
     ),
 ]
 DraftStopOpt = Annotated[
@@ -306,7 +307,7 @@ class Job:
     seed: int | None
     stop: list[str]
     chat: bool
-    verify: str | None = None  # None: "token" here, the server's default there
+    verify: str | None = None  # None: DEFAULT_VERIFY here, the server's default there
     lookup_memory: bool = True  # with lookup, here: search and keep recent outputs too
     draft_stop: bool = False  # with auto k: per-token stopping of the draft model
 
@@ -395,7 +396,7 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world
             store.verify_ratio = shared_probe(world, store, tgt.model, tgt.identity, ids)
         drafter = f"{drf.identity if drf else 'none'}|lookup={models.lookup}"
         chooser = num_draft = store.get(
-            tgt.model, tgt.identity, drafter, job.params, ids, verify=job.verify or "token"
+            tgt.model, tgt.identity, drafter, job.params, ids, verify=job.verify or DEFAULT_VERIFY
         )
         if world.distributed:  # rank 0 decides k for all: each rank's timings differ
             num_draft = SharedK(chooser, world)
@@ -425,7 +426,7 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world
         seed=job.seed,
         eos_ids=eos,
         lockstep=lockstep,
-        verify=job.verify or "token",
+        verify=job.verify or DEFAULT_VERIFY,
         draft_stop=job.draft_stop,
     )
     parts = ([drf.spec.alias] if drf else []) + (["lookup"] if models.lookup else [])
@@ -445,7 +446,7 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world
         pass_s = stats.decode_s / stats.rounds if stats.rounds else None
         ranks = {"size": world.size, "backend": world.backend, "target_pass_s": pass_s}
     drafter_shown = " + ".join(parts) or "none"
-    verify = job.verify or "token"
+    verify = job.verify or DEFAULT_VERIFY
     render.finish(stats, tgt.spec.alias, drafter_shown, where, interrupted)
     render.json(stats, tgt.spec.alias, drafter_shown, models.k, job, verify, ranks)
     if interrupted:
@@ -698,7 +699,7 @@ def serve(
     from .worker import Worker
 
     params = SamplingParams(temp, top_p, top_k, min_p)
-    verify = verify or "token"
+    verify = verify or DEFAULT_VERIFY
     sampled_rule(verify)
     if max_tokens <= 0 or max_queue < 0 or not 0 <= port < 65536:
         raise BadInput("--max-tokens must be > 0, --max-queue >= 0 and --port in 0..65535")
@@ -877,9 +878,9 @@ def bench(
         False, "--draft-stop", help="Also add auto rows whose draft stops per token."
     ),
     verifies: str = typer.Option(
-        "token",
+        DEFAULT_VERIFY,
         "--verify",
-        help="specmlx rows per acceptance rule: token, block or token,block (side by side; "
+        help="specmlx rows per acceptance rule: block, token or token,block (side by side; "
         "block rows are sampled only, greedy is the same under both).",
     ),
     seed: int = typer.Option(0, "--seed", help="Base seed (repeat r uses seed + r)."),

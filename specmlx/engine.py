@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from .acceptance import Rule, accept_greedy, point_mass, sampled_rule
+from .acceptance import DEFAULT_VERIFY, Rule, accept_greedy, point_mass, sampled_rule
 from .choosers import KSetting, make_chooser
 from .drafters import draft_model_propose
 from .errors import BadInput, IncompatiblePair
@@ -87,7 +87,7 @@ def generate_tokens(
     prefill_step: int = 512,
     kv: KVState | None = None,
     lockstep: Callable[[list[int]], None] | None = None,
-    verify: str = "token",
+    verify: str = DEFAULT_VERIFY,
     draft_stop: bool = False,
 ) -> Iterator[TokenEvent]:
     """Generate from ``target``, speculating with ``draft`` (a model), prompt lookup
@@ -116,9 +116,10 @@ def generate_tokens(
         prompt is prefilled) and that hold the context afterwards; fresh ones if None.
     lockstep: called with each round's new tokens before they are yielded; it may raise to
         stop (distributed.Lockstep compares the ranks' tokens this way).
-    verify: how a sampled round checks the drafts: "token" (token by token, Leviathan et al.)
-        or "block" (the drafted block jointly, Sun et al. 2024: the same distribution, never
-        fewer tokens kept in expectation). Greedy decoding is the same under both.
+    verify: how a sampled round checks the drafts: "block" (the default: the drafted block
+        jointly, Sun et al. 2024: the same distribution, never fewer tokens kept in
+        expectation) or "token" (token by token, Leviathan et al.). Greedy decoding is the
+        same under both.
     draft_stop: per-token stopping, with an adaptive chooser (num_draft "auto" or an
         AdaptiveK): the draft model's k becomes where a round starts; it reads the draft's
         confidences (one more host sync), drafts on in steps of adaptive.DRAFT_MORE while the

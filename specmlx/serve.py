@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .acceptance import sampled_rule
+from .acceptance import DEFAULT_VERIFY, sampled_rule
 from .errors import BadInput, SpecmlxError
 from .fim import encode_infill, require_fim
 from .sampling import SamplingParams
@@ -77,7 +77,7 @@ class _Sampling(BaseModel):
     # specmlx extensions
     draft: Literal["model", "lookup", "none"] | None = None
     num_draft: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
-    verify: str | None = None  # "token" or "block" (checked where the engine checks it)
+    verify: str | None = None  # "block" or "token" (checked where the engine checks it)
     return_tokens: bool = False  # token ids in each chunk (specmlx run --server uses it)
 
     def refuse_unsupported(self) -> None:
@@ -162,7 +162,7 @@ class ServerSettings:
     max_tokens: the default budget of a request; sampling: the default sampler; num_draft:
     the default k; drafter: the default drafter ("model", "lookup" or "none"); api_key:
     required as a Bearer token when set; max_body: the largest request body in bytes;
-    verify: the default acceptance rule of sampled rounds ("token" or "block")."""
+    verify: the default acceptance rule of sampled rounds ("block" or "token")."""
 
     model_name: str
     context: int
@@ -172,7 +172,7 @@ class ServerSettings:
     drafter: str = "model"
     api_key: str | None = None
     max_body: int = 16 * 2**20
-    verify: str = "token"
+    verify: str = DEFAULT_VERIFY
 
 
 def create_app(
@@ -387,7 +387,7 @@ def _usage(stats: Stats) -> dict:
     }
 
 
-def spec_stats(stats: Stats, k_label: str, drafter: str = "", verify: str = "token") -> dict:
+def spec_stats(stats: Stats, k_label: str, drafter: str = "", verify: str = DEFAULT_VERIFY) -> dict:
     """The speculative statistics every response carries, under "specmlx"."""
     return {
         "drafted": stats.drafted,

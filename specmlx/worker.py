@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .acceptance import DEFAULT_VERIFY
 from .choosers import ChooserStore, KSetting
 from .distributed import (
     Cancelled,
@@ -57,7 +58,7 @@ class GenRequest:
     drafter: str = "model"  # "model" (the loaded draft), "lookup" or "none"
     num_draft: int | str = "auto"
     extra_eos: tuple[int, ...] = ()  # e.g. the end-of-infill token
-    verify: str = "token"  # how sampled rounds check drafts: "token" or "block"
+    verify: str = DEFAULT_VERIFY  # how sampled rounds check drafts: "block" or "token"
 
 
 @dataclass

@@ -65,7 +65,7 @@ def test_summarize_rows_speedup_and_efficiency():
     assert row["theoretical_speedup"] == pytest.approx(theory)
     assert row["efficiency"] == pytest.approx(row["speedup"] / theory)
     assert row["identical_to_target"] is True and row["same_as_target"] == "identical"
-    assert row["verify"] == "token" and rows[0]["verify"] is None
+    assert row["verify"] == "block" and rows[0]["verify"] is None  # the default rule
 
 
 def test_verdicts_fold_into_the_worst_one_per_row():
@@ -127,10 +127,10 @@ def test_block_rows_sit_beside_token_rows_and_run_sampled_only():
     rows = [(sy.system, sy.k, sy.verify) for sy in systems("d", s)]
     spec = [(k, v) for system, k, v in rows if system == "specmlx"]
     assert spec == [(0, "token"), (2, "token"), (2, "block"), ("auto", "token"), ("auto", "block")]
-    block = System("specmlx", "d", 2, "block")
-    assert block.label == "specmlx d k=2 verify=block" and System("specmlx", "d", 2).label == (
-        "specmlx d k=2"
-    )
+    block, token = System("specmlx", "d", 2, "block"), System("specmlx", "d", 2, "token")
+    # the default rule's rows keep the plain label
+    assert block.label == "specmlx d k=2" and token.label == "specmlx d k=2 verify=token"
+    assert System("specmlx", "d", 2).verify == "block"
     assert not runs_at(block, 0.0, s) and runs_at(block, 0.8, s)
     only_block = BenchSettings(ks=[2], temps=[0.0], verifies=["block"])
     assert runs_at(block, 0.0, only_block)  # no token-wise row to stand for it

@@ -80,7 +80,7 @@ def test_json_output_parses_and_adds_up(registry):
     assert r.exit_code == 0, r.stderr
     out = json.loads(r.stdout)  # exactly one JSON object, nothing else
     keys = {"text", "tokens", "stats", "target", "draft", "k", "temperature", "seed", "verify"}
-    assert set(out) == keys and out["verify"] == "token"
+    assert set(out) == keys and out["verify"] == "block"  # the default rule
     s = out["stats"]
     assert s["accepted"] <= s["drafted"] and len(out["tokens"]) == s["generated"] <= 20
     assert out["draft"] == "tiny-d" and out["k"] == 2

@@ -85,7 +85,7 @@ def test_a_request_picks_its_verification_rule(root, client):
         )
         assert got.model_extra["specmlx"]["verify"] == verify
     default = client.completions.create(model="tiny-t", prompt=CODE, max_tokens=4)
-    assert default.model_extra["specmlx"]["verify"] == "token"  # the server's default
+    assert default.model_extra["specmlx"]["verify"] == "block"  # the server's default
     # greedy decoding is the same under both rules
     greedy = client.completions.create(
         model="tiny-t", prompt=CODE, max_tokens=16, extra_body={"verify": "block"}
@@ -337,11 +337,11 @@ def test_run_through_the_server_keeps_its_contract(root, server):
     infill = cli(root, "-n", "6", "--suffix", "\n    return c\n", "def add(a, b):\n", server=server)
     assert infill.exit_code == 0, infill.stderr
     # --verify travels with the request; the server's default shows when it is not given
-    block = cli(
-        root, "--json", "-n", "8", "--temp", "0.8", "--verify", "block", CODE, server=server
+    token = cli(
+        root, "--json", "-n", "8", "--temp", "0.8", "--verify", "token", CODE, server=server
     )
-    assert block.exit_code == 0, block.stderr
-    assert json.loads(block.stdout)["verify"] == "block" and a["verify"] == "token"
+    assert token.exit_code == 0, token.stderr
+    assert json.loads(token.stdout)["verify"] == "token" and a["verify"] == "block"
 
 
 @pytest.mark.parametrize(
