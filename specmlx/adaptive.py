@@ -194,7 +194,7 @@ class AdaptiveK:
         a, n = self.acceptance, self._first[1]
         return min(1.0, a + self.explore * (a * (1 - a) / n) ** 0.5)
 
-    def draft_plan(self, confidences: Sequence[float]) -> tuple[int, int]:
+    def draft_plan(self, confidences: Sequence[float], greedy: bool = False) -> tuple[int, int]:
         """Per-token stopping, after drafting len(confidences) tokens (the draft's
         probability of each): (L, more) = keep the first L drafts, or first draft ``more``
         and ask again. Draft j + 1 is worth it while what it adds, P(drafts 1..j all
@@ -204,11 +204,15 @@ class AdaptiveK:
 
         Whether draft j is kept depends only on the confidences of drafts 1..j-1, as if the
         draft had stopped there, never on its own: keeping drafts for their own q would
-        favour some tokens over others and bias sampling (tests/test_distribution.py)."""
+        favour some tokens over others and bias sampling (tests/test_distribution.py).
+        ``greedy``: the output is the target's argmax whatever is verified, so that
+        constraint falls away (``greedy_plan``)."""
         m = len(confidences)
         if self.level is None:  # nothing timed yet: verify what was drafted, and time it
             return m, 0
         td, curve, later = self.t_draft or 0.0, self.verify_curve(), self.continuation
+        if greedy:
+            return self.greedy_plan(confidences, td, curve, later)
         run = total = 1.0  # P(drafts 1..j accepted); expected tokens of a round with j drafts
         for j in range(1, m + 1):
             run *= self.confident(confidences[j - 1])
@@ -219,6 +223,23 @@ class AdaptiveK:
             if run * later / extra <= total / (j * td + curve[j]):
                 return j, 0
         return m, min(DRAFT_MORE, self.k_max - m)
+
+    def greedy_plan(
+        self, confidences: Sequence[float], td: float, curve: list[float], later: float
+    ) -> tuple[int, int]:
+        """draft_plan for greedy decoding, where every draft's own confidence may count and
+        the drafting already done is sunk: verify the prefix with the best expected tokens
+        per second (``prefix_rate``), and draft DRAFT_MORE more only when all drafted are
+        worth verifying and the extension, at a_later a token, would raise that rate.
+        td: seconds per draft token; curve: verify_curve(); later: a_later."""
+        p = [self.confident(c) for c in confidences]
+        m = len(p)
+        keep, rate = prefix_rate(p, m * td, curve)
+        more = min(DRAFT_MORE, self.k_max - m)
+        if keep < m or more <= 0:
+            return keep, 0
+        _, extended = prefix_rate(p + [later] * more, (m + more) * td, curve)
+        return (m, more) if extended > rate else (m, 0)
 
     def confident(self, confidence: float) -> float:
         """The chance that a draft the draft model gave probability ``confidence`` is

@@ -602,3 +602,21 @@ def test_draft_plan_stops_at_doubtful_drafts_and_extends_confident_ones():
     assert resumed.draft_plan([0.95, 0.9, 0.2, 0.1]) == (3, 0)
     odd = AdaptiveK(**{**chooser.state(), "_conf": [[1.0, 2.0]]})
     assert odd.confident(0.95) == pytest.approx(odd.continuation)
+
+
+def test_greedy_plan_counts_drafting_done_as_sunk_and_may_weigh_a_drafts_own_confidence():
+    """Greedy output is the target's whatever is verified, so the greedy plan may drop a
+    doubtful draft for its own confidence, and verifies confident drafts already drafted
+    where the sampled rule, charging each as if it were still to draft, throws them away."""
+    chooser = AdaptiveK(verify_ratio=[1.0] + [1.1 + 0.05 * k for k in range(1, 16)], t_draft=0.1)
+    chooser.update(0, 0, 1.0)
+    chooser.update(0, 0, 1.0)
+    for _ in range(40):
+        chooser._observe((0.95, 0.9, 0.2, 0.1), 2)  # confident drafts pass, doubtful ones fail
+    assert chooser.draft_plan([0.95, 0.9, 0.2, 0.1]) == (3, 0)
+    assert chooser.draft_plan([0.95, 0.9, 0.2, 0.1], greedy=True) == (2, 0)
+    assert chooser.draft_plan([0.95, 0.92], greedy=True) == (2, DRAFT_MORE)
+    chooser.t_draft = 0.4  # a dear draft: drafting on rarely pays, verifying what is drafted does
+    assert chooser.draft_plan([0.95] * 4) == (2, 0)
+    assert chooser.draft_plan([0.95] * 4, greedy=True) == (4, 0)
+    assert chooser.draft_plan([0.95, 0.92], greedy=True) == (2, 0)
