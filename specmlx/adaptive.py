@@ -194,13 +194,17 @@ class AdaptiveK:
         a, n = self.acceptance, self._first[1]
         return min(1.0, a + self.explore * (a * (1 - a) / n) ** 0.5)
 
-    def draft_plan(self, confidences: Sequence[float], greedy: bool = False) -> tuple[int, int]:
+    def draft_plan(
+        self, confidences: Sequence[float], greedy: bool = False, drafted: int = 0
+    ) -> tuple[int, int]:
         """Per-token stopping, after drafting len(confidences) tokens (the draft's
         probability of each): (L, more) = keep the first L drafts, or first draft ``more``
         and ask again. Draft j + 1 is worth it while what it adds, P(drafts 1..j all
         accepted) * a_later expected tokens for t_draft + curve[j + 1] - curve[j] seconds,
         beats the round's expected tokens per second with j drafts; P comes from what
-        drafts at each confidence scored before.
+        drafts at each confidence scored before. ``drafted``: how many drafts the round
+        committed to before reading any confidence (the chooser's k); their drafting is
+        sunk, so verifying one of them costs only curve[j + 1] - curve[j].
 
         Whether draft j is kept depends only on the confidences of drafts 1..j-1, as if the
         draft had stopped there, never on its own: keeping drafts for their own q would
@@ -219,8 +223,9 @@ class AdaptiveK:
             total += run
             if j >= self.k_max:
                 return j, 0
-            extra = max(td + curve[j + 1] - curve[j], 1e-12)
-            if run * later / extra <= total / (j * td + curve[j]):
+            # drafts 1..drafted were paid for before any confidence was read: sunk
+            extra = max(curve[j + 1] - curve[j] + (td if j >= drafted else 0.0), 1e-12)
+            if run * later / extra <= total / (max(j, drafted) * td + curve[j]):
                 return j, 0
         return m, min(DRAFT_MORE, self.k_max - m)
 

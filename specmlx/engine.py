@@ -315,7 +315,7 @@ class _Speculation:
         self.lookup_length: Callable[[int, int, int, bool], int] | None = None
         self.match = 0  # the n-gram match behind this round's lookup proposal (0: none)
         # per-token stopping: the chooser's plan, and this round's kept drafts' confidences
-        self.plan: Callable[[list[float]], tuple[int, int]] | None = None
+        self.plan: Callable[..., tuple[int, int]] | None = None
         self.confs: list[float] = []
         self.d_len = kv.draft_len
         self.draft_rows = 0  # ids the draft can embed
@@ -448,9 +448,10 @@ class _Speculation:
         keep the prefix worth verifying. d (1, m), q (1, m, vocab) or None, conf (1, m).
         Returns the kept d and q and the drafting seconds, scaled to the tokens kept."""
         confs = conf[0].tolist()
+        first = len(confs)  # drafted before any confidence was read: sunk for the plan
         keys = mx.random.split(key, DRAFT_MORE_MAX)
         for ext in range(DRAFT_MORE_MAX):
-            keep, more = self.plan(confs)
+            keep, more = self.plan(confs, drafted=first)
             more = min(more, room - len(confs))
             if more <= 0:
                 break

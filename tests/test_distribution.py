@@ -230,7 +230,7 @@ class ConfidencePlan:
     def __call__(self, _last) -> int:
         return 1
 
-    def draft_plan(self, confidences):
+    def draft_plan(self, confidences, drafted=0):
         m = len(confidences)
         if confidences[-1] >= self.bar:
             return m, 1

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import random
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -620,3 +621,26 @@ def test_greedy_plan_counts_drafting_done_as_sunk_and_may_weigh_a_drafts_own_con
     assert chooser.draft_plan([0.95] * 4) == (2, 0)
     assert chooser.draft_plan([0.95] * 4, greedy=True) == (4, 0)
     assert chooser.draft_plan([0.95, 0.92], greedy=True) == (2, 0)
+    # sampled: the round's first k drafts were paid for before any confidence was read, so
+    # verifying them costs only their share of the target pass
+    assert chooser.draft_plan([0.95] * 4, drafted=4) == (4, 0)
+
+
+def test_sampled_plan_is_a_stopping_rule():
+    """Whether draft j is verified may depend on the drafts before it, never on draft j or
+    later ones (that would bias sampling): changing confidences from position j on leaves
+    the decision about draft j as it was, for any number committed up front."""
+    chooser = AdaptiveK(verify_ratio=[1.0] + [1.1 + 0.05 * k for k in range(1, 16)], t_draft=0.2)
+    chooser.update(0, 0, 1.0)
+    chooser.update(0, 0, 1.0)
+    for _ in range(40):
+        chooser._observe((0.95, 0.9, 0.2, 0.1), 2)
+    rng = random.Random(0)
+    for _ in range(300):
+        m, drafted = rng.randint(1, 8), rng.randint(0, 8)
+        c = [rng.random() for _ in range(m)]
+        keep = chooser.draft_plan(c, drafted=min(drafted, m))[0]
+        for j in range(1, m):  # the decision about draft j + 1 sees drafts 1..j only
+            other = c[:j] + [rng.random() for _ in range(m - j)]
+            again = chooser.draft_plan(other, drafted=min(drafted, m))[0]
+            assert (keep > j) == (again > j), (c, other, drafted, j)
