@@ -626,16 +626,28 @@ def _per_repeat(runs: list[Run], label: str, temp: float, repeats: int) -> list[
     return out
 
 
-def environment(models: dict) -> dict:
-    """Versions, backend, BLAS, OS and chip, models, git revision: what a figure depends on."""
-    from . import __version__
+def git_revision() -> str | None:
+    """The revision of the specmlx source that is running (None outside a git checkout),
+    with "+dirty" when its tracked files differ from it. Read when a run starts: the tree
+    may move on while a long benchmark runs, the imported code does not."""
+    here = Path(__file__).resolve().parent
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=5)
 
     try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5
-        ).stdout.strip()
+        rev = git("rev-parse", "--short", "HEAD").stdout.strip()
+        dirty = rev and git("diff", "--quiet", "HEAD", "--", ".").returncode == 1
     except (OSError, subprocess.SubprocessError):
-        rev = ""
+        return None
+    return (rev + ("+dirty" if dirty else "")) or None
+
+
+def environment(models: dict, rev: str | None = None) -> dict:
+    """Versions, backend, BLAS, OS and chip, models, git revision (``rev``, from
+    git_revision when the run started): what a figure depends on."""
+    from . import __version__
+
     return {
         "specmlx": __version__,
         "mlx": mx.__version__,
@@ -646,7 +658,7 @@ def environment(models: dict) -> dict:
         "chip": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "models": models,
-        "git": rev or None,
+        "git": rev,
     }
 
 

@@ -932,6 +932,7 @@ def bench(
         _check_split(hosts, hostfile, target)
         raise typer.Exit(_launch(ctx, "bench", hosts, hostfile))
     world = join()
+    rev = b.git_revision()  # the code that runs: the tree may move on meanwhile
     registry = load_registry()
     models = resolve_models(registry, target, draft, False, None)
     console = err_console()
@@ -979,7 +980,7 @@ def bench(
                 tgt.model, draft_model, rows, encode, settings, on_run=on_run, **common
             )
     info = {"target": _model_info(tgt), "draft": _model_info(drf) if drf else None}
-    result["environment"] = b.environment(info)
+    result["environment"] = b.environment(info, rev)
     result["environment"]["ranks"] = {"size": world.size, "backend": world.backend}
     result["settings"] = {
         **b.asdict(settings),

@@ -1,6 +1,9 @@
 """Bench math on synthetic numbers (no timing asserted), the rows it runs, the identity
 verdicts on hand-built logits, and the like-for-like sampler it gives mlx-lm."""
 
+import subprocess
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from specmlx.bench import (
     _timed,
     classify_difference,
     first_difference,
+    git_revision,
     identity,
     like_for_like_sampler,
     runs_at,
@@ -152,3 +156,19 @@ def test_mlx_lm_gets_specmlx_sampling_temperature_first():
     assert set(np.array(theirs).tolist()) == {0}  # the order the bench no longer compares
     greedy = like_for_like_sampler(SamplingParams(0.0))
     assert greedy(logits).item() == 0
+
+
+def test_the_revision_is_the_running_codes_not_the_working_directorys(tmp_path, monkeypatch):
+    """It was read from wherever the bench was started, and at its end: a run from another
+    repository, or one that outlived a commit, recorded a revision that never ran."""
+    import specmlx
+
+    here = Path(specmlx.__file__).resolve().parent
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                          text=True).stdout.strip()  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # not a checkout
+    rev = git_revision()
+    if not head:
+        assert rev is None  # an installed copy: no revision to claim
+    else:
+        assert rev.removesuffix("+dirty") == head
