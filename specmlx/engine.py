@@ -15,7 +15,6 @@ so the host's work between rounds runs while the target computes.
 
 from __future__ import annotations
 
-import functools
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -170,12 +169,7 @@ def generate_tokens(
         else:
             finder = Lookup(prompt, lookup_memory) if lookup else None
             spec = _Speculation(target, kv, draft, process, vocab_size, finder, accept)
-            plan = getattr(next_k, "draft_plan", None) if draft_stop else None
-            if plan is not None and process is None:
-                # greedy output is the target's whatever is verified: the plan may weigh
-                # every draft's own confidence (sampling may not: see AdaptiveK.draft_plan)
-                plan = functools.partial(plan, greedy=True)
-            spec.plan = plan
+            spec.plan = getattr(next_k, "draft_plan", None) if draft_stop else None
             loop = spec.run(prompt, next_k, key, stops, stats, check)
         try:
             yield from loop

@@ -605,31 +605,29 @@ def test_draft_plan_stops_at_doubtful_drafts_and_extends_confident_ones():
     assert odd.confident(0.95) == pytest.approx(odd.continuation)
 
 
-def test_greedy_plan_counts_drafting_done_as_sunk_and_may_weigh_a_drafts_own_confidence():
-    """Greedy output is the target's whatever is verified, so the greedy plan may drop a
-    doubtful draft for its own confidence, and verifies confident drafts already drafted
-    where the sampled rule, charging each as if it were still to draft, throws them away."""
+def test_the_plan_counts_the_rounds_first_drafts_as_sunk():
+    """The chooser's k drafts were made before any confidence was read: verifying one costs
+    only its share of the target pass. The plan once charged each as if still to draft and,
+    with a dear draft, verified half of what it had drafted."""
     chooser = AdaptiveK(verify_ratio=[1.0] + [1.1 + 0.05 * k for k in range(1, 16)], t_draft=0.1)
     chooser.update(0, 0, 1.0)
     chooser.update(0, 0, 1.0)
     for _ in range(40):
         chooser._observe((0.95, 0.9, 0.2, 0.1), 2)  # confident drafts pass, doubtful ones fail
-    assert chooser.draft_plan([0.95, 0.9, 0.2, 0.1]) == (3, 0)
-    assert chooser.draft_plan([0.95, 0.9, 0.2, 0.1], greedy=True) == (2, 0)
-    assert chooser.draft_plan([0.95, 0.92], greedy=True) == (2, DRAFT_MORE)
+    assert chooser.draft_plan([0.95, 0.92], drafted=2) == (2, DRAFT_MORE)
     chooser.t_draft = 0.4  # a dear draft: drafting on rarely pays, verifying what is drafted does
-    assert chooser.draft_plan([0.95] * 4) == (2, 0)
-    assert chooser.draft_plan([0.95] * 4, greedy=True) == (4, 0)
-    assert chooser.draft_plan([0.95, 0.92], greedy=True) == (2, 0)
-    # sampled: the round's first k drafts were paid for before any confidence was read, so
-    # verifying them costs only their share of the target pass
+    assert chooser.draft_plan([0.95] * 4) == (2, 0)  # as if none were drafted yet
     assert chooser.draft_plan([0.95] * 4, drafted=4) == (4, 0)
+    assert chooser.draft_plan([0.95, 0.92], drafted=2) == (2, 0)
+    # a doubtful draft is still verified once drafted; what comes after it is not
+    assert chooser.draft_plan([0.95, 0.2, 0.95, 0.95], drafted=4) == (2, 0)
 
 
 def test_sampled_plan_is_a_stopping_rule():
     """Whether draft j is verified may depend on the drafts before it, never on draft j or
     later ones (that would bias sampling): changing confidences from position j on leaves
-    the decision about draft j as it was, for any number committed up front."""
+    the decision about draft j as it was, for any number committed up front. (A rule that
+    weighed each draft's own confidence broke this 113 times in these 300 cases.)"""
     chooser = AdaptiveK(verify_ratio=[1.0] + [1.1 + 0.05 * k for k in range(1, 16)], t_draft=0.2)
     chooser.update(0, 0, 1.0)
     chooser.update(0, 0, 1.0)
