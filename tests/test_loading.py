@@ -437,7 +437,8 @@ def perplexity(model, ids: list[int]) -> float:
 @pytest.mark.parametrize("keep", [False, True])
 def test_smollm2_gguf_perplexity(smollm2, keep):
     got = smollm2[keep]
-    ids = got.tokenizer.encode(Path(textwrap.__file__).read_text())[:512]
+    # 128 tokens: a quantized pass over many rows is slow on the CPU (512 took ~70 s)
+    ids = got.tokenizer.encode(Path(textwrap.__file__).read_text())[:128]
     assert perplexity(got.model, ids) < 20
     assert got.vocab_size == 49152 and got.config["tie_word_embeddings"]
     assert isinstance(got.model.model.layers[0].mlp.down_proj, nn.QuantizedLinear) == keep
