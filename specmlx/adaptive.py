@@ -29,10 +29,21 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from .stats import RoundReport
 
 CONF_BINS = 10  # per-token stopping: acceptance is learned per tenth of draft confidence
-DRAFT_MORE = 2  # per-token stopping: drafts added per extension (one host sync each)
+# per-token stopping drafts one token, then one more, then two at a time (a host sync per
+# chunk): the first drafts are where stopping saves most, and pairs keep the syncs below one
+# a token. Replayed on greedy traces of the CPU pair (scripts/stop_sim.py): 1.05-1.07x the
+# best fixed k, where starting with the chooser's k gave 0.96-0.99x and pairs from the start
+# 1.01-1.07x.
+DRAFT_CHUNKS = (1, 1, 2)
+DRAFT_MORE = DRAFT_CHUNKS[-1]  # drafts added per extension once a round runs long
 LOOKUP_MAX = 15  # the longest lookup proposal: a target pass over 16 tokens
 # token counts a verify probe times; the curve between them is interpolated
 PROBE_SIZES = (*range(1, 10), 12, 16)
+
+
+def _chunk(m: int) -> int:
+    """Per-token stopping: how many to draft next after m drafts (DRAFT_CHUNKS, then pairs)."""
+    return DRAFT_CHUNKS[min(m, len(DRAFT_CHUNKS) - 1)]
 
 
 def expected_tokens(a: float, k: int, a_later: float | None = None) -> float:
@@ -181,12 +192,17 @@ class AdaptiveK:
     def draft_plan(self, confidences: Sequence[float], drafted: int = 0) -> tuple[int, int]:
         """Per-token stopping, after drafting len(confidences) tokens (the draft's
         probability of each): (L, more) = keep the first L drafts, or first draft ``more``
-        and ask again. Draft j + 1 is worth it while what it adds, P(drafts 1..j all
-        accepted) * a_later expected tokens for t_draft + curve[j + 1] - curve[j] seconds,
-        beats the round's expected tokens per second with j drafts; P comes from what
-        drafts at each confidence scored before. ``drafted``: how many drafts the round
-        committed to before reading any confidence (the chooser's k); their drafting is
-        sunk, so verifying one of them costs only curve[j + 1] - curve[j].
+        and ask again; with nothing drafted, (0, the round's first chunk).
+
+        After j drafts the round goes on while some longer round, j + e drafts for any e,
+        is expected to yield more tokens per second than stopping at j: with R = P(drafts
+        1..j all accepted), from what drafts at each confidence scored before, and the
+        unseen drafts accepted at a_later each, E[tokens | j + e] = E[tokens | j] +
+        R (a_later + ... + a_later^e), for (j + e) t_draft + curve[j + e]. Looking past the
+        next draft matters where the verify curve is steep at first and flat later (one
+        more draft does not pay, four do). ``drafted``: how many drafts the round committed
+        to before reading any confidence; their drafting is sunk, so verifying one of them
+        costs only its share of the target pass.
 
         Whether draft j is kept depends only on the confidences of drafts 1..j-1, as if the
         draft had stopped there, never on its own: keeping drafts for their own q would
@@ -196,20 +212,30 @@ class AdaptiveK:
         stop seeing how often such drafts pass, and kept too few (measured: 1.92 tokens a
         pass against 2.28 without stopping)."""
         m = len(confidences)
+        if m == 0:
+            return 0, min(_chunk(0), self.k_max)
         if self.level is None:  # nothing timed yet: verify what was drafted, and time it
             return m, 0
         td, curve, later = self.t_draft or 0.0, self.verify_curve(), self.continuation
+
+        def cost(n: int) -> float:  # a round verifying n drafts; the first ``drafted`` sunk
+            return max(n, drafted) * td + curve[n]
+
         run = total = 1.0  # P(drafts 1..j accepted); expected tokens of a round with j drafts
         for j in range(1, m + 1):
             run *= self.confident(confidences[j - 1])
             total += run
             if j >= self.k_max:
                 return j, 0
-            # drafts 1..drafted were paid for before any confidence was read: sunk
-            extra = max(curve[j + 1] - curve[j] + (td if j >= drafted else 0.0), 1e-12)
-            if run * later / extra <= total / (max(j, drafted) * td + curve[j]):
+            best, gain, step = total / cost(j), total, run
+            for n in range(j + 1, self.k_max + 1):  # the unseen drafts: a_later each
+                step *= later
+                gain += step
+                if gain / cost(n) > best:
+                    break
+            else:
                 return j, 0
-        return m, min(DRAFT_MORE, self.k_max - m)
+        return m, min(_chunk(m), self.k_max - m)
 
     def confident(self, confidence: float) -> float:
         """The chance that a draft the draft model gave probability ``confidence`` is

@@ -57,8 +57,8 @@ DraftStopOpt = Annotated[
     bool,
     typer.Option(
         "--draft-stop",
-        help="With -k auto: the draft stops within a round when its own confidence says more "
-        "drafts would not pay (and drafts past k when they would), per the cost model.",
+        help="With -k auto: the draft drafts in small chunks and stops within a round when its "
+        "confidence says more drafts would not pay, per the cost model (up to 8).",
     ),
 ]
 ContextOpt = Annotated[

@@ -121,9 +121,9 @@ def generate_tokens(
         expectation) or "token" (token by token, Leviathan et al.). Greedy decoding is the
         same under both.
     draft_stop: per-token stopping, with an adaptive chooser (num_draft "auto" or an
-        AdaptiveK): the draft model's k becomes where a round starts; it reads the draft's
-        confidences (one more host sync), drafts on in steps of adaptive.DRAFT_MORE while the
-        chooser's cost model says it pays (a sync each), and verifies the best prefix.
+        AdaptiveK): a round the chooser gives k > 0 drafts in small chunks
+        (adaptive.DRAFT_CHUNKS: 1, 1, then 2 at a time, a host sync each, up to the chooser's
+        k_max) while its cost model says the next draft pays, and verifies the best prefix.
     """
     sampling = SamplingParams() if sampling is None else sampling
     if not isinstance(sampling, SamplingParams):
@@ -396,8 +396,9 @@ class _Speculation:
             rows = self.draft_rows
             pending = [t if t < rows else SAFE_ID for t in ctx[self.d_len :]]
             x = mx.array(pending, dtype=mx.uint32)[None]  # (1, L)
-            if self.plan is not None:
+            if self.plan is not None:  # per-token stopping: k is a go; the plan sizes chunks
                 kd, kx = mx.random.split(kd)
+                k = max(1, min(self.plan([])[1], room))
             d, q, conf = draft_model_propose(
                 self.draft, self.dcache, x, k, self.vocab_size, self.process, kd
             )
@@ -438,7 +439,7 @@ class _Speculation:
 
     def stop_or_extend(self, d, q, conf, room: int, key: mx.array, t0: float):
         """Per-token stopping: read the draft's confidences (one host sync), draft more while
-        the chooser's plan says it pays (one sync per extension, never one per token), and
+        the chooser's plan says it pays (one sync per chunk: fewer than one per token), and
         keep the prefix worth verifying. d (1, m), q (1, m, vocab) or None, conf (1, m).
         Returns the kept d and q and the drafting seconds, scaled to the tokens kept."""
         confs = conf[0].tolist()

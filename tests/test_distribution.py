@@ -232,7 +232,7 @@ class ConfidencePlan:
 
     def draft_plan(self, confidences, drafted=0):
         m = len(confidences)
-        if confidences[-1] >= self.bar:
+        if m == 0 or confidences[-1] >= self.bar:
             return m, 1
         return (m - 1 if self.own else m), 0
 

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
-from specmlx.adaptive import DRAFT_MORE, AdaptiveK
+from specmlx.adaptive import DRAFT_CHUNKS, DRAFT_MORE, AdaptiveK
 from specmlx.engine import TIME_DRAFT_EVERY, KVState, generate_tokens
 from specmlx.errors import BadInput
 from specmlx.sampling import SamplingParams
@@ -551,10 +551,18 @@ def test_hybrid_by_value_is_lossless_and_keeps_one_sync_a_round(pair, monkeypatc
 
 
 def test_per_token_stopping_is_lossless_and_syncs_per_extension_not_per_token(pair, monkeypatch):
-    """draft_stop: the round reads the draft's confidences once, drafts on in steps of
-    DRAFT_MORE (a sync each) while the plan says it pays, and verifies the best prefix.
-    Greedy output is the target's; the syncs grow with extensions, not with drafted tokens.
-    The draft is the target itself here, so drafting on pays and extensions happen."""
+    """draft_stop: the round drafts in chunks of DRAFT_CHUNKS (1, 1, then 2; a sync each)
+    while the plan says it pays, and verifies the best prefix. Greedy output is the
+    target's; the syncs grow with chunks, fewer than the drafted tokens. The draft is the
+    target itself here, so drafting on pays and extensions happen."""
+
+    def chunks(m: int) -> int:  # the chunks that draft m tokens
+        n = drafted = 0
+        while drafted < m:
+            drafted += DRAFT_CHUNKS[min(n, len(DRAFT_CHUNKS) - 1)]
+            n += 1
+        return n
+
     target, _ = pair
     draft = make_tiny(0)
     want = tokens(target, None, PROMPTS[1], max_tokens=50)
@@ -571,8 +579,10 @@ def test_per_token_stopping_is_lossless_and_syncs_per_extension_not_per_token(pa
     rounds = [(n, last) for n, last in seen[2:] if last.k]
     assert rounds and all(len(last.confidences) == last.k for _, last in rounds)
     assert all(0.0 < c <= 1.0 for _, last in rounds for c in last.confidences)
-    # a round: its own sync, one to read the confidences, one per extension of DRAFT_MORE
-    assert all(n <= 2 + (last.k + DRAFT_MORE - 1) // DRAFT_MORE for n, last in rounds), rounds
+    # a round: its own sync and one per chunk; it may have drafted up to a chunk past k
+    assert all(n <= 1 + chunks(last.k + DRAFT_MORE - 1) for n, last in rounds), rounds
+    long = [(n, last) for n, last in rounds if last.k >= 4]
+    assert long and all(n < 1 + last.k for n, last in long), long  # not a sync per draft
     assert max(last.k for _, last in rounds) > 4  # it drafted past its first chunk
     assert sum(n for n, _ in rounds) < sum(last.k for _, last in rounds) + len(rounds)
     # a draft that disagrees; sampled too (its distribution: tests/test_distribution.py)
@@ -598,6 +608,8 @@ def test_draft_plan_stops_at_doubtful_drafts_and_extends_confident_ones():
     keep, more = chooser.draft_plan([0.95, 0.92])
     assert (keep, more) == (2, DRAFT_MORE)  # all confident: draft on
     assert chooser.draft_plan([0.1])[0] == 1  # a round verifies at least one draft
+    # a round starts with one draft, then one more, then pairs
+    assert [chooser.draft_plan([0.95] * m)[1] for m in range(4)] == [1, 1, 2, 2]
     # what was learned per confidence survives a save, and bins saved in another shape reset
     resumed = AdaptiveK(**json.loads(json.dumps(chooser.state())))
     assert resumed.draft_plan([0.95, 0.9, 0.2, 0.1]) == (3, 0)
@@ -621,6 +633,21 @@ def test_the_plan_counts_the_rounds_first_drafts_as_sunk():
     assert chooser.draft_plan([0.95, 0.92], drafted=2) == (2, 0)
     # a doubtful draft is still verified once drafted; what comes after it is not
     assert chooser.draft_plan([0.95, 0.2, 0.95, 0.95], drafted=4) == (2, 0)
+
+
+def test_the_plan_looks_past_the_next_draft():
+    """A verify curve steep at first and flat later: one more draft does not pay for itself,
+    four more do. Stopping by the next draft's worth alone quit at one draft."""
+    steep_then_flat = [1.0, 1.1] + [1.8] * 15
+    chooser = AdaptiveK(verify_ratio=steep_then_flat, t_draft=0.05, _later=[36.0, 40.0])
+    chooser.update(0, 0, 1.0)
+    chooser.update(0, 0, 1.0)
+    for _ in range(40):
+        chooser._observe((0.95, 0.95, 0.95, 0.95), 4)  # confident drafts pass
+    assert chooser.draft_plan([0.95], drafted=1) == (1, 1)  # on: j = 5 beats j = 1
+    steep = [1.0, 1.1] + [1.1 + 0.7 * k for k in range(1, 16)]  # every draft dear to verify
+    chooser.verify_ratio = steep
+    assert chooser.draft_plan([0.95], drafted=1) == (1, 0)
 
 
 def test_sampled_plan_is_a_stopping_rule():

@@ -1,0 +1,112 @@
+"""Replay per-token stopping on greedy draft traces (scripts/stop_trace.py), free of timing
+noise (issue 14, part 2).
+
+A round at output position i drafts m tokens (each costs c target steps), verifies L of them
+(a target pass over L + 1 tokens costs curve[L + 1] steps) and keeps min(n_i, L) + 1 tokens,
+where n_i is how many of the draft's proposals from i the target's output confirms. Greedy
+output is fixed, so this is exact for any rule up to the cost model. The rules: fixed k; the
+oracle (drafts exactly what will be accepted: a ceiling); and AdaptiveK.draft_plan, the
+engine's own plan, drafting in chunks of a schedule (adaptive.DRAFT_CHUNKS is what runs),
+learning acceptance per confidence bin online as the engine does. Figures: tokens per target
+step, and the ratio to the best fixed k on the same trace.
+
+    .venv/bin/python scripts/stop_sim.py bench-out/trace.json --c 0.2 \
+        --curve 1,1.17,1.44,1.63,1.65,1.69,1.70,1.72,1.98
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from specmlx.adaptive import DRAFT_CHUNKS, AdaptiveK
+
+SCHEDULES = {"committed": DRAFT_CHUNKS, "k then 2s": None, "2s": (2,), "1s": (1,), "1,2": (1, 2)}
+
+
+def rounds(steps: list[dict], pick):
+    """Walk a generation: pick(step) -> (drafted, verified, syncs); yields each round's
+    (step, drafted, verified, kept, syncs)."""
+    i = 0
+    while i < len(steps):
+        s = steps[i]
+        drafted, verified, syncs = pick(s)
+        verified = min(verified, s["left"] - 1)
+        kept = min(s["n"], verified)
+        yield s, drafted, verified, kept, syncs
+        i += kept + 1
+
+
+def plan_rule(chooser: AdaptiveK, chunks: tuple[int, ...] | None, k: int):
+    """The engine's loop: draft a chunk, ask draft_plan, draft the next chunk while it says
+    so. ``chunks`` None: the old way, the chooser's k first, then DRAFT_MORE at a time."""
+
+    def pick(s):
+        conf = s["conf"]
+        m = k if chunks is None else chunks[0]
+        first, syncs = m, 2  # the round's own sync and the first chunk's
+        while True:
+            keep, more = chooser.draft_plan(conf[:m], drafted=first)
+            if chunks is not None and more:
+                more = chunks[min(syncs - 1, len(chunks) - 1)]
+            more = min(more, chooser.k_max - m, len(conf) - m)
+            if more <= 0:
+                return m, max(1, min(keep, m)), syncs
+            m, syncs = m + more, syncs + 1
+
+    return pick
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--c", type=float, default=0.2, help="draft step / target step")
+    ap.add_argument("--curve", default="1,1.17,1.44,1.63,1.65,1.69,1.70,1.72,1.98")
+    ap.add_argument("--sync", type=float, default=0.01, help="target steps per extra sync")
+    a = ap.parse_args()
+    data = json.load(open(a.trace))
+    K = data["K"]
+    curve = [0.0] + [float(x) for x in a.curve.split(",")]
+    curve += [curve[-1] + 0.1 * (i + 1) for i in range(K + 2 - len(curve))]
+    prompts = [p["steps"] for p in data["prompts"]]
+
+    def rate(pick, learn: AdaptiveK | None = None) -> tuple[float, float]:
+        tokens = time = drafted = syncs = 0.0
+        for steps in prompts:
+            for s, m, v, n, y in rounds(steps, pick):
+                tokens += n + 1
+                time += m * a.c + curve[v + 1] + max(0, y - 1) * a.sync
+                drafted, syncs = drafted + m, syncs + max(0, y - 1)
+                if learn is not None:  # what the engine's chooser folds in
+                    learn._observe(s["conf"][:v], n)
+        return tokens / time, drafted / max(syncs, 1)
+
+    ks = range(0, min(K, len(curve) - 2) + 1)
+    base = {k: rate(lambda s, k=k: (k, k, 1))[0] for k in ks}
+    best = max(base, key=base.get)
+    print(f"c = {a.c}, curve (pass over n tokens) = {curve[1 : len(curve)]}")
+    print("fixed k:", ", ".join(f"{k}: {v:.3f}" for k, v in base.items()), f"(best: k = {best})")
+    oracle = rate(lambda s: (min(s["n"], K), min(s["n"], K), 1))[0]
+    print(f"oracle: {oracle:.3f} = {oracle / base[best]:.3f}x the best fixed k")
+
+    # the chooser's acceptance and costs, fitted on the trace; confidence bins start from the
+    # prior and are learned as the replay goes, carried from prompt to prompt
+    first = later = (0, 0)
+    for steps in prompts:
+        for s in steps:
+            n = min(s["n"], K - 1)
+            first = (first[0] + (n > 0), first[1] + 1)
+            later = (later[0] + max(0, n - 1), later[1] + (n > 0) * n)
+    for name, chunks in SCHEDULES.items():
+        chooser = AdaptiveK(
+            k_max=min(8, K), verify_ratio=curve[1:], level=1.0, t_draft=a.c, t_plain=1.0,
+            _first=[first[0], first[1]], _later=[later[0], later[1]],
+        )  # fmt: skip
+        k = chooser.best_now()
+        r, per_sync = rate(plan_rule(chooser, chunks, k), learn=chooser)
+        label = f"{name} {chunks}" if chunks else f"{name} (k = {k})"
+        print(f"draft_plan, {label}: {r:.3f} = {r / base[best]:.3f}x, {per_sync:.2f} drafts/sync")
+
+
+if __name__ == "__main__":
+    main()
