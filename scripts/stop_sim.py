@@ -39,7 +39,7 @@ def rounds(steps: list[dict], pick):
 
 def plan_rule(chooser: AdaptiveK, chunks: tuple[int, ...] | None, k: int):
     """The engine's loop: draft a chunk, ask draft_plan, draft the next chunk while it says
-    so. ``chunks`` None: the old way, the chooser's k first, then DRAFT_MORE at a time."""
+    so. ``chunks`` None: the old way, the chooser's k first, then DRAFT_CHUNKS[-1] at a time."""
 
     def pick(s):
         conf = s["conf"]

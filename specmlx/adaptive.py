@@ -35,7 +35,6 @@ CONF_BINS = 10  # per-token stopping: acceptance is learned per tenth of draft c
 # best fixed k, where starting with the chooser's k gave 0.96-0.99x and pairs from the start
 # 1.01-1.07x.
 DRAFT_CHUNKS = (1, 1, 2)
-DRAFT_MORE = DRAFT_CHUNKS[-1]  # drafts added per extension once a round runs long
 LOOKUP_MAX = 15  # the longest lookup proposal: a target pass over 16 tokens
 # token counts a verify probe times; the curve between them is interpolated
 PROBE_SIZES = (*range(1, 10), 12, 16)

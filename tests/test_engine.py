@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
-from specmlx.adaptive import DRAFT_CHUNKS, DRAFT_MORE, AdaptiveK
+from specmlx.adaptive import DRAFT_CHUNKS, AdaptiveK, _chunk
 from specmlx.engine import TIME_DRAFT_EVERY, KVState, generate_tokens
 from specmlx.errors import BadInput
 from specmlx.sampling import SamplingParams
@@ -559,8 +559,7 @@ def test_per_token_stopping_is_lossless_and_syncs_per_extension_not_per_token(pa
     def chunks(m: int) -> int:  # the chunks that draft m tokens
         n = drafted = 0
         while drafted < m:
-            drafted += DRAFT_CHUNKS[min(n, len(DRAFT_CHUNKS) - 1)]
-            n += 1
+            drafted, n = drafted + _chunk(drafted), n + 1
         return n
 
     target, _ = pair
@@ -580,7 +579,7 @@ def test_per_token_stopping_is_lossless_and_syncs_per_extension_not_per_token(pa
     assert rounds and all(len(last.confidences) == last.k for _, last in rounds)
     assert all(0.0 < c <= 1.0 for _, last in rounds for c in last.confidences)
     # a round: its own sync and one per chunk; it may have drafted up to a chunk past k
-    assert all(n <= 1 + chunks(last.k + DRAFT_MORE - 1) for n, last in rounds), rounds
+    assert all(n <= 1 + chunks(last.k + DRAFT_CHUNKS[-1] - 1) for n, last in rounds), rounds
     long = [(n, last) for n, last in rounds if last.k >= 4]
     assert long and all(n < 1 + last.k for n, last in long), long  # not a sync per draft
     assert max(last.k for _, last in rounds) > 4  # it drafted past its first chunk
@@ -606,7 +605,7 @@ def test_draft_plan_stops_at_doubtful_drafts_and_extends_confident_ones():
     assert chooser.draft_plan([0.95, 0.9, 0.2, 0.1]) == (3, 0)
     assert chooser.draft_plan([0.95, 0.2, 0.9, 0.9]) == (2, 0)
     keep, more = chooser.draft_plan([0.95, 0.92])
-    assert (keep, more) == (2, DRAFT_MORE)  # all confident: draft on
+    assert (keep, more) == (2, DRAFT_CHUNKS[-1])  # all confident: draft on
     assert chooser.draft_plan([0.1])[0] == 1  # a round verifies at least one draft
     # a round starts with one draft, then one more, then pairs
     assert [chooser.draft_plan([0.95] * m)[1] for m in range(4)] == [1, 1, 2, 2]
@@ -626,7 +625,7 @@ def test_the_plan_counts_the_rounds_first_drafts_as_sunk():
     chooser.update(0, 0, 1.0)
     for _ in range(40):
         chooser._observe((0.95, 0.9, 0.2, 0.1), 2)  # confident drafts pass, doubtful ones fail
-    assert chooser.draft_plan([0.95, 0.92], drafted=2) == (2, DRAFT_MORE)
+    assert chooser.draft_plan([0.95, 0.92], drafted=2) == (2, DRAFT_CHUNKS[-1])
     chooser.t_draft = 0.4  # a dear draft: drafting on rarely pays, verifying what is drafted does
     assert chooser.draft_plan([0.95] * 4) == (2, 0)  # as if none were drafted yet
     assert chooser.draft_plan([0.95] * 4, drafted=4) == (4, 0)
