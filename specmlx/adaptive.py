@@ -134,7 +134,8 @@ class AdaptiveK:
         """The next round's k, after folding in ``last`` (None: a generation starts; what
         was learned in earlier ones carries over)."""
         if last is not None:
-            self.update(last.k, last.accepted, last.seconds, last.draft_seconds, last.lookup)
+            k, n, secs = last.k, last.accepted, last.seconds
+            self.update(k, n, secs, last.draft_seconds, last.lookup, last.made)
             self._observe(last.confidences[: last.k], last.accepted)
         if self.level is None:
             return min(2, self.k_max)  # measure something first
@@ -286,11 +287,20 @@ class AdaptiveK:
         return (prior * self.prior_weight + wins) / (self.prior_weight + tries)
 
     def update(
-        self, k: int, n: int, round_s: float, draft_s: float | None = None, lookup: int = 0
+        self,
+        k: int,
+        n: int,
+        round_s: float,
+        draft_s: float | None = None,
+        lookup: int = 0,
+        made: int | None = None,
     ) -> None:
         """Fold one round in: n of k drafts accepted in ``round_s`` seconds, of which
         ``draft_s`` drafting when it was timed apart; ``lookup`` > 0: prompt lookup proposed
-        them from a match that long (its acceptance is learned apart, its drafting is free)."""
+        them from a match that long (its acceptance is learned apart, its drafting is free);
+        ``made``: drafts made, when more than k (per-token stopping verified fewer than it
+        drafted: the unverified ones cost draft time, not target time)."""
+        made = k if made is None else max(made, k)
         if k > 0 and lookup:
             counts = self._lookup.setdefault(lookup, [0.0] * 4)
             first, later = counts[:2], counts[2:]
@@ -303,14 +313,14 @@ class AdaptiveK:
         if k > 0 and draft_s is None and self.t_draft and self.level:
             # not timed apart: split the round in the predicted proportions, so a machine-wide
             # slowdown shows in both models' times; the timed rounds correct the split
-            draft = k * self.t_draft
+            draft = made * self.t_draft
             draft_s = round_s * draft / (draft + self.level * self._shape(k))
         if k > 0:
             self._count(self._first, self._later, k, n)
             if n > 0:
                 self._wait = self.reprobe_every  # the draft scored: no backing off
             if draft_s is not None:
-                step = draft_s / k
+                step = draft_s / made
                 self.t_draft = step if self.t_draft is None else self._blend(self.t_draft, step)
         self._time(k, max(round_s - (draft_s or 0.0), 1e-9))
 

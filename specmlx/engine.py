@@ -311,6 +311,7 @@ class _Speculation:
         # per-token stopping: the chooser's plan, and this round's kept drafts' confidences
         self.plan: Callable[..., tuple[int, int]] | None = None
         self.confs: list[float] = []
+        self.made = 0  # drafts made this round (per-token stopping may verify fewer)
         self.d_len = kv.draft_len
         self.draft_rows = 0  # ids the draft can embed
         if draft is not None:
@@ -351,7 +352,8 @@ class _Speculation:
                     self.finder.extend(new)
                 settled = True
                 seconds = time.perf_counter() - t0
-                last = RoundReport(k, n, seconds, t_draft, self.match, tuple(self.confs))
+                made = self.made if self.made > k else None
+                last = RoundReport(k, n, seconds, t_draft, self.match, tuple(self.confs), made)
                 stats.record(last, stops.count)
                 stats.finish_reason = reason
                 check(new)
@@ -391,7 +393,7 @@ class _Speculation:
         room = k if room is None else room
         proposal = self.propose_lookup(k, room)
         d, q = mx.array(proposal, dtype=mx.uint32), None
-        t_draft, self.confs = None, []
+        t_draft, self.confs, self.made = None, [], 0
         if not proposal and self.draft is not None and k > 0:
             rows = self.draft_rows
             pending = [t if t < rows else SAFE_ID for t in ctx[self.d_len :]]
@@ -441,7 +443,8 @@ class _Speculation:
         """Per-token stopping: read the draft's confidences (one host sync), draft more while
         the chooser's plan says it pays (one sync per chunk: fewer than one per token), and
         keep the prefix worth verifying. d (1, m), q (1, m, vocab) or None, conf (1, m).
-        Returns the kept d and q and the drafting seconds, scaled to the tokens kept."""
+        Returns the kept d and q and the seconds of all the drafting (self.made: how many
+        were drafted, the unverified ones included)."""
         confs = conf[0].tolist()
         first = len(confs)  # drafted before any confidence was read: sunk for the plan
         keys = mx.random.split(key, DRAFT_MORE_MAX)
@@ -458,8 +461,8 @@ class _Speculation:
             q = None if q is None else mx.concatenate([q, q2], axis=1)
             confs += c2[0].tolist()
         keep = max(1, min(keep, len(confs)))
-        self.confs = confs[:keep]
-        drafted = (time.perf_counter() - t0) * keep / len(confs)
+        self.confs, self.made = confs[:keep], len(confs)
+        drafted = time.perf_counter() - t0
         return d[:, :keep], (None if q is None else q[:, :keep]), drafted
 
     def propose_lookup(self, k: int, room: int) -> list[int]:

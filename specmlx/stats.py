@@ -26,6 +26,9 @@ class RoundReport:
     draft_seconds: float | None = None  # drafting alone, when it was timed apart
     lookup: int = 0  # > 0: prompt lookup proposed this round's drafts, from a match this long
     confidences: tuple[float, ...] = ()  # per-token stopping: the draft's q of each draft
+    # per-token stopping: drafts made, when more than k (a chunk can end past where the plan
+    # stops); draft_seconds covers all of them, the unverified ones included
+    made: int | None = None
 
 
 @runtime_checkable
@@ -56,6 +59,7 @@ class Stats:
     timed_rounds: int = 0  # drafting rounds whose drafting was timed apart
     timed_drafted: int = 0  # tokens drafted in those rounds
     timed_draft_s: float = 0.0  # their drafting time
+    unverified: int = 0  # per-token stopping: drafts made but not verified
     peak_memory: int = 0  # bytes
     last: RoundReport | None = None  # the latest round
     finish_reason: str | None = None  # "stop", "length", or None while running
@@ -81,7 +85,9 @@ class Stats:
     @property
     def draft_s(self) -> float:
         """Seconds spent drafting, estimated from the timed rounds' time per drafted token."""
-        return self.timed_draft_s / self.timed_drafted * self.drafted if self.timed_drafted else 0.0
+        if not self.timed_drafted:
+            return 0.0
+        return self.timed_draft_s / self.timed_drafted * (self.drafted + self.unverified)
 
     @property
     def target_s(self) -> float:
@@ -94,6 +100,8 @@ class Stats:
         self.rounds += 1
         self.drafted += k
         self.accepted += n
+        made = k if report.made is None else report.made
+        self.unverified += made - k
         if len(self.accept_hist) <= n:
             self.accept_hist += [0] * (n + 1 - len(self.accept_hist))
         self.accept_hist[n] += 1
@@ -101,7 +109,7 @@ class Stats:
         self.decode_s += report.seconds
         if report.draft_seconds is not None:
             self.timed_rounds += 1
-            self.timed_drafted += k
+            self.timed_drafted += made
             self.timed_draft_s += report.draft_seconds
         self.last = report
 

@@ -17,7 +17,7 @@ from specmlx.adaptive import (
     probe_verify,
 )
 from specmlx.engine import generate_tokens
-from specmlx.stats import RoundReport
+from specmlx.stats import RoundReport, Stats
 
 
 def test_expected_tokens():
@@ -273,3 +273,27 @@ def test_verify_curve_from_sparse_probes():
 
 def test_an_untimed_chooser_tries_lookup():
     assert AdaptiveK().lookup_length(2, 5, 2, draft=True) == 5
+
+
+def test_unverified_drafts_cost_draft_time_not_target_time():
+    """Per-token stopping can draft past where it stops (a chunk of two, the plan stopping
+    after the first): the round reports the drafts made and all their drafting time. The
+    engine once reported the time of the verified drafts alone, so the rest was charged to
+    the target pass and verifying looked dearer than it is."""
+    ratio = [1.0] + [1.1 + 0.05 * k for k in range(1, 16)]
+
+    def fed(report: RoundReport) -> AdaptiveK:
+        chooser = AdaptiveK(verify_ratio=ratio, level=1.0, t_draft=0.1, t_plain=1.0)
+        for _ in range(40):  # 4 drafted at 0.1 s, 2 verified in a 1.2 s pass
+            chooser(report)
+        return chooser
+
+    right = fed(RoundReport(2, 1, 1.6, 0.4, made=4))
+    assert right.t_draft == pytest.approx(0.1) and right.verify_curve()[2] == pytest.approx(1.2)
+    wrong = fed(RoundReport(2, 1, 1.6, 0.2))  # the old report: 2 drafts' share of the time
+    assert wrong.verify_curve()[2] == pytest.approx(1.4, rel=1e-3)
+    stats = Stats()
+    stats.record(RoundReport(2, 1, 1.6, 0.4, made=4), 2)
+    stats.record(RoundReport(4, 4, 1.6), 7)
+    # drafting: 0.1 s a draft made, 4 + 4 made; the verified drafts are what acceptance counts
+    assert stats.draft_s == pytest.approx(0.8) and stats.drafted == 6

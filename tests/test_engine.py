@@ -3,6 +3,7 @@
 import itertools
 import json
 import random
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -578,8 +579,11 @@ def test_per_token_stopping_is_lossless_and_syncs_per_extension_not_per_token(pa
     rounds = [(n, last) for n, last in seen[2:] if last.k]
     assert rounds and all(len(last.confidences) == last.k for _, last in rounds)
     assert all(0.0 < c <= 1.0 for _, last in rounds for c in last.confidences)
-    # a round: its own sync and one per chunk; it may have drafted up to a chunk past k
-    assert all(n <= 1 + chunks(last.k + DRAFT_CHUNKS[-1] - 1) for n, last in rounds), rounds
+    # a round: its own sync and one per chunk; it may have drafted up to a chunk past k, and
+    # says how many it made (their time is drafting, not the target's)
+    made = [last.k if last.made is None else last.made for _, last in rounds]
+    assert all(r.k <= m < r.k + DRAFT_CHUNKS[-1] for (_, r), m in zip(rounds, made, strict=True))
+    assert all(n == 1 + chunks(m) for (n, _), m in zip(rounds, made, strict=True)), rounds
     long = [(n, last) for n, last in rounds if last.k >= 4]
     assert long and all(n < 1 + last.k for n, last in long), long  # not a sync per draft
     assert max(last.k for _, last in rounds) > 4  # it drafted past its first chunk
@@ -591,6 +595,36 @@ def test_per_token_stopping_is_lossless_and_syncs_per_extension_not_per_token(pa
         assert len(a) == 30 and all(0 <= t < 64 for t in a)
         if temp == 0:
             assert a == tokens(target, None, PROMPTS[0], max_tokens=30)
+
+
+@dataclass
+class MidChunkStop(AdaptiveK):
+    """A plan that drafts 1, 1, 2 and then keeps 3 of the 4: a chunk ends past the stop.
+    Logs the reports it is given in ``seen``."""
+
+    seen: list = field(default_factory=list)
+
+    def __call__(self, last):
+        self.seen += [last] if last is not None else []
+        return super().__call__(last)
+
+    def draft_plan(self, confidences, drafted=0):
+        m = len(confidences)
+        return (3, 0) if m >= 4 else (m, _chunk(m))
+
+
+def test_a_round_reports_the_drafts_it_made_but_did_not_verify(pair):
+    """Drafts past where the plan stops cost drafting time: the round says how many it made
+    (RoundReport.made), and the statistics count them apart from the verified ones."""
+    target, _ = pair
+    chooser, stats = MidChunkStop(t_draft=1e-4, level=1.0, t_plain=2.0, a=0.9), Stats()
+    kw = dict(num_draft=chooser, max_tokens=40, draft_stop=True, stats=stats)
+    out = tokens(target, make_tiny(0), PROMPTS[1], **kw)
+    assert out == tokens(target, None, PROMPTS[1], max_tokens=40)
+    reports = [*chooser.seen, stats.last]  # the last round's report reaches no chooser
+    full = [r for r in reports if r.made is not None]
+    assert full and all((r.k, r.made, len(r.confidences)) == (3, 4, 3) for r in full)
+    assert stats.unverified == len(full) and stats.drafted == sum(r.k for r in reports)
 
 
 def test_draft_plan_stops_at_doubtful_drafts_and_extends_confident_ones():
