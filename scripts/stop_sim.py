@@ -1,10 +1,13 @@
-"""Replay per-token stopping on greedy draft traces (scripts/stop_trace.py), free of timing
-noise (issue 14, part 2).
+"""Replay per-token stopping on draft traces (scripts/stop_trace.py), free of timing noise
+(issue 14, part 2).
 
 A round at output position i drafts m tokens (each costs c target steps), verifies L of them
 (a target pass over L + 1 tokens costs curve[L + 1] steps) and keeps min(n_i, L) + 1 tokens,
 where n_i is how many of the draft's proposals from i the target's output confirms. Greedy
-output is fixed, so this is exact for any rule up to the cost model. The rules: fixed k; the
+output is fixed, so this is exact for any rule up to the cost model. A sampled trace gives
+each draft's token-wise acceptance probability instead: each of ``--draws`` replays draws
+every step's n_i once from them (draft j passes when u_j < alpha_j), and every rule sees the
+same draws. The rules: fixed k; the
 oracle (drafts exactly what will be accepted: a ceiling); and AdaptiveK.draft_plan, the
 engine's own plan, drafting in chunks of a schedule (adaptive.DRAFT_CHUNKS is what runs),
 learning acceptance per confidence bin online as the engine does. Figures: tokens per target
@@ -12,12 +15,14 @@ step, and the ratio to the best fixed k on the same trace.
 
     .venv/bin/python scripts/stop_sim.py bench-out/trace.json --c 0.2 \
         --curve 1,1.17,1.44,1.63,1.65,1.69,1.70,1.72,1.98
+    .venv/bin/python scripts/stop_sim.py bench-out/trace-t08.json --draws 20 --c 0.2 ...
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 
 from specmlx.adaptive import DRAFT_CHUNKS, AdaptiveK
 
@@ -35,6 +40,21 @@ def rounds(steps: list[dict], pick):
         kept = min(s["n"], verified)
         yield s, drafted, verified, kept, syncs
         i += kept + 1
+
+
+def drawn(prompts: list[dict], draws: int) -> list[dict]:
+    """A sampled trace as ``draws`` greedy-like ones: each step's n drawn from its alphas."""
+    rng, out = random.Random(0), []
+    for _ in range(draws):
+        for p in prompts:
+            steps = []
+            for s in p["steps"]:
+                n = 0
+                while n < len(s["alpha"]) and rng.random() < s["alpha"][n]:
+                    n += 1
+                steps.append({**s, "n": n})
+            out.append({"id": p["id"], "steps": steps})
+    return out
 
 
 def plan_rule(chooser: AdaptiveK, chunks: tuple[int, ...] | None, k: int):
@@ -63,9 +83,16 @@ def main() -> None:
     ap.add_argument("--c", type=float, default=0.2, help="draft step / target step")
     ap.add_argument("--curve", default="1,1.17,1.44,1.63,1.65,1.69,1.70,1.72,1.98")
     ap.add_argument("--sync", type=float, default=0.01, help="target steps per extra sync")
+    ap.add_argument("--draws", type=int, default=20, help="sampled traces: outcome draws")
+    ap.add_argument("--conf", default="conf", help="sampled traces: conf, top or agree")
     a = ap.parse_args()
     data = json.load(open(a.trace))
+    for p in data["prompts"]:  # the confidence the rules read
+        for s in p["steps"]:
+            s["conf"] = s[a.conf]
     K = data["K"]
+    if "alpha" in data["prompts"][0]["steps"][0]:
+        data["prompts"] = drawn(data["prompts"], a.draws)
     curve = [0.0] + [float(x) for x in a.curve.split(",")]
     curve += [curve[-1] + 0.1 * (i + 1) for i in range(K + 2 - len(curve))]
     prompts = [p["steps"] for p in data["prompts"]]

@@ -35,6 +35,8 @@ CONF_BINS = 10  # per-token stopping: acceptance is learned per tenth of draft c
 # best fixed k, where starting with the chooser's k gave 0.96-0.99x and pairs from the start
 # 1.01-1.07x.
 DRAFT_CHUNKS = (1, 1, 2)
+# the first timings of the draft are taken at their minimum, later ones averaged
+EARLY_TIMES = 3
 LOOKUP_MAX = 15  # the longest lookup proposal: a target pass over 16 tokens
 # token counts a verify probe times; the curve between them is interpolated
 PROBE_SIZES = (*range(1, 10), 12, 16)
@@ -79,7 +81,8 @@ class AdaptiveK:
     first position (a) and for the later ones (a_later, shrunk towards a while it has few
     trials),
     on top of a prior a worth ``prior_weight`` trials that fades like old data.
-    Times: t_draft per token (the engine times drafting apart on one drafting round in eight),
+    Times: t_draft per token (the engine times drafting apart on one drafting round in eight
+    and on the first after plain rounds; the first EARLY_TIMES timings count at their minimum),
     and t_verify(k) = level * shape[k]; every round updates the
     level (so no k keeps a stale or spiked time) and the shape is the probed ``verify_ratio``
     corrected per k as rounds at that k come in. Observations are clipped to [1/2, 2] x the
@@ -118,6 +121,7 @@ class AdaptiveK:
     # prompt lookup, by match length: [accepted, tried] at the first position, then after it
     _lookup: dict[int, list[float]] = field(default_factory=dict)
     _drafting_rounds: int = 0
+    _draft_timed: int = 0  # draft timings folded in
     _zeros: int = 0
     _wait: int = 0
 
@@ -301,6 +305,7 @@ class AdaptiveK:
         ``made``: drafts made, when more than k (per-token stopping verified fewer than it
         drafted: the unverified ones cost draft time, not target time)."""
         made = k if made is None else max(made, k)
+        timed = draft_s is not None
         if k > 0 and lookup:
             counts = self._lookup.setdefault(lookup, [0.0] * 4)
             first, later = counts[:2], counts[2:]
@@ -321,7 +326,15 @@ class AdaptiveK:
                 self._wait = self.reprobe_every  # the draft scored: no backing off
             if draft_s is not None:
                 step = draft_s / made
-                self.t_draft = step if self.t_draft is None else self._blend(self.t_draft, step)
+                self._draft_timed += timed
+                if self.t_draft is None:
+                    self.t_draft = step
+                elif timed and self._draft_timed <= EARLY_TIMES:
+                    # the first few timings: noise only ever makes a draft look slower, and one
+                    # slow first timing (a busy machine) made auto stop drafting for good
+                    self.t_draft = min(self.t_draft, step)
+                else:
+                    self.t_draft = self._blend(self.t_draft, step)
         self._time(k, max(round_s - (draft_s or 0.0), 1e-9))
 
     def _count(self, first: list[float], later: list[float], k: int, n: int) -> None:

@@ -38,7 +38,10 @@ __all__ = ["KVState", "Stats", "TokenEvent", "TIME_DRAFT_EVERY", "generate_token
 
 # MLX streams belong to a thread: the server generates on a worker thread of its own
 _STREAM = getattr(mx, "new_thread_local_stream", mx.new_stream)(mx.default_device())
-# drafting rounds: the first and then one in 8 get a second host sync, to time the draft apart
+# drafting rounds: the first, the first after plain rounds (while drafting is rare, as when
+# adaptive k has stopped and probes now and then, one in 8 would leave the draft's time
+# unmeasured for a whole generation) and then one in 8 get a second host sync, to time the
+# draft apart
 TIME_DRAFT_EVERY = 8
 # per-token stopping: the most extensions a round may draft (each one host sync)
 DRAFT_MORE_MAX = 8
@@ -338,6 +341,8 @@ class _Speculation:
                 # a round emits up to k + 1 tokens: never draft past the budget
                 k = max(0, min(next_k(last), stops.max_tokens - stops.count - 1))
                 settled = False  # (a chooser that raises leaves the caches as they were)
+                if last is not None and last.k == 0:
+                    drafting_rounds = 0  # a chooser's probe after plain rounds: time it
                 # a queued pass would be waited for inside the draft's timing: skip, time the next
                 time_draft = k > 0 and drafting_rounds % TIME_DRAFT_EVERY == 0 and self.head is None
                 drafting_rounds += k > 0 and self.head is None

@@ -297,3 +297,22 @@ def test_unverified_drafts_cost_draft_time_not_target_time():
     stats.record(RoundReport(4, 4, 1.6), 7)
     # drafting: 0.1 s a draft made, 4 + 4 made; the verified drafts are what acceptance counts
     assert stats.draft_s == pytest.approx(0.8) and stats.drafted == 6
+
+
+def test_one_slow_first_draft_timing_does_not_stop_drafting_for_good():
+    """The draft is timed on its first round: if the machine was busy then (another job at
+    start-up), a draft that pays looked too dear and auto stopped drafting. It then drafted
+    only to probe, and took each probe's timing at most halfway towards the truth (the clip
+    that guards against one descheduled round): it stayed stopped for whole generations
+    (measured in a bench: 1-6 drafts in 64 tokens). The first timings now count at their
+    minimum, and the engine times each probe (a drafting round after plain rounds)."""
+    chooser, rng, ks, last = AdaptiveK(), random.Random(0), [], None
+    for i in range(60):
+        k = chooser(last)
+        ks.append(k)
+        n = next((j for j in range(k) if rng.random() >= 0.75), k)
+        draft_s = 0.03 * k * (10 if i == 0 else 1)  # the first timing: a busy machine
+        timed = k > 0 and (i == 0 or ks[i - 1] == 0 or i % 8 == 0)
+        last = RoundReport(k, n, draft_s + 0.1 + 0.005 * k, draft_s if timed else None)
+    assert ks[2] == 0  # the slow timing stopped it, as it should on what it saw
+    assert chooser.t_draft == pytest.approx(0.03, rel=0.05) and all(k > 0 for k in ks[-30:]), ks

@@ -387,6 +387,26 @@ def test_host_syncs_per_round(pair, monkeypatch):
         assert timed[1] and 1 <= sum(timed) <= 1 + len(timed) // TIME_DRAFT_EVERY
 
 
+def test_a_probe_after_plain_rounds_is_timed(pair):
+    """A drafting round after plain ones (adaptive k probing once it has stopped) times its
+    draft: at one in TIME_DRAFT_EVERY, a chooser that drafts rarely would not see the draft's
+    time again for a whole generation."""
+    target, draft = pair
+    script = itertools.cycle([0, 0, 1, 0, 0, 0, 2, 3, 3])
+    seen = []
+
+    def choose(last):
+        seen.append(last)
+        return next(script)
+
+    list(generate_tokens(target, draft, PROMPTS[0], num_draft=choose, max_tokens=60))
+    pairs = list(itertools.pairwise(r for r in seen if r is not None))
+    probes = [r for prev, r in pairs if prev.k == 0 and r.k > 0]
+    assert len(probes) >= 4 and all(r.draft_seconds is not None for r in probes)
+    after = [r for prev, r in pairs if prev.k > 0 and r.k > 0]
+    assert after and all(r.draft_seconds is None for r in after)  # the rest: one in 8
+
+
 def test_time_split_adds_up(pair):
     target, draft = pair
     stats = Stats()
