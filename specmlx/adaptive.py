@@ -138,8 +138,9 @@ class AdaptiveK:
         """The next round's k, after folding in ``last`` (None: a generation starts; what
         was learned in earlier ones carries over)."""
         if last is not None:
-            k, n, secs = last.k, last.accepted, last.seconds
-            self.update(k, n, secs, last.draft_seconds, last.lookup, last.made)
+            self.update(
+                last.k, last.accepted, last.seconds, last.draft_seconds, last.lookup, last.made
+            )
             self._observe(last.confidences[: last.k], last.accepted)
         if self.level is None:
             return min(2, self.k_max)  # measure something first
