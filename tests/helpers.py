@@ -1,5 +1,5 @@
-"""Tiny random-weight mlx-lm llama models and tokenizers: right for mechanics, never for speed
-claims. Shared by the test modules (conftest.py turns some into fixtures)."""
+"""Tiny random-weight mlx-lm llama models, a table model and tokenizers: right for
+mechanics, never for speed claims. Shared by the test modules (conftest.py turns some into fixtures)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
 
 from specmlx import gguf
 from specmlx.stats import RoundReport
@@ -42,6 +44,31 @@ def make_tiny(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, sha
         model.lm_head.weight = model.lm_head.weight * sharpen
     mx.eval(model.parameters())
     return model
+
+
+class TableLM(nn.Module):
+    """A random second-order language model for tests that need many thousand whole
+    generations through the public API: the logits after a token are a (V, V, V) table's row
+    for that token and the one before it. It keeps its context in a real mlx-lm KVCache (the
+    ids as one-wide keys), so a cache rolled back wrongly hands it a stale previous token and
+    changes what it predicts. Its pass is a handful of MLX ops, where a tiny llama's costs
+    ~1.5 ms on a CPU (most of it RoPE)."""
+
+    def __init__(self, vocab: int, seed: int, scale: float = 1.0):
+        super().__init__()
+        self.table = scale * mx.random.normal((vocab, vocab, vocab), key=mx.random.key(seed))
+
+    def make_cache(self) -> list:
+        return [KVCache()]
+
+    def __call__(self, x: mx.array, cache: list | None = None) -> mx.array:
+        ids = x.astype(mx.float32)[:, None, :, None]  # (B, 1, L, 1): the new ids as keys
+        if cache is not None:
+            ids, _ = cache[0].update_and_fetch(ids, ids)  # (B, 1, T, 1): every id so far
+        seen = ids[:, 0, :, 0].astype(mx.int32)  # (B, T)
+        before = mx.concatenate([mx.zeros_like(seen[:, :1]), seen[:, :-1]], axis=1)  # (B, T)
+        n = x.shape[1]
+        return self.table[before[:, -n:], seen[:, -n:]]  # (B, L, V)
 
 
 CORPUS = [

@@ -7,7 +7,7 @@ verification rules, with top-k, top-p and min-p on."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import make_tiny
+from helpers import TableLM, make_tiny
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from scipy.stats import chisquare
 
@@ -191,22 +191,24 @@ def test_engine_first_token_distribution(pair):
 
 # ------------------------------------------- whole sequences through the public API
 
-JV = 8  # vocabulary: 8**3 = 512 possible sequences, 136 of them possible after the filters
+JV = 8  # vocabulary: 8**3 = 512 possible sequences, 154 of them possible after the filters
 JOINT_PROMPT = [3]  # one token: nothing to prefill, each generation is just its rounds
 JOINT_SAMPLING = SamplingParams(1.0, top_p=0.9, top_k=6, min_p=0.05)
-# generations per rule: at ~3.5 ms each on a 2-core CPU (MLX's per-op cost, not the models')
-# this is ~35 s a rule; the exact enumeration in test_acceptance.py carries the fine math
-N_JOINT = 10_000
+# generations per test, ~2.5 ms each on a 2-core CPU (the engine's per-round MLX ops: the
+# table model's own pass is a few); the exact enumeration in test_acceptance.py carries the
+# fine math
+N_JOINT = 20_000
+N_WRONG = 3_000  # a wrong rule is far off: fewer generations show it
 
 
 @pytest.fixture(scope="module")
 def small_pair():
-    """One-layer target and a draft with a noisy head: they agree about two times in three."""
-    target = make_tiny(20, vocab=JV, layers=1, hidden=16)
-    draft = make_tiny(20, vocab=JV, layers=1, hidden=16)
-    w = draft.lm_head.weight
-    draft.lm_head.weight = w + 0.6 * w.std() * mx.random.normal(w.shape, key=mx.random.key(7))
-    mx.eval(draft.parameters())
+    """A table target and a draft with a noisy table: the draft's first proposal is kept
+    about two times in three."""
+    target = TableLM(JV, seed=20, scale=0.5)
+    draft = TableLM(JV, seed=20, scale=0.5)
+    draft.table = target.table + 0.5 * mx.random.normal(target.table.shape, key=mx.random.key(7))
+    mx.eval(target.table, draft.table)
     return target, draft
 
 
@@ -294,7 +296,7 @@ def test_the_sequence_test_rejects_a_rule_that_skips_the_residual(
     target, draft = small_pair
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
     monkeypatch.setitem(RULES, verify, _skips_the_residual(outcome))
-    counts, _ = engine_sequences(target, draft, verify, 1000)
+    counts, _ = engine_sequences(target, draft, verify, N_WRONG)
     assert pooled_chi2(counts, joint) < 1e-6
 
 
@@ -314,5 +316,5 @@ def test_the_sequence_test_rejects_stopping_on_a_drafts_own_confidence(small_pai
     target, draft = small_pair
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
     plan = ConfidencePlan(0.25, own=True)
-    counts, _ = engine_sequences(target, draft, "token", N_JOINT, num_draft=plan, draft_stop=True)
+    counts, _ = engine_sequences(target, draft, "token", N_WRONG, num_draft=plan, draft_stop=True)
     assert pooled_chi2(counts, joint) < 1e-6
