@@ -11,8 +11,8 @@ same draws. The rules: fixed k; the
 oracle (drafts exactly what will be accepted: a ceiling); each prompt at its own best fixed
 k (a baseline nearer to live adaptive k, which adapts per prompt); and AdaptiveK.draft_plan, the
 engine's own plan, drafting in chunks of a schedule (adaptive.DRAFT_CHUNKS is what runs),
-learning acceptance per confidence bin online as the engine does. Figures: tokens per target
-step, and the ratio to the best fixed k on the same trace.
+learning acceptance per confidence bin online as the engine does. Figures: acceptance by
+confidence decile, tokens per target step, and the ratio to the best fixed k on the same trace.
 
     .venv/bin/python scripts/stop_sim.py bench-out/trace.json --c 0.2 \
         --curve 1,1.17,1.44,1.63,1.65,1.69,1.70,1.72,1.98
@@ -58,6 +58,21 @@ def drawn(prompts: list[dict], draws: int) -> list[dict]:
     return out
 
 
+def calibration(prompts: list[dict]) -> list[tuple[float, int, float]]:
+    """How often drafts are accepted by confidence decile: (bin start, drafts, acceptance).
+    Greedy: a draft counts once its prefix was accepted; sampled: its mean alpha. Stopping
+    at low confidence pays only if low confidence means a likely rejection."""
+    bins: list[list[float]] = [[] for _ in range(10)]
+    for p in prompts:
+        for s in p["steps"]:
+            for j, c in enumerate(s["conf"]):
+                if "alpha" in s:
+                    bins[min(int(c * 10), 9)].append(s["alpha"][j])
+                elif j <= s["n"]:
+                    bins[min(int(c * 10), 9)].append(float(j < s["n"]))
+    return [(i / 10, len(b), sum(b) / len(b)) for i, b in enumerate(bins) if b]
+
+
 def plan_rule(chooser: AdaptiveK, chunks: tuple[int, ...] | None, k: int):
     """The engine's loop: draft a chunk, ask draft_plan, draft the next chunk while it says
     so. ``chunks`` None: the old way, the chooser's k first, then DRAFT_CHUNKS[-1] at a time."""
@@ -92,6 +107,8 @@ def main() -> None:
         for s in p["steps"]:
             s["conf"] = s[a.conf]
     K = data["K"]
+    cal = calibration(data["prompts"])
+    print("acceptance by confidence:", ", ".join(f"{c:.1f}+: {a:.2f} ({n})" for c, n, a in cal))
     if "alpha" in data["prompts"][0]["steps"][0]:
         data["prompts"] = drawn(data["prompts"], a.draws)
     curve = [0.0] + [float(x) for x in a.curve.split(",")]
