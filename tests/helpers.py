@@ -1,5 +1,6 @@
 """Tiny random-weight mlx-lm llama models, a table model and tokenizers: right for
-mechanics, never for speed claims. Shared by the test modules (conftest.py turns some into fixtures)."""
+mechanics, never for speed claims. Shared by the test modules (conftest.py turns some into
+fixtures)."""
 
 from __future__ import annotations
 

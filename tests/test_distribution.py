@@ -212,6 +212,21 @@ def small_pair():
     return target, draft
 
 
+def test_the_table_model_reads_its_cache(small_pair):
+    """What makes the sequence tests catch a bad rollback: fed through its cache, the table
+    model predicts as from the whole context, and a cache left one token long does not."""
+    target, _ = small_pair
+    whole = target(mx.array([[3, 5, 1]]))[0, -1]
+    cache = make_prompt_cache(target)
+    target(mx.array([[3, 5]]), cache=cache)
+    assert mx.array_equal(target(mx.array([[1]]), cache=cache)[0, -1], whole)
+    trim_prompt_cache(cache, 1)  # drop the 1: the cache holds [3, 5] again, as after a rollback
+    assert mx.array_equal(target(mx.array([[1]]), cache=cache)[0, -1], whole)
+    stale = make_prompt_cache(target)
+    target(mx.array([[3, 5, 2]]), cache=stale)  # a draft (2) that was never rolled back
+    assert not mx.array_equal(target(mx.array([[1]]), cache=stale)[0, -1], whole)
+
+
 def sequence_joint(target, process) -> np.ndarray:
     """P(t1, t2, t3 | prompt) by enumeration, (JV**3,): one batched pass over every
     prompt + t1 + t2 gives p(t1), p(t2 | t1) and p(t3 | t1, t2)."""
