@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from .caches import can_rollback, make_caches, trim
 from .stats import RoundReport
 
 CONF_BINS = 10  # per-token stopping: acceptance is learned per tenth of draft confidence
@@ -393,7 +393,7 @@ def pass_times(model, ids: list[int], ns: list[int], reps: int = 3) -> dict[int,
     """Seconds of one forward pass over n tokens after a prefill of ``ids``, for each n in
     ``ns``: the sizes take turns within each repetition, so drift hits them alike, and the
     fastest repetition is kept, since on a shared machine noise only ever adds time."""
-    cache = make_prompt_cache(model)
+    cache = make_caches(model)
     model(mx.array(ids, dtype=mx.uint32)[None], cache=cache)
     mx.eval([c.state for c in cache])
     best = dict.fromkeys(ns, float("inf"))
@@ -404,7 +404,8 @@ def pass_times(model, ids: list[int], ns: list[int], reps: int = 3) -> dict[int,
             mx.eval(model(x, cache=cache))
             if rep:
                 best[n] = min(best[n], time.perf_counter() - t0)
-            trim_prompt_cache(cache, n)
+            if can_rollback(cache, n):  # recurrent state just runs on: the timing is the same
+                trim(cache, n)
     return best
 
 

@@ -30,10 +30,10 @@ from importlib import resources
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from .acceptance import DEFAULT_VERIFY, sampled_rule
 from .adaptive import LOOKUP_MAX, PROBE_SIZES, AdaptiveK, curve_from, pass_times
+from .caches import make_caches, mlx_lm_speculates
 from .choosers import ChooserStore
 from .distributed import Lockstep, SharedK, World
 from .engine import generate_tokens
@@ -384,6 +384,11 @@ class _Bed:
             sampled_rule(verify)
         self.target, self.draft, self.s, self.shared, self.world = target, draft, s, shared, world
         self.todo = systems(draft_name, s)
+        self.notes: list[str] = []
+        if not all(mlx_lm_speculates(m) for m in (target, draft) if m is not None):
+            # mlx-lm's speculative loop raises on a cache it cannot trim (recurrent state)
+            self.todo = [sy for sy in self.todo if sy.system != "mlx-lm" or sy.drafter == "none"]
+            self.notes.append("no mlx-lm speculative rows: it refuses recurrent caches")
         ctx = ids + ids[: s.max_tokens // 2]
         t = pass_times(target, ctx, list(PROBE_SIZES), reps=5)
         self.curve = {n: t[n] / t[1] for n in t}
@@ -442,6 +447,7 @@ class _Bed:
             "runs": [asdict(r) for r in runs],
             "verify_curve": self.curve,
             "draft_cost": self.cost,
+            "notes": self.notes,
         }
 
 
@@ -515,7 +521,7 @@ def classify_difference(logits: mx.array, ref_token: int, token: int) -> str:
 def target_logits_after(target, context: list[int], step: int = 512) -> mx.array:
     """The target's logits (V,) for the token after ``context``: a fresh cache prefilled in
     chunks, then one single-token pass, the shape target-only decoding used."""
-    cache = make_prompt_cache(target)
+    cache = make_caches(target)
     head = context[:-1]
     for i in range(0, len(head), step):
         target(mx.array(head[i : i + step], dtype=mx.uint32)[None], cache=cache)

@@ -7,6 +7,8 @@ change how many tokens a target pass yields.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -21,6 +23,7 @@ def draft_model_propose(
     vocab: int,
     process: Processor | None,
     key: mx.array,
+    after_step: Callable[[int], None] | None = None,
 ) -> tuple[mx.array, mx.array | None, mx.array]:
     """Feed the draft the tokens it has not seen yet, pending (B, L), then draft k tokens.
 
@@ -32,11 +35,15 @@ def draft_model_propose(
     grows by L + k - 1: the last drafted token is never fed, the engine accounts for that.
     ``vocab`` restricts proposals to ids the target has (Code Llama 7B has 16 more than 34B).
     The engine uses B = 1; tests batch thousands of rounds through this same function.
+    ``after_step(i)``, if given, is called after step i's pass, when the cache has grown by
+    L + i (the engine keeps a recurrent draft's state there, to roll back to any of them).
     """
     keys = mx.random.split(key, k)
     x, tokens, qs, confs = pending, [], [], []
     for i in range(k):
         logits = model(x, cache=cache)[:, -1, :vocab]  # (B, vocab)
+        if after_step is not None:
+            after_step(i)
         if process is None:
             t = mx.argmax(logits, axis=-1).astype(mx.uint32)
             confs.append(mx.softmax(logits, axis=-1).max(axis=-1))  # (B,)

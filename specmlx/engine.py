@@ -18,19 +18,31 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from .acceptance import DEFAULT_VERIFY, Rule, accept_greedy, point_mass, sampled_rule
+from .caches import (
+    Snapshot,
+    cache_kinds,
+    can_rollback,
+    check_kinds,
+    make_caches,
+    needs_replay,
+    recurrent_layers,
+    restore,
+    snapshot,
+    trim,
+)
 from .choosers import KSetting, make_chooser
 from .drafters import draft_model_propose
-from .errors import BadInput, IncompatiblePair
+from .errors import BadInput
 from .lookup import Lookup, LookupMemory
+from .recurrent import PassRecorder
 from .sampling import SamplingParams, make_processor, sample
 from .stats import RoundReport, Stats, TokenEvent
 
@@ -143,14 +155,16 @@ def generate_tokens(
     kv = kv if kv is not None else KVState()
     if kv.target is None:
         kv.drop()
-        kv.target = make_prompt_cache(target)
+        kv.target = make_caches(target)
     if draft is not None and kv.draft is None:
-        kv.draft, kv.draft_len = make_prompt_cache(draft), 0
+        kv.draft, kv.draft_len = make_caches(draft), 0
     speculating = draft is not None or lookup
-    for c in (kv.target, kv.draft if draft is not None else None) if speculating else ():
-        if c is not None and not can_trim_prompt_cache(c):
-            # rollback is an offset move; sliding-window or recurrent state cannot undo tokens
-            raise IncompatiblePair("speculation needs trimmable KV caches (not sliding-window)")
+    stats.caches = {"target": cache_kinds(kv.target)}
+    if draft is not None:
+        stats.caches["draft"] = cache_kinds(kv.draft)
+    for what, c in (("target", kv.target), ("draft", kv.draft)) if speculating else ():
+        if c is not None:
+            check_kinds(c, what)  # a layer cache no rollback is known for: refused by name
     stops = _Stops(eos_ids, stop_ids, max_tokens)
     key = mx.random.key(seed if seed is not None else random.getrandbits(63))
     mx.reset_peak_memory()
@@ -171,7 +185,7 @@ def generate_tokens(
             loop = _plain(target, kv, prompt, process, key, stops, stats, check)
         else:
             finder = Lookup(prompt, lookup_memory) if lookup else None
-            spec = _Speculation(target, kv, draft, process, vocab_size, finder, accept)
+            spec = _Speculation(target, kv, draft, process, vocab_size, finder, accept, stats)
             spec.plan = getattr(next_k, "draft_plan", None) if draft_stop else None
             loop = spec.run(prompt, next_k, key, stops, stats, check)
         try:
@@ -204,17 +218,17 @@ def _reuse(kv: KVState, context: list[int], target: nn.Module, draft: nn.Module 
             break
         m += 1
     if m < len(held):
-        if can_trim_prompt_cache(kv.target):
-            trim_prompt_cache(kv.target, len(held) - m)
-        else:
-            kv.target, m = make_prompt_cache(target), 0
+        if can_rollback(kv.target, len(held) - m):
+            trim(kv.target, len(held) - m)
+        else:  # recurrent state, or a window that dropped what the shorter prefix needs
+            kv.target, m = make_caches(target), 0
     kv.tokens = held[:m]
     if kv.draft is not None:
         keep = min(kv.draft_len, m)
-        if keep < kv.draft_len and can_trim_prompt_cache(kv.draft):
-            trim_prompt_cache(kv.draft, kv.draft_len - keep)
+        if keep < kv.draft_len and can_rollback(kv.draft, kv.draft_len - keep):
+            trim(kv.draft, kv.draft_len - keep)
         elif keep < kv.draft_len:
-            kv.draft, keep = (make_prompt_cache(draft) if draft is not None else None), 0
+            kv.draft, keep = (make_caches(draft) if draft is not None else None), 0
         kv.draft_len = keep
     return m
 
@@ -292,10 +306,10 @@ def _plain(target, kv, prompt, process, key, stops, stats, check) -> Iterator[To
     finally:
         # undo what queued steps fed past the kept context: the cache holds ctx[:-1]
         extra = fed - (len(ctx) - 1)
-        if extra and can_trim_prompt_cache(cache):
-            trim_prompt_cache(cache, extra)
+        if extra and can_rollback(cache, extra):
+            trim(cache, extra)
             kv.tokens = ctx[:-1]
-        elif extra:  # a sliding-window cache cannot give tokens back: start afresh next time
+        elif extra:  # recurrent state cannot give tokens back: start afresh next time
             kv.drop()
         else:
             kv.tokens = ctx[:-1]
@@ -304,8 +318,9 @@ def _plain(target, kv, prompt, process, key, stops, stats, check) -> Iterator[To
 class _Speculation:
     """State of one speculative generation: models, caches and the sampling setup."""
 
-    def __init__(self, target, kv, draft, process, vocab_size, finder: Lookup | None, accept: Rule):
+    def __init__(self, target, kv, draft, process, vocab_size, finder, accept: Rule, stats: Stats):
         self.target, self.tcache, self.draft, self.dcache = target, kv.target, draft, kv.draft
+        self.stats = stats
         self.kv, self.process, self.finder, self.accept = kv, process, finder, accept
         self.head: mx.array | None = None  # (1, V_target) logits of a queued plain pass
         # with lookup and an adaptive chooser: how many lookup tokens to verify, 0 for none
@@ -316,6 +331,19 @@ class _Speculation:
         self.confs: list[float] = []
         self.made = 0  # drafts made this round (per-token stopping may verify fewer)
         self.d_len = kv.draft_len
+        self.t_held = len(kv.tokens)  # tokens the target cache holds (queued passes included)
+        # recurrent layers cannot be trimmed: their state is kept where a rollback may land
+        # (the target's at the round's start, the draft's after each drafting step), and a
+        # rollback restores the latest one at or before the kept length, feeding the target
+        # the kept tokens again (caches.py)
+        self.t_recurrent = needs_replay(kv.target)
+        self.d_recurrent = draft is not None and needs_replay(kv.draft)
+        self.t_snaps: list[Snapshot] = []
+        self.d_snaps: list[Snapshot] = []
+        # where it can, the target's verify pass is recorded so that a rollback recomputes
+        # only the recurrence over the kept tokens instead of feeding them again
+        recorder = PassRecorder(target, recurrent_layers(kv.target)) if self.t_recurrent else None
+        self.recorder = recorder if recorder is not None and recorder.supported else None
         self.draft_rows = 0  # ids the draft can embed
         if draft is not None:
             # logit widths are known from shapes alone: this builds a graph, evaluates nothing
@@ -351,7 +379,8 @@ class _Speculation:
                 room = stops.max_tokens - stops.count - 1
                 n, tokens, k, t_draft = self.round(ctx, k, sub, time_draft, queue, room)
                 new, reason = stops.cut(tokens[:n] + [tokens[k]])
-                self.rollback(ctx, k, n_kept=len(new) - 1 if reason else n, done=reason is not None)
+                n_kept = len(new) - 1 if reason else n
+                self.rollback(ctx, new, k, n_kept, done=reason is not None)
                 ctx += new
                 if self.finder is not None:
                     self.finder.extend(new)
@@ -374,7 +403,7 @@ class _Speculation:
             else:
                 if self.head is not None:  # closed early with a plain pass queued: undo it
                     self.head = None
-                    trim_prompt_cache(self.tcache, 1)
+                    self.give_back(self.target, self.tcache, self.t_snaps, self.t_held - 1, ctx)
                 self.kv.tokens, self.kv.draft_len = ctx[:-1], self.d_len
 
     def round(
@@ -399,6 +428,7 @@ class _Speculation:
         proposal = self.propose_lookup(k, room)
         d, q = mx.array(proposal, dtype=mx.uint32), None
         t_draft, self.confs, self.made = None, [], 0
+        self.d_snaps, self.t_snaps = [], []
         if not proposal and self.draft is not None and k > 0:
             rows = self.draft_rows
             pending = [t if t < rows else SAFE_ID for t in ctx[self.d_len :]]
@@ -407,8 +437,9 @@ class _Speculation:
                 kd, kx = mx.random.split(kd)
                 k = max(1, min(self.plan([])[1], room))
             d, q, conf = draft_model_propose(
-                self.draft, self.dcache, x, k, self.vocab_size, self.process, kd
-            )
+                self.draft, self.dcache, x, k, self.vocab_size, self.process, kd,
+                self.keep_draft_state(self.d_len + len(pending)),
+            )  # fmt: skip
             self.d_len += len(pending) + k - 1
             if self.plan is not None:
                 d, q, t_draft = self.stop_or_extend(d, q, conf, room, kx, t0)
@@ -418,13 +449,18 @@ class _Speculation:
             mx.eval(d if q is None else [d, q])
             t_draft = time.perf_counter() - t0
 
-        if self.head is None:
-            x = mx.concatenate([mx.array(ctx[-1:], dtype=mx.uint32), d])[None]  # (1, k+1)
-            logits = self.target(x, cache=self.tcache)[0]  # (k+1, V_target)
-        else:  # the last round fed ctx[-1] already: its logits are the first row
-            logits, self.head = self.head, None
-            if k > 0:  # the chooser broke its word: correct, if a pass slower
-                logits = mx.concatenate([logits, self.target(d[None], cache=self.tcache)[0]])
+        if self.t_recurrent:
+            self.t_snaps = [snapshot(self.tcache, self.t_held)]
+        fed = k + 1 if self.head is None else k
+        with self.recorder.recording(fed) if self.recorder and fed else nullcontext():
+            if self.head is None:
+                x = mx.concatenate([mx.array(ctx[-1:], dtype=mx.uint32), d])[None]  # (1, k+1)
+                logits = self.target(x, cache=self.tcache)[0]  # (k+1, V_target)
+            else:  # the last round fed ctx[-1] already: its logits are the first row
+                logits, self.head = self.head, None
+                if k > 0:  # the chooser broke its word: correct, if a pass slower
+                    logits = mx.concatenate([logits, self.target(d[None], cache=self.tcache)[0]])
+        self.t_held += fed
         if self.process is None:
             n, nxt = accept_greedy(logits, d)
         elif k == 0:
@@ -440,6 +476,7 @@ class _Speculation:
             # as target-only decoding does: the next pass runs while the host reads this one
             mx.async_eval(out)
             self.head = self.target(nxt.reshape(1, 1), cache=self.tcache)[0]  # (1, V_target)
+            self.t_held += 1
             mx.async_eval(self.head)
         out = out.tolist()
         return out[0], out[1:], k, t_draft
@@ -459,8 +496,9 @@ class _Speculation:
             if more <= 0:
                 break
             d2, q2, c2 = draft_model_propose(
-                self.draft, self.dcache, d[:, -1:], more, self.vocab_size, self.process, keys[ext]
-            )
+                self.draft, self.dcache, d[:, -1:], more, self.vocab_size, self.process,
+                keys[ext], self.keep_draft_state(self.d_len + 1),
+            )  # fmt: skip
             self.d_len += more  # the last draft is fed now, the newest one is not
             d = mx.concatenate([d, d2], axis=1)
             q = None if q is None else mx.concatenate([q, q2], axis=1)
@@ -469,6 +507,14 @@ class _Speculation:
         self.confs, self.made = confs[:keep], len(confs)
         drafted = time.perf_counter() - t0
         return d[:, :keep], (None if q is None else q[:, :keep]), drafted
+
+    def keep_draft_state(self, base: int) -> Callable[[int], None] | None:
+        """For a recurrent draft, a drafting step's hook that keeps its state after step i,
+        when the cache holds base + i tokens: a rollback to any drafted length is then a
+        restore, no replay (MLX arrays are kept by reference: no copy, no sync)."""
+        if not self.d_recurrent:
+            return None
+        return lambda i: self.d_snaps.append(snapshot(self.dcache, base + i))
 
     def propose_lookup(self, k: int, room: int) -> list[int]:
         """This round's lookup proposal ([] for none): with a fixed k, lookup comes first and
@@ -485,18 +531,45 @@ class _Speculation:
         self.match = match if found else 0
         return found
 
-    def rollback(self, ctx: list[int], k: int, n_kept: int, done: bool = False) -> None:
-        """Trim both caches to the kept context; ``ctx`` is the context before this round.
-        The target fed ctx[-1] + k drafts and keeps n_kept of them (plus the next token, if
-        a plain pass was queued: undone when generation is ``done``); the draft keeps the
-        longest prefix of what it has seen that is still right."""
+    def rollback(self, ctx: list[int], new: list[int], k: int, n_kept: int, done: bool) -> None:
+        """Bring both caches back to the kept context; ``ctx`` is the context before this
+        round, ``new`` the tokens it emits. The target fed ctx[-1] + k drafts and keeps n_kept
+        of them (plus the next token, if a plain pass was queued: undone when generation is
+        ``done``); the draft keeps the longest prefix of what it has seen that is still right."""
         queued = done and self.head is not None
         if queued:
             self.head = None
-        trim_prompt_cache(self.tcache, k - n_kept + queued)
+        context = ctx + new  # its first len(ctx) + n_kept tokens are what both may keep
+        keep = self.t_held - (k - n_kept + queued)
+        self.give_back(self.target, self.tcache, self.t_snaps, keep, context)
         if self.draft is not None:
             keep = min(self.d_len, len(ctx) + n_kept)
-            trim_prompt_cache(self.dcache, self.d_len - keep)
+            self.give_back(self.draft, self.dcache, self.d_snaps, keep, context, self.draft_rows)
+
+    def give_back(self, model, cache, snaps: list, keep: int, context: list[int], rows: int = 0):
+        """Make ``cache`` hold context[:keep]: a trim where that is exact, else (recurrent
+        state) the latest kept state at or before ``keep`` restored and the tokens after it,
+        context[snap.offset:keep], fed again. The replay is left lazy: the next round's one
+        host sync computes it with the rest."""
+        held = self.t_held if cache is self.tcache else self.d_len
+        snap = max((s for s in snaps if s.offset <= keep), key=lambda s: s.offset, default=None)
+        if held > keep:
+            recorded = cache is self.tcache and self.recorder is not None and snap is not None
+            if snap is None or can_rollback(cache, held - keep):
+                trim(cache, held - keep)  # RollbackError where a trim would not be exact
+            elif recorded and self.recorder.settle(keep - snap.offset, snap.recurrent):
+                trim(cache, held - keep, recurrent=False)  # the state was set from the pass
+            else:
+                restore(cache, snap, held)
+                again = context[snap.offset : keep]
+                if rows:
+                    again = [t if t < rows else SAFE_ID for t in again]
+                if again:
+                    model(mx.array(again, dtype=mx.uint32)[None], cache=cache)
+                    self.stats.replayed += len(again) if cache is self.tcache else 0
+        if cache is self.tcache:
+            self.t_held = keep
+        else:
             self.d_len = keep
 
 

@@ -35,6 +35,10 @@ class IncompatiblePair(SpecmlxError):
     exit_code = 2
 
 
+class RollbackError(SpecmlxError):
+    """A cache cannot give tokens back exactly; stopping beats emitting a wrong token."""
+
+
 class DoesNotFit(SpecmlxError):
     """The models and their KV caches do not fit in the memory the device can use."""
 

@@ -145,7 +145,9 @@ def load_model(
     mx.eval(model.parameters())
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     args = getattr(model, "args", None)
-    vocab = getattr(args, "vocab_size", None) or config.get("vocab_size")
+    # multimodal checkpoints (Qwen3.5, Gemma 3) may keep it in their text model's config only
+    text = config.get("text_config") or {}
+    vocab = getattr(args, "vocab_size", None) or config.get("vocab_size") or text.get("vocab_size")
     seconds = time.perf_counter() - start
     return Loaded(model, tokenizer, spec, config, seconds, nbytes, vocab, identity)
 

@@ -18,11 +18,13 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from .caches import ROLLBACK_SLACK, WindowKVCache
 from .errors import BadInput, DoesNotFit, ModelLoadError, SpecmlxError
 from .gguf import MX_QUANTIZED, gguf_config, read_gguf_header
 from .registry import ModelSpec
 from .sources import Progress, cached_quantized, fetch, hub_call
 
+WINDOW_STEP = WindowKVCache.step  # a window cache allocates this many tokens ahead
 Tensors = dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype or GGML type name, shape)
 _FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _INTS = {"U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8, "I64": 8, "BOOL": 1}
@@ -211,13 +213,88 @@ def formula_bytes(config: dict, dtype_bytes: int, shards: int = 1) -> int:
     return linear * dtype_bytes + norms
 
 
-def kv_bytes(config: dict, context: int, dtype_bytes: int) -> int:
-    """KV cache bytes: 2 (K and V) x layers x kv_heads x head_dim x context x dtype."""
+def layer_kinds(config: dict) -> list[str]:
+    """Each layer's cache as mlx-lm makes it, read from the config: "full" (a KV cache that
+    grows with the context), "window" (a sliding window), "recurrent" (a fixed-size state),
+    "both" (Falcon-H1: attention and an SSM in every layer) or "none" (an MLP-only layer)."""
     c = config.get("text_config", config)
-    heads = c["num_attention_heads"]
-    kv = c.get("num_key_value_heads") or heads
-    hd = c.get("head_dim") or c["hidden_size"] // heads
-    return 2 * c["num_hidden_layers"] * kv * hd * context * dtype_bytes
+    kind = config.get("model_type") or c.get("model_type", "")
+    if pattern := c.get("hybrid_override_pattern"):  # Nemotron-H: M mamba, * attention
+        return ["recurrent" if p == "M" else "full" if p == "*" else "none" for p in pattern]
+    n = c["num_hidden_layers"]
+    if types := c.get("layer_types"):
+        names = {"sliding_attention": "window", "full_attention": "full", "attention": "full"}
+        return [names.get(t, "recurrent") for t in types]
+    if kind in ("mamba", "mamba2", "rwkv7"):
+        return ["recurrent"] * n
+    if kind == "falcon_h1":
+        return ["both"] * n
+    if every := c.get("full_attention_interval"):  # Qwen3-Next, Qwen3.5: gated delta between
+        return ["full" if (i + 1) % every == 0 else "recurrent" for i in range(n)]
+    if (period := c.get("attn_layer_period")) is not None:  # Jamba
+        offset = c.get("attn_layer_offset", 0)
+        return ["full" if i % period == offset else "recurrent" for i in range(n)]
+    if (idxs := c.get("full_attn_idxs")) is not None:  # LFM2: short convolutions between
+        return ["full" if i in idxs else "recurrent" for i in range(n)]
+    if kind.startswith(("gemma3", "cohere2")) and (c.get("sliding_window") or kind != "cohere2"):
+        every = c.get("sliding_window_pattern", 6)
+        return ["full" if (i + 1) % every == 0 else "window" for i in range(n)]
+    return ["full"] * n
+
+
+def recurrent_state_bytes(config: dict, dtype_bytes: int) -> int:
+    """Bytes of one recurrent layer's state: the convolution's last inputs (in the model's
+    dtype) and the SSM or gated-delta state (float32), from the family's config fields;
+    an unknown family counts a generous 4 x hidden^2 bytes."""
+    c = config.get("text_config", config)
+    h = c["hidden_size"]
+    if "linear_num_value_heads" in c:  # gated delta (Qwen3-Next, Qwen3.5)
+        nv, nk = c["linear_num_value_heads"], c["linear_num_key_heads"]
+        dv, dk = c["linear_value_head_dim"], c["linear_key_head_dim"]
+        conv = (c.get("linear_conv_kernel_dim", 4) - 1) * (2 * nk * dk + nv * dv)
+        return conv * dtype_bytes + nv * dv * dk * 4
+    heads = c.get("mamba_num_heads") or c.get("mamba_n_heads") or c.get("num_heads")
+    state = c.get("ssm_state_size") or c.get("mamba_d_state") or c.get("state_size")
+    if heads and state:  # Mamba 2 style (Mamba2, Nemotron-H, Falcon-H1, Granite 4)
+        hd = c.get("mamba_head_dim") or c.get("mamba_d_head") or c.get("head_dim")
+        groups = c.get("n_groups") or c.get("mamba_n_groups") or 1
+        conv = (c.get("conv_kernel") or c.get("mamba_d_conv") or 4) - 1
+        return conv * (heads * hd + 2 * groups * state) * dtype_bytes + heads * hd * state * 4
+    if state := c.get("mamba_d_state"):  # Mamba 1 style (Jamba)
+        inner = c.get("mamba_expand", 2) * h
+        return (c.get("mamba_d_conv", 4) - 1) * inner * dtype_bytes + inner * state * 4
+    if "conv_L_cache" in c:  # LFM2's short convolution
+        return (c["conv_L_cache"] - 1) * h * dtype_bytes
+    if "a_low_rank_dim" in c:  # RWKV-7: a (heads, hd, hd) state and two token shifts
+        return h * c["head_dim"] * 4 + 2 * h * dtype_bytes
+    return 4 * h * h
+
+
+def kv_bytes(config: dict, context: int, dtype_bytes: int) -> int:
+    """Cache bytes for ``context`` tokens, layer by layer (layer_kinds): a full-attention
+    layer holds K and V for every token (2 x kv_heads x head_dim x context x dtype), a
+    sliding-window one for its window plus the rollback slack and one allocation step, a
+    recurrent one a fixed state, counted twice (the live state and the one a rollback
+    restores)."""
+    c = config.get("text_config", config)
+    kinds = layer_kinds(config)
+    if all(k in ("recurrent", "none") for k in kinds):
+        per_token = 0  # no attention: the head counts below may be absent
+    else:
+        heads = c["num_attention_heads"]
+        kv = c.get("num_key_value_heads") or heads
+        hd = c.get("head_dim") or c["hidden_size"] // heads
+        per_token = 2 * kv * hd * dtype_bytes
+    window = min(context, (c.get("sliding_window") or context) + ROLLBACK_SLACK + WINDOW_STEP)
+    total = 0
+    for k in kinds:
+        if k in ("full", "both"):
+            total += per_token * context
+        elif k == "window":
+            total += per_token * window
+        if k in ("recurrent", "both"):
+            total += 2 * recurrent_state_bytes(config, dtype_bytes)
+    return total
 
 
 def weight_bytes(spec: ModelSpec, config: dict, tensors: Tensors | None, shards: int = 1) -> int:

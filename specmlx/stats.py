@@ -61,6 +61,9 @@ class Stats:
     timed_draft_s: float = 0.0  # their drafting time
     unverified: int = 0  # per-token stopping: drafts made but not verified
     peak_memory: int = 0  # bytes
+    # layer cache kinds by model ("target", "draft"): class name -> layers, as in caches.py
+    caches: dict[str, dict[str, int]] = field(default_factory=dict)
+    replayed: int = 0  # tokens fed to the target again to roll back recurrent state
     last: RoundReport | None = None  # the latest round
     finish_reason: str | None = None  # "stop", "length", or None while running
 

@@ -19,7 +19,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from specmlx import gguf
 from specmlx.stats import RoundReport
@@ -70,6 +70,58 @@ class TableLM(nn.Module):
         before = mx.concatenate([mx.zeros_like(seen[:, :1]), seen[:, :-1]], axis=1)  # (B, T)
         n = x.shape[1]
         return self.table[before[:, -n:], seen[:, -n:]]  # (B, L, V)
+
+
+class WindowTableLM(TableLM):
+    """TableLM whose context lives in a sliding-window cache of 2 (mlx-lm's RotatingKVCache,
+    which specmlx turns into its WindowKVCache): all a second-order model needs, so a prompt
+    of a few tokens already runs past the window, and a rollback that loses a key hands it a
+    stale previous token."""
+
+    def make_cache(self) -> list:
+        return [RotatingKVCache(max_size=2)]
+
+
+class RecurrentTableLM(TableLM):
+    """TableLM with a recurrent state (an ArraysCache), as a Mamba or gated-delta layer keeps
+    one: the last id and a running sum of every id (mod 3) that shifts the logits. The state
+    cannot be trimmed, only restored, and one left advanced past a rejected draft keeps that
+    draft in the sum, which changes what the model predicts from then on."""
+
+    def __init__(self, vocab: int, seed: int, scale: float = 1.0):
+        super().__init__(vocab, seed, scale)
+        self.mix = scale * mx.random.normal((3, vocab), key=mx.random.key(seed + 1))
+
+    def make_cache(self) -> list:
+        return [ArraysCache(size=2)]
+
+    def __call__(self, x: mx.array, cache: list | None = None) -> mx.array:
+        ids = x.astype(mx.int32)  # (B, L)
+        state = None if cache is None else cache[0]
+        held = state is not None and state[0] is not None
+        prev = state[0] if held else mx.zeros_like(ids[:, :1])  # (B, 1)
+        total = state[1] if held else mx.zeros_like(ids[:, :1])  # (B, 1)
+        sums = (total + mx.cumsum(ids, axis=1)) % 3  # (B, L): the state after each id
+        before = mx.concatenate([prev, ids[:, :-1]], axis=1)  # (B, L)
+        if state is not None:
+            state[0], state[1] = ids[:, -1:], sums[:, -1:]
+        return self.table[before, ids] + self.mix[sums]  # (B, L, V)
+
+
+def count_host_syncs(monkeypatch, count: list[int]) -> None:
+    """Add one to count[0] at every way the host waits for MLX (eval, item, tolist, the
+    conversions); async_eval only queues work without waiting, so it is not counted."""
+
+    def counting(fn):
+        def wrapped(*a, **kw):
+            count[0] += 1
+            return fn(*a, **kw)
+
+        return wrapped
+
+    monkeypatch.setattr(mx, "eval", counting(mx.eval))
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(mx.array, name, counting(getattr(mx.array, name)))
 
 
 CORPUS = [

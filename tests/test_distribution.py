@@ -7,14 +7,17 @@ verification rules, with top-k, top-p and min-p on."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import TableLM, make_tiny
+from families import build, noisy_copy
+from helpers import RecurrentTableLM, TableLM, WindowTableLM, make_tiny
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from scipy.stats import chisquare
 
+from specmlx import caches, engine
 from specmlx.acceptance import RULES, accept_sampled, block_outcome, point_mass, sampled_outcome
 from specmlx.drafters import draft_model_propose
 from specmlx.engine import generate_tokens
 from specmlx.lookup import lookup_propose
+from specmlx.recurrent import PassRecorder
 from specmlx.sampling import SamplingParams, make_processor, sample
 from specmlx.stats import Stats
 
@@ -227,11 +230,12 @@ def test_the_table_model_reads_its_cache(small_pair):
     assert not mx.array_equal(target(mx.array([[1]]), cache=stale)[0, -1], whole)
 
 
-def sequence_joint(target, process) -> np.ndarray:
+def sequence_joint(target, process, prompt=JOINT_PROMPT) -> np.ndarray:
     """P(t1, t2, t3 | prompt) by enumeration, (JV**3,): one batched pass over every
     prompt + t1 + t2 gives p(t1), p(t2 | t1) and p(t3 | t1, t2)."""
-    ctx = mx.array([JOINT_PROMPT + [a, b] for a in range(JV) for b in range(JV)])
+    ctx = mx.array([prompt + [a, b] for a in range(JV) for b in range(JV)])
     p = np.array(process(target(ctx)), dtype=np.float64)  # (JV * JV, 3, JV)
+    p = p[:, -3:]  # the rows that predict t1, t2 and t3
     p1, p2, p3 = p[0, 0], p[::JV, 1], p[:, 2].reshape(JV, JV, JV)
     return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
 
@@ -255,7 +259,7 @@ class ConfidencePlan:
 
 
 def engine_sequences(
-    target, draft, verify: str, n: int, num_draft=2, draft_stop: bool = False
+    target, draft, verify: str, n: int, num_draft=2, draft_stop: bool = False, prompt=JOINT_PROMPT
 ) -> tuple[np.ndarray, np.ndarray]:
     """Counts of the three-token sequences from n seeded generations (k = 2, or a chooser
     object made afresh per generation), and how many rounds kept 0, 1 and 2 drafts."""
@@ -267,7 +271,7 @@ def engine_sequences(
             for e in generate_tokens(
                 target,
                 draft,
-                JOINT_PROMPT,
+                prompt,
                 sampling=JOINT_SAMPLING,
                 num_draft=num_draft,
                 max_tokens=3,
@@ -332,4 +336,72 @@ def test_the_sequence_test_rejects_stopping_on_a_drafts_own_confidence(small_pai
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
     plan = ConfidencePlan(0.25, own=True)
     counts, _ = engine_sequences(target, draft, "token", N_WRONG, num_draft=plan, draft_stop=True)
+    assert pooled_chi2(counts, joint) < 1e-6
+
+
+# ------------------------------- the same through a sliding window and a recurrent state
+
+KIND_PROMPT = [3, 5, 1, 3]  # past the window of 2: the ring has wrapped before round one
+N_KIND = 20_000
+
+
+@pytest.fixture(scope="module", params=["window", "recurrent"])
+def kind_pair(request):
+    """Table models whose context lives in a sliding-window cache or a recurrent state, a
+    target and a noisy draft of the same kind: each rolls back in its own way."""
+    cls = {"window": WindowTableLM, "recurrent": RecurrentTableLM}[request.param]
+    target, draft = cls(JV, seed=20, scale=0.5), cls(JV, seed=20, scale=0.5)
+    draft.table = target.table + 0.5 * mx.random.normal(target.table.shape, key=mx.random.key(7))
+    mx.eval(target.table, draft.table)
+    return request.param, target, draft
+
+
+def test_window_and_recurrent_sequences_follow_the_target_joint(kind_pair):
+    _, target, draft = kind_pair
+    joint = sequence_joint(target, make_processor(JOINT_SAMPLING), KIND_PROMPT)
+    counts, kept = engine_sequences(target, draft, "block", N_KIND, prompt=KIND_PROMPT)
+    assert pooled_chi2(counts, joint) > 1e-3
+    assert all(kept > 0.05 * kept.sum()), kept
+
+
+def test_the_kind_test_rejects_a_wrong_rollback(kind_pair, monkeypatch):
+    """The old behaviour for windows (mlx-lm's rotating cache trimmed as if nothing had left
+    the ring) and, for recurrent state, a restore that keeps the advanced state."""
+    kind, target, draft = kind_pair
+    joint = sequence_joint(target, make_processor(JOINT_SAMPLING), KIND_PROMPT)
+    if kind == "window":
+        monkeypatch.setattr(caches, "_convert", lambda c, slack: c)
+        monkeypatch.setattr(caches, "_trimmable", lambda c, n: True)
+    else:
+        monkeypatch.setattr(engine, "restore", lambda cache, snap, offset: None)
+    counts, _ = engine_sequences(target, draft, "block", N_WRONG, prompt=KIND_PROMPT)
+    assert pooled_chi2(counts, joint) < 1e-6
+
+
+# a real family: mlx-lm's Mamba 2, whose rollback recomputes the SSM state from the recorded
+# verify pass (specmlx/recurrent.py); ~8 ms a generation, so fewer than the table models
+MAMBA_PROMPT = [3, 5, 1, 3, 6, 2]
+N_MAMBA = 5_000
+N_MAMBA_WRONG = 2_000
+
+
+@pytest.fixture(scope="module")
+def mamba_pair():
+    target = build("mamba2", 2, 0, 1.0, vocab=JV)
+    return target, noisy_copy("mamba2", 2, 0, 0.3, 1.0, vocab=JV)
+
+
+def test_mamba2_sequences_follow_the_target_joint(mamba_pair):
+    target, draft = mamba_pair
+    joint = sequence_joint(target, make_processor(JOINT_SAMPLING), MAMBA_PROMPT)
+    counts, kept = engine_sequences(target, draft, "block", N_MAMBA, prompt=MAMBA_PROMPT)
+    assert pooled_chi2(counts, joint) > 1e-3
+    assert all(kept > 0.05 * kept.sum()), kept
+
+
+def test_the_mamba2_test_rejects_a_state_left_advanced(mamba_pair, monkeypatch):
+    target, draft = mamba_pair
+    joint = sequence_joint(target, make_processor(JOINT_SAMPLING), MAMBA_PROMPT)
+    monkeypatch.setattr(PassRecorder, "settle", lambda self, m, states: True)
+    counts, _ = engine_sequences(target, draft, "block", N_MAMBA_WRONG, prompt=MAMBA_PROMPT)
     assert pooled_chi2(counts, joint) < 1e-6

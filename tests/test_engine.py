@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import make_tiny
+from helpers import count_host_syncs, make_tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
@@ -319,22 +319,6 @@ def test_target_only_cache_consistent_after_stop(pair):
     kv = KVState()
     out = tokens(target, None, PROMPTS[0], max_tokens=9, kv=kv)
     assert kv.target[0].offset == len(PROMPTS[0]) + len(out) - 1 == len(kv.tokens)
-
-
-def count_host_syncs(monkeypatch, count: list[int]) -> None:
-    """Add one to count[0] at every way the host waits for MLX (eval, item, tolist, the
-    conversions); async_eval only queues work without waiting, so it is not counted."""
-
-    def counting(fn):
-        def wrapped(*a, **kw):
-            count[0] += 1
-            return fn(*a, **kw)
-
-        return wrapped
-
-    monkeypatch.setattr(mx, "eval", counting(mx.eval))
-    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
-        monkeypatch.setattr(mx.array, name, counting(getattr(mx.array, name)))
 
 
 class Watched(AdaptiveK):
