@@ -1,11 +1,18 @@
-"""GGUF files: header reader, llama tensor names → mlx-lm names, and weights (kept quantized
-or dequantized). The tokenizer is rebuilt from the metadata in gguf_tokenizer.py."""
+"""GGUF files: header reader, llama.cpp's tensor names -> mlx-lm's for each architecture
+specmlx loads (llama, qwen2, qwen3, gemma3), and weights (kept quantized or dequantized).
+The tokenizer is rebuilt from the metadata in gguf_tokenizer.py.
+
+Weights MLX reads itself (F32/F16/BF16, Q4_0/Q4_1/Q8_0 as MLX triples, Q2_K/Q4_K/Q6_K) go
+through mx.load; a file with any other type (a Q4_K_M mixes Q4_K, Q5_0, Q6_K and Q8_0) is
+dequantized tensor by tensor by llama.cpp's own gguf package, which reads every type."""
 
 from __future__ import annotations
 
+import importlib
 import mmap
 import re
 import struct
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -33,6 +40,35 @@ _BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm",
 }  # fmt: skip
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How one llama.cpp architecture maps onto an mlx-lm model class."""
+
+    model_type: str  # mlx-lm's module
+    names: dict[str, str]  # llama.cpp block tensor -> mlx-lm name within the layer
+    rope_traditional: bool = False  # llama.cpp permutes q/k for llama only
+    norm_shift: float = 0.0  # llama.cpp stored norm weights + this (Gemma's 1 + w)
+    extra: dict = field(default_factory=dict)
+
+
+_GEMMA3_NAMES = {
+    **{k: v for k, v in _BLOCK_NAMES.items() if k != "ffn_norm"}, **_QK_NORMS,
+    "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}  # fmt: skip
+ARCHS = {
+    "llama": Arch("llama", _BLOCK_NAMES, rope_traditional=True),
+    "qwen2": Arch("qwen2", _BLOCK_NAMES),
+    "qwen3": Arch("qwen3", _BLOCK_NAMES | _QK_NORMS),
+    # Gemma 3: RMSNorm is x * (1 + w) in HF and mlx-lm, and llama.cpp's converter stores
+    # w + 1 to use a plain RMSNorm (convert_hf_to_gguf.py, Gemma3Model.norm_shift); it hard-codes
+    # a sliding window on 5 of every 6 layers with a local RoPE base of 10000
+    "gemma3": Arch("gemma3_text", _GEMMA3_NAMES, norm_shift=1.0,
+                   extra={"sliding_window_pattern": 6, "rope_local_base_freq": 10000.0}),
+}  # fmt: skip
 
 
 def read_gguf_header(path: Path) -> tuple[dict, dict[str, tuple[str, tuple[int, ...]]]]:
@@ -95,74 +131,102 @@ def read_gguf_header(path: Path) -> tuple[dict, dict[str, tuple[str, tuple[int, 
 
 
 def gguf_config(meta: dict, tensors: dict, path: Path) -> dict:
-    """An HF-style llama config.json built from GGUF metadata."""
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{path}: GGUF architecture '{arch}' is not supported (only llama)")
+    """An HF-style config.json for the mlx-lm model class, built from GGUF metadata."""
+    name = meta.get("general.architecture")
+    if name not in ARCHS:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture '{name}' is not supported ({', '.join(ARCHS)})"
+        )
+    arch = ARCHS[name]
     need = ["embedding_length", "block_count", "feed_forward_length", "attention.head_count"]
-    missing = [k for k in need if f"llama.{k}" not in meta]
+    missing = [k for k in need if f"{name}.{k}" not in meta]
     if missing or "token_embd.weight" not in tensors:
-        raise ModelLoadError(f"{path}: GGUF lacks llama.{(missing or ['token_embd'])[0]}")
-    hidden, heads = meta["llama.embedding_length"], meta["llama.attention.head_count"]
+        raise ModelLoadError(f"{path}: GGUF lacks {name}.{(missing or ['token_embd'])[0]}")
+
+    def get(key, default=None):
+        return meta.get(f"{name}.{key}", default)
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    head_dim = get("attention.key_length", hidden // heads)
     config = {
-        "model_type": "llama",
+        "model_type": arch.model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": meta["llama.block_count"],
-        "intermediate_size": meta["llama.feed_forward_length"],
+        "num_hidden_layers": get("block_count"),
+        "intermediate_size": get("feed_forward_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": meta.get("llama.attention.head_count_kv", heads),
-        "head_dim": meta.get("llama.attention.key_length", hidden // heads),
-        "rms_norm_eps": meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": meta.get("llama.rope.freq_base", 10000.0),
-        "max_position_embeddings": meta.get("llama.context_length"),
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "max_position_embeddings": get("context_length"),
         "vocab_size": tensors["token_embd.weight"][1][0],
         "tie_word_embeddings": "output.weight" not in tensors,
-        # llama.cpp's converter permutes q/k for the interleaved (traditional) rotation.
-        "rope_traditional": True,
+        "rope_traditional": arch.rope_traditional,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        **arch.extra,
     }
-    if meta.get("llama.rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"type": "linear", "factor": meta["llama.rope.scaling.factor"]}
+    if get("rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": get("rope.scaling.factor")}
+    if name == "gemma3":
+        config["sliding_window"] = get("attention.sliding_window", 512)
+        config["query_pre_attn_scalar"] = head_dim  # llama.cpp scales by 1/sqrt(head_dim)
     return config
 
 
-def _mlx_name(name: str, path: Path) -> str:
+def _mlx_name(name: str, path: Path, names: dict[str, str]) -> str:
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(\w+)", name)
     base, _, leaf = name.rpartition(".")
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{leaf}"
-    raise ModelLoadError(f"{path}: unexpected tensor '{name}'; only plain llama GGUFs load")
+    raise ModelLoadError(f"{path}: unexpected tensor '{name}' for its architecture")
+
+
+def _dequantized(path: Path) -> dict[str, mx.array]:
+    """Every tensor of a GGUF as float32, dequantized by llama.cpp's gguf package (any type
+    it knows), in mlx-lm's (rows, columns) order."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+        out = {}
+        for t in reader.tensors:
+            shape = tuple(int(n) for n in reversed(t.shape))
+            out[t.name] = mx.array(dequantize(t.data, t.tensor_type).reshape(shape))
+        return out
+    except (ValueError, NotImplementedError, KeyError) as e:
+        raise ModelLoadError(f"{path}: cannot dequantize it ({e})") from None
 
 
 def load_gguf(path: Path, dtype: mx.Dtype, keep_quantized: bool):
-    """Build an mlx-lm llama from a GGUF: quantized triples kept or dequantized to dtype."""
-    from mlx_lm.models import llama
-
+    """Build the mlx-lm model of a GGUF's architecture: Q4_0/Q4_1/Q8_0 triples kept quantized
+    (``keep_quantized``, when MLX reads the file itself) or everything dequantized to dtype."""
     meta, tensors = read_gguf_header(path)
     config = gguf_config(meta, tensors, path)
-    bad = [(n, t) for n, (t, _) in tensors.items() if t not in _MX_READABLE]
-    if bad:
-        raise ModelLoadError(
-            f"{path}: GGUF tensor type {bad[0][1]} (e.g. {bad[0][0]}) is not supported; "
-            "use a Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16 or F32 file"
-        )
-    try:
-        raw = mx.load(str(path))
-    except (RuntimeError, ValueError) as e:
-        msg = str(e).splitlines()[0]
-        if "gguf_tensor_to_f16" in msg:
-            kinds = sorted({t for t, _ in tensors.values()})
-            raise ModelLoadError(
-                f"{path}: MLX cannot read this GGUF's tensor types ({', '.join(kinds)}); "
-                "use a Q4_0, Q4_1, Q8_0 or F16 file"
-            ) from None
-        raise ModelLoadError(f"{path} is truncated or corrupt ({msg}); re-download it") from None
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    arch = ARCHS[meta["general.architecture"]]
+    unknown = sorted({t for t, _ in tensors.values() if t.startswith("type ")})
+    if unknown:
+        raise ModelLoadError(f"{path}: GGUF tensor {unknown[0]} is not a known ggml type")
+    native = all(t in _MX_READABLE for t, _ in tensors.values())
+    if native:
+        try:
+            raw = mx.load(str(path))
+        except (RuntimeError, ValueError) as e:
+            msg = str(e).splitlines()[0]
+            if "gguf_tensor_to_f16" not in msg:
+                raise ModelLoadError(
+                    f"{path} is truncated or corrupt ({msg}); re-download it"
+                ) from None
+            native = False  # MLX could not convert some tensor: the gguf package can
+    if not native:
+        raw = _dequantized(path)
+    module = importlib.import_module(f"mlx_lm.models.{arch.model_type}")
+    model = module.Model(module.ModelArgs.from_dict(config))
     shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
-    weights = {_mlx_name(k, path): v for k, v in raw.items()}
+    weights = {_mlx_name(k, path, arch.names): v for k, v in raw.items()}
     quant = {}
     for name in [n for n in weights if n.endswith(".scales")]:
         base = name[: -len(".scales")]
@@ -172,7 +236,7 @@ def load_gguf(path: Path, dtype: mx.Dtype, keep_quantized: bool):
             "group_size": gs,
             "bits": weights[f"{base}.weight"].shape[-1] * 32 // in_dims,
         }
-    if keep_quantized:
+    if keep_quantized and quant:
         nn.quantize(model, class_predicate=lambda p, _: quant.get(p, False))
         config["quantization"] = {"group_size": 32, "bits": 4, "mode": "affine", **quant}
     else:
@@ -183,8 +247,12 @@ def load_gguf(path: Path, dtype: mx.Dtype, keep_quantized: bool):
     for k, v in weights.items():
         if mx.issubdtype(v.dtype, mx.floating):
             weights[k] = v.astype(dtype)
+            if arch.norm_shift and k.endswith("norm.weight"):
+                weights[k] = weights[k] - arch.norm_shift  # back to mlx-lm's (1 + w) form
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)  # e.g. Gemma's tied head: no lm_head
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise ModelLoadError(f"{path}: tensors do not fit a llama model: {e}") from None
+        raise ModelLoadError(f"{path}: tensors do not fit a {arch.model_type} model: {e}") from None
     return model, gguf_tokenizer(meta, path), config

@@ -233,7 +233,7 @@ def tiny_pair(root: Path, **model_kw) -> Path:
 
 # ------------------------------------------------------------------ GGUF files
 
-GGML = {"F32": 0, "Q4_0": 2, "Q8_0": 8, "Q5_K": 13}
+GGML = {"F32": 0, "Q4_0": 2, "Q8_0": 8, "Q5_K": 13, "Q5_0": 6, "type 99": 99}
 _TO_GGUF = {v: k for k, v in gguf._BLOCK_NAMES.items()}
 _TOP_TO_GGUF = {v: k for k, v in gguf._TOP_NAMES.items()}
 
