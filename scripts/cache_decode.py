@@ -2,7 +2,7 @@
 second of the same decode loop (mlx-lm generate_step's shape: the next step queued before
 the current token is read) on random-weight models, the two cache kinds interleaved.
 
-    .venv/bin/python scripts/cache_decode.py [--tokens 384] [--reps 3]
+    .venv/bin/python scripts/cache_decode.py [--tokens 256] [--reps 5] [--only gemma3]
 """
 
 from __future__ import annotations
@@ -62,11 +62,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--only", default="", help="run the models whose name starts with this")
     a = ap.parse_args()
     mx.random.seed(0)
     print(f"BLAS: {blas_in_use()}; MLX {mx.__version__}, device {mx.default_device()}")
     print(f"greedy decoding of {a.tokens} tokens after a 64-token prompt, best of {a.reps}\n")
     for name, config in SHAPES.items():
+        if not name.startswith(a.only):
+            continue
         module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
         model = module.Model(module.ModelArgs.from_dict(config))
         mx.eval(model.parameters())

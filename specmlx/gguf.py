@@ -1,5 +1,5 @@
 """GGUF files: header reader, llama.cpp's tensor names -> mlx-lm's for each architecture
-specmlx loads (llama, qwen2, qwen3, gemma3), and weights (kept quantized or dequantized).
+specmlx loads (llama, qwen2, qwen3, qwen3moe, starcoder2, gemma3), and weights (kept quantized or dequantized).
 The tokenizer is rebuilt from the metadata in gguf_tokenizer.py.
 
 Weights MLX reads itself (F32/F16/BF16, Q4_0/Q4_1/Q8_0 as MLX triples, Q2_K/Q4_K/Q6_K) go
@@ -59,8 +59,23 @@ _GEMMA3_NAMES = {
     "post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }  # fmt: skip
+_MOE_NAMES = {
+    **{k: v for k, v in _BLOCK_NAMES.items() if not k.startswith("ffn_") or k == "ffn_norm"},
+    **_QK_NORMS, "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj", "ffn_down_exps": "mlp.switch_mlp.down_proj",
+}  # fmt: skip
+_STARCODER2_NAMES = {
+    **{k: v for k, v in _BLOCK_NAMES.items() if not k.startswith("ffn_") or k == "ffn_norm"},
+    "ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj",
+}  # fmt: skip
 ARCHS = {
     "llama": Arch("llama", _BLOCK_NAMES, rope_traditional=True),
+    # Qwen3-MoE: the experts stacked (experts, out, in), as mlx-lm's SwitchGLU keeps them;
+    # llama.cpp renormalizes the top-k weights for this architecture
+    "qwen3moe": Arch("qwen3_moe", _MOE_NAMES,
+                     extra={"norm_topk_prob": True, "decoder_sparse_step": 1,
+                            "mlp_only_layers": []}),
+    "starcoder2": Arch("starcoder2", _STARCODER2_NAMES),
     "qwen2": Arch("qwen2", _BLOCK_NAMES),
     "qwen3": Arch("qwen3", _BLOCK_NAMES | _QK_NORMS),
     # Gemma 3: RMSNorm is x * (1 + w) in HF and mlx-lm, and llama.cpp's converter stores
@@ -168,6 +183,12 @@ def gguf_config(meta: dict, tensors: dict, path: Path) -> dict:
     }
     if get("rope.scaling.type") == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": get("rope.scaling.factor")}
+    if name == "qwen3moe":
+        config["num_experts"] = get("expert_count")
+        config["num_experts_per_tok"] = get("expert_used_count")
+        config["moe_intermediate_size"] = get("expert_feed_forward_length")
+    if name == "starcoder2":  # LayerNorm with biases, its own epsilon key
+        config["norm_epsilon"] = get("attention.layer_norm_epsilon", 1e-5)
     if name == "gemma3":
         config["sliding_window"] = get("attention.sliding_window", 512)
         config["query_pre_attn_scalar"] = head_dim  # llama.cpp scales by 1/sqrt(head_dim)

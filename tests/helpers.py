@@ -4,6 +4,7 @@ fixtures)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 import signal
@@ -200,18 +201,24 @@ def make_tiny_model(
     **config_over,
 ) -> Path:
     """Save a random tiny llama + tokenizer as an MLX model dir; logits width = tokenizer size."""
-    from mlx_lm.utils import save_config, save_model
-
     tok = tiny_tokenizer(corpus, extra_tokens, fim=fim)
     if chat_template:
         tok.chat_template = chat_template
-    config = tiny_config(vocab_size or len(tok), **config_over)
+    return save_tiny(path, tiny_config(vocab_size or len(tok), **config_over), tok, seed)
+
+
+def save_tiny(path: Path, config: dict, tokenizer, seed: int) -> Path:
+    """A random model of ``config``'s mlx-lm family and ``tokenizer`` saved as an MLX model
+    directory, as the hub's repos are laid out."""
+    from mlx_lm.utils import save_config, save_model
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model = module.Model(module.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     save_model(path, model)
     save_config(dict(config), path / "config.json")
-    tok.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
     return path
 
 

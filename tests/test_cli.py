@@ -84,6 +84,9 @@ def test_json_output_parses_and_adds_up(registry):
     s = out["stats"]
     assert s["accepted"] <= s["drafted"] and len(out["tokens"]) == s["generated"] <= 20
     assert out["draft"] == "tiny-d" and out["k"] == 2
+    # each model's layer caches by kind (tiny llamas: full attention only)
+    assert s["caches"] == {"target": {"KVCache": 2}, "draft": {"KVCache": 2}}
+    assert s["replayed"] == 0
 
 
 def test_stdin_prompt_and_greedy_matches_target_only(registry):

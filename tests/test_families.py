@@ -7,15 +7,12 @@ window; plain decoding through specmlx's caches must compute what mlx-lm's own c
 each check is shown able to fail (the old rotating cache, a restore that forgets the state).
 """
 
-import importlib
-
 import mlx.core as mx
 import pytest
 from families import FAMILIES, WINDOW, build, family_config, noisy_copy
-from helpers import count_host_syncs, tiny_tokenizer
+from helpers import count_host_syncs, save_tiny, tiny_tokenizer
 from mlx_lm.models import gemma3_text
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, make_prompt_cache
-from mlx_lm.utils import save_config, save_model
 
 from specmlx import caches, engine
 from specmlx.caches import ROLLBACK_SLACK, WindowKVCache, cache_kinds, make_caches
@@ -287,18 +284,6 @@ def test_the_memory_plan_reads_each_layers_cache_kind_and_state_size(family):
     assert all(c.nbytes == recurrent_state_bytes(conf, 4) for c in states)
 
 
-def _save(path, config: dict, tokenizer, seed: int):
-    """A tiny random model of ``config``'s family saved as an MLX model directory."""
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
-    save_model(path, model)
-    save_config(dict(config), path / "config.json")
-    tokenizer.save_pretrained(str(path))
-    return path
-
-
 def _gemma3(vocab: int, layers: int, multimodal: bool) -> dict:
     text = dict(model_type="gemma3_text", hidden_size=32, num_hidden_layers=layers,
                 intermediate_size=64, num_attention_heads=4, head_dim=8, vocab_size=vocab,
@@ -322,8 +307,8 @@ def test_the_shipped_window_and_hybrid_pairs_load_through_tiny_stand_ins(
     else:
         big, small = (family_config("qwen3_5", n, rows) for n in (4, 2))
         want = ("Qwen/Qwen3.5-27B", "Qwen/Qwen3.5-0.8B")
-    t = _save(tmp_path / "t", big, tok, 0)
-    d = _save(tmp_path / "d", small, tok, 1)
+    t = save_tiny(tmp_path / "t", big, tok, 0)
+    d = save_tiny(tmp_path / "d", small, tok, 1)
     toml = tmp_path / "pair.toml"
     toml.write_text(f'[models.t]\nsource = "local:{t}"\n[models.d]\nsource = "local:{d}"\n')
     target, draft, shared = load_pair("t", "d", registry=load_registry([toml]), context=256)

@@ -34,6 +34,13 @@ def _config(arch: str, vocab: int) -> tuple[dict, dict]:
         "rope.freq_base": 10000.0, "context_length": 512,
     }  # fmt: skip
     config = dict(base, model_type=ARCHS[arch].model_type, tie_word_embeddings=arch == "gemma3")
+    if arch == "qwen3moe":
+        config.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+        meta.update({"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32})
+    if arch == "starcoder2":
+        config.update(norm_epsilon=1e-5, head_dim=16)
+        meta["attention.layer_norm_epsilon"] = 1e-5
     if arch == "gemma3":
         config.update(sliding_window=WINDOW, sliding_window_pattern=6, query_pre_attn_scalar=16,
                       rope_local_base_freq=10000.0)  # fmt: skip
@@ -83,8 +90,8 @@ def write_tiny(tmp_path, arch: str):
         x = np.array(w, dtype=np.float32)
         if arch == "gemma3" and name.endswith("norm.weight"):
             x = x + 1.0  # llama.cpp's converter stores Gemma's norms shifted
-        kind = KINDS[i % len(KINDS)] if x.ndim == 2 else Q.F32
-        i += x.ndim == 2
+        kind = KINDS[i % len(KINDS)] if x.ndim >= 2 else Q.F32
+        i += x.ndim >= 2
         data = gguf.quants.quantize(x, kind) if kind != Q.F32 else x
         back = gguf.quants.dequantize(data, kind).reshape(x.shape)
         if arch == "gemma3" and name.endswith("norm.weight"):
@@ -100,7 +107,7 @@ def write_tiny(tmp_path, arch: str):
     return path, ref
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3moe", "starcoder2", "gemma3"])
 def test_each_gguf_architecture_loads_the_weights_it_was_written_with(tmp_path, arch):
     path, ref = write_tiny(tmp_path, arch)
     model, tokenizer, config = load_gguf(path, mx.float32, keep_quantized=False)

@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from helpers import tiny_config, tiny_tokenizer, write_gguf
+from helpers import save_tiny, tiny_config, tiny_tokenizer, write_gguf
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -534,22 +534,13 @@ def test_a_repo_with_only_tokenizer_model_loads(tmp_path):
 
 def _tiny_qwen(path: Path, tokenizer, vocab_size: int, seed: int, tie: bool) -> Path:
     """A tiny random qwen2 model with a real Qwen tokenizer and Qwen's logit width."""
-    from mlx_lm.models import qwen2
-    from mlx_lm.utils import save_config, save_model
-
     config = {
         "model_type": "qwen2", "hidden_size": 16, "num_hidden_layers": 2,
         "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
         "rms_norm_eps": 1e-6, "vocab_size": vocab_size, "tie_word_embeddings": tie,
         "eos_token_id": tokenizer.eos_token_id,
     }  # fmt: skip
-    mx.random.seed(seed)
-    model = qwen2.Model(qwen2.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
-    save_model(path, model)
-    save_config(dict(config), path / "config.json")
-    tokenizer.save_pretrained(str(path))
-    return path
+    return save_tiny(path, config, tokenizer, seed)
 
 
 def test_qwen_coder_pair_with_different_logit_widths(tmp_path, specmlx_home):
