@@ -188,7 +188,8 @@ def _layers(cache: Sequence) -> list:
     """Every leaf layer cache, CacheList entries unpacked."""
     out = []
     for c in cache:
-        out += _layers(c.caches) if isinstance(c, CacheList) else [c]
+        if c is not None:  # (Gemma 4's KV-shared layers have no cache of their own)
+            out += _layers(c.caches) if isinstance(c, CacheList) else [c]
     return out
 
 

@@ -236,9 +236,16 @@ def layer_kinds(config: dict) -> list[str]:
         return ["full" if i % period == offset else "recurrent" for i in range(n)]
     if (idxs := c.get("full_attn_idxs")) is not None:  # LFM2: short convolutions between
         return ["full" if i in idxs else "recurrent" for i in range(n)]
-    if kind.startswith(("gemma3", "cohere2")) and (c.get("sliding_window") or kind != "cohere2"):
-        every = c.get("sliding_window_pattern", 6)
-        return ["full" if (i + 1) % every == 0 else "window" for i in range(n)]
+    pattern = c.get("sliding_window_pattern")
+    if isinstance(pattern, str) and pattern:  # EXAONE 4: "LLLG", L local (a window), G global
+        return ["window" if pattern[i % len(pattern)] == "L" else "full" for i in range(n)]
+    if kind.startswith(("gemma3", "gemma4", "cohere2")) and (
+        c.get("sliding_window") or kind != "cohere2"
+    ):
+        every = pattern or (5 if kind.startswith("gemma4") else 6)
+        kinds = ["full" if (i + 1) % every == 0 else "window" for i in range(n)]
+        shared = c.get("num_kv_shared_layers") or 0  # Gemma 4: read an earlier layer's KV
+        return kinds[: n - shared] + ["none"] * shared
     return ["full"] * n
 
 

@@ -76,6 +76,21 @@ def _ministral3(n):
                 layer_types=types, rope_parameters=rope)  # fmt: skip
 
 
+def _exaone4(n):
+    return dict(_llama(n), max_position_embeddings=512, rope_theta=10000.0, head_dim=8,
+                rope_scaling=None, sliding_window=WINDOW, sliding_window_pattern="LG")  # fmt: skip
+
+
+def _gemma4_text(n):
+    # the last layer reads the KV of an earlier one (Gemma 4's KV sharing)
+    return dict(hidden_size=32, num_hidden_layers=n, intermediate_size=64,
+                num_attention_heads=4, head_dim=8, global_head_dim=16, vocab_size=VOCAB,
+                vocab_size_per_layer_input=VOCAB, num_key_value_heads=1,
+                num_kv_shared_layers=1, hidden_size_per_layer_input=8, sliding_window=WINDOW,
+                sliding_window_pattern=2, max_position_embeddings=512,
+                use_double_wide_mlp=False)  # fmt: skip
+
+
 def _qwen3_next(n):
     return dict(hidden_size=32, num_hidden_layers=n, intermediate_size=64,
                 num_attention_heads=4, linear_num_value_heads=4, linear_num_key_heads=2,
@@ -172,6 +187,8 @@ FAMILIES = {
     "cohere2": (_cohere2, "window"),
     "olmo3": (_olmo3, "window"),
     "ministral3": (_ministral3, "window"),
+    "exaone4": (_exaone4, "window"),
+    "gemma4_text": (_gemma4_text, "window"),
     "qwen3_next": (_qwen3_next, "recurrent"),
     "qwen3_5": (_qwen3_5, "recurrent"),
     "mamba2": (_mamba2, "recurrent"),

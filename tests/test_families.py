@@ -30,7 +30,8 @@ LONG = list(range(1, 4 * WINDOW + 3))  # past every window several times over
 LAYERS, SCALE, NOISE = 4, 2.0, 0.05
 # rwkv7's tiny random model barely reads its state at the common scale: a bad restore went
 # unseen there, and does not at this one (the forgetful-restore test checks it)
-OWN = {"rwkv7": (4.0, 0.2)}
+# and Gemma 4's (its logit soft-capping saturates) repeats one token at scale 2
+OWN = {"rwkv7": (4.0, 0.2), "gemma4_text": (0.5, 0.1)}
 MAX_TOKENS = 24
 _pairs: dict = {}
 
@@ -276,7 +277,11 @@ def test_the_memory_plan_reads_each_layers_cache_kind_and_state_size(family):
     target, _ = pair(family)
     cache = make_caches(target)
     names = {"KVCache": "full", "WindowKVCache": "window", "ArraysCache": "recurrent"}
-    made = ["both" if isinstance(c, CacheList) else names[type(c).__name__] for c in cache]
+    made = [
+        "both" if isinstance(c, CacheList) else names[type(c).__name__]
+        for c in cache
+        if c is not None
+    ]
     assert [k for k in layer_kinds(conf) if k != "none"] == made
     target(mx.array([LONG]), cache=cache)
     states = [c for c in caches._layers(cache) if isinstance(c, ArraysCache)]
