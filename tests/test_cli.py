@@ -370,9 +370,13 @@ def test_corrupt_and_unsupported_gguf(registry, tmp_path):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(path.read_bytes()[:300])
     one_line_error(run("run", "--target", str(cut), "--draft", "none", "x"), 1, "corrupt")
+    # a tensor of the wrong shape (Q5_K, which the gguf package dequantizes), an unknown type
     odd = dict(tensors, **{"blk.0.ffn_down.weight": ("Q5_K", (64, 256), b"\0" * 176 * 64)})
     q5k = write_gguf(tmp_path / "q5k.gguf", meta, odd)
-    one_line_error(run("run", "--target", str(q5k), "--draft", "none", "x"), 1, "Q5_K")
+    one_line_error(run("run", "--target", str(q5k), "--draft", "none", "x"), 1, "do not fit")
+    odd = dict(tensors, **{"blk.0.ffn_down.weight": ("type 99", (64, 128), b"\0" * 64)})
+    bad = write_gguf(tmp_path / "odd.gguf", meta, odd)
+    one_line_error(run("run", "--target", str(bad), "--draft", "none", "x"), 1, "type 99")
 
 
 @pytest.mark.parametrize("prompt", ["-- top customers by revenue", "-1 + 2", "--\n-- a diff"])
