@@ -10,6 +10,7 @@ warning line and the run goes on.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -119,10 +120,9 @@ class ChooserStore:
         chooser = None
         state = load_json(path) if self.persist else None
         if state is not None:
-            try:
-                chooser = AdaptiveK(**state["state"])
-            except (KeyError, TypeError, ValueError):  # from another version: start afresh
-                chooser = None
+            chooser = _restored(state)
+            if chooser is None and self.warn is not None:
+                self.warn(f"ignoring {path}: it does not fit this version of specmlx")
         if chooser is None:
             ratio = self.verify_ratio or self.probe(target, target_id, list(prompt_ids))
             chooser = AdaptiveK(verify_ratio=ratio)
@@ -157,3 +157,19 @@ class ChooserStore:
         # one warning per store: a read-only home would otherwise repeat it every request
         if not save_json(path, data, None if self._warned else self.warn):
             self._warned = True
+
+
+def _restored(state: dict) -> AdaptiveK | None:
+    """The chooser a state file describes, or None when it cannot be one: from another
+    version, or valid JSON of the wrong shape (a list where a number belongs, ...), which
+    would otherwise fail later, on every request. A copy is put through a few rounds first."""
+    try:
+        chooser = AdaptiveK(**state["state"])
+        trial = copy.deepcopy(chooser)
+        for report in (None, RoundReport(2, 1, 0.1, 0.02), RoundReport(0, 0, 0.05)):
+            int(trial(report))
+        trial.draft_plan([0.5], drafted=1)
+        trial.lookup_length(2, 3, 2, True)
+    except Exception:  # noqa: BLE001 - whatever is wrong with it, a fresh chooser will do
+        return None
+    return chooser

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .acceptance import DEFAULT_VERIFY, sampled_rule
@@ -53,7 +53,39 @@ def error_body(message: str, kind: str, code: str | None = None, param: str | No
 Positive = Annotated[int, Field(gt=0)]
 
 
-class _Sampling(BaseModel):
+# llama.cpp's clients send -1 for "random"; anything else must fit the 64-bit seed MLX takes
+Seed = Annotated[int, Field(ge=-1, le=2**64 - 1)]
+
+
+def _no_lone_surrogates(value: Any, where: str = "body") -> None:
+    """Refuse text that is not valid Unicode (a lone UTF-16 surrogate such as "\\ud800",
+    which JSON can carry and no tokenizer can encode), wherever it sits in a request."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where} holds a lone surrogate at character {e.start}") from None
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            _no_lone_surrogates(getattr(value, name), name)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _no_lone_surrogates(item, where)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _no_lone_surrogates(item, where)
+
+
+class _Text(BaseModel):
+    """A request body whose every string must be valid Unicode (else a 400)."""
+
+    @model_validator(mode="after")
+    def _valid_text(self):
+        _no_lone_surrogates(self)
+        return self
+
+
+class _Sampling(_Text):
     """The fields every generating endpoint shares (unknown fields are ignored, as clients
     send many; fields that would change the output and are not supported are refused)."""
 
@@ -66,7 +98,7 @@ class _Sampling(BaseModel):
     top_k: Annotated[int, Field(ge=0)] | None = None
     min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: Seed | None = None  # -1 or None: random
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: int = 1
@@ -132,7 +164,7 @@ class ExtraChunk(BaseModel):
     text: str = ""
 
 
-class InfillBody(BaseModel):
+class InfillBody(_Text):
     """llama.cpp's /infill, as llama.vscode and llama.vim send it (other fields ignored)."""
 
     model_config = ConfigDict(extra="ignore")
@@ -147,7 +179,7 @@ class InfillBody(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
     stop: list[str] = []
-    seed: int = -1  # -1: random
+    seed: Seed = -1  # -1: random
     stream: bool = False
 
 
@@ -322,7 +354,7 @@ def _request(body: _Sampling, ids, extra_eos, asked, settings, worker) -> GenReq
         prompt_ids=ids,
         sampling=_sampling(body, settings),
         max_tokens=_budget(len(ids), asked, settings),
-        seed=body.seed,
+        seed=None if body.seed is None or body.seed < 0 else body.seed,
         stop=body.stops(),
         drafter=_drafter(body.draft, settings, worker),
         num_draft=settings.num_draft if body.num_draft is None else body.num_draft,

@@ -166,7 +166,9 @@ class Worker:
         with self._lock:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
-            if self._queue.qsize() >= self.max_queue:
+            # --max-queue 0: no waiting, so served when idle and refused while busy
+            waiting = self._queue.qsize()
+            if waiting >= self.max_queue and (self.busy or waiting > 0):
                 self.totals.rejected += 1
                 raise QueueFull(f"{self.max_queue} requests are already waiting; retry shortly")
             self._queue.put(job)

@@ -47,6 +47,21 @@ def test_store_resumes_per_pair_and_sampler(specmlx_home):
     assert ChooserStore(persist=False).get(model, "t", "d", GREEDY, ids).level is None
 
 
+def test_a_state_file_of_the_wrong_shape_is_ignored_with_one_warning(specmlx_home):
+    """Valid JSON that cannot be a chooser (a list where a number belongs) made every auto
+    request fail until the file was deleted; now it is set aside, with a warning."""
+    model, ids = make_tiny(0), [1, 2, 3, 4]
+    store = ChooserStore()
+    store.save(store.get(model, "t", "d", GREEDY, ids))
+    (path,) = (specmlx_home / "adaptive").glob("*.json")
+    warnings = []
+    for bad in ({"state": {"_fix": [1.0, 1.0]}}, {"state": {"level": [1]}}, {"state": []}):
+        path.write_text(json.dumps(bad))
+        chooser = ChooserStore(warn=warnings.append).get(model, "t", "d", GREEDY, ids)
+        assert chooser.level is None and isinstance(chooser(None), int)
+    assert len(warnings) == 3 and all("does not fit" in w for w in warnings)
+
+
 def test_block_verification_learns_apart_when_sampling():
     key = ChooserStore.key
     # token-wise keys are what they were before block verification, so saved state applies

@@ -12,6 +12,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -20,6 +21,7 @@ from helpers import Server, free_port, tiny_pair
 from typer.testing import CliRunner
 
 from specmlx.cli import app
+from specmlx.worker import QueueFull, Worker
 
 KEY = "sk-test-key"
 CHAT = (
@@ -248,7 +250,16 @@ BAD = [
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
     ("/infill", {"input_prefix": "x", "temperature": -3}, 400, "temperature"),
-]
+    # seeds: -1 is "random" (llama.cpp's clients send it); beyond 64 bits or below -1, a 400
+    ("/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x", "seed": -5, "stream": True}, 400, "seed"),
+    ("/infill", {"input_prefix": "x", "seed": 2**70}, 400, "seed"),
+    # a lone UTF-16 surrogate, which JSON can carry and no tokenizer can encode
+    ("/v1/completions", '{"prompt": "ab\\ud800cd", "max_tokens": 2}', 400, "surrogate"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}', 400,
+     "surrogate"),
+    ("/infill", '{"input_prefix": "x", "input_extra": [{"text": "\\ud800"}]}', 400, "surrogate"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize("path,body,status,words", BAD)
@@ -262,6 +273,13 @@ def test_bad_requests_get_a_4xx_json_error(server, path, body, status, words):
     err = r.json()["error"]
     assert set(err) >= {"message", "type", "code"} and words in err["message"], err
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_seed_minus_one_means_random(server):
+    for body in ({"prompt": "def f():", "max_tokens": 3, "seed": -1},
+                 {"prompt": "def f():", "max_tokens": 3, "seed": -1, "temperature": 0.7}):  # fmt: skip
+        r = post(server, "/v1/completions", body)
+        assert r.status_code == 200, r.text
 
 
 def test_keys_routes_and_sizes(server):
@@ -430,3 +448,18 @@ def test_real_weights_through_the_server_equal_specmlx_run(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+def test_max_queue_zero_serves_when_idle_and_refuses_while_busy():
+    """--max-queue 0 means no waiting: it refused every request, idle or not."""
+    target = SimpleNamespace(tokenizer=None, vocab_size=0)
+    worker = Worker(target, None, 0, max_queue=0, persist=False, lookup_memory=False)
+    worker.submit(None, lambda *_: None)  # idle: taken (the thread would start it now)
+    with pytest.raises(QueueFull):
+        worker.submit(None, lambda *_: None)  # one is already there: it would wait
+    worker._queue.get()
+    worker.busy = True  # the thread runs it
+    with pytest.raises(QueueFull):
+        worker.submit(None, lambda *_: None)
+    worker.busy = False
+    worker.submit(None, lambda *_: None)  # idle again
