@@ -46,7 +46,7 @@ from .recurrent import PassRecorder
 from .sampling import SamplingParams, make_processor, sample
 from .stats import RoundReport, Stats, TokenEvent
 
-__all__ = ["KVState", "Stats", "TokenEvent", "TIME_DRAFT_EVERY", "generate_tokens"]
+__all__ = ["KVState", "Stats", "TokenEvent", "TIME_DRAFT_EVERY", "generate_tokens", "prefill"]
 
 # MLX streams belong to a thread: the server generates on a worker thread of its own
 _STREAM = getattr(mx, "new_thread_local_stream", mx.new_stream)(mx.default_device())
@@ -151,17 +151,8 @@ def generate_tokens(
     next_k = make_chooser(num_draft)
     accept = sampled_rule(verify)
     stats = stats if stats is not None else Stats()
-    stats.prompt_tokens = len(prompt)
-    kv = kv if kv is not None else KVState()
-    if kv.target is None:
-        kv.drop()
-        kv.target = make_caches(target)
-    if draft is not None and kv.draft is None:
-        kv.draft, kv.draft_len = make_caches(draft), 0
+    kv = _ready(kv, target, draft, prompt, stats)
     speculating = draft is not None or lookup
-    stats.caches = {"target": cache_kinds(kv.target)}
-    if draft is not None:
-        stats.caches["draft"] = cache_kinds(kv.draft)
     for what, c in (("target", kv.target), ("draft", kv.draft)) if speculating else ():
         if c is not None:
             check_kinds(c, what)  # a layer cache no rollback is known for: refused by name
@@ -170,15 +161,7 @@ def generate_tokens(
     mx.reset_peak_memory()
 
     with mx.stream(_STREAM), _wired():
-        t0 = time.perf_counter()
-        stats.cached_tokens = _reuse(kv, prompt[:-1], target, draft)
-        _prefill(target, kv.target, prompt[len(kv.tokens) : -1], prefill_step)
-        if draft is not None:
-            _prefill(draft, kv.draft, prompt[kv.draft_len : -1], prefill_step)
-            kv.draft_len = len(prompt) - 1
-        kv.tokens = prompt[:-1]
-        mx.clear_cache()  # prefill's temporaries: decoding needs the room
-        stats.prefill_s = time.perf_counter() - t0
+        _fill(target, draft, prompt, kv, stats, prefill_step)
         process = None if sampling.greedy else make_processor(sampling)
         check = lockstep or (lambda _tokens: None)
         if not speculating:
@@ -192,6 +175,61 @@ def generate_tokens(
             yield from loop
         finally:
             stats.peak_memory = mx.get_peak_memory()
+
+
+def prefill(
+    target: nn.Module,
+    draft: nn.Module | None,
+    prompt_ids: Sequence[int],
+    *,
+    kv: KVState,
+    stats: Stats | None = None,
+    prefill_step: int = 512,
+) -> None:
+    """Put a prompt into ``kv`` and generate nothing (an editor's warm-up request): ``kv``
+    then holds what generate_tokens would hold before its first round (the prompt minus its
+    last token, reusing the longest common prefix), so a later request that shares the
+    prompt prefills only what is new.
+
+    target, draft: the models (draft None: the target's cache only); prompt_ids: at least
+    one id; kv: the caches to fill (fresh ones are made where kv holds none); stats: gets
+    the prompt and prefill figures (a fresh one if None); prefill_step: tokens per chunk."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise BadInput("the prompt is empty")
+    stats = stats if stats is not None else Stats()
+    kv = _ready(kv, target, draft, prompt, stats)
+    with mx.stream(_STREAM), _wired():
+        _fill(target, draft, prompt, kv, stats, prefill_step)
+
+
+def _ready(kv: KVState | None, target, draft, prompt: list[int], stats: Stats) -> KVState:
+    """``kv`` (a fresh KVState if None) with caches for both models, and the prompt's
+    figures in ``stats``."""
+    stats.prompt_tokens = len(prompt)
+    kv = kv if kv is not None else KVState()
+    if kv.target is None:
+        kv.drop()
+        kv.target = make_caches(target)
+    if draft is not None and kv.draft is None:
+        kv.draft, kv.draft_len = make_caches(draft), 0
+    stats.caches = {"target": cache_kinds(kv.target)}
+    if draft is not None:
+        stats.caches["draft"] = cache_kinds(kv.draft)
+    return kv
+
+
+def _fill(target, draft, prompt: list[int], kv: KVState, stats: Stats, step: int) -> None:
+    """Prefill both models with the prompt minus its last token, reusing what kv holds."""
+    t0 = time.perf_counter()
+    stats.cached_tokens = _reuse(kv, prompt[:-1], target, draft)
+    _prefill(target, kv.target, prompt[len(kv.tokens) : -1], step)
+    if draft is not None:
+        _prefill(draft, kv.draft, prompt[kv.draft_len : -1], step)
+        kv.draft_len = len(prompt) - 1
+    kv.tokens = prompt[:-1]
+    mx.clear_cache()  # prefill's temporaries: decoding needs the room
+    stats.prefill_s = time.perf_counter() - t0
 
 
 @contextmanager

@@ -173,7 +173,7 @@ class InfillBody(_Text):
     input_suffix: str = ""
     input_extra: list[ExtraChunk] = []
     prompt: str = ""
-    n_predict: int = -1  # -1: the server's default
+    n_predict: int = -1  # < 0: the server's default; 0: a warm-up, prefill only
     temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
@@ -276,7 +276,9 @@ def create_app(
         )
         sampling = _sampling(body, settings)
         budget = body.n_predict if body.n_predict > 0 else None
-        max_tokens = _budget(len(ids), budget, settings)
+        max_tokens = _budget(len(ids), budget, settings)  # (also: the prompt fits the context)
+        if body.n_predict == 0:  # llama.vim's warm-up: fill the prompt cache, predict nothing
+            max_tokens = 0
         gen = GenRequest(
             ids, sampling, max_tokens, None if body.seed < 0 else body.seed,
             [s for s in body.stop if s][:MAX_STOPS], _drafter(None, settings, worker),

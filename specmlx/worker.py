@@ -28,6 +28,7 @@ from .distributed import (
     share,
     shared_probe,
 )
+from .engine import prefill
 from .errors import SpecmlxError
 from .loading import Loaded
 from .lookup import LookupMemory
@@ -255,6 +256,17 @@ class Worker:
         tok = self.target.tokenizer
         eos = sorted({*(getattr(tok, "eos_token_ids", ()) or ()), *r.extra_eos})
         kv = self.cache.take(r.prompt_ids)
+        if r.max_tokens == 0:  # a warm-up (llama.vim's n_predict 0): the prompt cache only
+            try:
+                prefill(self.target.model, use_draft.model if use_draft else None,
+                        r.prompt_ids, kv=kv, stats=stats)  # fmt: skip
+            finally:
+                self.cache.put(kv, len(r.prompt_ids))
+            stats.finish_reason = "length"
+            self._count(stats, False)
+            self.last = stats
+            job.emit("done", stats)
+            return
         responses = stream_text(
             self.target.model,
             use_draft.model if use_draft else None,

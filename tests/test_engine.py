@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
 from specmlx.adaptive import DRAFT_CHUNKS, AdaptiveK, _chunk
-from specmlx.engine import TIME_DRAFT_EVERY, KVState, generate_tokens
+from specmlx.engine import TIME_DRAFT_EVERY, KVState, generate_tokens, prefill
 from specmlx.errors import BadInput
 from specmlx.sampling import SamplingParams
 from specmlx.stats import RoundReport, Stats
@@ -706,3 +706,20 @@ def test_sampled_plan_is_a_stopping_rule():
             other = c[:j] + [rng.random() for _ in range(m - j)]
             again = chooser.draft_plan(other, drafted=min(drafted, m))[0]
             assert (keep > j) == (again > j), (c, other, drafted, j)
+
+
+def test_prefill_alone_leaves_the_caches_a_generation_would_reuse(pair):
+    """engine.prefill (an editor's warm-up): the next generation over the same prompt finds
+    all of it but the last token cached, and emits what a fresh one does."""
+    target, draft = pair
+    prompt = PROMPTS[2] * 3
+    kv, warm = KVState(), Stats()
+    prefill(target, draft, prompt, kv=kv, stats=warm)
+    assert kv.tokens == prompt[:-1] and kv.draft_len == len(prompt) - 1
+    assert warm.prompt_tokens == len(prompt) and warm.generated == 0
+    stats = Stats()
+    out = tokens(target, draft, prompt, num_draft=3, max_tokens=20, kv=kv, stats=stats)
+    assert stats.cached_tokens == len(prompt) - 1
+    assert out == tokens(target, draft, prompt, num_draft=3, max_tokens=20)
+    with pytest.raises(BadInput, match="empty"):
+        prefill(target, None, [], kv=KVState())

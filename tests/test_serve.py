@@ -318,6 +318,25 @@ def test_past_the_queue_limit_a_503_with_retry_after(small_server):
     assert busy.headers["Retry-After"] and busy.json()["error"]["code"] == "overloaded"
 
 
+def test_llama_vims_warm_up_prefills_and_predicts_nothing(server):
+    """llama.vim sends n_predict 0 about once a second to put the extra context into the
+    server's cache: it must return at once with no tokens, and the next real request that
+    shares the context must find it cached."""
+    extra = [{"filename": "util.py", "text": CODE * 6}]
+    warm = {"input_extra": extra, "n_predict": 0, "samplers": [], "t_max_predict_ms": 1,
+            "response_fields": [""]}  # fmt: skip
+    r = post(server, "/infill", warm)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["content"] == "" and out["tokens_predicted"] == 0 and out["stop"] is True
+    assert out["tokens_evaluated"] > 40  # the extra context was taken in
+    real = {"input_extra": extra, "input_prefix": "def add(a, b):\n", "input_suffix": "\n",
+            "n_predict": 8, "temperature": 0}  # fmt: skip
+    again = post(server, "/infill", real).json()
+    assert again["tokens_cached"] >= out["tokens_evaluated"] - 8, (again, out)
+    assert again["tokens_predicted"] > 0
+
+
 def test_infill_on_a_model_without_fim_tokens_is_a_400(small_server):
     r = post(small_server, "/infill", {"input_prefix": "def f():", "input_suffix": "\n"})
     assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]
