@@ -378,6 +378,10 @@ class _Speculation:
         self.d_recurrent = draft is not None and needs_replay(kv.draft)
         self.t_snaps: list[Snapshot] = []
         self.d_snaps: list[Snapshot] = []
+        # the target's state before a queued plain pass (a generation that ends at an EOS
+        # while one is queued gives back two tokens: the queued one and the context's last)
+        self.head_snap: Snapshot | None = None
+        self.rec_snap: Snapshot | None = None  # where the recorded verify pass started
         # where it can, the target's verify pass is recorded so that a rollback recomputes
         # only the recurrence over the kept tokens instead of feeding them again
         recorder = PassRecorder(target, recurrent_layers(kv.target)) if self.t_recurrent else None
@@ -466,7 +470,9 @@ class _Speculation:
         proposal = self.propose_lookup(k, room)
         d, q = mx.array(proposal, dtype=mx.uint32), None
         t_draft, self.confs, self.made = None, [], 0
-        self.d_snaps, self.t_snaps = [], []
+        self.d_snaps = []
+        self.t_snaps = [] if self.head_snap is None else [self.head_snap]
+        self.head_snap = self.rec_snap = None
         if not proposal and self.draft is not None and k > 0:
             rows = self.draft_rows
             pending = [t if t < rows else SAFE_ID for t in ctx[self.d_len :]]
@@ -488,9 +494,11 @@ class _Speculation:
             t_draft = time.perf_counter() - t0
 
         if self.t_recurrent:
-            self.t_snaps = [snapshot(self.tcache, self.t_held)]
+            self.t_snaps.append(snapshot(self.tcache, self.t_held))
         fed = k + 1 if self.head is None else k
-        with self.recorder.recording(fed) if self.recorder and fed else nullcontext():
+        if self.recorder and fed:
+            self.rec_snap = self.t_snaps[-1]
+        with self.recorder.recording(fed) if self.rec_snap else nullcontext():
             if self.head is None:
                 x = mx.concatenate([mx.array(ctx[-1:], dtype=mx.uint32), d])[None]  # (1, k+1)
                 logits = self.target(x, cache=self.tcache)[0]  # (k+1, V_target)
@@ -513,6 +521,8 @@ class _Speculation:
         if queue and k == 0:
             # as target-only decoding does: the next pass runs while the host reads this one
             mx.async_eval(out)
+            if self.t_recurrent:
+                self.head_snap = snapshot(self.tcache, self.t_held)
             self.head = self.target(nxt.reshape(1, 1), cache=self.tcache)[0]  # (1, V_target)
             self.t_held += 1
             mx.async_eval(self.head)
@@ -592,7 +602,7 @@ class _Speculation:
         held = self.t_held if cache is self.tcache else self.d_len
         snap = max((s for s in snaps if s.offset <= keep), key=lambda s: s.offset, default=None)
         if held > keep:
-            recorded = cache is self.tcache and self.recorder is not None and snap is not None
+            recorded = snap is not None and snap is self.rec_snap  # (the target's, this round)
             if snap is None or can_rollback(cache, held - keep):
                 trim(cache, held - keep)  # RollbackError where a trim would not be exact
             elif recorded and self.recorder.settle(keep - snap.offset, snap.recurrent):

@@ -15,8 +15,14 @@ from mlx_lm.models import gemma3_text
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, make_prompt_cache
 
 from specmlx import caches, engine
-from specmlx.caches import ROLLBACK_SLACK, WindowKVCache, cache_kinds, make_caches
-from specmlx.engine import KVState, generate_tokens
+from specmlx.caches import (
+    ROLLBACK_SLACK,
+    WindowKVCache,
+    cache_kinds,
+    make_caches,
+    recurrent_layers,
+)
+from specmlx.engine import KVState, generate_tokens, prefill
 from specmlx.errors import RollbackError
 from specmlx.loading import load_pair
 from specmlx.memory import layer_kinds, recurrent_state_bytes
@@ -324,3 +330,37 @@ def test_the_shipped_window_and_hybrid_pairs_load_through_tiny_stand_ins(
     reg = load_registry()
     pair = reg.pairs[pair_name]
     assert (reg.resolve(pair.target).ref, reg.resolve(pair.draft).ref) == want
+
+
+class AlwaysPlain:
+    """A chooser that never drafts and says so in advance, so the engine queues each next
+    plain pass early (as auto k does once it has dropped the draft)."""
+
+    def __call__(self, _last) -> int:
+        return 0
+
+    def plain_next(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2", "rwkv7"])
+@pytest.mark.parametrize("ending", ["eos", "closed"])
+def test_a_queued_plain_pass_is_undone_exactly_on_recurrent_state(family, ending):
+    """A generation that ends (at an EOS, or closed by its caller) while the next plain pass
+    is queued gives the queued token back: the recurrent state must then be exactly a fresh
+    prefill's of the context (a stale recording once set a wrong conv state here, which the
+    server's prompt cache would have reused)."""
+    target, draft = pair(family)
+    plain = tokens(target, None, LONG, num_draft=0)
+    kv = KVState()
+    gen = generate_tokens(target, draft, LONG, num_draft=AlwaysPlain(), max_tokens=MAX_TOKENS,
+                          kv=kv, eos_ids=[plain[8]] if ending == "eos" else ())  # fmt: skip
+    for i, _ in enumerate(gen):
+        if ending == "closed" and i == 8:
+            gen.close()
+    assert len(kv.tokens) >= len(LONG) + 7
+    fresh = KVState()
+    prefill(target, None, kv.tokens + [0], kv=fresh)
+    for a, b in zip(recurrent_layers(kv.target), recurrent_layers(fresh.target), strict=True):
+        for x, y in zip(a.cache, b.cache, strict=True):
+            assert mx.allclose(x, y, atol=1e-4), family
