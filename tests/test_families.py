@@ -343,7 +343,7 @@ class AlwaysPlain:
         return True
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "mamba2", "rwkv7"])
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2", "jamba"])  # recorded twice, replayed
 @pytest.mark.parametrize("ending", ["eos", "closed"])
 def test_a_queued_plain_pass_is_undone_exactly_on_recurrent_state(family, ending):
     """A generation that ends (at an EOS, or closed by its caller) while the next plain pass
@@ -363,4 +363,5 @@ def test_a_queued_plain_pass_is_undone_exactly_on_recurrent_state(family, ending
     prefill(target, None, kv.tokens + [0], kv=fresh)
     for a, b in zip(recurrent_layers(kv.target), recurrent_layers(fresh.target), strict=True):
         for x, y in zip(a.cache, b.cache, strict=True):
-            assert mx.allclose(x, y, rtol=1e-4, atol=1e-4), family  # (rwkv7: states of ~100)
+            # float32 rounding (the prefill sums in another order) against the state's scale
+            assert (mx.abs(x - y).max() <= 1e-4 * (1 + mx.abs(y).max())).item(), family
