@@ -10,7 +10,7 @@ import json
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import wraps
 from pathlib import Path
 from typing import Annotated
@@ -887,10 +887,19 @@ def bench(
     json_out: str = typer.Option(None, "--json", help="Write rows, runs and environment here."),
     md_out: str = typer.Option(None, "--markdown", help="Write a Markdown table here."),
     plot_out: str = typer.Option(None, "--plot", help="Write a PNG plot here (matplotlib)."),
+    overhead: bool = typer.Option(
+        False,
+        "--overhead",
+        help="Measure only the host's work per token instead: specmlx against mlx-lm on a "
+        "tiny random model (target and draft), k = 0, 2, 4, -n tokens, --repeats repeats.",
+    ),
     hosts: HostsOpt = None,
     hostfile: HostfileOpt = None,
 ) -> None:
     """Benchmark target-only, specmlx and mlx-lm side by side in one process."""
+    if overhead:
+        _overhead(max_tokens, repeats, json_out)
+        return
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from . import bench as b
@@ -994,6 +1003,22 @@ def bench(
         Path(md_out).write_text(b.to_markdown(result))
     if plot_out:
         b.plot(result, plot_out)
+
+
+def _overhead(max_tokens: int, repeats: int, json_out: str | None) -> None:
+    from .display import overhead_table
+    from .machine import blas_in_use
+    from .overhead import measure
+
+    if max_tokens <= 1 or repeats <= 0:
+        raise BadInput("--overhead needs -n > 1 and --repeats > 0")
+    console = err_console()
+    with console.status("timing") as status:
+        rows = measure(tokens=max_tokens, repeats=repeats, on_step=status.update)
+    console.print(overhead_table(rows))
+    console.print(f"BLAS: {blas_in_use()}", style="dim")
+    if json_out:
+        Path(json_out).write_text(json.dumps([asdict(r) for r in rows], indent=1))
 
 
 def _rule_name(name: str) -> str:

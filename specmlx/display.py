@@ -132,6 +132,22 @@ def bench_table(result: dict) -> Table:
     return t
 
 
+def overhead_table(rows: list) -> Table:
+    """`specmlx bench --overhead`: seconds per token of both tools and their paired ratio."""
+    table = Table(title="host overhead per token (tiny random Llama, V = 32000, greedy)")
+    for col in ("k", "specmlx ms/tok", "mlx-lm ms/tok", "specmlx / mlx-lm", "same tokens"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r.k),
+            f"{r.specmlx_s * 1000:.2f}",
+            f"{r.mlx_lm_s * 1000:.2f}",
+            f"{r.ratio:.2f}x",
+            "yes" if r.identical else "NO",
+        )
+    return table
+
+
 def print_warning(message: str) -> None:
     """One yellow line on stderr, inner newlines folded."""
     line = " ".join(message.split())

@@ -483,3 +483,16 @@ entry.main()
     assert got["preload"].startswith(OPENBLAS) and got["again"] == "1"
     assert not wants_openblas({"SPECMLX_NO_OPENBLAS": "1"})
     assert not wants_openblas({"LD_PRELOAD": OPENBLAS})
+
+
+def test_bench_overhead_times_both_tools_on_the_same_tokens(specmlx_home, tmp_path):
+    out = tmp_path / "o.json"
+    result = run("bench", "--overhead", "-n", "12", "--repeats", "1", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())
+    assert [r["k"] for r in rows] == [0, 2, 4]
+    for r in rows:
+        assert r["identical"], r  # the same greedy tokens from both tools
+        assert r["specmlx_s"] > 0 and r["mlx_lm_s"] > 0
+        assert r["ratio"] == pytest.approx(r["specmlx_s"] / r["mlx_lm_s"])  # one repeat
+    one_line_error(run("bench", "--overhead", "-n", "1"), 2, "--overhead")
