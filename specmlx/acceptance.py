@@ -21,8 +21,10 @@ import mlx.core as mx
 from .errors import BadInput
 from .sampling import sample
 
-# (p, q, draft, u, key) -> (n accepted, next token)
-Rule = Callable[[mx.array, mx.array, mx.array, mx.array, mx.array], tuple[mx.array, mx.array]]
+# (p, q, draft, u, key) -> (n accepted, next token); q None: a point mass at each draft
+Rule = Callable[
+    [mx.array, mx.array | None, mx.array, mx.array, mx.array], tuple[mx.array, mx.array]
+]
 
 
 def _count_leading(ok: mx.array) -> mx.array:
@@ -36,18 +38,40 @@ def _at_draft(probs: mx.array, draft: mx.array) -> mx.array:
     return mx.take_along_axis(probs[..., :k, :], draft[..., None], axis=-1)[..., 0]
 
 
-def _next_distribution(p: mx.array, q: mx.array, n: mx.array, scale: mx.array) -> mx.array:
+def _q_at_draft(q: mx.array | None, draft: mx.array) -> mx.array:
+    """q's probability of each draft (..., k); a point mass (q None) gives each its draft 1."""
+    return mx.ones(draft.shape, dtype=mx.float32) if q is None else _at_draft(q, draft)
+
+
+def _next_distribution(
+    p: mx.array, q: mx.array | None, draft: mx.array, n: mx.array, scale: mx.array
+) -> mx.array:
     """The (unnormalized) distribution of the token after n kept drafts:
     max(scale * p_n - q_n, 0), with q_k := 0 so that n = k gives the bonus row p_k.
 
-    p (..., k+1, V), q (..., k, V), n (...,), scale (...,) -> (..., V). If the residual is
-    empty up to rounding (p_n == q_n, where the rules make stopping there all but impossible)
-    it falls back to p_n, so a draw never sees an all-zero row."""
-    q_pad = mx.concatenate([q, mx.zeros_like(p[..., :1, :])], axis=-2)  # (..., k+1, V)
-    row = n[..., None, None]
-    p_n = mx.take_along_axis(p, row, axis=-2)[..., 0, :]  # (..., V)
-    q_n = mx.take_along_axis(q_pad, row, axis=-2)[..., 0, :]
-    residual = mx.maximum(scale[..., None] * p_n - q_n, 0.0)
+    p (..., k+1, V), q (..., k, V_q) with V_q <= V (ids past V_q have q = 0: a narrower draft
+    vocabulary) or None for a point mass at each draft, draft (..., k), n (...,), scale
+    (...,) -> (..., V). A point mass's residual is scale * p_n without d_n (scale * p_n(d_n)
+    <= 1), so no one-hot is built. If the residual is empty up to rounding (p_n == q_n, where
+    the rules make stopping there all but impossible) it falls back to p_n, so a draw never
+    sees an all-zero row."""
+    k, width = draft.shape[-1], p.shape[-1]
+    p_n = mx.take_along_axis(p, n[..., None, None], axis=-2)[..., 0, :]  # (..., V)
+    residual = scale[..., None] * p_n
+    if k > 0:
+        inside = (n < k)[..., None]  # a rejection inside the block: q_n is subtracted
+        row = mx.minimum(n, k - 1)[..., None]  # (..., 1); n = k reads row k - 1, masked out
+        if q is None:
+            d_n = mx.take_along_axis(draft, row, axis=-1)  # (..., 1)
+            hit = (mx.arange(width, dtype=draft.dtype) == d_n) & inside
+            residual = mx.where(hit, 0.0, residual)
+        else:
+            q_n = mx.take_along_axis(q, row[..., None], axis=-2)[..., 0, :] * inside  # (..., V_q)
+            if q.shape[-1] == width:
+                residual = residual - q_n
+            else:
+                residual = residual.at[..., : q.shape[-1]].subtract(q_n)
+            residual = mx.maximum(residual, 0.0)
     total = residual.sum(axis=-1, keepdims=True)
     return mx.where(total > 1e-12, residual, p_n)
 
@@ -67,7 +91,7 @@ def accept_greedy(target_logits: mx.array, draft: mx.array) -> tuple[mx.array, m
 
 
 def sampled_outcome(
-    p: mx.array, q: mx.array, draft: mx.array, u: mx.array
+    p: mx.array, q: mx.array | None, draft: mx.array, u: mx.array
 ) -> tuple[mx.array, mx.array]:
     """Token-wise verification, before the final draw: (n, unnormalized next distribution).
 
@@ -75,17 +99,18 @@ def sampled_outcome(
     stop at the first rejection n; the next token comes from max(0, p_n - q_n) (the bonus
     row p_k when all k are kept). Arguments as for accept_sampled.
     """
-    n = _count_leading(u * _at_draft(q, draft) < _at_draft(p, draft))
-    return n, _next_distribution(p, q, n, mx.ones(n.shape, dtype=p.dtype))
+    n = _count_leading(u * _q_at_draft(q, draft) < _at_draft(p, draft))
+    return n, _next_distribution(p, q, draft, n, mx.ones(n.shape, dtype=p.dtype))
 
 
 def accept_sampled(
-    p: mx.array, q: mx.array, draft: mx.array, u: mx.array, key: mx.array
+    p: mx.array, q: mx.array | None, draft: mx.array, u: mx.array, key: mx.array
 ) -> tuple[mx.array, mx.array]:
     """Leviathan et al. 2023 / Chen et al. 2023 speculative sampling, token by token.
 
-    p (..., k+1, V) target probabilities, q (..., k, V) draft probabilities (same processing),
-    draft (..., k) proposed ids, u (..., k) uniforms in [0, 1), key for the final draw.
+    p (..., k+1, V) target probabilities, q (..., k, V_q) draft probabilities (the same
+    processing; V_q <= V, the ids past it have q = 0) or None for a point mass at each draft
+    (prompt lookup: no one-hot rows are built), draft (..., k) proposed ids, u (..., k) uniforms in [0, 1), key for the final draw.
     Returns n (...,) drafts kept and next (...,) the token after them. The rule is
     ``sampled_outcome``; then every emitted token is distributed exactly as the target would
     have sampled it.
@@ -94,7 +119,7 @@ def accept_sampled(
     return n, sample(dist, key)
 
 
-def block_thresholds(p: mx.array, q: mx.array, draft: mx.array) -> tuple[mx.array, mx.array]:
+def block_thresholds(p: mx.array, q: mx.array | None, draft: mx.array) -> tuple[mx.array, mx.array]:
     """Block verification's weights and stopping probabilities (Sun et al. 2024, Alg. 2).
 
     With P_i, Q_i the rows at draft position i (i = 1..k) and X_i the drafts:
@@ -103,10 +128,11 @@ def block_thresholds(p: mx.array, q: mx.array, draft: mx.array) -> tuple[mx.arra
         h_i = R_i / (R_i + 1 - w_i)  (i < k),   h_k = w_k
     w_i = 1 gives h_i = 1 (R_i > 0 makes that the formula; when R_i = 0 too, the 0/0 case,
     w_{i+1} = 1 follows and a later position is kept for sure, so the value cannot matter).
-    p (..., k+1, V), q (..., k, V), draft (..., k) -> w (..., k+1), h (..., k).
+    p (..., k+1, V), q (..., k, V_q) or None (a point mass: then R_i = w_i (1 - P_{i+1}(X_{i+1})),
+    since w_i P <= 1 everywhere), draft (..., k) -> w (..., k+1), h (..., k).
     """
     k = draft.shape[-1]
-    p_d, q_d = _at_draft(p, draft), _at_draft(q, draft)
+    p_d, q_d = _at_draft(p, draft), _q_at_draft(q, draft)
     w = [mx.ones(draft.shape[:-1], dtype=p.dtype)]
     for i in range(k):  # k is small: a short chain of lazy ops
         # w p / q, clamped at 1, written so that q = 0 cannot divide (a draft never has q = 0)
@@ -115,13 +141,19 @@ def block_thresholds(p: mx.array, q: mx.array, draft: mx.array) -> tuple[mx.arra
         w.append(mx.where(clamp, 1.0, wp / mx.maximum(q_d[..., i], 1e-30)))
     ws = mx.stack(w, axis=-1)  # (..., k+1)
     inner = ws[..., 1:k]  # w_1..w_{k-1}
-    r = mx.maximum(inner[..., None] * p[..., 1:k, :] - q[..., 1:k, :], 0.0).sum(axis=-1)
+    rows = p[..., 1:k, :]  # P_2..P_k
+    if q is None:
+        r = inner * (rows.sum(axis=-1) - p_d[..., 1:k])
+    else:  # ids past q's width have Q = 0: their w P counts whole
+        w_q = q.shape[-1]
+        r = mx.maximum(inner[..., None] * rows[..., :w_q] - q[..., 1:k, :], 0.0).sum(axis=-1)
+        r = r + inner * rows[..., w_q:].sum(axis=-1)
     h_inner = mx.where(inner >= 1.0, 1.0, r / mx.maximum(r + 1.0 - inner, 1e-30))
     return ws, mx.concatenate([h_inner, ws[..., k:]], axis=-1)
 
 
 def block_outcome(
-    p: mx.array, q: mx.array, draft: mx.array, u: mx.array
+    p: mx.array, q: mx.array | None, draft: mx.array, u: mx.array
 ) -> tuple[mx.array, mx.array]:
     """Block verification, before the final draw: (n, unnormalized next distribution).
 
@@ -133,11 +165,11 @@ def block_outcome(
     w, h = block_thresholds(p, q, draft)
     tau = mx.max(mx.where(u < h, mx.arange(1, k + 1), 0), axis=-1)
     scale = mx.take_along_axis(w, tau[..., None], axis=-1)[..., 0]
-    return tau, _next_distribution(p, q, tau, scale)
+    return tau, _next_distribution(p, q, draft, tau, scale)
 
 
 def accept_block(
-    p: mx.array, q: mx.array, draft: mx.array, u: mx.array, key: mx.array
+    p: mx.array, q: mx.array | None, draft: mx.array, u: mx.array, key: mx.array
 ) -> tuple[mx.array, mx.array]:
     """Block verification (Sun, Mendlovic, Leviathan et al. 2024, arXiv 2403.10444).
 
@@ -151,8 +183,9 @@ def accept_block(
 
 
 def point_mass(tokens: mx.array, vocab: int) -> mx.array:
-    """q for a deterministic proposal (prompt lookup): one-hot rows (..., k, V).
-    Then acceptance is p(d) and the residual is p with d removed, renormalized."""
+    """One-hot rows (..., k, V): what q None stands for in the rules (they never build it;
+    the tests check the two agree). Acceptance is then p(d) and the residual is p with d
+    removed, renormalized."""
     return (tokens[..., None] == mx.arange(vocab, dtype=tokens.dtype)).astype(mx.float32)
 
 

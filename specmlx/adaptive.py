@@ -362,11 +362,18 @@ class AdaptiveK:
             self._fix[k] = self.shape_decay * old + (1 - self.shape_decay) * seen
 
     def verify_curve(self) -> list[float]:
-        """t_verify(k) for k in 0..max(k_max, lookup_max), never cheaper than a smaller k."""
+        """t_verify(k) for k in 0..max(k_max, lookup_max), never cheaper than a smaller k.
+        Built once per change of what it depends on (a round asks for it several times)."""
+        key = (self.level, tuple(self._fix.items()), id(self.verify_ratio), self.k_max)
+        key += (self.lookup_max,)
+        memo = self.__dict__.get("_curve_memo")  # (not a field: never saved)
+        if memo is not None and memo[0] == key:
+            return memo[1]
         curve = []
         for k in range(max(self.k_max, self.lookup_max) + 1):
             t = (self.level or 0.0) * self._shape(k)
             curve.append(max(t, curve[-1]) if curve else t)
+        self.__dict__["_curve_memo"] = (key, curve)
         return curve
 
     def state(self) -> dict:

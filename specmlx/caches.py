@@ -22,7 +22,7 @@ a cache that cannot give back n tokens exactly raises ``RollbackError``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -298,6 +298,41 @@ def restore(cache: Sequence, snap: Snapshot, offset: int) -> None:
             c.trim(fed)
         else:
             c.cache = list(arrays)
+
+
+def roll_back(
+    model: nn.Module,
+    cache: Sequence,
+    held: int,
+    keep: int,
+    snaps: Sequence[Snapshot],
+    context: Sequence[int],
+    settle: Callable[[Snapshot, int], bool] | None = None,
+    own_ids: Callable[[list[int]], list[int]] | None = None,
+) -> int:
+    """Make ``cache`` (holding ``held`` tokens) hold context[:keep]; returns the tokens fed
+    again. A trim where that is exact; else (recurrent state) the latest snapshot at or
+    before ``keep``: ``settle(snap, keep)`` may set the state from a recorded pass (True:
+    done, the attention layers are then trimmed), otherwise the snapshot is restored and
+    context[snap.offset:keep] fed again, left lazy for the next round's host sync.
+
+    model: the cache's model (for the replay); snaps: the states kept this round; context:
+    the tokens so far; own_ids: maps replayed ids to ids the model embeds (a narrower draft)."""
+    if held <= keep:
+        return 0
+    snap = max((s for s in snaps if s.offset <= keep), key=lambda s: s.offset, default=None)
+    if snap is None or can_rollback(cache, held - keep):
+        trim(cache, held - keep)  # RollbackError where a trim would not be exact
+        return 0
+    if settle is not None and settle(snap, keep):
+        trim(cache, held - keep, recurrent=False)  # the state was set from the pass
+        return 0
+    restore(cache, snap, held)
+    again = list(context[snap.offset : keep])
+    again = own_ids(again) if own_ids is not None else again
+    if again:
+        model(mx.array(again, dtype=mx.uint32)[None], cache=cache)
+    return len(again)
 
 
 def mlx_lm_speculates(model: nn.Module) -> bool:

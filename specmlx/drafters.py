@@ -1,18 +1,214 @@
-"""Drafters propose up to k tokens (and, for sampling, the distribution q each came from).
+"""Drafters: what proposes the tokens a target pass verifies. One protocol for all of them.
 
-The draft model lives here, prompt lookup in lookup.py. Verification, acceptance and rollback
-are the same for every drafter, which is what keeps all of them lossless: a drafter can only
-change how many tokens a target pass yields.
+A drafter gets the context and the chooser's k and returns a Proposal: the tokens, the
+distribution q each was drawn from (None: a point mass, as for prompt lookup and for any
+greedy drafter) and how they were drafted. When the round is settled it is told how much of
+what it has seen is still right and brings its own state (a KV cache, an index) there.
+Verification, acceptance and the target's rollback are the same for every drafter, which is
+what keeps all of them lossless: a drafter can only change how many tokens a target pass
+yields. Here: the draft model, prompt lookup, and a chain (lookup first, then the model).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .caches import Snapshot, needs_replay, roll_back, snapshot
+from .lookup import Lookup
 from .sampling import Processor, sample
+
+# fed to the draft in place of an id its embedding table lacks (a padding row of a wider
+# target's logits): the draft's guesses get worse for a while, the output stays exact
+SAFE_ID = 0
+# per-token stopping: the most extensions a round may draft (each one host sync)
+DRAFT_MORE_MAX = 8
+_NONE = mx.array([], dtype=mx.uint32)
+
+
+@dataclass
+class Proposal:
+    """A round's drafts. tokens (k,) uint32, maybe still lazy; q (k, V_q) the distribution
+    each was drawn from (V_q may be narrower than the target's logits: ids past it have
+    q = 0), None for a point mass; source "model", "lookup" or "none" (nothing proposed)."""
+
+    tokens: mx.array = _NONE
+    q: mx.array | None = None
+    source: str = "none"
+    match: int = 0  # lookup: the length of the n-gram match the tokens follow
+    draft_s: float | None = None  # seconds of drafting, when timed apart (one host sync)
+    confidences: tuple[float, ...] = ()  # per-token stopping: the draft's q of each kept draft
+    made: int | None = None  # per-token stopping: drafts made, when more than were kept
+
+    @property
+    def k(self) -> int:
+        return self.tokens.shape[0]
+
+
+class Drafter(Protocol):
+    """What the engine's round sees of a drafter."""
+
+    def propose(
+        self, ctx: list[int], k: int, room: int, key: mx.array | None, timed: bool
+    ) -> Proposal:
+        """Up to k tokens to follow ``ctx`` (an adaptive chooser may let lookup verify up to
+        ``room``); key: randomness for sampling (None when greedy); timed: time the
+        drafting apart (one host sync), for the statistics and adaptive k."""
+        ...
+
+    def settle(self, ctx: list[int], right: int) -> None:
+        """The round is over: ``ctx`` is the whole context now, and its first ``right``
+        tokens are what this round's target pass confirmed; anything the drafter has seen
+        past them is wrong and is given back."""
+        ...
+
+    def close(self) -> None:
+        """The generation ended (or stopped early)."""
+        ...
+
+
+class ModelDrafter:
+    """A draft model with its own KV cache. The cache holds ctx[:held] for some held <=
+    len(ctx) - 1 between rounds; it is fed ctx[held:] before it drafts, which covers the
+    2-token catch-up after a fully accepted round and whatever lookup accepted meanwhile.
+
+    model, cache: the draft and its cache, which holds ``held`` tokens; vocab: how many ids
+    it may propose; rows: ids it can embed (others are fed as SAFE_ID); process: the sampling
+    processor (None: greedy); plan: per-token stopping (an AdaptiveK's draft_plan) or None."""
+
+    def __init__(self, model, cache, held, vocab, rows, process, plan=None):
+        self.model, self.cache, self.held = model, cache, held
+        self.vocab, self.rows, self.process, self.plan = vocab, rows, process, plan
+        self.recurrent = needs_replay(cache)
+        self.snaps: list[Snapshot] = []  # a recurrent draft's state after each step
+
+    def own_ids(self, ids: Sequence[int]) -> list[int]:
+        return [t if t < self.rows else SAFE_ID for t in ids]
+
+    def propose(self, ctx, k, room, key, timed) -> Proposal:
+        if k <= 0:
+            return Proposal()
+        t0 = time.perf_counter()
+        self.snaps = []
+        pending = self.own_ids(ctx[self.held :])
+        x = mx.array(pending, dtype=mx.uint32)[None]  # (1, L)
+        more = None
+        if self.plan is not None:  # per-token stopping: k is a go; the plan sizes the chunks
+            k = max(1, min(self.plan([])[1], room))
+            if key is not None:
+                key, more = mx.random.split(key)
+        d, q, conf = draft_model_propose(
+            self.model, self.cache, x, k, self.vocab, self.process, key,
+            self.keep_state(self.held + len(pending)),
+        )  # fmt: skip
+        self.held += len(pending) + k - 1  # the last draft is not fed
+        if self.plan is not None:
+            return self.stop_or_extend(d, q, conf, room, more, t0)
+        if timed:
+            mx.eval(d if q is None else [d, q])
+        seconds = time.perf_counter() - t0 if timed else None
+        return Proposal(d[0], None if q is None else q[0], "model", draft_s=seconds)
+
+    def stop_or_extend(self, d, q, conf, room: int, key: mx.array | None, t0: float) -> Proposal:
+        """Per-token stopping: read the draft's confidences (one host sync), draft more while
+        the plan says it pays (one sync per chunk: fewer than one per token), and keep the
+        prefix worth verifying. d (1, m), q (1, m, vocab) or None, conf (1, m). Always
+        timed: the confidences were read anyway."""
+        confs = conf[0].tolist()
+        first = len(confs)  # drafted before any confidence was read: sunk for the plan
+        keys = mx.random.split(key, DRAFT_MORE_MAX) if key is not None else None
+        for ext in range(DRAFT_MORE_MAX):
+            keep, more = self.plan(confs, drafted=first)
+            more = min(more, room - len(confs))
+            if more <= 0:
+                break
+            d2, q2, c2 = draft_model_propose(
+                self.model, self.cache, d[:, -1:], more, self.vocab, self.process,
+                None if keys is None else keys[ext], self.keep_state(self.held + 1),
+            )  # fmt: skip
+            self.held += more  # the last draft is fed now, the newest one is not
+            d = mx.concatenate([d, d2], axis=1)
+            q = None if q is None else mx.concatenate([q, q2], axis=1)
+            confs += c2[0].tolist()
+        keep = max(1, min(keep, len(confs)))
+        return Proposal(
+            d[0, :keep],
+            None if q is None else q[0, :keep],
+            "model",
+            draft_s=time.perf_counter() - t0,
+            confidences=tuple(confs[:keep]),
+            made=len(confs) if len(confs) > keep else None,
+        )
+
+    def keep_state(self, base: int) -> Callable[[int], None] | None:
+        """For a recurrent draft, a drafting step's hook that keeps its state after step i,
+        when the cache holds base + i tokens: a rollback to any drafted length is then a
+        restore, no replay (MLX arrays are kept by reference: no copy, no sync)."""
+        if not self.recurrent:
+            return None
+        return lambda i: self.snaps.append(snapshot(self.cache, base + i))
+
+    def settle(self, ctx, right) -> None:
+        keep = min(self.held, right)
+        roll_back(self.model, self.cache, self.held, keep, self.snaps, ctx, own_ids=self.own_ids)
+        self.held = keep
+
+    def close(self) -> None:
+        pass
+
+
+class LookupDrafter:
+    """Prompt lookup (with memory): the continuation of an earlier occurrence of the
+    context's tail. ``lookup_length`` (an AdaptiveK's) weighs up to ``room`` lookup tokens
+    against k from a draft model (``fallback``: one follows in the chain) or a plain step;
+    without it lookup proposes up to k."""
+
+    def __init__(self, finder: Lookup, lookup_length=None, fallback: bool = False):
+        self.finder, self.lookup_length, self.fallback = finder, lookup_length, fallback
+
+    def propose(self, ctx, k, room, key, timed) -> Proposal:
+        if self.lookup_length is None:
+            match, found = self.finder.find(k)
+        else:
+            match, found = self.finder.find(room)
+            found = found[: self.lookup_length(match, len(found), k, self.fallback)]
+        if not found:
+            return Proposal()
+        return Proposal(mx.array(found, dtype=mx.uint32), None, "lookup", match=match)
+
+    def settle(self, ctx, right) -> None:
+        self.finder.sync()  # ctx is the index's own list: index what joined it
+
+    def close(self) -> None:
+        self.finder.remember()
+
+
+class Chain:
+    """Drafters tried in order each round: the first that proposes anything drafts it (the
+    hybrid: lookup first, the draft model when lookup finds nothing worth verifying)."""
+
+    def __init__(self, drafters: Sequence[Drafter]):
+        self.drafters = list(drafters)
+
+    def propose(self, ctx, k, room, key, timed) -> Proposal:
+        for d in self.drafters:
+            proposal = d.propose(ctx, k, room, key, timed)
+            if proposal.k:
+                return proposal
+        return Proposal()
+
+    def settle(self, ctx, right) -> None:
+        for d in self.drafters:
+            d.settle(ctx, right)
+
+    def close(self) -> None:
+        for d in self.drafters:
+            d.close()
 
 
 def draft_model_propose(
@@ -22,7 +218,7 @@ def draft_model_propose(
     k: int,
     vocab: int,
     process: Processor | None,
-    key: mx.array,
+    key: mx.array | None,
     after_step: Callable[[int], None] | None = None,
 ) -> tuple[mx.array, mx.array | None, mx.array]:
     """Feed the draft the tokens it has not seen yet, pending (B, L), then draft k tokens.
@@ -33,12 +229,13 @@ def draft_model_propose(
     confidence in each token (B, k): its probability under q (greedy: under the softmax).
     MLX is lazy: the confidence costs nothing unless someone reads it. The draft cache
     grows by L + k - 1: the last drafted token is never fed, the engine accounts for that.
+    ``key``: randomness for sampling (unused, and may be None, when greedy).
     ``vocab`` restricts proposals to ids the target has (Code Llama 7B has 16 more than 34B).
     The engine uses B = 1; tests batch thousands of rounds through this same function.
     ``after_step(i)``, if given, is called after step i's pass, when the cache has grown by
     L + i (the engine keeps a recurrent draft's state there, to roll back to any of them).
     """
-    keys = mx.random.split(key, k)
+    keys = mx.random.split(key, k) if process is not None else None  # greedy draws nothing
     x, tokens, qs, confs = pending, [], [], []
     for i in range(k):
         logits = model(x, cache=cache)[:, -1, :vocab]  # (B, vocab)

@@ -1,11 +1,12 @@
-"""The round loop: prefill, draft, verify, accept, roll back; yields token events.
+"""The round loop: prefill, then rounds of propose -> verify -> accept -> roll back; yields
+token events.
 
 Bookkeeping, in one place: ``ctx`` is every token so far (prompt + generated). Between rounds
 the target cache holds ctx[:-1] (the last token is fed at the start of the next pass), or all
-of ctx when a plain round already queued the next plain pass (``head``, see below), and the
-draft cache holds ctx[:d_len] for some d_len <= len(ctx) - 1; the draft is fed ctx[d_len:]
-before it drafts, which covers the 2-token catch-up after a fully accepted round and whatever
-prompt lookup accepted while the draft model sat idle. When generation ends, or the caller
+of ctx when a plain round already queued the next plain pass (``head``, see below); a draft
+model's cache holds a prefix of ctx[:-1] that its drafter (drafters.ModelDrafter) tracks.
+A drafter is anything with drafters.Drafter's three methods: the draft model, prompt lookup,
+or a chain of them; the round sees only its Proposal. When generation ends, or the caller
 closes the generator early, the target cache holds ctx[:-1] and KVState says so.
 
 Plain rounds (k = 0) overlap like target-only decoding: when the chooser says the next round
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import random
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -25,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import maybe_set_recommended_wired_limit
 
-from .acceptance import DEFAULT_VERIFY, Rule, accept_greedy, point_mass, sampled_rule
+from .acceptance import DEFAULT_VERIFY, Rule, accept_greedy, sampled_rule
 from .caches import (
     Snapshot,
     cache_kinds,
@@ -34,12 +36,12 @@ from .caches import (
     make_caches,
     needs_replay,
     recurrent_layers,
-    restore,
+    roll_back,
     snapshot,
     trim,
 )
 from .choosers import KSetting, make_chooser
-from .drafters import draft_model_propose
+from .drafters import Chain, Drafter, LookupDrafter, ModelDrafter
 from .errors import BadInput
 from .lookup import Lookup, LookupMemory
 from .recurrent import PassRecorder
@@ -55,11 +57,6 @@ _STREAM = getattr(mx, "new_thread_local_stream", mx.new_stream)(mx.default_devic
 # unmeasured for a whole generation) and then one in 8 get a second host sync, to time the
 # draft apart
 TIME_DRAFT_EVERY = 8
-# per-token stopping: the most extensions a round may draft (each one host sync)
-DRAFT_MORE_MAX = 8
-# fed to the draft in place of an id its embedding table lacks (a padding row of a wider
-# target's logits): the draft's guesses get worse for a while, the output stays exact
-SAFE_ID = 0
 
 
 @dataclass
@@ -167,10 +164,23 @@ def generate_tokens(
         if not speculating:
             loop = _plain(target, kv, prompt, process, key, stops, stats, check)
         else:
-            finder = Lookup(prompt, lookup_memory) if lookup else None
-            spec = _Speculation(target, kv, draft, process, vocab_size, finder, accept, stats)
-            spec.plan = getattr(next_k, "draft_plan", None) if draft_stop else None
-            loop = spec.run(prompt, next_k, key, stops, stats, check)
+            ctx = list(prompt)  # the context, grown each round (lookup indexes this list)
+            drafters: list[Drafter] = []
+            if lookup:
+                length = getattr(next_k, "lookup_length", None)
+                finder = Lookup(ctx, lookup_memory)
+                drafters.append(LookupDrafter(finder, length, fallback=draft is not None))
+            model_drafter = None
+            if draft is not None:
+                rows, vocab = _draft_ids(target, draft, vocab_size)
+                plan = getattr(next_k, "draft_plan", None) if draft_stop else None
+                model_drafter = ModelDrafter(
+                    draft, kv.draft, kv.draft_len, vocab, rows, process, plan
+                )
+                drafters.append(model_drafter)
+            drafter = drafters[0] if len(drafters) == 1 else Chain(drafters)
+            spec = _Speculation(target, kv, drafter, model_drafter, process, accept, stats)
+            loop = spec.run(ctx, next_k, key, stops, stats, check)
         try:
             yield from loop
         finally:
@@ -201,6 +211,30 @@ def prefill(
     kv = _ready(kv, target, draft, prompt, stats)
     with mx.stream(_STREAM), _wired():
         _fill(target, draft, prompt, kv, stats, prefill_step)
+
+
+_WIDTHS: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _logit_width(model: nn.Module) -> int:
+    """The width of a model's logits, known from shapes alone: a graph on a dummy input is
+    built (never evaluated) once per model object, not once per generation."""
+    hit = _WIDTHS.get(id(model))
+    if hit is not None and hit[0]() is model:
+        return hit[1]
+    width = model(mx.array([[0]], dtype=mx.uint32)).shape[-1]
+    _WIDTHS[id(model)] = (weakref.ref(model), width)
+    return width
+
+
+def _draft_ids(target, draft, vocab_size: int | None) -> tuple[int, int]:
+    """(ids the draft can embed, ids it may propose): the second is the smaller logit width
+    unless ``vocab_size`` says fewer."""
+    width = _logit_width(draft)
+    rows = getattr(getattr(draft, "args", None), "vocab_size", None) or width
+    if vocab_size is None:
+        vocab_size = min(_logit_width(target), width)
+    return rows, min(vocab_size, rows)
 
 
 def _ready(kv: KVState | None, target, draft, prompt: list[int], stats: Stats) -> KVState:
@@ -312,10 +346,10 @@ def _plain(target, kv, prompt, process, key, stops, stats, check) -> Iterator[To
 
     def step(y: mx.array) -> mx.array:
         nonlocal key
-        key, sub = mx.random.split(key)
         logits = target(y.reshape(1, -1), cache=cache)[0, -1]  # (V,)
         if process is None:
             return mx.argmax(logits, axis=-1).astype(mx.uint32)
+        key, sub = mx.random.split(key)
         return sample(process(logits), sub)
 
     t0 = time.perf_counter()
@@ -354,82 +388,62 @@ def _plain(target, kv, prompt, process, key, stops, stats, check) -> Iterator[To
 
 
 class _Speculation:
-    """State of one speculative generation: models, caches and the sampling setup."""
+    """One speculative generation: the target, its cache and its bookkeeping, a drafter,
+    the sampling setup. A round is propose -> verify -> accept (one lazy graph, one host
+    sync) -> roll back; the drafter is anything with drafters.Drafter's three methods."""
 
-    def __init__(self, target, kv, draft, process, vocab_size, finder, accept: Rule, stats: Stats):
-        self.target, self.tcache, self.draft, self.dcache = target, kv.target, draft, kv.draft
-        self.stats = stats
-        self.kv, self.process, self.finder, self.accept = kv, process, finder, accept
+    def __init__(self, target, kv, drafter, model_drafter, process, accept: Rule, stats):
+        self.target, self.tcache, self.kv, self.stats = target, kv.target, kv, stats
+        self.drafter, self.model_drafter = drafter, model_drafter
+        self.process, self.accept = process, accept
         self.head: mx.array | None = None  # (1, V_target) logits of a queued plain pass
-        # with lookup and an adaptive chooser: how many lookup tokens to verify, 0 for none
-        self.lookup_length: Callable[[int, int, int, bool], int] | None = None
-        self.match = 0  # the n-gram match behind this round's lookup proposal (0: none)
-        # per-token stopping: the chooser's plan, and this round's kept drafts' confidences
-        self.plan: Callable[..., tuple[int, int]] | None = None
-        self.confs: list[float] = []
-        self.made = 0  # drafts made this round (per-token stopping may verify fewer)
-        self.d_len = kv.draft_len
         self.t_held = len(kv.tokens)  # tokens the target cache holds (queued passes included)
-        # recurrent layers cannot be trimmed: their state is kept where a rollback may land
-        # (the target's at the round's start, the draft's after each drafting step), and a
-        # rollback restores the latest one at or before the kept length, feeding the target
-        # the kept tokens again (caches.py)
+        # recurrent layers cannot be trimmed: the target's state is kept at each round's start
+        # (and before a queued plain pass, ``head_snap``), and a rollback restores the latest
+        # one at or before the kept length, feeding the target the kept tokens again
+        # (caches.roll_back) -- or, where the verify pass was recorded from the snapshot it
+        # started at (``rec_snap``), recomputes only the recurrence over the kept tokens
         self.t_recurrent = needs_replay(kv.target)
-        self.d_recurrent = draft is not None and needs_replay(kv.draft)
         self.t_snaps: list[Snapshot] = []
-        self.d_snaps: list[Snapshot] = []
-        # the target's state before a queued plain pass (a generation that ends at an EOS
-        # while one is queued gives back two tokens: the queued one and the context's last)
         self.head_snap: Snapshot | None = None
-        self.rec_snap: Snapshot | None = None  # where the recorded verify pass started
-        # where it can, the target's verify pass is recorded so that a rollback recomputes
-        # only the recurrence over the kept tokens instead of feeding them again
+        self.rec_snap: Snapshot | None = None
         recorder = PassRecorder(target, recurrent_layers(kv.target)) if self.t_recurrent else None
         self.recorder = recorder if recorder is not None and recorder.supported else None
-        self.draft_rows = 0  # ids the draft can embed
-        if draft is not None:
-            # logit widths are known from shapes alone: this builds a graph, evaluates nothing
-            probe = mx.array([[0]], dtype=mx.uint32)
-            width = draft(probe).shape[-1]
-            self.draft_rows = getattr(getattr(draft, "args", None), "vocab_size", None) or width
-            if vocab_size is None:
-                vocab_size = min(target(probe).shape[-1], width)
-            vocab_size = min(vocab_size, self.draft_rows)
-        self.vocab_size = vocab_size
 
-    def run(self, prompt, next_k, key, stops, stats, check) -> Iterator[TokenEvent]:
-        ctx = list(prompt)
+    def run(self, ctx, next_k, key, stops, stats, check) -> Iterator[TokenEvent]:
         drafting_rounds = 0
         plain_next = getattr(next_k, "plain_next", lambda: False)
-        if self.finder is not None:  # a lookup match can turn up any round: never queue plain
+        if isinstance(self.drafter, (LookupDrafter, Chain)):  # a match can turn up any round
             plain_next = lambda: False  # noqa: E731
-            self.lookup_length = getattr(next_k, "lookup_length", None)
         last, settled = None, True  # settled: the caches match ctx (not mid-round)
         try:
             while True:
                 t0 = time.perf_counter()
                 # a round emits up to k + 1 tokens: never draft past the budget
-                k = max(0, min(next_k(last), stops.max_tokens - stops.count - 1))
+                room = stops.max_tokens - stops.count - 1
+                k = max(0, min(next_k(last), room))
                 settled = False  # (a chooser that raises leaves the caches as they were)
                 if last is not None and last.k == 0:
                     drafting_rounds = 0  # a chooser's probe after plain rounds: time it
                 # a queued pass would be waited for inside the draft's timing: skip, time the next
-                time_draft = k > 0 and drafting_rounds % TIME_DRAFT_EVERY == 0 and self.head is None
+                timed = k > 0 and drafting_rounds % TIME_DRAFT_EVERY == 0 and self.head is None
                 drafting_rounds += k > 0 and self.head is None
-                queue = k == 0 and stops.count + 1 < stops.max_tokens and plain_next()
-                key, sub = mx.random.split(key)
-                room = stops.max_tokens - stops.count - 1
-                n, tokens, k, t_draft = self.round(ctx, k, sub, time_draft, queue, room)
+                queue = k == 0 and room > 0 and plain_next()
+                keys = None  # greedy rounds draw nothing: no keys
+                if self.process is not None:  # one split a round: the draft's, u's, the draw's
+                    key, *keys = mx.random.split(key, 4)
+                proposal, n, tokens = self.round(ctx, k, keys, timed, queue, room)
+                k = proposal.k
                 new, reason = stops.cut(tokens[:n] + [tokens[k]])
                 n_kept = len(new) - 1 if reason else n
                 self.rollback(ctx, new, k, n_kept, done=reason is not None)
                 ctx += new
-                if self.finder is not None:
-                    self.finder.extend(new)
+                self.drafter.settle(ctx, len(ctx) - len(new) + n_kept)
                 settled = True
-                seconds = time.perf_counter() - t0
-                made = self.made if self.made > k else None
-                last = RoundReport(k, n, seconds, t_draft, self.match, tuple(self.confs), made)
+                last = RoundReport(
+                    k, n, time.perf_counter() - t0, proposal.draft_s, proposal.match,
+                    proposal.confidences, proposal.made,
+                )  # fmt: skip
                 stats.record(last, stops.count)
                 stats.finish_reason = reason
                 check(new)
@@ -438,87 +452,30 @@ class _Speculation:
                 if reason:
                     return
         finally:
-            if self.finder is not None:
-                self.finder.remember()
+            self.drafter.close()
             if not settled:  # an exception mid-round: what the caches hold is unknown
                 self.kv.drop()
             else:
                 if self.head is not None:  # closed early with a plain pass queued: undo it
                     self.head = None
-                    self.give_back(self.target, self.tcache, self.t_snaps, self.t_held - 1, ctx)
-                self.kv.tokens, self.kv.draft_len = ctx[:-1], self.d_len
+                    self.give_back(self.t_held - 1, ctx)
+                self.kv.tokens = ctx[:-1]
+                if self.model_drafter is not None:
+                    self.kv.draft_len = self.model_drafter.held
 
-    def round(
-        self,
-        ctx: list[int],
-        k: int,
-        key: mx.array,
-        time_draft: bool = False,
-        queue: bool = False,
-        room: int | None = None,
-    ) -> tuple[int, list[int], int, float | None]:
-        """Draft -> verify -> accept as one lazy graph, read back with one host sync.
-        Returns (n accepted, [d_1..d_k, next], k used, draft seconds or None). ``time_draft``
-        adds a second sync after drafting, to time the draft apart from the target: the
-        engine asks for it on one drafting round in TIME_DRAFT_EVERY, for the statistics
-        and for adaptive k. ``queue``: if this round is plain, queue the next plain pass.
-        ``room``: the most drafts the token budget allows (default k); an adaptive chooser
-        may verify that many lookup tokens instead of k from the draft model."""
-        t0 = time.perf_counter()
-        kd, ku, kr = mx.random.split(key, 3)
-        room = k if room is None else room
-        proposal = self.propose_lookup(k, room)
-        d, q = mx.array(proposal, dtype=mx.uint32), None
-        t_draft, self.confs, self.made = None, [], 0
-        self.d_snaps = []
-        self.t_snaps = [] if self.head_snap is None else [self.head_snap]
-        self.head_snap = self.rec_snap = None
-        if not proposal and self.draft is not None and k > 0:
-            rows = self.draft_rows
-            pending = [t if t < rows else SAFE_ID for t in ctx[self.d_len :]]
-            x = mx.array(pending, dtype=mx.uint32)[None]  # (1, L)
-            if self.plan is not None:  # per-token stopping: k is a go; the plan sizes chunks
-                kd, kx = mx.random.split(kd)
-                k = max(1, min(self.plan([])[1], room))
-            d, q, conf = draft_model_propose(
-                self.draft, self.dcache, x, k, self.vocab_size, self.process, kd,
-                self.keep_draft_state(self.d_len + len(pending)),
-            )  # fmt: skip
-            self.d_len += len(pending) + k - 1
-            if self.plan is not None:
-                d, q, t_draft = self.stop_or_extend(d, q, conf, room, kx, t0)
-            d, q = d[0], (None if q is None else q[0])  # (k,), (k, vocab)
-        k = d.shape[0]
-        if time_draft and k > 0 and not proposal and t_draft is None:  # (lookup: host work)
-            mx.eval(d if q is None else [d, q])
-            t_draft = time.perf_counter() - t0
-
-        if self.t_recurrent:
-            self.t_snaps.append(snapshot(self.tcache, self.t_held))
-        fed = k + 1 if self.head is None else k
-        if self.recorder and fed:
-            self.rec_snap = self.t_snaps[-1]
-        with self.recorder.recording(fed) if self.rec_snap else nullcontext():
-            if self.head is None:
-                x = mx.concatenate([mx.array(ctx[-1:], dtype=mx.uint32), d])[None]  # (1, k+1)
-                logits = self.target(x, cache=self.tcache)[0]  # (k+1, V_target)
-            else:  # the last round fed ctx[-1] already: its logits are the first row
-                logits, self.head = self.head, None
-                if k > 0:  # the chooser broke its word: correct, if a pass slower
-                    logits = mx.concatenate([logits, self.target(d[None], cache=self.tcache)[0]])
-        self.t_held += fed
-        if self.process is None:
-            n, nxt = accept_greedy(logits, d)
-        elif k == 0:
-            n, nxt = mx.array(0), sample(self.process(logits[0]), kr)
-        else:
-            width = logits.shape[-1]
-            p = self.process(logits)  # (k+1, V_target)
-            q = point_mass(d, width) if q is None else _pad(q, width)  # (k, V_target)
-            u = mx.random.uniform(shape=(k,), key=ku)
-            n, nxt = self.accept(p, q, d, u, kr)
-        out = mx.concatenate([n.astype(mx.uint32).reshape(1), d, nxt.reshape(1)])
-        if queue and k == 0:
+    def round(self, ctx, k, keys=None, timed=False, queue=False, room=None):
+        """propose -> verify -> accept as one lazy graph, read back with one host sync.
+        Returns (the proposal, n accepted, [d_1..d_k, next]). ``timed`` lets the drafter add
+        a second sync after drafting, to time it apart from the target (one drafting round
+        in TIME_DRAFT_EVERY, for the statistics and adaptive k). ``queue``: if this round is
+        plain, queue the next plain pass. ``room``: the most drafts the token budget allows
+        (default k); an adaptive chooser may verify that many lookup tokens instead of k."""
+        kd, ku, kr = keys if keys is not None else (None, None, None)
+        proposal = self.drafter.propose(ctx, k, k if room is None else room, kd, timed)
+        logits = self.verify(ctx, proposal.tokens)  # (k+1, V_target)
+        n, nxt = self.accept_from(logits, proposal, ku, kr)
+        out = mx.concatenate([n.astype(mx.uint32).reshape(1), proposal.tokens, nxt.reshape(1)])
+        if queue and proposal.k == 0:
             # as target-only decoding does: the next pass runs while the host reads this one
             mx.async_eval(out)
             if self.t_recurrent:
@@ -526,102 +483,62 @@ class _Speculation:
             self.head = self.target(nxt.reshape(1, 1), cache=self.tcache)[0]  # (1, V_target)
             self.t_held += 1
             mx.async_eval(self.head)
-        out = out.tolist()
-        return out[0], out[1:], k, t_draft
+        out = out.tolist()  # the round's one host sync
+        return proposal, out[0], out[1:]
 
-    def stop_or_extend(self, d, q, conf, room: int, key: mx.array, t0: float):
-        """Per-token stopping: read the draft's confidences (one host sync), draft more while
-        the chooser's plan says it pays (one sync per chunk: fewer than one per token), and
-        keep the prefix worth verifying. d (1, m), q (1, m, vocab) or None, conf (1, m).
-        Returns the kept d and q and the seconds of all the drafting (self.made: how many
-        were drafted, the unverified ones included)."""
-        confs = conf[0].tolist()
-        first = len(confs)  # drafted before any confidence was read: sunk for the plan
-        keys = mx.random.split(key, DRAFT_MORE_MAX)
-        for ext in range(DRAFT_MORE_MAX):
-            keep, more = self.plan(confs, drafted=first)
-            more = min(more, room - len(confs))
-            if more <= 0:
-                break
-            d2, q2, c2 = draft_model_propose(
-                self.draft, self.dcache, d[:, -1:], more, self.vocab_size, self.process,
-                keys[ext], self.keep_draft_state(self.d_len + 1),
-            )  # fmt: skip
-            self.d_len += more  # the last draft is fed now, the newest one is not
-            d = mx.concatenate([d, d2], axis=1)
-            q = None if q is None else mx.concatenate([q, q2], axis=1)
-            confs += c2[0].tolist()
-        keep = max(1, min(keep, len(confs)))
-        self.confs, self.made = confs[:keep], len(confs)
-        drafted = time.perf_counter() - t0
-        return d[:, :keep], (None if q is None else q[:, :keep]), drafted
+    def verify(self, ctx: list[int], d: mx.array) -> mx.array:
+        """The target's pass over ctx[-1] and the k drafts d (k,) -> logits (k+1, V_target),
+        lazy. A queued plain pass already fed ctx[-1]: its logits are the first row."""
+        self.t_snaps = [] if self.head_snap is None else [self.head_snap]
+        self.head_snap = self.rec_snap = None
+        if self.t_recurrent:
+            self.t_snaps.append(snapshot(self.tcache, self.t_held))
+        k = d.shape[0]
+        fed = k + 1 if self.head is None else k
+        if self.recorder and fed:
+            self.rec_snap = self.t_snaps[-1]
+        with self.recorder.recording(fed) if self.rec_snap else nullcontext():
+            if self.head is None:
+                x = mx.concatenate([mx.array(ctx[-1:], dtype=mx.uint32), d])[None]  # (1, k+1)
+                logits = self.target(x, cache=self.tcache)[0]
+            else:
+                logits, self.head = self.head, None
+                if k > 0:  # the chooser broke its word: correct, if a pass slower
+                    logits = mx.concatenate([logits, self.target(d[None], cache=self.tcache)[0]])
+        self.t_held += fed
+        return logits
 
-    def keep_draft_state(self, base: int) -> Callable[[int], None] | None:
-        """For a recurrent draft, a drafting step's hook that keeps its state after step i,
-        when the cache holds base + i tokens: a rollback to any drafted length is then a
-        restore, no replay (MLX arrays are kept by reference: no copy, no sync)."""
-        if not self.d_recurrent:
-            return None
-        return lambda i: self.d_snaps.append(snapshot(self.dcache, base + i))
-
-    def propose_lookup(self, k: int, room: int) -> list[int]:
-        """This round's lookup proposal ([] for none): with a fixed k, lookup comes first and
-        proposes up to k; an adaptive chooser weighs up to ``room`` lookup tokens against k
-        from the draft model (or a plain step) by expected tokens per second."""
-        self.match = 0
-        if self.finder is None:
-            return []
-        if self.lookup_length is None:
-            match, found = self.finder.find(k)
-        else:
-            match, found = self.finder.find(room)
-            found = found[: self.lookup_length(match, len(found), k, self.draft is not None)]
-        self.match = match if found else 0
-        return found
+    def accept_from(self, logits: mx.array, proposal, ku, kr) -> tuple[mx.array, mx.array]:
+        """(n accepted, the next token), lazy: greedy, a plain sample, or the sampled rule
+        (q None is a point mass: no one-hot rows; a narrower q needs no padding)."""
+        d = proposal.tokens
+        if self.process is None:
+            return accept_greedy(logits, d)
+        if proposal.k == 0:
+            return mx.array(0), sample(self.process(logits[0]), kr)
+        p = self.process(logits)  # (k+1, V_target)
+        u = mx.random.uniform(shape=(proposal.k,), key=ku)
+        return self.accept(p, proposal.q, d, u, kr)
 
     def rollback(self, ctx: list[int], new: list[int], k: int, n_kept: int, done: bool) -> None:
-        """Bring both caches back to the kept context; ``ctx`` is the context before this
-        round, ``new`` the tokens it emits. The target fed ctx[-1] + k drafts and keeps n_kept
-        of them (plus the next token, if a plain pass was queued: undone when generation is
-        ``done``); the draft keeps the longest prefix of what it has seen that is still right."""
+        """Bring the target's cache back to the kept context; ``ctx`` is the context before
+        this round, ``new`` the tokens it emits. The target fed ctx[-1] + k drafts and keeps
+        n_kept of them (plus the next token, if a plain pass was queued: undone when
+        generation is ``done``). The drafter settles its own state after this."""
         queued = done and self.head is not None
         if queued:
             self.head = None
-        context = ctx + new  # its first len(ctx) + n_kept tokens are what both may keep
-        keep = self.t_held - (k - n_kept + queued)
-        self.give_back(self.target, self.tcache, self.t_snaps, keep, context)
-        if self.draft is not None:
-            keep = min(self.d_len, len(ctx) + n_kept)
-            self.give_back(self.draft, self.dcache, self.d_snaps, keep, context, self.draft_rows)
+        self.give_back(self.t_held - (k - n_kept + queued), ctx + new)
 
-    def give_back(self, model, cache, snaps: list, keep: int, context: list[int], rows: int = 0):
-        """Make ``cache`` hold context[:keep]: a trim where that is exact, else (recurrent
-        state) the latest kept state at or before ``keep`` restored and the tokens after it,
-        context[snap.offset:keep], fed again. The replay is left lazy: the next round's one
-        host sync computes it with the rest."""
-        held = self.t_held if cache is self.tcache else self.d_len
-        snap = max((s for s in snaps if s.offset <= keep), key=lambda s: s.offset, default=None)
-        if held > keep:
-            recorded = snap is not None and snap is self.rec_snap  # (the target's, this round)
-            if snap is None or can_rollback(cache, held - keep):
-                trim(cache, held - keep)  # RollbackError where a trim would not be exact
-            elif recorded and self.recorder.settle(keep - snap.offset, snap.recurrent):
-                trim(cache, held - keep, recurrent=False)  # the state was set from the pass
-            else:
-                restore(cache, snap, held)
-                again = context[snap.offset : keep]
-                if rows:
-                    again = [t if t < rows else SAFE_ID for t in again]
-                if again:
-                    model(mx.array(again, dtype=mx.uint32)[None], cache=cache)
-                    self.stats.replayed += len(again) if cache is self.tcache else 0
-        if cache is self.tcache:
-            self.t_held = keep
-        else:
-            self.d_len = keep
+    def give_back(self, keep: int, context: list[int]) -> None:
+        """Make the target's cache hold context[:keep] (caches.roll_back)."""
 
+        def settle(snap: Snapshot, keep: int) -> bool:  # from the recorded verify pass
+            return snap is self.rec_snap and self.recorder.settle(
+                keep - snap.offset, snap.recurrent
+            )
 
-def _pad(q: mx.array, width: int) -> mx.array:
-    """Draft probabilities (k, vocab) -> (k, width): ids the draft cannot propose get q = 0."""
-    extra = width - q.shape[-1]
-    return q if extra == 0 else mx.concatenate([q, mx.zeros((q.shape[0], extra))], axis=-1)
+        self.stats.replayed += roll_back(
+            self.target, self.tcache, self.t_held, keep, self.t_snaps, context, settle
+        )
+        self.t_held = keep

@@ -40,21 +40,29 @@ class NgramIndex:
     own tail never matches itself: a match always has a continuation.
     Cost: max_n dictionary writes per token added; a lookup is max_n dictionary reads."""
 
-    def __init__(self, max_n: int = MAX_NGRAM):
+    def __init__(self, max_n: int = MAX_NGRAM, tokens: list[int] | None = None):
         self.max_n = max_n
-        self.tokens: list[int] = []
+        # kept by reference: the engine's own context list, which it appends to (no copy)
+        self.tokens: list[int] = tokens if tokens is not None else []
         self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
+        self._indexed = 0  # tokens[:_indexed] are indexed
+        self.sync()
 
     def extend(self, new: Sequence[int]) -> None:
         """Append ``new`` and index the n-grams that now have a token after them."""
-        t, start = self.tokens, len(self.tokens)
-        t.extend(int(x) for x in new)
+        self.tokens.extend(int(x) for x in new)
+        self.sync()
+
+    def sync(self) -> None:
+        """Index what was appended to ``tokens`` since the last call."""
+        t, start = self.tokens, self._indexed
         for end in range(max(start, 1), len(t)):  # n-grams t[end-n:end], followed by t[end]
             for n in range(1, min(self.max_n, end) + 1):
                 gram = tuple(t[end - n : end])
                 if _SEP in gram:
                     break  # longer ones contain it too
                 self._ends[n][gram] = end
+        self._indexed = len(t)
 
     def match(self, tail: Sequence[int]) -> tuple[int, int]:
         """(n, end): the longest suffix of ``tail`` (n <= max_n) that occurred here with a
@@ -229,19 +237,24 @@ def tokenizer_fingerprint(tokenizer) -> str:
 class Lookup:
     """One generation's lookup: an index over its context, and optionally a memory.
 
-    The longer match wins; on a tie the context's, since it is this very text. The engine
-    feeds it every token that joins the context, and remembers the output at the end.
+    The longer match wins; on a tie the context's, since it is this very text. A list
+    ``context`` is kept by reference, not copied (the engine's own: it appends each round's
+    tokens and calls ``sync``); ``extend`` appends to it. The output is remembered at the end.
     """
 
     def __init__(self, context: Sequence[int], memory: LookupMemory | None = None):
         self.memory = memory
-        self.index = NgramIndex(memory.max_n if memory is not None else MAX_NGRAM)
-        self.index.extend(context)
+        tokens = context if isinstance(context, list) else list(context)
+        self.index = NgramIndex(memory.max_n if memory is not None else MAX_NGRAM, tokens)
         self.start = len(self.index.tokens)  # where the output begins
 
     def extend(self, new: Sequence[int]) -> None:
         """Tokens that joined the context."""
         self.index.extend(new)
+
+    def sync(self) -> None:
+        """Index the tokens the context's owner appended since the last call."""
+        self.index.sync()
 
     def find(self, k: int) -> tuple[int, list[int]]:
         """(n, tokens): up to k tokens to verify next and the length of the n-gram match

@@ -323,3 +323,24 @@ def test_temperature_sharpens():
 def test_bad_sampling_params_are_refused(kwargs):
     with pytest.raises(BadInput):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("outcome", [sampled_outcome, block_outcome], ids=["token", "block"])
+def test_a_point_mass_and_a_narrow_q_need_no_dense_rows(outcome):
+    # q None stands for one-hot rows at the drafts, and a q narrower than p for q padded with
+    # zeros: both give the same (n, next distribution) as the dense arrays, for every u
+    rng = np.random.default_rng(4)
+    batch, k, v, w = 2000, 2, 7, 5
+    p = rng.dirichlet(np.ones(v) * 0.5, size=(batch, k + 1)).astype(np.float32)
+    q = rng.dirichlet(np.ones(w) * 0.5, size=(batch, k)).astype(np.float32)
+    d = np.stack([[rng.choice(w, p=q[b, i]) for i in range(k)] for b in range(batch)])
+    d, u = mx.array(d, dtype=mx.uint32), mx.array(rng.uniform(size=(batch, k)), mx.float32)
+    p = mx.array(p)
+    dense = mx.concatenate([mx.array(q), mx.zeros((batch, k, v - w))], axis=-1)
+    pairs = [(None, point_mass(d, v)), (mx.array(q), dense)]
+    for light, heavy in pairs:
+        n1, r1 = outcome(p, light, d, u)
+        n2, r2 = outcome(p, heavy, d, u)
+        assert np.array_equal(np.array(n1), np.array(n2))
+        np.testing.assert_allclose(np.array(r1), np.array(r2), atol=1e-6)
+        assert 0 < int((np.array(n1) < k).sum()) < batch  # rejections and full blocks both

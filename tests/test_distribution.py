@@ -12,7 +12,7 @@ from helpers import RecurrentTableLM, TableLM, WindowTableLM, make_tiny
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from scipy.stats import chisquare
 
-from specmlx import caches, engine
+from specmlx import caches
 from specmlx.acceptance import RULES, accept_sampled, block_outcome, point_mass, sampled_outcome
 from specmlx.drafters import draft_model_propose
 from specmlx.engine import generate_tokens
@@ -373,7 +373,7 @@ def test_the_kind_test_rejects_a_wrong_rollback(kind_pair, monkeypatch):
         monkeypatch.setattr(caches, "_convert", lambda c, slack: c)
         monkeypatch.setattr(caches, "_trimmable", lambda c, n: True)
     else:
-        monkeypatch.setattr(engine, "restore", lambda cache, snap, offset: None)
+        monkeypatch.setattr(caches, "restore", lambda cache, snap, offset: None)
     counts, _ = engine_sequences(target, draft, "block", N_WRONG, prompt=KIND_PROMPT)
     assert pooled_chi2(counts, joint) < 1e-6
 

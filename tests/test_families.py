@@ -14,7 +14,7 @@ from helpers import count_host_syncs, save_tiny, tiny_tokenizer
 from mlx_lm.models import gemma3_text
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, make_prompt_cache
 
-from specmlx import caches, engine
+from specmlx import caches
 from specmlx.caches import (
     ROLLBACK_SLACK,
     WindowKVCache,
@@ -184,7 +184,7 @@ def test_the_matrix_fails_when_recurrent_state_is_not_restored(family, monkeypat
 
     target, draft = pair(family)
     plain = tokens(target, None, LONG, num_draft=0)
-    monkeypatch.setattr(engine, "restore", forgetful)
+    monkeypatch.setattr(caches, "restore", forgetful)
     monkeypatch.setattr(PassRecorder, "settle", lambda self, m, states: True)
     assert tokens(target, draft, LONG, num_draft=3) != plain
 
