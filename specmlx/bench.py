@@ -35,13 +35,12 @@ from .acceptance import DEFAULT_VERIFY, sampled_rule
 from .adaptive import LOOKUP_MAX, PROBE_SIZES, AdaptiveK, curve_from, pass_times
 from .caches import make_caches, mlx_lm_speculates
 from .choosers import ChooserStore
-from .distributed import Lockstep, SharedK, World
-from .engine import generate_tokens
+from .distributed import World
 from .errors import BadInput
 from .lookup import LookupMemory
 from .machine import blas_in_use, version
 from .sampling import SamplingParams, make_processor, sample
-from .stats import Stats
+from .session import Pair, Request, Session
 
 # two logits this close (relative to the top one) count as tied: fp16 rounds at 2^-11 of a
 # value, so this is about two of its units in the last place. Coarser dtypes get 2 eps of
@@ -227,34 +226,28 @@ def run_one(
         accepted = sum(flags)
         rounds = len(flags) - accepted  # every mlx-lm round ends with one target token
         return tokens, decoded, secs, rounds * int(system.k), accepted
-    stats = Stats()
-    use_draft = draft if system.drafter.split(" + ")[0] not in ("none", "lookup") else None
-    k = (chooser or "auto") if system.k == "auto" else system.k
-    lockstep = None
-    if world is not None and world.distributed:
-        lockstep = Lockstep(world)
-        if system.k == "auto":
-            k = SharedK(chooser or AdaptiveK(), world)
-    gen = generate_tokens(
-        target,
-        use_draft,
-        ids,
+    use_draft = system.drafter.split(" + ")[0] not in ("none", "lookup")
+    request = Request(
         sampling=params,
-        num_draft=k,
-        lookup="lookup" in system.drafter,
-        lookup_memory=memory if system.drafter.endswith(MEMORY) else None,
-        draft_stop=system.drafter.endswith(STOP),
+        num_draft=(chooser or "auto") if system.k == "auto" else system.k,
         max_tokens=s.max_tokens,
         seed=seed,
-        vocab_size=shared,
-        stats=stats,
-        lockstep=lockstep,
+        use_draft=use_draft and draft is not None,
+        lookup="lookup" in system.drafter,
         verify=system.verify,
+        draft_stop=system.drafter.endswith(STOP),
     )
-    tokens, decoded, secs = _timed((e.token, e.from_draft) for e in gen)
-    if lockstep is not None:
-        lockstep.check()
-    return tokens, decoded, secs, stats.drafted, stats.accepted
+    # no tokenizer: generations run to the budget, as mlx-lm's do (EOS is not theirs either)
+    session = Session(
+        Pair(target, draft, shared=shared),
+        memory=memory if system.drafter.endswith(MEMORY) else None,
+        world=world,
+    )
+    gen = session.start(ids, request)
+    tokens, decoded, secs = _timed((e.token, e.from_draft) for e in gen.tokens())
+    if gen.lockstep is not None:
+        gen.lockstep.check()
+    return tokens, decoded, secs, gen.stats.drafted, gen.stats.accepted
 
 
 def systems(draft_name: str | None, s: BenchSettings) -> list[System]:

@@ -328,20 +328,13 @@ def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
 
 def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world) -> None:
     from .choosers import ChooserStore
-    from .distributed import (
-        Lockstep,
-        SharedK,
-        Watchdog,
-        barrier,
-        lost_peer,
-        shared_probe,
-        shared_seed,
-    )
+    from .distributed import Lockstep, Watchdog, barrier, lost_peer, shared_seed
     from .fim import encode_infill, require_fim
     from .loading import load_pair
     from .lookup import LookupMemory
     from .registry import load_registry
-    from .stream import encode_prompt, stream_text
+    from .session import Pair, Request, Session
+    from .stream import encode_prompt
 
     registry = load_registry()
     models = resolve_models(registry, target, draft, lookup, k)
@@ -388,47 +381,28 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world
     else:
         ids = encode_prompt(tgt.tokenizer, job.text, chat=job.chat)
     check_context(len(ids), job.max_tokens, limit, tgt.spec.alias)
-    num_draft = models.k if (drf or models.lookup) else 0
-    store = chooser = None
-    if num_draft == "auto":  # adaptive k, resumed from this machine's last run of the pair
-        store = ChooserStore(warn=print_warning, persist=world.leader)
-        if world.distributed:
-            store.verify_ratio = shared_probe(world, store, tgt.model, tgt.identity, ids)
-        drafter = f"{drf.identity if drf else 'none'}|lookup={models.lookup}"
-        chooser = num_draft = store.get(
-            tgt.model, tgt.identity, drafter, job.params, ids, verify=job.verify or DEFAULT_VERIFY
-        )
-        if world.distributed:  # rank 0 decides k for all: each rank's timings differ
-            num_draft = SharedK(chooser, world)
-    eos = sorted({*(getattr(tgt.tokenizer, "eos_token_ids", ()) or ()), *extra_eos})
     memory = None
-    if models.lookup and job.lookup_memory and not world.distributed:
-        # (every rank must propose the same tokens: the ranks' stores could differ)
-        memory = LookupMemory(
-            LookupMemory.directory_for(tgt.tokenizer),
-            vocab_size=tgt.vocab_size,
-            warn=print_warning,
-        )
-    stats = Stats()
-    responses = stream_text(
-        tgt.model,
-        drf.model if drf else None,
-        tgt.tokenizer,
-        ids,
-        stop_strings=job.stop,
-        stats=stats,
+    if models.lookup and job.lookup_memory:
+        directory = LookupMemory.directory_for(tgt.tokenizer)
+        memory = LookupMemory(directory, vocab_size=tgt.vocab_size, warn=print_warning)
+    # adaptive k resumes from this machine's last run of the pair
+    store = ChooserStore(warn=print_warning, persist=world.leader)
+    session = Session(Pair.of(tgt, drf, shared), choosers=store, memory=memory, world=world)
+    request = Request(
         sampling=job.params,
-        num_draft=num_draft,
-        lookup=models.lookup,
-        lookup_memory=memory,
-        vocab_size=shared if drf else None,
+        num_draft=models.k,
         max_tokens=job.max_tokens,
         seed=job.seed,
-        eos_ids=eos,
-        lockstep=lockstep,
+        stop=job.stop,
+        use_draft=drf is not None,
+        lookup=models.lookup,
+        extra_eos=extra_eos,
         verify=job.verify or DEFAULT_VERIFY,
         draft_stop=job.draft_stop,
     )
+    gen = session.start(ids, request, lockstep=lockstep)
+    stats = gen.stats
+    responses = gen.text()
     parts = ([drf.spec.alias] if drf else []) + (["lookup"] if models.lookup else [])
     try:
         interrupted = render.stream(responses, stats)
@@ -437,8 +411,7 @@ def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world
             watchdog.disarm()
     except RuntimeError as e:
         raise (lost_peer(e) or e) from None
-    if store is not None and world.leader:
-        store.save(chooser)
+    gen.finish()
     where = {"load_s": tgt.load_seconds}
     ranks = None
     if world.distributed:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import httpx
 
 from .errors import BadInput, SpecmlxError
-from .stats import RoundReport, Stats
+from .stats import RoundReport, Stats, TokenEvent
 
 
 class ServerError(SpecmlxError):
@@ -32,15 +32,6 @@ class Remote:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-@dataclass
-class RemotePiece:
-    """One chunk's text, its token (None if several or none), whether the draft proposed it."""
-
-    text: str
-    token: int | None
-    from_draft: bool
-
-
 def stream_remote(
     remote: Remote,
     body: dict,
@@ -49,7 +40,7 @@ def stream_remote(
     chat: bool = False,
     names: dict | None = None,
     timeout: float = 600.0,
-) -> Iterator[RemotePiece]:
+) -> Iterator[TokenEvent]:
     """POST ``body`` (an OpenAI completion or chat request, streamed) and yield the pieces.
 
     stats: filled from the server's statistics as they arrive; chat: send to the chat
@@ -86,7 +77,7 @@ def stream_remote(
         raise ServerError(f"cannot reach the specmlx server at {remote.url}: {e}") from None
 
 
-def _pieces(chunk: dict, stats: Stats, chat: bool) -> Iterator[RemotePiece]:
+def _pieces(chunk: dict, stats: Stats, chat: bool) -> Iterator[TokenEvent]:
     if chunk.get("usage"):
         usage = chunk["usage"]
         stats.prompt_tokens, stats.generated = usage["prompt_tokens"], usage["completion_tokens"]
@@ -102,9 +93,9 @@ def _pieces(chunk: dict, stats: Stats, chat: bool) -> Iterator[RemotePiece]:
         if tokens:
             stats.generated += len(tokens)
             for i, (tok, fd) in enumerate(zip(tokens, flags, strict=False)):
-                yield RemotePiece(text if i == len(tokens) - 1 else "", tok, fd)
+                yield TokenEvent(tok, fd, text if i == len(tokens) - 1 else "")
         elif text:
-            yield RemotePiece(text, None, False)
+            yield TokenEvent(None, False, text)
 
 
 def fill_stats(stats: Stats, spec: dict) -> None:

@@ -29,9 +29,9 @@ from .acceptance import DEFAULT_VERIFY, sampled_rule
 from .errors import BadInput, SpecmlxError
 from .fim import encode_infill, require_fim
 from .sampling import SamplingParams
-from .stats import Stats
+from .stats import Stats, TokenEvent
 from .stream import encode_prompt
-from .worker import GenRequest, Job, Piece, QueueFull, ShuttingDown, Worker
+from .worker import GenRequest, Job, QueueFull, ShuttingDown, Worker
 
 MAX_STOPS = 4  # as OpenAI allows
 
@@ -490,7 +490,7 @@ async def _stream(events: _Events, base: dict, chat: bool, usage: bool, with_tok
     away, Starlette cancels this generator and the job is cancelled with it."""
     kind = "chat.completion.chunk" if chat else "text_completion"
 
-    def chunk(text: str | None, finish: str | None, piece: Piece | None = None) -> dict:
+    def chunk(text: str | None, finish: str | None, piece: TokenEvent | None = None) -> dict:
         if chat:
             delta = {} if text is None else {"content": text}
             choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
@@ -508,7 +508,7 @@ async def _stream(events: _Events, base: dict, chat: bool, usage: bool, with_tok
         while True:
             what, value = await events.next()
             if what == "piece":
-                piece: Piece = value
+                piece: TokenEvent = value
                 if piece.text or (with_tokens and piece.token is not None):
                     yield _sse(chunk(piece.text, None, piece if with_tokens else None))
             elif what == "error":

@@ -10,10 +10,14 @@ from typing import Protocol, runtime_checkable
 
 @dataclass
 class TokenEvent:
-    """One generated token; ``from_draft`` is True when the drafter proposed it."""
+    """One generated token; ``from_draft`` is True when the drafter proposed it. Above the
+    engine (the text stream, the server, a remote client) it also carries the text the token
+    completed: often "", or several characters; token None for text without a token of its
+    own (the detokenizer's final flush, a chunk from a server that sent no ids)."""
 
-    token: int
+    token: int | None
     from_draft: bool
+    text: str = ""
 
 
 @dataclass(frozen=True)

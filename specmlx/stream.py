@@ -3,23 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
-import mlx.nn as nn
-
-from .engine import generate_tokens
 from .errors import BadInput
-from .stats import Stats
-
-
-@dataclass
-class Response:
-    """One generated token and the text it completed (often "", or several characters)."""
-
-    text: str
-    token: int | None  # None for the final flush of text held by the detokenizer
-    from_draft: bool
-    stats: Stats
+from .stats import Stats, TokenEvent
 
 
 def encode_prompt(tokenizer, text: str, *, chat: bool = False) -> list[int]:
@@ -48,30 +34,23 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
 
 
 def stream_text(
-    target: nn.Module,
-    draft: nn.Module | None,
     tokenizer,
-    prompt_ids: Sequence[int],
-    *,
+    events: Iterator[TokenEvent],
     stop_strings: Sequence[str] = (),
     stats: Stats | None = None,
-    **engine_kwargs,
-) -> Iterator[Response]:
-    """Stream text, UTF-8 safe across token boundaries (mlx-lm's streaming detokenizer).
-    Generation ends at EOS, the token budget, or a stop string (which is not emitted).
+) -> Iterator[TokenEvent]:
+    """The text of a stream of token events, UTF-8 safe across token boundaries (mlx-lm's
+    streaming detokenizer): each event comes back with the text its token completed.
+    Generation ends where ``events`` end or at a stop string (which is not emitted).
 
-    target, draft, prompt_ids: as for engine.generate_tokens; tokenizer: the target's (its
-    EOS ids end generation unless ``eos_ids`` is given); stop_strings: text that ends the
-    generation, held back while it may be forming; stats: updated live; engine_kwargs: the
-    rest of generate_tokens' arguments (sampling, num_draft, max_tokens, seed, kv, ...).
-    Closing the iterator early closes the engine's generator (its KVState stays exact)."""
-    stats = stats if stats is not None else Stats()
-    engine_kwargs.setdefault("eos_ids", sorted(getattr(tokenizer, "eos_token_ids", ()) or ()))
+    tokenizer: the target's (its detokenizer); events: the engine's token events;
+    stop_strings: text that ends the generation, held back while it may be forming; stats:
+    gets finish_reason "stop" at a stop string. Closing this iterator early closes
+    ``events`` (the engine's KVState stays exact)."""
     stops = [s for s in stop_strings if s]
     detok = tokenizer.detokenizer
     detok.reset()
     held = ""  # text withheld because it may be the start of a stop string
-    events = generate_tokens(target, draft, prompt_ids, stats=stats, **engine_kwargs)
     try:
         last = None
         for ev in events:
@@ -79,16 +58,19 @@ def stream_text(
             text = held + detok.last_segment
             hit = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
             if hit >= 0:
-                stats.finish_reason = "stop"
-                yield Response(text[:hit], ev.token, ev.from_draft, stats)
+                if stats is not None:
+                    stats.finish_reason = "stop"
+                yield TokenEvent(ev.token, ev.from_draft, text[:hit])
                 return
             keep = _held_back(text, stops) if stops else 0
             held = text[len(text) - keep :] if keep else ""
-            yield Response(text[: len(text) - keep], ev.token, ev.from_draft, stats)
+            yield TokenEvent(ev.token, ev.from_draft, text[: len(text) - keep])
             last = ev
         detok.finalize()
         tail = held + detok.last_segment
         if tail and last is not None:
-            yield Response(tail, None, last.from_draft, stats)
+            yield TokenEvent(None, last.from_draft, tail)
     finally:
-        events.close()
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()

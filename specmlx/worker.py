@@ -17,26 +17,16 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .acceptance import DEFAULT_VERIFY
-from .choosers import ChooserStore, KSetting
-from .distributed import (
-    Cancelled,
-    Lockstep,
-    SharedK,
-    World,
-    bits_float,
-    float_bits,
-    share,
-    shared_probe,
-)
-from .engine import prefill
+from .choosers import ChooserStore
+from .distributed import Cancelled, Lockstep, World, bits_float, float_bits, share
 from .errors import SpecmlxError
 from .loading import Loaded
 from .lookup import LookupMemory
 from .paths import Warn
 from .prompt_cache import PromptCache
 from .sampling import SamplingParams
+from .session import Pair, Request, Session
 from .stats import Stats
-from .stream import stream_text
 
 
 class QueueFull(SpecmlxError):
@@ -62,16 +52,8 @@ class GenRequest:
     verify: str = DEFAULT_VERIFY  # how sampled rounds check drafts: "block" or "token"
 
 
-@dataclass
-class Piece:
-    """Text produced by one token (often ""), the token, and whether the draft proposed it."""
-
-    text: str
-    token: int | None
-    from_draft: bool
-
-
-Emit = Callable[[str, object], None]  # ("piece", Piece) | ("done", Stats) | ("error", exc)
+# ("piece", TokenEvent with its text) | ("done", Stats) | ("error", exc)
+Emit = Callable[[str, object], None]
 
 
 @dataclass
@@ -139,11 +121,12 @@ class Worker:
         self.world = world or World(None)
         self.cache = PromptCache(cache_budget)
         self.choosers = ChooserStore(persist=persist and self.world.leader, warn=warn)
-        self._ratio: list[float] | None = None  # the verify curve, probed once (distributed)
         self.memory = None
         if lookup_memory and not self.world.distributed:
             where = LookupMemory.directory_for(target.tokenizer) if persist else None
             self.memory = LookupMemory(where, vocab_size=target.vocab_size, warn=warn)
+        pair = Pair.of(target, draft, shared)
+        self.session = Session(pair, choosers=self.choosers, memory=self.memory, world=self.world)
         self.totals = Totals()
         self.last: Stats | None = None
         self.busy = False
@@ -227,39 +210,30 @@ class Worker:
         if world.distributed and world.leader:
             r.seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(6), "little")
             _send(world, r)
-        use_draft = self.draft if r.drafter == "model" else None
-        num_draft: KSetting = r.num_draft if (use_draft or r.drafter == "lookup") else 0
-        chooser = lockstep = None
-        if num_draft == "auto":
-            if world.distributed and self._ratio is None:
-                self._ratio = self.choosers.verify_ratio = shared_probe(
-                    world, self.choosers, self.target.model, self.target.identity, r.prompt_ids
-                )
-            drafter = (
-                f"{use_draft.identity if use_draft else 'none'}|lookup={r.drafter == 'lookup'}"
-            )
-            chooser = num_draft = self.choosers.get(
-                self.target.model,
-                self.target.identity,
-                drafter,
-                r.sampling,
-                r.prompt_ids,
-                verify=r.verify,
-            )
-            if world.distributed:
-                num_draft = SharedK(chooser, world)
+        use_draft = r.drafter == "model" and self.draft is not None
+        lockstep = None
         if world.distributed:  # every round: the tokens compared, rank 0's cancel shared
             stop = job.cancelled.is_set if world.leader else None
             lockstep = Lockstep(world, stoppable=True, cancelled=stop)
         job.k_label = str(r.num_draft)
-        job.drafter_name = use_draft.spec.alias if use_draft else r.drafter
-        tok = self.target.tokenizer
-        eos = sorted({*(getattr(tok, "eos_token_ids", ()) or ()), *r.extra_eos})
+        job.drafter_name = self.draft.spec.alias if use_draft else r.drafter
+        request = Request(
+            sampling=r.sampling,
+            num_draft=r.num_draft,
+            max_tokens=r.max_tokens,
+            seed=r.seed,
+            stop=r.stop,
+            use_draft=use_draft,
+            lookup=r.drafter == "lookup",
+            extra_eos=r.extra_eos,
+            verify=r.verify,
+            draft_stop=self.draft_stop,
+        )
         kv = self.cache.take(r.prompt_ids)
+        gen = self.session.start(r.prompt_ids, request, kv=kv, stats=stats, lockstep=lockstep)
         if r.max_tokens == 0:  # a warm-up (llama.vim's n_predict 0): the prompt cache only
             try:
-                prefill(self.target.model, use_draft.model if use_draft else None,
-                        r.prompt_ids, kv=kv, stats=stats)  # fmt: skip
+                gen.prefill()
             finally:
                 self.cache.put(kv, len(r.prompt_ids))
             stats.finish_reason = "length"
@@ -267,41 +241,21 @@ class Worker:
             self.last = stats
             job.emit("done", stats)
             return
-        responses = stream_text(
-            self.target.model,
-            use_draft.model if use_draft else None,
-            tok,
-            r.prompt_ids,
-            stop_strings=r.stop,
-            stats=stats,
-            sampling=r.sampling,
-            num_draft=num_draft,
-            lookup=r.drafter == "lookup",
-            lookup_memory=self.memory,
-            vocab_size=self.shared if use_draft else None,
-            max_tokens=r.max_tokens,
-            seed=r.seed,
-            eos_ids=eos,
-            kv=kv,
-            lockstep=lockstep,
-            verify=r.verify,
-            draft_stop=self.draft_stop,
-        )
+        events = gen.text()
         cancelled = False
         try:
-            for piece in responses:
+            for event in events:
                 # with ranks, the cancel travels with the next round's lockstep check
                 if job.cancelled.is_set() and not world.distributed:
                     cancelled = True
                     break
-                job.emit("piece", Piece(piece.text, piece.token, piece.from_draft))
+                job.emit("piece", event)
         except Cancelled:
             cancelled = True
         finally:
-            responses.close()  # the engine leaves kv holding exactly what it says
+            events.close()  # the engine leaves kv holding exactly what it says
             self.cache.put(kv, len(r.prompt_ids))
-        if chooser is not None and world.leader:
-            self.choosers.save(chooser)
+        gen.finish()
         self._count(stats, cancelled)
         if cancelled:
             return

@@ -471,7 +471,7 @@ def test_real_weights_through_the_server_equal_specmlx_run(tmp_path):
 
 def test_max_queue_zero_serves_when_idle_and_refuses_while_busy():
     """--max-queue 0 means no waiting: it refused every request, idle or not."""
-    target = SimpleNamespace(tokenizer=None, vocab_size=0)
+    target = SimpleNamespace(model=None, tokenizer=None, vocab_size=0, identity="t")
     worker = Worker(target, None, 0, max_queue=0, persist=False, lookup_memory=False)
     worker.submit(None, lambda *_: None)  # idle: taken (the thread would start it now)
     with pytest.raises(QueueFull):

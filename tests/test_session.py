@@ -1,0 +1,140 @@
+"""The one generation builder (session.py) and the text stream above the engine: stop strings
+across token boundaries, the EOS merge, adaptive state kept across generations, and no other
+module assembling a generation itself."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from helpers import make_tiny, tiny_tokenizer
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from specmlx.adaptive import AdaptiveK
+from specmlx.choosers import ChooserStore
+from specmlx.engine import generate_tokens
+from specmlx.sampling import SamplingParams
+from specmlx.session import Pair, Request, Session
+from specmlx.stats import TokenEvent
+from specmlx.stream import _held_back, stream_text
+
+PACKAGE = Path(__file__).resolve().parent.parent / "specmlx"
+TEXT = "import os\nfor i in range(10):\n    print(i, os.getcwd())\n"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return TokenizerWrapper(tiny_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def models(tok):
+    vocab = len(tok._tokenizer)
+    return make_tiny(0, vocab=vocab, sharpen=4.0), make_tiny(1, vocab=vocab, sharpen=4.0)
+
+
+def _events(tok, text):
+    """The token events of ``text`` and a flag telling whether the stream was closed."""
+    closed = []
+
+    def gen():
+        try:
+            for t in tok.encode(text):
+                yield TokenEvent(t, False)
+        finally:
+            closed.append(True)
+
+    return gen(), closed
+
+
+@pytest.mark.parametrize(
+    ("text", "n"), [("abc", 2), ("abcd", 0), ("ab", 1), ("xyz", 2), ("xy", 1), ("abx", 0)]
+)
+def test_held_back_is_the_longest_suffix_that_may_begin_a_stop(text, n):
+    assert _held_back(text, ["bcd", "yzz"]) == n
+
+
+def test_a_stop_string_across_tokens_ends_the_text_before_it(tok):
+    stop = "os.getcwd"
+    ids = tok.encode(TEXT)
+    pieces = [tok.decode([t]) for t in ids]
+    assert not any(stop in p for p in pieces)  # it spans several tokens
+    events, closed = _events(tok, TEXT)
+    out = list(stream_text(tok, events, [stop]))
+    assert "".join(e.text for e in out) == TEXT[: TEXT.index(stop)]
+    assert closed and len(out) < len(ids)  # the generator was closed at the stop
+
+
+def test_text_that_only_begins_a_stop_string_is_held_then_given_back(tok):
+    # "os.get" begins the stop string, which never completes: held while it might, and
+    # every character comes out in the end, in order
+    events, _ = _events(tok, TEXT)
+    out = list(stream_text(tok, events, ["os.getX", "\n\n\n"]))
+    assert "".join(e.text for e in out) == TEXT
+    held = [e for e in out if e.token is not None and e.text == ""]
+    assert held  # some tokens' text was held back while it could begin a stop string
+
+
+def test_the_session_builds_what_the_engine_generates(tok, models):
+    target, draft = models
+    prompt = tok.encode("def add(a, b):")
+    eos = tok.eos_token_ids
+    for use_draft, lookup in ((True, False), (False, True), (True, True), (False, False)):
+        session = Session(Pair(target, draft, tok))
+        req = Request(num_draft=3, max_tokens=24, use_draft=use_draft, lookup=lookup)
+        gen = session.start(prompt, req)
+        got = [(e.token, e.from_draft) for e in gen.tokens()]
+        direct = generate_tokens(
+            target, draft if use_draft else None, prompt, num_draft=3 if use_draft or lookup else 0,
+            max_tokens=24, lookup=lookup, eos_ids=sorted(eos),
+        )  # fmt: skip
+        assert got == [(e.token, e.from_draft) for e in direct]
+        assert gen.stats.generated == len(got)
+
+
+def test_extra_eos_ids_join_the_tokenizers(tok, models):
+    target, draft = models
+    prompt = tok.encode("def add(a, b):")
+    free = [e.token for e in Session(Pair(target, draft)).start(prompt, Request(num_draft=2,
+            max_tokens=12)).tokens()]  # fmt: skip
+    cut = Request(num_draft=2, max_tokens=12, extra_eos=(free[5],))
+    gen = Session(Pair(target, draft, tok)).start(prompt, cut)
+    got = [e.token for e in gen.tokens()]
+    assert got == free[: free.index(free[5])] and gen.stats.finish_reason == "stop"
+
+
+def test_text_joins_to_the_decoded_tokens(tok, models):
+    target, draft = models
+    gen = Session(Pair(target, draft, tok)).start(
+        tok.encode("class Point:"), Request(num_draft=2, max_tokens=30)
+    )
+    events = list(gen.text())
+    ids = [e.token for e in events if e.token is not None]
+    assert "".join(e.text for e in events) == tok.decode(ids)
+
+
+def test_auto_k_resumes_from_the_store_and_is_saved(tok, models):
+    target, draft = models
+    store = ChooserStore(persist=False, verify_ratio=[1.0] + [1.0 + 0.1 * k for k in range(1, 17)])
+    session = Session(Pair(target, draft, tok, "t", "d"), choosers=store)
+    sampling = SamplingParams(temperature=0.8)
+    req = Request(sampling=sampling, num_draft="auto", max_tokens=40, seed=1)
+    first = session.start(tok.encode("def add(a, b):"), req)
+    list(first.tokens())
+    first.finish()
+    chooser = store.get(target, "t", "d|lookup=False", sampling, [1], verify=req.verify)
+    assert isinstance(chooser, AdaptiveK) and chooser.level is not None  # it learned
+    second = session.start(tok.encode("import os"), req)
+    assert second._saved is chooser  # the same state goes on learning
+
+
+def test_no_module_but_the_session_assembles_a_generation():
+    """The CLI, the server's worker and the bench build generations through session.py:
+    none calls the engine's generate_tokens, the text stream or the ranks' shared k."""
+    builders = {"generate_tokens", "stream_text", "SharedK"}
+    for name in ("cli", "worker", "bench", "serve"):
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+        used |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+        assert not used & builders, (name, used & builders)
