@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.utils import maybe_set_recommended_wired_limit
 
 from .acceptance import DEFAULT_VERIFY, Rule, accept_greedy, sampled_rule
 from .caches import (
@@ -44,6 +43,7 @@ from .choosers import KSetting, make_chooser
 from .drafters import Chain, Drafter, LookupDrafter, ModelDrafter
 from .errors import BadInput
 from .lookup import Lookup, LookupMemory
+from .mlx_lm_api import set_wired_limit
 from .recurrent import PassRecorder
 from .sampling import SamplingParams, make_processor, sample
 from .stats import RoundReport, Stats, TokenEvent
@@ -270,7 +270,7 @@ def _fill(target, draft, prompt: list[int], kv: KVState, stats: Stats, step: int
 def _wired() -> Iterator[None]:
     """Keep the weights wired (resident) on a Mac while generating, as mlx-lm's
     generate does; its own helper prints a warning on stdout, which carries our text."""
-    old = maybe_set_recommended_wired_limit()  # None where the device reports no limit
+    old = set_wired_limit()  # None where the device reports no limit
     try:
         yield
     finally:

@@ -20,6 +20,7 @@ from .distributed import check_shardable
 from .errors import IncompatiblePair, ModelLoadError
 from .gguf import load_gguf
 from .memory import peek, plan_memory, read_config, require_fit, resolve_dtype
+from .mlx_lm_api import model_classes
 from .registry import ModelSpec, Registry, load_registry
 from .sources import Progress, cached_quantized, fetch, file_facts, quantized_dir, say
 
@@ -195,10 +196,8 @@ def check_pair(target: Loaded, draft: Loaded) -> int:
 def shard_support(config: dict) -> bool:
     """Whether mlx-lm implements tensor parallelism (a ``shard`` method) for this config's
     architecture; decided from the class alone, without loading anything."""
-    from mlx_lm.utils import _get_classes  # mlx-lm's own config -> class lookup
-
     try:
-        model_class, _ = _get_classes(config)
+        model_class, _ = model_classes(config)
     except (ValueError, KeyError):
         return False
     return hasattr(model_class, "shard")

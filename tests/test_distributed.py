@@ -162,10 +162,9 @@ def test_a_killed_rank_stops_the_other_with_a_clear_error(models):
     )  # fmt: skip
     rank1 = _wait_for_rank(1, wrapper.pid)
     assert wrapper.stdout.read(1)  # rank 0 is writing: generation is under way
-    t0 = time.monotonic()
     os.kill(rank1, signal.SIGKILL)
-    _, err = wrapper.communicate(timeout=60)
-    assert wrapper.returncode == 1 and time.monotonic() - t0 < 30, err
+    _, err = wrapper.communicate(timeout=60)  # (a hang fails here)
+    assert wrapper.returncode == 1, err
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), err
     assert "rank" in lines[0], err
