@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -69,6 +69,16 @@ def best_k(
     target pass over k + 1 tokens; a_later: acceptance of later drafts (default a)."""
     ks = range(k_min, k_max + 1)
     return max(ks, key=lambda k: expected_tokens(a, k, a_later) / (k * t_draft + verify[k]))
+
+
+# the saved state's format: bump when LEARNED or a field's meaning changes (old files are then
+# ignored, with one warning, and relearned)
+STATE_VERSION = 2
+# what a saved state holds: the estimates learned from rounds and the measured verify curve
+LEARNED = (
+    "verify_ratio", "t_draft", "level", "t_plain", "_first", "_later", "_fix", "_conf",
+    "_lookup", "_drafting_rounds", "_draft_timed", "_zeros", "_wait",
+)  # fmt: skip
 
 
 @dataclass
@@ -377,8 +387,18 @@ class AdaptiveK:
         return curve
 
     def state(self) -> dict:
-        """Everything learned, as JSON-ready values: ``AdaptiveK(**state)`` resumes it."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """What was learned, JSON-ready, with the format's version; ``AdaptiveK.resume``
+        resumes it. The settings (k_max, the decays, explore, ...) are not saved, so a
+        changed default reaches machines that already have a state file."""
+        return {"version": STATE_VERSION, **{name: getattr(self, name) for name in LEARNED}}
+
+    @classmethod
+    def resume(cls, state: dict, **settings) -> AdaptiveK:
+        """The chooser ``state()`` described, with today's settings (or ``settings``).
+        ValueError for a state of another format version."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(f"not a version {STATE_VERSION} chooser state")
+        return cls(**settings, **{name: state[name] for name in LEARNED if name in state})
 
     def _ratio(self, k: int) -> float:
         r = self.verify_ratio

@@ -93,7 +93,7 @@ class ChooserStore:
         the same under both rules); token-wise keys stay as they were before block
         verification existed, so saved state still applies."""
         rule = "" if verify == "token" or sampling.greedy else f"|verify={verify}"
-        return f"{target_id}|{drafter_id}|{sampling}{rule}"
+        return f"{target_id}|{drafter_id}|{sampling_key(sampling)}{rule}"
 
     def get(
         self,
@@ -159,12 +159,18 @@ class ChooserStore:
             self._warned = True
 
 
+def sampling_key(s: SamplingParams) -> str:
+    """The sampler's part of a chooser's key, field by field: a field added to SamplingParams
+    later does not change the keys of the samplers saved before it."""
+    return f"temp={s.temperature:g}|top_p={s.top_p:g}|top_k={s.top_k}|min_p={s.min_p:g}"
+
+
 def _restored(state: dict) -> AdaptiveK | None:
     """The chooser a state file describes, or None when it cannot be one: from another
     version, or valid JSON of the wrong shape (a list where a number belongs, ...), which
     would otherwise fail later, on every request. A copy is put through a few rounds first."""
     try:
-        chooser = AdaptiveK(**state["state"])
+        chooser = AdaptiveK.resume(state["state"])
         trial = copy.deepcopy(chooser)
         for report in (None, RoundReport(2, 1, 0.1, 0.02), RoundReport(0, 0, 0.05)):
             int(trial(report))

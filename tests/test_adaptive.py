@@ -238,7 +238,7 @@ def test_lookup_rounds_leave_the_draft_time_alone():
         chooser(RoundReport(6, 6, 1.4, 0.0001, lookup=3))
     assert chooser.t_draft == before
     assert 3 in chooser.state()["_lookup"]
-    resumed = AdaptiveK(**json.loads(json.dumps(chooser.state())))
+    resumed = AdaptiveK.resume(json.loads(json.dumps(chooser.state())))
     assert resumed.lookup_acceptance(3) == pytest.approx(chooser.lookup_acceptance(3))
 
 

@@ -9,8 +9,8 @@ import threading
 import pytest
 from helpers import Feed, make_tiny, steady
 
-from specmlx.adaptive import LOOKUP_MAX, AdaptiveK
-from specmlx.choosers import ChooserStore, FixedK, make_chooser
+from specmlx.adaptive import LOOKUP_MAX, STATE_VERSION, AdaptiveK
+from specmlx.choosers import ChooserStore, FixedK, make_chooser, sampling_key
 from specmlx.errors import BadInput
 from specmlx.paths import atomic_write, load_json, save_json
 from specmlx.registry import load_registry
@@ -55,17 +55,41 @@ def test_a_state_file_of_the_wrong_shape_is_ignored_with_one_warning(specmlx_hom
     store.save(store.get(model, "t", "d", GREEDY, ids))
     (path,) = (specmlx_home / "adaptive").glob("*.json")
     warnings = []
-    for bad in ({"state": {"_fix": [1.0, 1.0]}}, {"state": {"level": [1]}}, {"state": []}):
+    v = STATE_VERSION
+    wrong = [{"version": v, "_fix": [1.0, 1.0]}, {"version": v, "level": [1]}, [], {"level": 0.1}]
+    for bad in ({"state": w} for w in wrong):
         path.write_text(json.dumps(bad))
         chooser = ChooserStore(warn=warnings.append).get(model, "t", "d", GREEDY, ids)
         assert chooser.level is None and isinstance(chooser(None), int)
-    assert len(warnings) == 3 and all("does not fit" in w for w in warnings)
+    assert len(warnings) == 4 and all("does not fit" in w for w in warnings)
+
+
+def test_only_what_was_learned_is_saved_so_changed_defaults_reach_saved_state(specmlx_home):
+    """Settings saved with the estimates once kept a machine on old defaults forever."""
+    model, ids = make_tiny(0), [1, 2, 3, 4]
+    store = ChooserStore()
+    chooser = store.get(model, "t", "d", GREEDY, ids)
+    chooser.explore, chooser.k_max = 5.0, 3  # as if the defaults had been these
+    steady(Feed(chooser), 30, accept=0.7)
+    store.save(chooser)
+    (path,) = (specmlx_home / "adaptive").glob("*.json")
+    saved = json.loads(path.read_text())["state"]
+    assert saved["version"] == STATE_VERSION and saved["level"] > 0
+    assert "explore" not in saved and "k_max" not in saved
+    again = ChooserStore().get(model, "t", "d", GREEDY, ids)
+    assert (again.explore, again.k_max) == (AdaptiveK().explore, AdaptiveK().k_max)
+    assert again.level == chooser.level and again._first == chooser._first
+
+
+def test_the_key_names_each_sampling_field():
+    key = ChooserStore.key("t", "d", SamplingParams(0.8, 0.95, 40, 0.05))
+    assert key == "t|d|temp=0.8|top_p=0.95|top_k=40|min_p=0.05|verify=block"
 
 
 def test_block_verification_learns_apart_when_sampling():
     key = ChooserStore.key
-    # token-wise keys are what they were before block verification, so saved state applies
-    assert key("t", "d", WARM, "token") == f"t|d|{WARM}"
+    # token-wise keys have no rule in them, as before block verification existed
+    assert key("t", "d", WARM, "token") == f"t|d|{sampling_key(WARM)}"
     assert key("t", "d", WARM, "block") == key("t", "d", WARM) != key("t", "d", WARM, "token")
     assert key("t", "d", GREEDY, "block") == key("t", "d", GREEDY)  # greedy: the same rule
 

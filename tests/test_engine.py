@@ -678,9 +678,9 @@ def test_draft_plan_stops_at_doubtful_drafts_and_extends_confident_ones():
     # a round starts with one draft, then one more, then pairs
     assert [chooser.draft_plan([0.95] * m)[1] for m in range(4)] == [1, 1, 2, 2]
     # what was learned per confidence survives a save, and bins saved in another shape reset
-    resumed = AdaptiveK(**json.loads(json.dumps(chooser.state())))
+    resumed = AdaptiveK.resume(json.loads(json.dumps(chooser.state())))
     assert resumed.draft_plan([0.95, 0.9, 0.2, 0.1]) == (3, 0)
-    odd = AdaptiveK(**{**chooser.state(), "_conf": [[1.0, 2.0]]})
+    odd = AdaptiveK.resume({**chooser.state(), "_conf": [[1.0, 2.0]]})
     assert odd.confident(0.95) == pytest.approx(odd.continuation)
 
 
