@@ -663,7 +663,7 @@ def serve(
     import signal
 
     from .acceptance import sampled_rule
-    from .distributed import barrier, join, launched
+    from .distributed import Watchdog, barrier, join, launched
     from .loading import load_pair
     from .memory import parse_size
     from .registry import load_registry
@@ -698,6 +698,14 @@ def serve(
     check_draft_stop(models, draft_stop)
     console = err_console()
     quiet = quiet or not world.leader
+    watchdog = fatal = None
+    if world.distributed:  # a rank that hangs or dies ends every rank, with one line
+
+        def fatal(message: str) -> None:
+            print_error(rank_prefix() + message)
+            leave(1)
+
+        watchdog = Watchdog(rank_timeout(), lambda m: worker.fail(m) or print_error(m))
     say = None if quiet else (lambda m: console.print(m, style="dim", soft_wrap=True, markup=False))
     tspec = registry.resolve(models.target)
     limit = context or registry.context_for(
@@ -714,12 +722,17 @@ def serve(
     )
     worker = Worker(tgt, drf, shared, max_queue=max_queue, cache_budget=cache_budget,
                     warn=print_warning, world=world, lookup_memory=lookup_memory,
-                    draft_stop=draft_stop)  # fmt: skip
+                    draft_stop=draft_stop, watchdog=watchdog, fatal=fatal)  # fmt: skip
     if world.distributed:
+        watchdog.beat("loading the models on the other ranks")
         barrier(world)
+        watchdog.idle()  # between requests nothing is expected of the other ranks
         if not world.leader:  # rank 0 serves; this rank runs its requests in step
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # it stops when rank 0 says so
-            worker.follow()
+            try:
+                worker.follow()
+            except SpecmlxError as e:
+                fatal(str(e))
             leave(0)
     drafter = "model" if drf else ("lookup" if models.lookup else "none")
     settings = ServerSettings(
@@ -877,7 +890,7 @@ def bench(
 
     from . import bench as b
     from .display import bench_table
-    from .distributed import barrier, join, launched
+    from .distributed import Watchdog, barrier, join, launched
     from .loading import load_pair
     from .registry import load_registry
     from .sampling import SamplingParams
@@ -928,8 +941,12 @@ def bench(
         group=world.group if world.distributed else None,
         progress=lambda m: console.print(m, style="dim", soft_wrap=True, markup=False),
     )
-    if world.distributed:
+    watchdog = None
+    if world.distributed:  # a rank that hangs ends every rank, with one line
+        watchdog = Watchdog(rank_timeout(), lambda m: print_error(rank_prefix() + m))
+        watchdog.beat("loading the models on the other ranks")
         barrier(world)
+        watchdog.beat("benchmarking")
     todo = b.systems(drf.spec.alias if drf else None, settings)
     generations = sum(len(r["edits"]) for r in rows) if sequences else len(rows)
     total = settings.repeats * generations * len(settings.temps) * len(todo)
@@ -946,6 +963,8 @@ def bench(
 
         def on_run(run):
             progress.update(task, advance=1, description=run.label[:40])
+            if watchdog is not None:
+                watchdog.beat()
 
         def encode(row):
             return encode_prompt(tgt.tokenizer, row["prompt"], chat=bool(row.get("chat")))
@@ -961,6 +980,8 @@ def bench(
             result = b.bench(
                 tgt.model, draft_model, rows, encode, settings, on_run=on_run, **common
             )
+    if watchdog is not None:
+        watchdog.disarm()
     info = {"target": _model_info(tgt), "draft": _model_info(drf) if drf else None}
     result["environment"] = b.environment(info, rev)
     result["environment"]["ranks"] = {"size": world.size, "backend": world.backend}

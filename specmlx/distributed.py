@@ -38,6 +38,11 @@ class LockstepError(SpecmlxError):
     """The ranks emitted different tokens, or lost each other (exit code 1)."""
 
 
+class RankFailure(SpecmlxError):
+    """A rank failed, hangs or went away while the ranks served: the ranks can no longer be
+    trusted to be in step, so every rank stops (exit code 1; the server answers 503)."""
+
+
 class Cancelled(SpecmlxError):
     """Rank 0 stopped this generation (its client went away); raised on every rank."""
 
@@ -77,6 +82,7 @@ def join() -> World:
     os.close(devnull)
     # `launch` starts mlx.launch with Ctrl-C ignored, and ranks inherit that: take it back
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    watch_parent()
     group = mx.distributed.init()
     env = os.environ
     backend = (
@@ -205,6 +211,24 @@ class Lockstep:
             raise Cancelled("cancelled by rank 0")
 
 
+def watch_parent(every: float = 1.0) -> None:
+    """End this rank when its launcher goes (the process that started it: mlx.launch, or the
+    ssh session on a remote host): a rank left running would hold its memory and its port
+    for nothing. Polls the parent's pid, which becomes another when the parent dies."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every)
+        try:  # (the launcher held this rank's stderr: it may be a closed pipe now)
+            sys.stderr.write(f"error: {rank_prefix()}the launcher went away; stopping\n")
+        except (OSError, ValueError):
+            pass
+        leave(1)
+
+    threading.Thread(target=watch, daemon=True, name="specmlx-parent").start()
+
+
 def lost_peer(e: BaseException) -> LockstepError | None:
     """The error to report when an MLX collective failed because another rank went away."""
     text = str(e)
@@ -222,13 +246,20 @@ class Watchdog:
         self.timeout, self.say = timeout, say
         self.last = time.monotonic()
         self.what = "connecting to the other ranks"
-        self._armed = True
+        self._armed, self._idle = True, False
         threading.Thread(target=self._watch, daemon=True, name="specmlx-watchdog").start()
 
     def beat(self, what: str | None = None) -> None:
+        """Progress (and, with ``what``, what the ranks are doing now): the clock restarts."""
         self.last = time.monotonic()
+        self._idle = False
         if what is not None:
             self.what = what
+
+    def idle(self) -> None:
+        """Nothing is expected of the other ranks (a server between requests) until the
+        next beat."""
+        self._idle = True
 
     def disarm(self) -> None:
         self._armed = False
@@ -236,7 +267,8 @@ class Watchdog:
     def _watch(self) -> None:
         while self._armed:
             time.sleep(min(1.0, self.timeout / 4))
-            if self._armed and time.monotonic() - self.last > self.timeout:
+            late = time.monotonic() - self.last > self.timeout
+            if self._armed and not self._idle and late:
                 self.say(
                     f"no progress from the other ranks for {self.timeout:.0f} s while "
                     f"{self.what} (a rank died, hangs or never connected); stopping"

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .acceptance import DEFAULT_VERIFY, sampled_rule
+from .distributed import RankFailure
 from .errors import BadInput, SpecmlxError
 from .fim import encode_infill, require_fim
 from .sampling import SamplingParams
@@ -592,6 +593,8 @@ def _as_api_error(e: BaseException) -> ApiError:
         return e
     if isinstance(e, ShuttingDown):
         return ApiError(503, str(e), "server_error", "shutting_down")
+    if isinstance(e, RankFailure):
+        return ApiError(503, str(e), "server_error", "rank_failed")
     if isinstance(e, SpecmlxError) and e.exit_code == 2:
         return ApiError(400, str(e))
     return ApiError(500, f"generation failed: {type(e).__name__}: {e}", "server_error")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,7 +19,17 @@ import mlx.core as mx
 
 from .acceptance import DEFAULT_VERIFY
 from .choosers import ChooserStore
-from .distributed import Cancelled, Lockstep, World, bits_float, float_bits, share
+from .distributed import (
+    Cancelled,
+    Lockstep,
+    RankFailure,
+    Watchdog,
+    World,
+    bits_float,
+    float_bits,
+    lost_peer,
+    share,
+)
 from .errors import SpecmlxError
 from .loading import Loaded
 from .lookup import LookupMemory
@@ -99,7 +110,10 @@ class Worker:
     over: rank 0 serves and sends each request to the others, which ``follow``;
     lookup_memory: lookup requests also search the outputs of earlier ones (and, with
     persist, of earlier runs: lookup.LookupMemory; never with ranks, whose stores differ);
-    draft_stop: auto-k requests with a draft model stop drafting per token (engine)."""
+    draft_stop: auto-k requests with a draft model stop drafting per token (engine);
+    watchdog: with ranks, bounds a generation that makes no progress (a rank that hangs);
+    fatal: with ranks, called with one line when a generation failed after the ranks
+    started it (they may be out of step): it must end this rank (the CLI exits 1)."""
 
     def __init__(
         self,
@@ -114,7 +128,10 @@ class Worker:
         world: World | None = None,
         lookup_memory: bool = True,
         draft_stop: bool = False,
+        watchdog: Watchdog | None = None,
+        fatal: Callable[[str], None] | None = None,
     ):
+        self.watchdog, self.fatal = watchdog, fatal
         self.target, self.draft, self.shared = target, draft, shared
         self.draft_stop = draft_stop
         self.max_queue = max_queue
@@ -179,16 +196,39 @@ class Worker:
 
     def follow(self) -> None:
         """On ranks other than 0: run the generations rank 0 sends, in step, until it says
-        stop. Nothing is emitted; rank 0 answers the clients."""
-        while (request := _receive(self.world)) is not None:
+        stop. Nothing is emitted; rank 0 answers the clients. RankFailure when rank 0 went
+        away or a generation failed here: this rank's caches and collectives may no longer
+        match rank 0's, so it stops (and rank 0, whose collectives then fail, stops too)."""
+        while True:
+            try:
+                request = _receive(self.world)
+            except RuntimeError as e:
+                raise RankFailure(f"lost rank 0 ({lost_peer(e) or e})") from None
+            if request is None:
+                return
+            if request is IDLE:  # rank 0 has nothing yet: wait asleep, not in a collective
+                time.sleep(IDLE_TICK * 0.9)
+                continue
             try:
                 self._generate(Job(request, lambda _kind, _value: None))
-            except Exception:  # noqa: BLE001 - rank 0 reports it; stay in step for the next
+            except Exception as e:  # noqa: BLE001 - whatever it was, the ranks are apart now
                 self.totals.failed += 1
+                raise RankFailure(f"a generation failed on this rank: {_said(e)}") from None
+            finally:
+                if self.watchdog is not None:
+                    self.watchdog.idle()
+
+    def fail(self, message: str) -> None:
+        """Answer the running request with ``message`` (a 503) and give the answer a moment
+        to go out: the watchdog calls this before it ends the process."""
+        job = self._current
+        if job is not None:
+            job.emit("error", RankFailure(message))
+            time.sleep(1.0)
 
     def _run(self) -> None:
         while True:
-            job = self._queue.get()
+            job = self._next()
             if job is None:
                 if self.world.distributed:
                     _send(self.world, None)  # the other ranks stop following
@@ -201,9 +241,37 @@ class Worker:
                 self._generate(job)
             except Exception as e:  # noqa: BLE001 - the job's client gets it; serving goes on
                 self.totals.failed += 1
-                job.emit("error", e)
+                if not self.world.distributed:
+                    job.emit("error", e)
+                    continue
+                # the other ranks ran part of it: they may be out of step now, so stop all
+                failure = RankFailure(f"the ranks stopped: {_said(e)}")
+                job.emit("error", failure)
+                if self.fatal is not None:
+                    time.sleep(1.0)  # the answer goes out first
+                    self.fatal(str(failure))
+                return
             finally:
                 self._current, self.busy = None, False
+                if self.watchdog is not None:
+                    self.watchdog.idle()
+
+    def _next(self) -> Job | None:
+        """The next job. With ranks, while none comes, rank 0 sends an idle tick every
+        IDLE_TICK seconds: a follower waiting inside a collective spins a core, so it waits
+        for each tick asleep instead, and enters the collective just before it is due (a
+        request then waits at most one tick for the followers)."""
+        if not self.world.distributed:
+            return self._queue.get()
+        while True:
+            try:
+                return self._queue.get(timeout=IDLE_TICK)
+            except queue.Empty:
+                if self.watchdog is not None:  # a follower that hangs while idle: bounded
+                    self.watchdog.beat("waiting for the other ranks")
+                _send(self.world, IDLE)
+                if self.watchdog is not None:
+                    self.watchdog.idle()
 
     def _generate(self, job: Job) -> None:
         r, stats, world = job.request, job.stats, self.world
@@ -214,7 +282,11 @@ class Worker:
         lockstep = None
         if world.distributed:  # every round: the tokens compared, rank 0's cancel shared
             stop = job.cancelled.is_set if world.leader else None
-            lockstep = Lockstep(world, stoppable=True, cancelled=stop)
+            beat = None
+            if self.watchdog is not None:
+                self.watchdog.beat("generating")
+                beat = self.watchdog.beat
+            lockstep = Lockstep(world, stoppable=True, cancelled=stop, beat=beat)
         job.k_label = str(r.num_draft)
         job.drafter_name = self.draft.spec.alias if use_draft else r.drafter
         request = Request(
@@ -278,17 +350,29 @@ class Worker:
         mx.clear_cache()  # between requests: give the allocator's free blocks back
 
 
+def _said(e: BaseException) -> str:
+    """One line for an error on a rank: a lost peer as such, else its type and message."""
+    lost = lost_peer(e)
+    if lost is not None:
+        return str(lost)
+    return str(e) if isinstance(e, SpecmlxError) else f"{type(e).__name__}: {e}"
+
+
 # ---------------------------------------------------------------- requests between ranks
 
+# with ranks, between requests: seconds between rank 0's idle ticks (a request waits at most
+# this long for the followers; they spin a tenth of it)
+IDLE_TICK = 0.1
+IDLE = object()  # _receive's "nothing yet"
 _DRAFTERS = ("model", "lookup", "none")
 _VERIFIES = ("token", "block")
 _HEADER = 13  # ints: see _send
 
 
-def _send(world: World, r: GenRequest | None) -> None:
-    """Rank 0: hand one request (None: stop following) to the other ranks."""
-    if r is None:
-        share(world, [0] * _HEADER)
+def _send(world: World, r) -> None:
+    """Rank 0: hand one request (None: stop following; IDLE: nothing yet) to the others."""
+    if r is None or r is IDLE:
+        share(world, [0 if r is None else 2] + [0] * (_HEADER - 1))
         return
     stops = "\0".join(r.stop).encode()
     s = r.sampling
@@ -302,11 +386,13 @@ def _send(world: World, r: GenRequest | None) -> None:
     share(world, [*r.prompt_ids, *r.extra_eos, *stops])
 
 
-def _receive(world: World) -> GenRequest | None:
-    """Other ranks: wait for rank 0's next request (None: stop)."""
+def _receive(world: World):
+    """Other ranks: wait for rank 0's next request (None: stop; IDLE: nothing yet)."""
     h = share(world, [], _HEADER)
     if h[0] == 0:
         return None
+    if h[0] == 2:
+        return IDLE
     n_prompt, n_eos, n_stop = h[1], h[6], h[7]
     payload = share(world, [], n_prompt + n_eos + n_stop)
     stops = bytes(payload[n_prompt + n_eos :]).decode()

@@ -326,3 +326,76 @@ def test_serve_over_two_ranks(models):
     finally:
         code, err = server.stop()
     assert code == 0, err
+
+
+# ------------------------------------------------------------------ serving ranks fail stop
+
+
+def _stream_then(server: Server, act) -> list[str]:
+    """Start a long streamed completion, call ``act()`` once it streams, return the rest of
+    the stream's lines (up to its end or the connection's)."""
+    import httpx
+
+    body = {"prompt": PROMPT, "max_tokens": 1900, "stream": True, "num_draft": 3}
+    out = []
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=90) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            act()
+            out = [ln for ln in lines if ln]
+    except httpx.HTTPError:  # the server went away mid-stream: what came is kept
+        pass
+    return out
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_follower_that_dies_or_hangs_while_serving_stops_every_rank(models, how):
+    """A follower that dies (its socket closes) or hangs (SIGSTOP: nothing to notice but
+    silence, bounded by the watchdog): the client's stream ends with a 503-shaped
+    rank_failed error and every rank exits non-zero, instead of rank 0 serving on with
+    ranks out of step (or hanging forever)."""
+    env = models["env"] | {"SPECMLX_RANK_TIMEOUT": "4"}
+    server = Server(env, *TWO)
+    rank1 = _wait_for_rank(1, server.proc.pid)
+    sig = signal.SIGKILL if how == "killed" else signal.SIGSTOP
+    try:
+        rest = _stream_then(server, lambda: os.kill(rank1, sig))
+        code = server.proc.wait(90)
+    finally:
+        if _alive(rank1):
+            os.kill(rank1, signal.SIGCONT)
+        if server.proc.poll() is None:
+            server.proc.kill()
+    err = server.proc.stderr.read().decode()
+    assert code != 0, err
+    errors = [json.loads(ln[6:]) for ln in rest if ln.startswith("data: {") and '"error"' in ln]
+    assert errors and errors[-1]["error"]["code"] == "rank_failed", rest[-3:]
+    assert "error:" in err, err
+    assert not _alive(rank1) or how == "hung"  # (a stopped process is killed by the launcher)
+
+
+def test_every_rank_exits_when_the_launcher_goes(models):
+    server = Server(models["env"], *TWO)
+    ranks = [_wait_for_rank(r, server.proc.pid) for r in (0, 1)]
+    launcher = int(Path(f"/proc/{ranks[1]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert launcher != server.proc.pid  # mlx.launch, below specmlx's own wrapper
+    try:
+        os.kill(launcher, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(_alive(r) and not _zombie(r) for r in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(r) and not _zombie(r) for r in ranks)
+    finally:
+        for r in ranks:
+            if _alive(r):
+                os.kill(r, signal.SIGKILL)
+        server.proc.kill()
+        server.proc.wait(30)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
