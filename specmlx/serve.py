@@ -281,9 +281,10 @@ def create_app(
         if body.n_predict == 0:  # llama.vim's warm-up: fill the prompt cache, predict nothing
             max_tokens = 0
         gen = GenRequest(
-            ids, sampling, max_tokens, None if body.seed < 0 else body.seed,
-            [s for s in body.stop if s][:MAX_STOPS], _drafter(None, settings, worker),
-            settings.num_draft, template.stops, settings.verify,
+            prompt_ids=ids, sampling=sampling, max_tokens=max_tokens,
+            seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s][:MAX_STOPS],
+            drafter=_drafter(None, settings, worker), num_draft=settings.num_draft,
+            extra_eos=template.stops, verify=settings.verify,
         )  # fmt: skip
         return await _respond_infill(request, worker, gen, body.stream)
 

@@ -13,11 +13,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
-from .acceptance import DEFAULT_VERIFY
 from .choosers import ChooserStore
 from .distributed import (
     Cancelled,
@@ -49,18 +48,13 @@ class ShuttingDown(SpecmlxError):
 
 
 @dataclass
-class GenRequest:
-    """One generation, fully resolved: tokens, sampler, budget, stops and drafter."""
+class GenRequest(Request):
+    """One generation, fully resolved: a session.Request (sampler, budget, stops, k, rule)
+    with its tokens and the drafter asked for; the worker sets use_draft and lookup from
+    ``drafter``, and draft_stop from its own setting."""
 
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    max_tokens: int
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
     drafter: str = "model"  # "model" (the loaded draft), "lookup" or "none"
-    num_draft: int | str = "auto"
-    extra_eos: tuple[int, ...] = ()  # e.g. the end-of-infill token
-    verify: str = DEFAULT_VERIFY  # how sampled rounds check drafts: "block" or "token"
 
 
 # ("piece", TokenEvent with its text) | ("done", Stats) | ("error", exc)
@@ -289,17 +283,8 @@ class Worker:
             lockstep = Lockstep(world, stoppable=True, cancelled=stop, beat=beat)
         job.k_label = str(r.num_draft)
         job.drafter_name = self.draft.spec.alias if use_draft else r.drafter
-        request = Request(
-            sampling=r.sampling,
-            num_draft=r.num_draft,
-            max_tokens=r.max_tokens,
-            seed=r.seed,
-            stop=r.stop,
-            use_draft=use_draft,
-            lookup=r.drafter == "lookup",
-            extra_eos=r.extra_eos,
-            verify=r.verify,
-            draft_stop=self.draft_stop,
+        request = replace(
+            r, use_draft=use_draft, lookup=r.drafter == "lookup", draft_stop=self.draft_stop
         )
         kv = self.cache.take(r.prompt_ids)
         gen = self.session.start(r.prompt_ids, request, kv=kv, stats=stats, lockstep=lockstep)
