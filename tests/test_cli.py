@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -499,3 +500,32 @@ def test_bench_overhead_times_both_tools_on_the_same_tokens(specmlx_home, tmp_pa
         assert r["specmlx_s"] > 0 and r["mlx_lm_s"] > 0
         assert r["ratio"] == pytest.approx(r["specmlx_s"] / r["mlx_lm_s"])  # one repeat
     one_line_error(run("bench", "--overhead", "-n", "1"), 2, "--overhead")
+
+
+def test_models_list_sizes_a_cached_hub_model_without_the_network(registry, monkeypatch):
+    """`models list` once asked the hub for the config and tensor headers of every cached
+    hub model; now a cached one is sized from its files, and the network is never used."""
+    import shutil
+
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    hub = registry / "hub"
+    repo = hub / "models--org--tiny"
+    shutil.copytree(registry / "t", repo / "snapshots" / ("a" * 40))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+
+    def network(*_a, **_kw):
+        raise AssertionError("the network was used")
+
+    for name in ("hf_hub_download", "get_safetensors_metadata"):
+        monkeypatch.setattr(huggingface_hub, name, network)
+    extra = registry / "hub.toml"
+    extra.write_text('[models.hub-tiny]\nsource = "hf:org/tiny"\n')
+    monkeypatch.setenv("SPECMLX_MODELS", str(extra))
+    r = run("models", "list")
+    assert r.exit_code == 0, r.stderr
+    row = next(ln for ln in r.stderr.splitlines() if ln.startswith("│ hub-tiny "))
+    assert "│ yes" in row and re.search(r"│ \d+\.\d\d GB", row), row
