@@ -309,7 +309,7 @@ def bench(
     remembers that repeat's outputs, prompt after prompt. Returns {"rows", "runs",
     "verify_curve", "draft_cost"}; the CLI adds the environment."""
     encoded = [(p["id"], encode(p)) for p in prompts]
-    bed = _Bed(target, draft, encoded[0][1], s, draft_name, shared, world)
+    bed = _Testbed(target, draft, encoded[0][1], s, draft_name, shared, world)
     runs: list[Run] = []
     for rep in range(s.repeats):
         memories = bed.memories()
@@ -344,7 +344,7 @@ def bench_sequences(
     sequences: rows from load_sequences; decode: token ids -> text (the next step's file);
     the rest as for ``bench``. Returns what ``bench`` returns; runs are named <id>-<step>."""
     first = edit_step(sequences[0], 0, sequences[0]["file"])
-    bed = _Bed(target, draft, encode(first), s, draft_name, shared, world)
+    bed = _Testbed(target, draft, encode(first), s, draft_name, shared, world)
     runs: list[Run] = []
     prompts: dict[str, list[int]] = {}
     for rep in range(s.repeats):
@@ -368,7 +368,7 @@ def bench_sequences(
     return bed.result(runs)
 
 
-class _Bed:
+class _Testbed:
     """What every benchmark shares: the systems, the measured verify curve and draft cost,
     one adaptive-k state per auto system and temperature, and a warm-up."""
 

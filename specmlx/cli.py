@@ -271,7 +271,7 @@ def run(
         raise BadInput("the prompt is empty")
     console = err_console()
     render = _Render(console, as_json, quiet, show_draft, k or "")
-    job = Job(
+    job = RunInput(
         text, after, params, max_tokens, seed, stop or [], chat, verify, lookup_memory, draft_stop
     )
     if (hosts or hostfile) and not launched():
@@ -297,7 +297,7 @@ def check_draft_stop(models, draft_stop: bool) -> None:
 
 
 @dataclass
-class Job:
+class RunInput:
     """What `specmlx run` was asked to generate, wherever the models are."""
 
     text: str
@@ -326,7 +326,7 @@ def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
         raise BadInput(f"cannot read --suffix-file {suffix_file}: {e.strerror or e}") from None
 
 
-def _run_local(job: Job, render, target, draft, lookup, k, context, quiet, world) -> None:
+def _run_local(job: RunInput, render, target, draft, lookup, k, context, quiet, world) -> None:
     from .choosers import ChooserStore
     from .distributed import Lockstep, Watchdog, barrier, lost_peer, shared_seed
     from .fim import encode_infill, require_fim
@@ -442,8 +442,8 @@ def _check_split(hosts, hostfile, target) -> None:
     """Before any rank starts: the hosts are well formed and the target can be split over
     them (both one-line errors)."""
     from .distributed import check_shardable, parse_hosts
+    from .footprint import peek
     from .loading import shard_support
-    from .memory import peek
     from .registry import load_registry
 
     names = parse_hosts(hosts, hostfile)
@@ -461,7 +461,7 @@ def _launch(ctx: typer.Context, command: str, hosts, hostfile, tail: list[str] =
     return launch([command, *_option_argv(ctx, skip), *tail], hosts, hostfile)
 
 
-def _launch_ranks(ctx: typer.Context, job: Job, hosts, hostfile, target) -> int:
+def _launch_ranks(ctx: typer.Context, job: RunInput, hosts, hostfile, target) -> int:
     """`specmlx run` as ranks: the prompt, suffix file and seed are resolved here, once."""
     _check_split(hosts, hostfile, target)
     tail = []
@@ -499,7 +499,7 @@ def _option_argv(ctx: typer.Context, skip: set[str]) -> list[str]:
     return out
 
 
-def _run_remote(job: Job, render, url: str, api_key, draft, k) -> None:
+def _run_remote(job: RunInput, render, url: str, api_key, draft, k) -> None:
     from .client import Remote, stream_remote
 
     body: dict = {
@@ -664,8 +664,8 @@ def serve(
 
     from .acceptance import sampled_rule
     from .distributed import Watchdog, barrier, join, launched
+    from .footprint import parse_size
     from .loading import load_pair
-    from .memory import parse_size
     from .registry import load_registry
     from .sampling import SamplingParams
     from .serve import ServerSettings, create_app, run_server
@@ -779,8 +779,8 @@ def models_list() -> None:
 def models_pull(alias: str = typer.Argument(..., help="Alias to download or quantize.")) -> None:
     """Download a model's files into the local cache; an alias with `quantize` is then loaded
     (after the memory check) to quantize it once and cache the result."""
+    from .footprint import plan_memory, require_fit
     from .loading import load_model
-    from .memory import plan_memory, require_fit
     from .registry import load_registry
     from .sources import fetch
 

@@ -6,7 +6,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .memory import model_size
+from .footprint import model_size
 from .sources import is_cached
 from .stats import Stats
 

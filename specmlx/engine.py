@@ -432,7 +432,7 @@ class _Speculation:
                 keys = None  # greedy rounds draw nothing: no keys
                 if self.process is not None:  # one split a round: the draft's, u's, the draw's
                     key, *keys = mx.random.split(key, 4)
-                proposal, n, tokens = self.round(ctx, k, keys, timed, queue, room)
+                proposal, n, tokens = self.step(ctx, k, keys, timed, queue, room)
                 k = proposal.k
                 new, reason = stops.cut(tokens[:n] + [tokens[k]])
                 n_kept = len(new) - 1 if reason else n
@@ -463,17 +463,17 @@ class _Speculation:
                 if self.model_drafter is not None:
                     self.kv.draft_len = self.model_drafter.held
 
-    def round(self, ctx, k, keys=None, timed=False, queue=False, room=None):
+    def step(self, ctx, k, keys=None, timed=False, queue=False, room=None):
         """propose -> verify -> accept as one lazy graph, read back with one host sync.
         Returns (the proposal, n accepted, [d_1..d_k, next]). ``timed`` lets the drafter add
         a second sync after drafting, to time it apart from the target (one drafting round
         in TIME_DRAFT_EVERY, for the statistics and adaptive k). ``queue``: if this round is
         plain, queue the next plain pass. ``room``: the most drafts the token budget allows
         (default k); an adaptive chooser may verify that many lookup tokens instead of k."""
-        kd, ku, kr = keys if keys is not None else (None, None, None)
-        proposal = self.drafter.propose(ctx, k, k if room is None else room, kd, timed)
+        draft_key, u_key, draw_key = keys if keys is not None else (None, None, None)
+        proposal = self.drafter.propose(ctx, k, k if room is None else room, draft_key, timed)
         logits = self.verify(ctx, proposal.tokens)  # (k+1, V_target)
-        n, nxt = self.accept_from(logits, proposal, ku, kr)
+        n, nxt = self.accept_from(logits, proposal, u_key, draw_key)
         out = mx.concatenate([n.astype(mx.uint32).reshape(1), proposal.tokens, nxt.reshape(1)])
         if queue and proposal.k == 0:
             # as target-only decoding does: the next pass runs while the host reads this one
@@ -508,17 +508,17 @@ class _Speculation:
         self.t_held += fed
         return logits
 
-    def accept_from(self, logits: mx.array, proposal, ku, kr) -> tuple[mx.array, mx.array]:
+    def accept_from(self, logits: mx.array, proposal, u_key, draw_key) -> tuple[mx.array, mx.array]:
         """(n accepted, the next token), lazy: greedy, a plain sample, or the sampled rule
         (q None is a point mass: no one-hot rows; a narrower q needs no padding)."""
         d = proposal.tokens
         if self.process is None:
             return accept_greedy(logits, d)
         if proposal.k == 0:
-            return mx.array(0), sample(self.process(logits[0]), kr)
+            return mx.array(0), sample(self.process(logits[0]), draw_key)
         p = self.process(logits)  # (k+1, V_target)
-        u = mx.random.uniform(shape=(proposal.k,), key=ku)
-        return self.accept(p, proposal.q, d, u, kr)
+        u = mx.random.uniform(shape=(proposal.k,), key=u_key)
+        return self.accept(p, proposal.q, d, u, draw_key)
 
     def rollback(self, ctx: list[int], new: list[int], k: int, n_kept: int, done: bool) -> None:
         """Bring the target's cache back to the kept context; ``ctx`` is the context before

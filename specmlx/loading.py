@@ -1,6 +1,6 @@
 """Load models through mlx-lm (MLX/HF directories, GGUF files), quantize at load with a cache,
 and check that a target and a draft can speculate together. Files come from sources.py, the
-memory plan from memory.py."""
+memory plan from footprint.py."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .distributed import check_shardable
 from .errors import IncompatiblePair, ModelLoadError
+from .footprint import peek, plan_memory, read_config, require_fit, resolve_dtype
 from .gguf import load_gguf
-from .memory import peek, plan_memory, read_config, require_fit, resolve_dtype
 from .mlx_lm_api import model_classes
 from .registry import ModelSpec, Registry, load_registry
 from .sources import Progress, cached_quantized, fetch, file_facts, quantized_dir, say

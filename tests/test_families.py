@@ -24,8 +24,8 @@ from specmlx.caches import (
 )
 from specmlx.engine import KVState, generate_tokens, prefill
 from specmlx.errors import RollbackError
+from specmlx.footprint import layer_kinds, recurrent_state_bytes
 from specmlx.loading import load_pair
-from specmlx.memory import layer_kinds, recurrent_state_bytes
 from specmlx.recurrent import PassRecorder
 from specmlx.registry import load_registry
 from specmlx.sampling import SamplingParams
@@ -276,7 +276,7 @@ def test_window_and_recurrent_rounds_keep_one_host_sync(family, monkeypatch):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_memory_plan_reads_each_layers_cache_kind_and_state_size(family):
-    """memory.layer_kinds, from the config alone, names the cache mlx-lm makes for each layer;
+    """footprint.layer_kinds, from the config alone, names the cache mlx-lm makes for each layer;
     recurrent_state_bytes is what a recurrent layer's state holds after a pass."""
 
     conf = family_config(family, LAYERS)

@@ -25,10 +25,7 @@ from specmlx.errors import (
     OfflineError,
     UnknownModel,
 )
-from specmlx.gguf import load_gguf, read_gguf_header
-from specmlx.gguf_tokenizer import gguf_tokenizer
-from specmlx.loading import Loaded, check_pair, load_model, load_pair
-from specmlx.memory import (
+from specmlx.footprint import (
     formula_bytes,
     model_size,
     parse_size,
@@ -36,6 +33,9 @@ from specmlx.memory import (
     require_fit,
     safetensors_header,
 )
+from specmlx.gguf import load_gguf, read_gguf_header
+from specmlx.gguf_tokenizer import gguf_tokenizer
+from specmlx.loading import Loaded, check_pair, load_model, load_pair
 from specmlx.registry import ModelSpec, Quantize, load_registry
 from specmlx.sources import cached_quantized, fetch, is_cached, quantized_dir
 
