@@ -889,6 +889,7 @@ def bench(
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from . import bench as b
+    from . import bench_data, bench_report
     from .display import bench_table
     from .distributed import Watchdog, barrier, join, launched
     from .loading import load_pair
@@ -896,7 +897,7 @@ def bench(
     from .sampling import SamplingParams
     from .stream import encode_prompt
 
-    settings = b.BenchSettings(
+    settings = bench_data.BenchSettings(
         ks=_split(ks, parse_k, "-k"),
         temps=_split(temps, float, "--temp"),
         top_p=top_p,
@@ -919,15 +920,15 @@ def bench(
         raise BadInput("-n and --repeats must be > 0")
     sequences = kind == "edit-sequence"
     if sequences:
-        rows = b.load_sequences(prompts)
+        rows = bench_data.load_sequences(prompts)
     else:
-        rows = b.load_prompts(prompts, kind if not prompts else "all")
+        rows = bench_data.load_prompts(prompts, kind if not prompts else "all")
     rows = rows[:limit] if limit > 0 else rows
     if (hosts or hostfile) and not launched():
         _check_split(hosts, hostfile, target)
         raise typer.Exit(_launch(ctx, "bench", hosts, hostfile))
     world = join()
-    rev = b.git_revision()  # the code that runs: the tree may move on meanwhile
+    rev = bench_report.git_revision()  # the code that runs: the tree may move on meanwhile
     registry = load_registry()
     models = resolve_models(registry, target, draft, False, None)
     console = err_console()
@@ -983,10 +984,10 @@ def bench(
     if watchdog is not None:
         watchdog.disarm()
     info = {"target": _model_info(tgt), "draft": _model_info(drf) if drf else None}
-    result["environment"] = b.environment(info, rev)
+    result["environment"] = bench_report.environment(info, rev)
     result["environment"]["ranks"] = {"size": world.size, "backend": world.backend}
     result["settings"] = {
-        **b.asdict(settings),
+        **asdict(settings),
         "prompts": prompts or f"built-in ({kind})",
         "n_prompts": len(rows),
     }
@@ -994,9 +995,9 @@ def bench(
     if json_out:
         Path(json_out).write_text(json.dumps(result, indent=1))
     if md_out:
-        Path(md_out).write_text(b.to_markdown(result))
+        Path(md_out).write_text(bench_report.to_markdown(result))
     if plot_out:
-        b.plot(result, plot_out)
+        bench_report.plot(result, plot_out)
 
 
 def _overhead(max_tokens: int, repeats: int, json_out: str | None) -> None:

@@ -10,20 +10,15 @@ import pytest
 from helpers import make_tiny
 from mlx_lm.sample_utils import make_sampler
 
-from specmlx.bench import (
-    BenchSettings,
-    Run,
-    System,
-    _timed,
+from specmlx.bench import _timed, like_for_like_sampler, systems
+from specmlx.bench_data import BenchSettings, Run, System, runs_at
+from specmlx.bench_report import (
     classify_difference,
     first_difference,
     git_revision,
     identity,
-    like_for_like_sampler,
-    runs_at,
     spread,
     summarize,
-    systems,
     target_logits_after,
     theoretical_speedup,
     tie_tolerance,

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from typer.testing import CliRunner
 
-from specmlx.bench import load_prompts
+from specmlx.bench_data import load_prompts
 from specmlx.cli import app
 from specmlx.engine import generate_tokens
 from specmlx.errors import ModelLoadError, OfflineError
