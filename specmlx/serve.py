@@ -244,12 +244,15 @@ def create_app(
         body.refuse_unsupported()
         if body.echo or (body.best_of or 1) > 1:
             raise ApiError(400, "echo and best_of are not supported", code="unsupported")
-        if body.suffix is not None:
-            template = require_fim(tok, _draft_tok(worker, body.draft, settings))
-            ids = encode_infill(tok, template, body.prompt, body.suffix)
-            extra = template.stops
-        else:
-            ids, extra = _encode(tok, body.prompt), ()
+        _bounded(settings, body.prompt, body.suffix or "")
+
+        def build() -> tuple[list[int], tuple[int, ...]]:
+            if body.suffix is not None:
+                template = require_fim(tok, _draft_tok(worker, body.draft, settings))
+                return encode_infill(tok, template, body.prompt, body.suffix), template.stops
+            return _encode(tok, body.prompt), ()
+
+        ids, extra = await _off_loop(build)
         gen = _request(body, ids, extra, body.max_tokens, settings, worker)
         return await _respond(request, worker, gen, body, "text_completion", settings)
 
@@ -259,11 +262,16 @@ def create_app(
         if not getattr(tok, "chat_template", None):
             raise ApiError(400, "this model has no chat template: use /v1/completions")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as e:  # jinja raises for role orders a template forbids
-            raise ApiError(400, f"the chat template refused these messages: {e}") from None
-        ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        _bounded(settings, *(m["content"] for m in messages))
+
+        def build() -> list[int]:
+            try:
+                ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+            except Exception as e:  # jinja raises for role orders a template forbids
+                raise ApiError(400, f"the chat template refused these messages: {e}") from None
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+        ids = await _off_loop(build)
         budget = body.max_completion_tokens or body.max_tokens
         gen = _request(body, ids, (), budget, settings, worker)
         return await _respond(request, worker, gen, body, "chat.completion", settings)
@@ -272,8 +280,12 @@ def create_app(
     async def infill(body: InfillBody, request: Request):
         template = require_fim(tok, _draft_tok(worker, None, settings))
         extra = [(c.filename, c.text) for c in body.input_extra]
-        ids = encode_infill(
-            tok, template, body.input_prefix, body.input_suffix, extra=extra, middle=body.prompt
+        texts = (body.input_prefix, body.input_suffix, body.prompt, *(t for _, t in extra))
+        _bounded(settings, *texts)
+        ids = await _off_loop(
+            lambda: encode_infill(
+                tok, template, body.input_prefix, body.input_suffix, extra=extra, middle=body.prompt
+            )
         )
         sampling = _sampling(body, settings)
         budget = body.n_predict if body.n_predict > 0 else None
@@ -293,6 +305,30 @@ def create_app(
         return PlainTextResponse(_metrics(worker), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+# no tokenizer averages more characters a token than this over a whole prompt (code and prose
+# run at 3-5; long runs of spaces at most 16 or so): text longer than the context times this
+# cannot fit, and is refused before any tokenizing
+MAX_CHARS_PER_TOKEN = 32
+
+
+def _bounded(settings: ServerSettings, *texts: str) -> None:
+    """A 400 before tokenizing when the request's text cannot fit the context."""
+    chars = sum(len(t) for t in texts)
+    if chars > settings.context * MAX_CHARS_PER_TOKEN:
+        raise ApiError(
+            400,
+            f"the prompt has {chars} characters: more than the context of {settings.context} "
+            f"tokens can hold (at most {MAX_CHARS_PER_TOKEN} characters a token)",
+            code="context_length_exceeded",
+        )
+
+
+async def _off_loop(fn):
+    """Run a prompt's tokenizing in a thread: a long prompt must not stall the event loop
+    (every other client's stream and /health) while it is encoded."""
+    return await asyncio.to_thread(fn)
 
 
 def _encode(tok, text: str) -> list[int]:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -480,3 +481,37 @@ def test_max_queue_zero_serves_when_idle_and_refuses_while_busy():
         worker.submit(None, lambda *_: None)
     worker.busy = False
     worker.submit(None, lambda *_: None)  # idle again
+
+
+def test_a_huge_prompt_is_refused_at_once_and_stalls_no_other_client(server, client):
+    """Tokenizing ran on the event loop: a 6.6 MB prompt took 19 s to get its 400 and stalled
+    every other client's stream that long. Text that cannot fit the context is refused before
+    tokenizing, and prompts are tokenized off the loop."""
+    gaps: list[float] = []
+    texts: list[str] = []
+
+    def stream():
+        parts = client.completions.create(
+            model="tiny-t", prompt=CODE, max_tokens=150, stream=True, extra_body={"draft": "none"}
+        )
+        last = time.monotonic()
+        for c in parts:
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+            texts.append(c.choices[0].text if c.choices else "")
+
+    alone = client.completions.create(
+        model="tiny-t", prompt=CODE, max_tokens=150, extra_body={"draft": "none"}
+    )
+    reader = threading.Thread(target=stream)
+    reader.start()
+    huge = post(server, "/v1/completions", {"prompt": "the cat sat on a mat. " * 300000})
+    assert huge.status_code == 400 and huge.json()["error"]["code"] == "context_length_exceeded"
+    # under the character bound but over the context: tokenized (off the loop), then a 400
+    long = post(server, "/v1/completions", {"prompt": "the cat sat on a mat. " * 2900})
+    assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    reader.join(120)
+    assert "".join(texts) == alone.choices[0].text  # the other client's stream, whole
+    assert max(gaps[1:]) < 2.0, max(gaps)  # it never stalled for the big ones (was 19 s)
