@@ -438,6 +438,19 @@ def rank_timeout() -> float:
         raise BadInput("SPECMLX_RANK_TIMEOUT must be a number of seconds") from None
 
 
+def check_port(host: str, port: int) -> None:
+    """BadInput when ``host``:``port`` cannot be listened on (in use, or no such address)."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise BadInput(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
 def _check_split(hosts, hostfile, target) -> None:
     """Before any rank starts: the hosts are well formed and the target can be split over
     them (both one-line errors)."""
@@ -689,6 +702,8 @@ def serve(
             "SPECMLX_API_KEY), or say --public-without-key"
         )
     cache_budget, body_limit = parse_size(prompt_cache), parse_size(max_body)
+    if not launched() or os.environ.get("MLX_RANK") in (None, "0"):
+        check_port(host, port)  # before minutes of loading, not after
     if (hosts or hostfile) and not launched():
         _check_split(hosts, hostfile, target)
         raise typer.Exit(_launch(ctx, "serve", hosts, hostfile))

@@ -149,6 +149,23 @@ def test_serve_refuses_an_unknown_verification_rule_before_loading(registry):
     one_line_error(run("serve", "--verify", "jointly"), 2, "verify")
 
 
+def test_serve_on_a_busy_port_is_one_line_before_loading(registry, monkeypatch):
+    """A busy port was found after the models loaded (and "listening on" was printed), as
+    uvicorn's multi-line error and exit 3."""
+    import socket
+
+    from specmlx import loading
+
+    loads = []
+    monkeypatch.setattr(loading, "load_pair", lambda *a, **kw: loads.append(1))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        one_line_error(run("serve", "--port", str(port)), 2, "cannot listen", str(port))
+    assert not loads  # refused before any loading
+
+
 def test_vocab_superset_draft_is_accepted(registry):
     r = run("run", "--json", "-n", "10", "--draft", "tiny-d16", "x = 1")
     assert r.exit_code == 0, r.stderr
