@@ -466,12 +466,28 @@ def _check_split(hosts, hostfile, target) -> None:
     check_shardable(config, len(names), spec.alias, shard_support(config))
 
 
-def _launch(ctx: typer.Context, command: str, hosts, hostfile, tail: list[str] = ()) -> int:
-    """Start this same command as ranks with mlx.launch; returns the exit code."""
+def _launch(
+    ctx: typer.Context, command: str, hosts, hostfile, tail: list[str] = (), secret=None
+) -> int:
+    """Start this same command as ranks with mlx.launch; returns the exit code. ``secret``
+    (the server's API key) goes to the ranks on stdin, never on a command line."""
     from .distributed import launch
 
-    skip = {"hosts", "hostfile", "prompt", "suffix_file", "seed" if command == "run" else ""}
-    return launch([command, *_option_argv(ctx, skip), *tail], hosts, hostfile)
+    skip = {"hosts", "hostfile", "prompt", "suffix_file", "api_key"}
+    skip |= {"seed"} if command == "run" else set()
+    return launch([command, *_option_argv(ctx, skip), *tail], hosts, hostfile, secret=secret)
+
+
+def read_secret(timeout: float = 60.0) -> str:
+    """The first line of stdin (a rank's API key, sent by `launch`), waited for at most
+    ``timeout`` seconds."""
+    import select
+
+    ready, _, _ = select.select([sys.stdin], [], [], timeout)
+    line = sys.stdin.readline().strip() if ready else ""
+    if not line:
+        raise BadInput("the API key did not arrive on this rank's stdin")
+    return line
 
 
 def _launch_ranks(ctx: typer.Context, job: RunInput, hosts, hostfile, target) -> int:
@@ -668,6 +684,7 @@ def serve(
         "$SPECMLX_HOME/lookup.",
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No loading progress."),
+    api_key_stdin: bool = typer.Option(False, "--api-key-stdin", hidden=True),
     hosts: HostsOpt = None,
     hostfile: HostfileOpt = None,
 ) -> None:
@@ -687,6 +704,8 @@ def serve(
     params = SamplingParams(temp, top_p, top_k, min_p)
     verify = verify or DEFAULT_VERIFY
     sampled_rule(verify)
+    if api_key_stdin and launched():  # a rank: the key came on stdin, never in argv
+        api_key = read_secret() if os.environ.get("MLX_RANK") in (None, "0") else None
     if max_tokens <= 0 or max_queue < 0 or not 0 <= port < 65536:
         raise BadInput("--max-tokens must be > 0, --max-queue >= 0 and --port in 0..65535")
     if context is not None and context <= 0:
@@ -696,7 +715,7 @@ def serve(
         loopback = loopback or ipaddress.ip_address(host).is_loopback
     except ValueError:
         pass
-    if not loopback and not api_key and not public:
+    if not loopback and not (api_key or api_key_stdin) and not public:
         raise BadInput(
             f"--host {host} is reachable from other machines: set --api-key (or "
             "SPECMLX_API_KEY), or say --public-without-key"
@@ -706,7 +725,8 @@ def serve(
         check_port(host, port)  # before minutes of loading, not after
     if (hosts or hostfile) and not launched():
         _check_split(hosts, hostfile, target)
-        raise typer.Exit(_launch(ctx, "serve", hosts, hostfile))
+        tail = ["--api-key-stdin"] if api_key else []  # the key travels on stdin
+        raise typer.Exit(_launch(ctx, "serve", hosts, hostfile, tail, secret=api_key))
     world = join()
     registry = load_registry()
     models = resolve_models(registry, target, draft, False, k)

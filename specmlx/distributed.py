@@ -372,11 +372,15 @@ def barrier(world: World) -> None:
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=world.group, stream=mx.cpu))
 
 
-def launch(argv: list[str], hosts: str | None, hostfile: Path | None) -> int:
+def launch(
+    argv: list[str], hosts: str | None, hostfile: Path | None, secret: str | None = None
+) -> int:
     """Run `specmlx ARGV` as ranks under mlx.launch; return the exit code. --hosts use the
     ring backend; a hostfile names its own (ring over Ethernet or Thunderbolt, jaccl for RDMA).
 
-    argv: the command's arguments, without --hosts/--hostfile. Rank 0's output passes
+    argv: the command's arguments, without --hosts/--hostfile; secret: a line every rank
+    gets first on its stdin (mlx.launch forwards it, over ssh too): an API key never goes
+    in argv or the environment, where `ps` and remote shells would show it. Rank 0's output passes
     through; the launcher's and the ring's own noise is filtered, and its per-rank exit
     reports become this process's exit code (mlx.launch itself always exits 0)."""
     launcher = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
@@ -393,14 +397,19 @@ def launch(argv: list[str], hosts: str | None, hostfile: Path | None) -> int:
     # an end of file); the prompt travels in argv
     # the launcher ignores Ctrl-C (the ranks take it: rank 0 prints what it has) and lives in
     # a process group of its own, so that a closed pipe or a failure can stop it all
+    env = {k: v for k, v in os.environ.items() if k != "SPECMLX_API_KEY"}  # (see secret)
     proc = subprocess.Popen(
         cmd,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
+        env=env,
         start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
     )
+    if secret is not None:
+        proc.stdin.write(secret.encode() + b"\n")
+        proc.stdin.flush()
 
     def relay_stderr() -> None:
         for raw in proc.stderr:

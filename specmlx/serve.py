@@ -11,7 +11,9 @@ input, and the server keeps serving.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -634,7 +636,13 @@ def _as_api_error(e: BaseException) -> ApiError:
         return ApiError(503, str(e), "server_error", "rank_failed")
     if isinstance(e, SpecmlxError) and e.exit_code == 2:
         return ApiError(400, str(e))
-    return ApiError(500, f"generation failed: {type(e).__name__}: {e}", "server_error")
+    _log_failure("a generation failed", e)
+    return ApiError(500, "generation failed (logged by the server)", "server_error")
+
+
+def _log_failure(what: str, e: BaseException) -> None:
+    """One line on the server's stderr for a failure the client gets only a 500 for."""
+    print(f"specmlx serve: {what}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- errors, auth, limits
@@ -669,8 +677,11 @@ def _errors(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(_request, e: Exception):
-        msg = f"internal error: {type(e).__name__}: {e}"
-        return JSONResponse(error_body(msg, "server_error"), 500)
+        # the details go to the server's log, not to the client (they can name paths)
+        _log_failure("a request failed", e)
+        return JSONResponse(
+            error_body("internal error (logged by the server)", "server_error"), 500
+        )
 
 
 class _Guard:
@@ -684,8 +695,12 @@ class _Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.api_key and scope["path"] != "/health":
-            given = headers.get("authorization", "")
-            if given != f"Bearer {self.api_key}":
+            scheme, _, given = headers.get("authorization", "").strip().partition(" ")
+            # the scheme is case-insensitive (RFC 9110); the key compared in constant time
+            ok = scheme.lower() == "bearer" and hmac.compare_digest(
+                given.strip().encode(), self.api_key.encode()
+            )
+            if not ok:
                 msg = "a missing or wrong API key: send Authorization: Bearer <key>"
                 body = error_body(msg, "invalid_request_error", "invalid_api_key")
                 return await JSONResponse(body, 401)(scope, receive, send)

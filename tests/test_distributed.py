@@ -399,3 +399,25 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_the_api_key_reaches_rank_0_on_stdin_never_a_command_line(models):
+    """SPECMLX_API_KEY=K serve --hosts put --api-key K on the command line of mlx.launch and
+    of every rank (visible in ps, and sent over ssh)."""
+    import httpx
+
+    key = "s3cret-key-for-the-ranks"
+    env = models["env"] | {"SPECMLX_API_KEY": key}
+    server = Server(env, *TWO)
+    try:
+        ranks = [_wait_for_rank(r, server.proc.pid) for r in (0, 1)]
+        launcher = int(Path(f"/proc/{ranks[1]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        for pid in (launcher, *ranks):
+            assert key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes(), pid
+            assert key.encode() not in Path(f"/proc/{pid}/environ").read_bytes(), pid
+        url = server.url + "/v1/models"
+        assert httpx.get(url, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert httpx.get(url).status_code == 401
+    finally:
+        code, err = server.stop()
+    assert code == 0, err

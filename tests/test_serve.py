@@ -515,3 +515,19 @@ def test_a_huge_prompt_is_refused_at_once_and_stalls_no_other_client(server, cli
     reader.join(120)
     assert "".join(texts) == alone.choices[0].text  # the other client's stream, whole
     assert max(gaps[1:]) < 2.0, max(gaps)  # it never stalled for the big ones (was 19 s)
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_the_key_exact(server):
+    ok = httpx.get(server.url + "/v1/models", headers={"Authorization": f"bearer  {KEY}"})
+    assert ok.status_code == 200
+    for wrong in (f"Bearer {KEY}x", f"Basic {KEY}", KEY, f"Bearer {KEY[:-1]}"):
+        r = httpx.get(server.url + "/v1/models", headers={"Authorization": wrong})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", wrong
+
+
+def test_a_500_names_no_exception_text(capsys):
+    from specmlx.serve import _as_api_error
+
+    err = _as_api_error(RuntimeError("cannot open /home/someone/secret.safetensors"))
+    assert err.status == 500 and "secret" not in err.message and "logged" in err.message
+    assert "secret.safetensors" in capsys.readouterr().err  # the server's log has it
