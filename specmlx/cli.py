@@ -684,6 +684,12 @@ def serve(
         "$SPECMLX_HOME/lookup.",
     ),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No loading progress."),
+    grace: float = typer.Option(
+        10.0,
+        "--shutdown-grace",
+        help="Seconds the running request gets to finish on SIGTERM or Ctrl-C (queued ones "
+        "get a 503 at once).",
+    ),
     api_key_stdin: bool = typer.Option(False, "--api-key-stdin", hidden=True),
     hosts: HostsOpt = None,
     hostfile: HostfileOpt = None,
@@ -706,8 +712,11 @@ def serve(
     sampled_rule(verify)
     if api_key_stdin and launched():  # a rank: the key came on stdin, never in argv
         api_key = read_secret() if os.environ.get("MLX_RANK") in (None, "0") else None
-    if max_tokens <= 0 or max_queue < 0 or not 0 <= port < 65536:
-        raise BadInput("--max-tokens must be > 0, --max-queue >= 0 and --port in 0..65535")
+    if max_tokens <= 0 or max_queue < 0 or not 0 <= port < 65536 or not grace > 0:
+        raise BadInput(
+            "--max-tokens must be > 0, --max-queue >= 0, --port in 0..65535 and "
+            "--shutdown-grace > 0"
+        )
     if context is not None and context <= 0:
         raise BadInput(f"--context must be > 0, got {context}")
     loopback = host == "localhost"
@@ -793,7 +802,7 @@ def serve(
             soft_wrap=True,
         )
 
-    run_server(create_app(worker, settings, on_ready=ready), host, port)
+    run_server(create_app(worker, settings, on_ready=ready), host, port, grace_s=grace)
     console.print("specmlx serve: stopped", style="dim")
     if world.distributed:
         leave(0)

@@ -14,6 +14,7 @@ import asyncio
 import hmac
 import json
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -432,10 +433,22 @@ class _Events:
             raise ApiError(503, str(e), "server_error", "shutting_down") from None
 
         self.checked = time.monotonic()
+        self.held: tuple | None = None
+
+    async def started(self, request: Request) -> None:
+        """Wait for the job's first event before a stream's headers go out: a request that
+        fails before its first token (refused while queued at shutdown, say) gets its real
+        status instead of a 200 carrying an error event. ClientGone if the client left."""
+        self.held = await self.next(request)
+        if self.held[0] == "error":
+            raise _as_api_error(self.held[1])
 
     async def next(self, request: Request | None = None):
         """The next event. With ``request`` (a response not streamed yet), a client that hung
         up cancels the job (looked at every quarter second) and raises ClientGone."""
+        if self.held is not None:
+            held, self.held = self.held, None
+            return held
         while True:
             if request is not None and time.monotonic() - self.checked > 0.25:
                 self.checked = time.monotonic()
@@ -500,6 +513,10 @@ async def _respond(request, worker, gen: GenRequest, body: _Sampling, kind: str,
     chat = kind == "chat.completion"
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
+        try:
+            await events.started(request)
+        except ClientGone:
+            return Response(status_code=499)
         stream = _stream(events, base, chat, usage, body.return_tokens)
         return StreamingResponse(stream, media_type="text/event-stream")
     text, tokens = [], []
@@ -612,6 +629,10 @@ async def _respond_infill(request: Request, worker: Worker, gen: GenRequest, str
             finally:
                 events.job.cancel()
 
+        try:
+            await events.started(request)
+        except ClientGone:
+            return Response(status_code=499)
         return StreamingResponse(chunks(), media_type="text/event-stream")
     text = []
     try:
@@ -772,15 +793,26 @@ def _metrics(worker: Worker) -> str:
 
 
 def run_server(app: FastAPI, host: str, port: int, *, grace_s: float = 10.0) -> None:
-    """Serve ``app`` until SIGINT or SIGTERM: requests in flight get ``grace_s`` seconds to
-    finish, then the rest is cancelled, and this returns normally (the command exits 0)."""
+    """Serve ``app`` until SIGINT or SIGTERM, then stop cleanly: no new connections; queued
+    requests are answered at once with a 503 shutting_down; the running one gets most of
+    ``grace_s`` seconds to finish, and is then ended with a final error event (a stream) or a
+    503; this returns normally (the command exits 0)."""
     import uvicorn
+
+    worker: Worker = app.state.worker
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
             super().handle_exit(sig, frame)
             # a requested stop is a clean one: do not re-raise the signal afterwards
             getattr(self, "_captured_signals", []).clear()
+            if first:
+                worker.drain()
+                # before uvicorn's own grace runs out and cuts the connection mid-stream
+                end = threading.Timer(max(grace_s - 1.0, grace_s * 0.8), worker.interrupt)
+                end.daemon = True
+                end.start()
 
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace_s

@@ -169,17 +169,30 @@ class Worker:
             self._queue.put(job)
         return job
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Refuse new jobs, cancel the queued and running ones, and wait for the thread."""
+    def drain(self) -> None:
+        """Refuse new jobs and answer the queued ones with ShuttingDown; the running one goes
+        on (a server stopping lets it finish within its grace)."""
         with self._lock:
             self._stopping = True
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.emit("error", ShuttingDown("the server is shutting down"))
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job.cancel()
+                    job.emit("error", ShuttingDown("the server is shutting down"))
+
+    def interrupt(self) -> None:
+        """End the running job now: its client gets ShuttingDown (a final error event)."""
+        job = self._current
+        if job is not None:
+            job.emit("error", ShuttingDown("the server is shutting down"))
+            job.cancel()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new jobs, cancel the queued and running ones, and wait for the thread."""
+        self.drain()
         if self._current is not None:
             self._current.cancel()
         self._queue.put(None)
@@ -229,6 +242,9 @@ class Worker:
                 return
             if job.cancelled.is_set():
                 self.totals.cancelled += 1
+                continue
+            if self._stopping:  # taken off the queue just as the server began to stop
+                job.emit("error", ShuttingDown("the server is shutting down"))
                 continue
             self._current, self.busy = job, True
             try:

@@ -531,3 +531,42 @@ def test_a_500_names_no_exception_text(capsys):
     err = _as_api_error(RuntimeError("cannot open /home/someone/secret.safetensors"))
     assert err.status == 500 and "secret" not in err.message and "logged" in err.message
     assert "secret.safetensors" in capsys.readouterr().err  # the server's log has it
+
+
+def test_sigterm_answers_the_queued_and_ends_the_running_stream_cleanly(root):
+    """SIGTERM once cut a stream longer than the grace with no final chunk, and started a
+    queued request anyway (then a plain-text 500). Now: the queued one gets a 503
+    shutting_down at once, the running stream ends with an error event and [DONE] before
+    the grace runs out, and the server exits 0."""
+    s = Server(server_env(root, models_toml(root)), "--shutdown-grace", "3")
+    body = {"prompt": CODE, "max_tokens": 1900, "stream": True, "draft": "none"}
+    lines: list[str] = []
+    queued: list[httpx.Response] = []
+
+    def stream():
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            lines.extend(ln for ln in r.iter_lines() if ln)
+
+    def waiting():
+        queued.append(httpx.post(s.url + "/v1/completions", timeout=60,
+                                 json={"prompt": "x = 1", "max_tokens": 4}))  # fmt: skip
+
+    a = threading.Thread(target=stream)
+    a.start()
+    deadline = time.monotonic() + 30
+    while not httpx.get(s.url + "/health").json()["busy"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    b = threading.Thread(target=waiting)
+    b.start()
+    while httpx.get(s.url + "/health").json()["queued"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    code, err = s.stop()
+    a.join(30)
+    b.join(30)
+    assert code == 0, err
+    assert queued and queued[0].status_code == 503, queued
+    assert queued[0].json()["error"]["code"] == "shutting_down"
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    last = json.loads(lines[-2][6:])
+    assert last["error"]["code"] == "shutting_down", lines[-3:]
+    assert sum(1 for ln in lines if '"text"' in ln) > 1  # it had streamed before
