@@ -31,9 +31,8 @@ from .stats import RoundReport
 CONF_BINS = 10  # per-token stopping: acceptance is learned per tenth of draft confidence
 # per-token stopping drafts one token, then one more, then two at a time (a host sync per
 # chunk): the first drafts are where stopping saves most, and pairs keep the syncs below one
-# a token. Replayed on greedy traces of the CPU pair (scripts/stop_sim.py): 1.05-1.07x the
-# best fixed k, where starting with the chooser's k gave 0.96-0.99x and pairs from the start
-# 1.01-1.07x.
+# a token. BENCHMARKS.md ("Per-token draft stopping") has the replays that chose this
+# schedule over starting with the chooser's k or with pairs (scripts/stop_sim.py).
 DRAFT_CHUNKS = (1, 1, 2)
 # the first timings of the draft are taken at their minimum, later ones averaged
 EARLY_TIMES = 3
@@ -224,8 +223,8 @@ class AdaptiveK:
         favour some tokens over others and bias sampling (tests/test_distribution.py). The
         same rule serves greedy decoding, where it is not needed for exactness but keeps the
         learning honest: a rule that dropped doubtful drafts for their own confidence would
-        stop seeing how often such drafts pass, and kept too few (measured: 1.92 tokens a
-        pass against 2.28 without stopping)."""
+        stop seeing how often such drafts pass, and kept too few (BENCHMARKS.md, "Per-token
+        draft stopping", has the figures)."""
         m = len(confidences)
         if m == 0:
             return 0, min(_chunk(0), self.k_max)
