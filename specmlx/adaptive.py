@@ -435,6 +435,22 @@ def pass_times(model, ids: list[int], ns: list[int], reps: int = 3) -> dict[int,
     return best
 
 
+def head_step_seconds(head, reps: int = 3) -> float:
+    """Seconds of one step of a head over the target's hidden states (an MTP head: one pair
+    in, one token's logits out), the fastest of ``reps`` after a warm-up."""
+    cache = head.make_cache()
+    hidden = mx.zeros((1, 1, head.norm.weight.shape[0]))
+    token = mx.zeros((1, 1), dtype=mx.uint32)
+    best = float("inf")
+    for rep in range(reps + 1):
+        t0 = time.perf_counter()
+        mx.eval(head(hidden, token, cache))
+        if rep:
+            best = min(best, time.perf_counter() - t0)
+        trim(cache, 1)
+    return best
+
+
 def curve_from(times: dict[int, float], k_max: int) -> list[float]:
     """t_verify(k) / t_verify(0) for k in 0..k_max from passes timed over some token counts
     (``times``: n tokens -> seconds, n = 1 among them): linear between the counts timed,

@@ -25,7 +25,14 @@ from dataclasses import asdict
 import mlx.core as mx
 
 from .acceptance import sampled_rule
-from .adaptive import LOOKUP_MAX, PROBE_SIZES, AdaptiveK, curve_from, pass_times
+from .adaptive import (
+    LOOKUP_MAX,
+    PROBE_SIZES,
+    AdaptiveK,
+    curve_from,
+    head_step_seconds,
+    pass_times,
+)
 from .bench_data import MEMORY, STOP, BenchSettings, Run, System, code_of, edit_step, runs_at
 from .bench_report import check_identity, summarize
 from .caches import mlx_lm_speculates
@@ -259,14 +266,20 @@ class _Testbed:
         self.target, self.draft, self.s, self.shared, self.world = target, draft, s, shared, world
         self.todo = systems(draft_name, s)
         self.notes: list[str] = []
-        if not all(mlx_lm_speculates(m) for m in (target, draft) if m is not None):
+        if getattr(draft, "reads_hidden", None):  # mlx-lm's loop takes a model, not a head
+            self.todo = [sy for sy in self.todo if sy.system != "mlx-lm" or sy.drafter == "none"]
+            self.notes.append("no mlx-lm speculative rows: its loop cannot use an MTP head")
+        elif not all(mlx_lm_speculates(m) for m in (target, draft) if m is not None):
             # mlx-lm's speculative loop raises on a cache it cannot trim (recurrent state)
             self.todo = [sy for sy in self.todo if sy.system != "mlx-lm" or sy.drafter == "none"]
             self.notes.append("no mlx-lm speculative rows: it refuses recurrent caches")
         ctx = ids + ids[: s.max_tokens // 2]
         t = pass_times(target, ctx, list(PROBE_SIZES), reps=5)
         self.curve = {n: t[n] / t[1] for n in t}
-        self.cost = pass_times(draft, ctx, [1], reps=5)[1] / t[1] if draft is not None else None
+        if getattr(draft, "reads_hidden", None):
+            self.cost = head_step_seconds(draft, reps=5) / t[1]
+        else:
+            self.cost = pass_times(draft, ctx, [1], reps=5)[1] / t[1] if draft is not None else None
         # one adaptive-k state per auto system and temperature, kept across its generations as
         # `specmlx run` keeps it on disk: what is measured is auto after its first few rounds.
         # They start from this measured curve and live in memory only.

@@ -25,6 +25,7 @@ from .display import err_console, live_line, print_error, print_warning, summary
 from .distributed import leave, rank_prefix
 from .errors import BadInput, SpecmlxError
 from .machine import version
+from .registry import MTP
 from .stats import Stats
 
 # Commands import the model-loading modules when they run, so that `--help`, `--version`
@@ -290,6 +291,11 @@ def run(
         _run_local(job, render, target, draft, lookup, k, context, quiet, join())
 
 
+def _draft_spec(registry, models):
+    """The draft model's spec (None: no draft model, or the target's own MTP head)."""
+    return registry.resolve(models.draft) if models.draft not in (None, MTP) else None
+
+
 def check_draft_stop(models, draft_stop: bool) -> None:
     """--draft-stop stops a draft model's drafting by the adaptive chooser's cost model."""
     if draft_stop and not (models.draft and models.k == "auto"):
@@ -354,9 +360,7 @@ def _run_local(job: RunInput, render, target, draft, lookup, k, context, quiet, 
     if world.distributed:
         watchdog = Watchdog(rank_timeout(), lambda m: print_error(rank_prefix() + m))
     tspec = registry.resolve(models.target)
-    limit = context or registry.context_for(
-        tspec, registry.resolve(models.draft) if models.draft else None
-    )
+    limit = context or registry.context_for(tspec, _draft_spec(registry, models))
     # plan memory for what this run can reach: a token never takes less than a byte of text
     size = len(job.text.encode()) + len((job.suffix or "").encode())
     planned = min(limit, size + job.max_tokens + 64)
@@ -752,9 +756,7 @@ def serve(
         watchdog = Watchdog(rank_timeout(), lambda m: worker.fail(m) or print_error(m))
     say = None if quiet else (lambda m: console.print(m, style="dim", soft_wrap=True, markup=False))
     tspec = registry.resolve(models.target)
-    limit = context or registry.context_for(
-        tspec, registry.resolve(models.draft) if models.draft else None
-    )
+    limit = context or registry.context_for(tspec, _draft_spec(registry, models))
     tgt, drf, shared = load_pair(
         models.target,
         models.draft,

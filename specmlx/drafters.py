@@ -6,7 +6,13 @@ greedy drafter) and how they were drafted. When the round is settled it is told 
 what it has seen is still right and brings its own state (a KV cache, an index) there.
 Verification, acceptance and the target's rollback are the same for every drafter, which is
 what keeps all of them lossless: a drafter can only change how many tokens a target pass
-yields. Here: the draft model, prompt lookup, and a chain (lookup first, then the model).
+yields. Here: the draft model, prompt lookup, a chain (lookup first, then the model), and a
+head that reads the target's hidden states (a checkpoint's MTP head, mtp.py).
+
+A drafter whose ``reads_hidden`` names places in the target (hidden.HiddenTap's "final" or
+layer indices) is handed each verify pass's hidden states at those places in ``settle``
+(lazy: no host sync, no second pass). An EAGLE-3 head would read three layers, a DFlash
+block drafter several, through the same seam; neither is built yet.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from .caches import Snapshot, needs_replay, roll_back, snapshot
+from .caches import Snapshot, needs_replay, roll_back, snapshot, trim
 from .lookup import Lookup
 from .sampling import Processor, sample
 
@@ -50,8 +56,18 @@ class Proposal:
         return self.tokens.shape[0]
 
 
+@dataclass
+class Hidden:
+    """A target pass's hidden states: rows (L, H) at context positions start..start+L-1,
+    lazy (the round's one host sync computes them with everything else)."""
+
+    start: int
+    rows: mx.array
+
+
 class Drafter(Protocol):
-    """What the engine's round sees of a drafter."""
+    """What the engine's round sees of a drafter. One that reads the target's hidden states
+    says where in ``reads_hidden`` (e.g. ("final",)) and gets them in ``settle``."""
 
     def propose(
         self, ctx: list[int], k: int, room: int, key: mx.array | None, timed: bool
@@ -61,10 +77,11 @@ class Drafter(Protocol):
         drafting apart (one host sync), for the statistics and adaptive k."""
         ...
 
-    def settle(self, ctx: list[int], right: int) -> None:
+    def settle(self, ctx: list[int], right: int, hidden: Hidden | None = None) -> None:
         """The round is over: ``ctx`` is the whole context now, and its first ``right``
         tokens are what this round's target pass confirmed; anything the drafter has seen
-        past them is wrong and is given back."""
+        past them is wrong and is given back. ``hidden``: the pass's hidden states, for a
+        drafter that reads them (rows past ``right`` - 1 saw unconfirmed tokens)."""
         ...
 
     def close(self) -> None:
@@ -153,7 +170,7 @@ class ModelDrafter:
             return None
         return lambda i: self.snaps.append(snapshot(self.cache, base + i))
 
-    def settle(self, ctx, right) -> None:
+    def settle(self, ctx, right, hidden=None) -> None:
         keep = min(self.held, right)
         roll_back(self.model, self.cache, self.held, keep, self.snaps, ctx, own_ids=self.own_ids)
         self.held = keep
@@ -181,7 +198,7 @@ class LookupDrafter:
             return Proposal()
         return Proposal(mx.array(found, dtype=mx.uint32), None, "lookup", match=match)
 
-    def settle(self, ctx, right) -> None:
+    def settle(self, ctx, right, hidden=None) -> None:
         self.finder.sync()  # ctx is the index's own list: index what joined it
 
     def close(self) -> None:
@@ -202,13 +219,102 @@ class Chain:
                 return proposal
         return Proposal()
 
-    def settle(self, ctx, right) -> None:
+    @property
+    def reads_hidden(self) -> tuple:
+        return next((d.reads_hidden for d in self.drafters if getattr(d, "reads_hidden", ())), ())
+
+    def settle(self, ctx, right, hidden=None) -> None:
         for d in self.drafters:
-            d.settle(ctx, right)
+            d.settle(ctx, right, hidden)
 
     def close(self) -> None:
         for d in self.drafters:
             d.close()
+
+
+class HeadDrafter:
+    """A head over the target's hidden states (an MTP head: mtp.MTPHead): step one reads
+    the target's hidden state at the position before the newest token, each further step
+    the head's own output (chained to depth k, the same layer reused).
+
+    The head's cache holds ``fed`` pairs (h_j, t_{j+1}), j < fed; ``rows`` are the target's
+    hidden states at positions fed..fed+m-1 that are confirmed but not yet fed (they are
+    fed, with their tokens, at the next proposal: the last one's output is draft 1).
+
+    head: the head, called as head(hidden (B, L, H), tokens (B, L), cache) -> (g, logits);
+    cache: its caches; fed, rows: what it holds and what waits (a KVState's draft_len and
+    hidden); vocab: how many ids it may propose; process: the sampling processor (None:
+    greedy)."""
+
+    def __init__(self, head, cache, fed: int, rows: mx.array | None, vocab: int, process):
+        self.head, self.cache, self.fed, self.rows = head, cache, fed, rows
+        self.vocab, self.process = vocab, process
+        self.reads_hidden = head.reads_hidden
+        self.ahead = 0  # chained steps' entries in the cache (unconfirmed)
+
+    def propose(self, ctx, k, room, key, timed) -> Proposal:
+        if k <= 0 or self.rows is None:
+            return Proposal()  # (the first round of a one-token prompt: nothing to read)
+        t0 = time.perf_counter()
+        m = self.rows.shape[0]
+        pairs = pair_tokens(ctx, self.fed, m)  # (1, m)
+        d, q = head_propose(self.head, self.cache, self.rows[None], pairs, k, self.vocab,
+                            self.process, key)  # fmt: skip
+        self.fed, self.rows, self.ahead = self.fed + m, None, k - 1
+        if timed:
+            mx.eval(d if q is None else [d, q])
+        seconds = time.perf_counter() - t0 if timed else None
+        return Proposal(d[0], None if q is None else q[0], "model", draft_s=seconds)
+
+    def settle(self, ctx, right, hidden=None) -> None:
+        if self.ahead:
+            trim(self.cache, self.ahead)  # chained steps read drafts: never kept
+            self.ahead = 0
+        if hidden is None:
+            return
+        pending = self.fed + (0 if self.rows is None else self.rows.shape[0])
+        if hidden.start != pending:  # a pass the head did not see: it cannot go on exactly
+            raise RuntimeError(f"hidden states from {hidden.start}, the head waits at {pending}")
+        # a pair needs its hidden state confirmed (j < right) and its token in ctx
+        n = min(right, len(ctx) - 1) - hidden.start
+        if n > 0:
+            new = hidden.rows[:n]
+            self.rows = new if self.rows is None else mx.concatenate([self.rows, new])
+
+    def close(self) -> None:
+        pass
+
+
+def pair_tokens(ctx: Sequence[int], start: int, m: int) -> mx.array:
+    """The tokens of a head's pairs at positions start..start+m-1, (1, m): the pair at j is
+    (h_j, t_{j+1}), the hidden state and the token that followed it."""
+    return mx.array(ctx[start + 1 : start + 1 + m], dtype=mx.uint32)[None]
+
+
+def head_propose(
+    head, cache: list, hidden: mx.array, tokens: mx.array, k: int, vocab: int,
+    process: Processor | None, key: mx.array | None,
+) -> tuple[mx.array, mx.array | None]:  # fmt: skip
+    """Feed a head the pairs (hidden (B, L, H), tokens (B, L)) and chain it k steps: step 1
+    is the last pair's output, step i + 1 reads step i's output and token. Nothing waits
+    (async_eval per step, like draft_model_propose). Returns d (B, k) uint32 and q (B, k,
+    vocab) (None when greedy); the cache grows by L + k - 1 (the last step is not fed)."""
+    keys = mx.random.split(key, k) if process is not None else None
+    tokens_out, qs = [], []
+    for i in range(k):
+        g, logits = head(hidden, tokens, cache)
+        logits = logits[:, -1, :vocab]  # (B, vocab)
+        if process is None:
+            t = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        else:
+            q = process(logits)
+            t = sample(q, keys[i])
+            qs.append(q)
+        tokens_out.append(t)
+        if i + 1 < k:
+            hidden, tokens = g[:, -1:], t[:, None]  # (B, 1, H), (B, 1)
+        mx.async_eval(t)
+    return mx.stack(tokens_out, axis=1), (mx.stack(qs, axis=1) if qs else None)
 
 
 def draft_model_propose(

@@ -40,8 +40,17 @@ from .caches import (
     trim,
 )
 from .choosers import KSetting, make_chooser
-from .drafters import Chain, Drafter, LookupDrafter, ModelDrafter
+from .drafters import (
+    Chain,
+    Drafter,
+    HeadDrafter,
+    Hidden,
+    LookupDrafter,
+    ModelDrafter,
+    pair_tokens,
+)
 from .errors import BadInput
+from .hidden import HiddenTap
 from .lookup import Lookup, LookupMemory
 from .mlx_lm_api import set_wired_limit
 from .recurrent import PassRecorder
@@ -70,6 +79,11 @@ class KVState:
     draft: list | None = None
     tokens: list[int] = field(default_factory=list)
     draft_len: int = 0
+    # a draft that reads the target's hidden states (an MTP head): its cache holds draft_len
+    # pairs (h_j, t_{j+1}) and ``hidden`` (m, H) the confirmed hidden states at positions
+    # draft_len..draft_len+m-1 it has not been fed yet (drafters.HeadDrafter)
+    hidden: mx.array | None = None
+    reads_hidden: bool = False
 
     def nbytes(self) -> int:
         """Bytes the caches hold now."""
@@ -79,6 +93,7 @@ class KVState:
     def drop(self) -> None:
         """Forget everything: the next generation starts from fresh caches."""
         self.target, self.draft, self.tokens, self.draft_len = None, None, [], 0
+        self.hidden, self.reads_hidden = None, False
 
 
 def generate_tokens(
@@ -108,7 +123,8 @@ def generate_tokens(
     Output is exactly the target's: token-identical when greedy, the same distribution when
     sampling.
 
-    target, draft: mlx-lm models (draft None: no draft model).
+    target, draft: mlx-lm models (draft None: no draft model); the draft may instead be a
+        head over the target's hidden states (mtp.MTPHead: anything with ``reads_hidden``).
     prompt_ids: the prompt's token ids (at least one).
     sampling: temperature, top-p, top-k, min-p (default greedy); the same processing makes
         the target's p and the draft's q, which is what keeps sampling exact.
@@ -150,6 +166,7 @@ def generate_tokens(
     stats = stats if stats is not None else Stats()
     kv = _ready(kv, target, draft, prompt, stats)
     speculating = draft is not None or lookup
+    head = _reads_hidden(draft)
     for what, c in (("target", kv.target), ("draft", kv.draft)) if speculating else ():
         if c is not None:
             check_kinds(c, what)  # a layer cache no rollback is known for: refused by name
@@ -171,7 +188,13 @@ def generate_tokens(
                 finder = Lookup(ctx, lookup_memory)
                 drafters.append(LookupDrafter(finder, length, fallback=draft is not None))
             model_drafter = None
-            if draft is not None:
+            if head:
+                width = min(vocab_size or _logit_width(target), _logit_width(target))
+                model_drafter = HeadDrafter(
+                    draft, kv.draft, kv.draft_len, kv.hidden, width, process
+                )
+                drafters.append(model_drafter)
+            elif draft is not None:
                 rows, vocab = _draft_ids(target, draft, vocab_size)
                 plan = getattr(next_k, "draft_plan", None) if draft_stop else None
                 model_drafter = ModelDrafter(
@@ -180,6 +203,7 @@ def generate_tokens(
                 drafters.append(model_drafter)
             drafter = drafters[0] if len(drafters) == 1 else Chain(drafters)
             spec = _Speculation(target, kv, drafter, model_drafter, process, accept, stats)
+            spec.tap = HiddenTap(target, draft.reads_hidden) if head else None
             loop = spec.run(ctx, next_k, key, stops, stats, check)
         try:
             yield from loop
@@ -245,20 +269,47 @@ def _ready(kv: KVState | None, target, draft, prompt: list[int], stats: Stats) -
     if kv.target is None:
         kv.drop()
         kv.target = make_caches(target)
-    if draft is not None and kv.draft is None:
-        kv.draft, kv.draft_len = make_caches(draft), 0
+    head = _reads_hidden(draft)
+    if draft is not None and (kv.draft is None or kv.reads_hidden != head):
+        kv.draft, kv.draft_len, kv.hidden, kv.reads_hidden = make_caches(draft), 0, None, head
     stats.caches = {"target": cache_kinds(kv.target)}
     if draft is not None:
         stats.caches["draft"] = cache_kinds(kv.draft)
     return kv
 
 
+def hidden_rows(tap: HiddenTap) -> mx.array:
+    """The latest target pass's hidden states (L, H) at the tap's first place: row i is
+    position start + i of the tokens that pass was fed."""
+    return tap.final()[0]
+
+
+def _reads_hidden(draft) -> bool:
+    """Whether the draft is a head over the target's hidden states (not a model)."""
+    return bool(getattr(draft, "reads_hidden", None))
+
+
 def _fill(target, draft, prompt: list[int], kv: KVState, stats: Stats, step: int) -> None:
-    """Prefill both models with the prompt minus its last token, reusing what kv holds."""
+    """Prefill both models with the prompt minus its last token, reusing what kv holds. A
+    head over the target's hidden states is fed each chunk's pairs as the target makes them,
+    all but the newest, which waits in kv.hidden for the first proposal."""
     t0 = time.perf_counter()
     stats.cached_tokens = _reuse(kv, prompt[:-1], target, draft)
-    _prefill(target, kv.target, prompt[len(kv.tokens) : -1], step)
-    if draft is not None:
+    if _reads_hidden(draft):
+        tap = HiddenTap(target, draft.reads_hidden)
+
+        def feed(rows: mx.array) -> None:  # rows (c, H): the chunk's hidden states
+            rows = rows if kv.hidden is None else mx.concatenate([kv.hidden, rows])
+            n, fed = rows.shape[0] - 1, kv.draft_len
+            if n > 0:  # pairs (h_j, t_{j+1}) at positions fed..fed+n-1
+                draft(rows[None, :n], pair_tokens(prompt, fed, n), kv.draft)
+                mx.eval([c.state for c in kv.draft])
+            kv.hidden, kv.draft_len = rows[n:], fed + n
+
+        _prefill(target, kv.target, prompt[len(kv.tokens) : -1], step, tap, feed)
+    else:
+        _prefill(target, kv.target, prompt[len(kv.tokens) : -1], step)
+    if draft is not None and not _reads_hidden(draft):
         _prefill(draft, kv.draft, prompt[kv.draft_len : -1], step)
         kv.draft_len = len(prompt) - 1
     kv.tokens = prompt[:-1]
@@ -289,13 +340,17 @@ def _reuse(kv: KVState, context: list[int], target: nn.Module, draft: nn.Module 
         if a != b:
             break
         m += 1
-    if m < len(held):
-        if can_rollback(kv.target, len(held) - m):
-            trim(kv.target, len(held) - m)
+    keep = _head_keep(kv, m, _reads_hidden(draft)) if kv.reads_hidden else m
+    if keep < len(held):
+        if can_rollback(kv.target, len(held) - keep):
+            trim(kv.target, len(held) - keep)
         else:  # recurrent state, or a window that dropped what the shorter prefix needs
-            kv.target, m = make_caches(target), 0
+            kv.target, keep = make_caches(target), 0
+    m = min(m, keep)
     kv.tokens = held[:m]
-    if kv.draft is not None:
+    if kv.reads_hidden and kv.draft is not None:
+        _trim_head(kv, m, keep, _reads_hidden(draft))
+    elif kv.draft is not None:
         keep = min(kv.draft_len, m)
         if keep < kv.draft_len and can_rollback(kv.draft, kv.draft_len - keep):
             trim(kv.draft, kv.draft_len - keep)
@@ -305,11 +360,60 @@ def _reuse(kv: KVState, context: list[int], target: nn.Module, draft: nn.Module 
     return m
 
 
-def _prefill(model: nn.Module, cache: list, tokens: list[int], step: int) -> None:
-    """Run the prompt through a model in chunks, evaluating each so memory stays bounded."""
+def _head_keep(kv: KVState, m: int, using: bool) -> int:
+    """How many tokens the target cache keeps when a head's state rides along in ``kv``
+    and the new context shares m tokens with what the target holds. The head holds pairs
+    j < fed and waits on hidden states for positions fed..avail-1. A generation that uses
+    the head needs its pending rows to reach where the target resumes, so the target keeps
+    min(m, avail) when that leaves the head's pairs inside the shared prefix, else both go
+    back to m - 1 (the head's last pair reads token t_fed: it must be shared) and the target
+    recomputes from there. One that does not use the head keeps m."""
+    if not using:
+        return m
+    fed = kv.draft_len
+    avail = fed + (0 if kv.hidden is None else kv.hidden.shape[0])
+    if fed + 1 <= min(m, avail):
+        return min(m, avail)
+    return max(0, min(fed, m - 1))
+
+
+def _trim_head(kv: KVState, m: int, keep: int, using: bool) -> None:
+    """Bring a head's state to what is still right once the target keeps ``keep`` tokens
+    and the new context shares m with them: a pair j reads token t_{j+1}, so pairs stay
+    only where that token is shared; pending rows reach no further than the target resumes.
+    A generation using the head needs it exactly at the target's length or with rows up to
+    it (``_head_keep`` chose ``keep`` so)."""
+    fed = kv.draft_len
+    if using:
+        p = min(fed, keep)
+    else:
+        p = fed if m > fed else max(0, m - 1)
+    if p < fed:
+        trim(kv.draft, fed - p)
+        kv.draft_len, kv.hidden = p, None
+    elif kv.hidden is not None:
+        n = min(keep, m) - fed
+        kv.hidden = kv.hidden[:n] if n > 0 else None
+
+
+def _prefill(
+    model: nn.Module,
+    cache: list,
+    tokens: list[int],
+    step: int,
+    tap: HiddenTap | None = None,
+    feed: Callable[[mx.array], None] | None = None,
+) -> None:
+    """Run the prompt through a model in chunks, evaluating each so memory stays bounded;
+    with a tap, each chunk's hidden states (c, H) go to ``feed``."""
     for i in range(0, len(tokens), step):
         model(mx.array(tokens[i : i + step], dtype=mx.uint32)[None], cache=cache)
-        mx.eval([c.state for c in cache])
+        if tap is None:
+            mx.eval([c.state for c in cache])
+        else:
+            rows = hidden_rows(tap)
+            mx.eval([c.state for c in cache], rows)
+            feed(rows)
 
 
 class _Stops:
@@ -409,11 +513,14 @@ class _Speculation:
         self.rec_snap: Snapshot | None = None
         recorder = PassRecorder(target, recurrent_layers(kv.target)) if self.t_recurrent else None
         self.recorder = recorder if recorder is not None and recorder.supported else None
+        self.tap: HiddenTap | None = None  # a drafter reads the target's hidden states
+        self.hidden: Hidden | None = None  # the latest verify pass's, for that drafter
 
     def run(self, ctx, next_k, key, stops, stats, check) -> Iterator[TokenEvent]:
         drafting_rounds = 0
         plain_next = getattr(next_k, "plain_next", lambda: False)
-        if isinstance(self.drafter, (LookupDrafter, Chain)):  # a match can turn up any round
+        # a lookup match can turn up any round; a head reads every pass's hidden states
+        if isinstance(self.drafter, (LookupDrafter, Chain)) or self.tap is not None:
             plain_next = lambda: False  # noqa: E731
         last, settled = None, True  # settled: the caches match ctx (not mid-round)
         try:
@@ -438,7 +545,7 @@ class _Speculation:
                 n_kept = len(new) - 1 if reason else n
                 self.rollback(ctx, new, k, n_kept, done=reason is not None)
                 ctx += new
-                self.drafter.settle(ctx, len(ctx) - len(new) + n_kept)
+                self.drafter.settle(ctx, len(ctx) - len(new) + n_kept, self.hidden)
                 settled = True
                 last = RoundReport(
                     k, n, time.perf_counter() - t0, proposal.draft_s, proposal.match,
@@ -460,8 +567,11 @@ class _Speculation:
                     self.head = None
                     self.give_back(self.t_held - 1, ctx)
                 self.kv.tokens = ctx[:-1]
-                if self.model_drafter is not None:
-                    self.kv.draft_len = self.model_drafter.held
+                md = self.model_drafter
+                if isinstance(md, HeadDrafter):
+                    self.kv.draft_len, self.kv.hidden = md.fed, md.rows
+                elif md is not None:
+                    self.kv.draft_len = md.held
 
     def step(self, ctx, k, keys=None, timed=False, queue=False, room=None):
         """propose -> verify -> accept as one lazy graph, read back with one host sync.
@@ -495,6 +605,7 @@ class _Speculation:
             self.t_snaps.append(snapshot(self.tcache, self.t_held))
         k = d.shape[0]
         fed = k + 1 if self.head is None else k
+        start = self.t_held
         if self.recorder and fed:
             self.rec_snap = self.t_snaps[-1]
         with self.recorder.recording(fed) if self.rec_snap else nullcontext():
@@ -505,6 +616,8 @@ class _Speculation:
                 logits, self.head = self.head, None
                 if k > 0:  # the chooser broke its word: correct, if a pass slower
                     logits = mx.concatenate([logits, self.target(d[None], cache=self.tcache)[0]])
+        if self.tap is not None:  # (never with a queued pass: plain_next is off for heads)
+            self.hidden = Hidden(start, hidden_rows(self.tap))  # (k+1, H), lazy
         self.t_held += fed
         return logits
 

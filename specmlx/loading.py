@@ -5,6 +5,7 @@ memory plan from footprint.py."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import shutil
 import time
@@ -21,7 +22,8 @@ from .errors import IncompatiblePair, ModelLoadError
 from .footprint import peek, plan_memory, read_config, require_fit, resolve_dtype
 from .gguf import load_gguf
 from .mlx_lm_api import model_classes
-from .registry import ModelSpec, Registry, load_registry
+from .mtp import check_family, load_mtp
+from .registry import MTP, ModelSpec, Registry, load_registry
 from .sources import Progress, cached_quantized, fetch, file_facts, quantized_dir, say
 
 
@@ -203,6 +205,25 @@ def shard_support(config: dict) -> bool:
     return hasattr(model_class, "shard")
 
 
+def load_head(target: Loaded, progress: Progress | None = None) -> Loaded:
+    """The target checkpoint's MTP head as a draft (replicated on every rank: the target's
+    hidden states reach each rank whole). Read from the checkpoint itself, not from a
+    quantized copy (mlx-lm saved those without it); quantized as the target was at load.
+    ModelLoadError when the checkpoint has none."""
+    start = time.perf_counter()
+    spec = target.spec
+    src = fetch(spec, progress=progress)  # already local: the target was loaded from it
+    say(progress, f"loading {spec.alias}'s MTP head from {src}")
+    q = (spec.quantize.bits, spec.quantize.group_size) if spec.quantize else None
+    head = load_mtp(target.model, target.config, src, quantize=q)  # fmt: skip
+    nbytes = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
+    return Loaded(
+        head, target.tokenizer, dataclasses.replace(spec, alias=f"{spec.alias}:{MTP}"),
+        target.config, time.perf_counter() - start, nbytes, target.vocab_size,
+        f"{target.identity}|{MTP}",
+    )  # fmt: skip
+
+
 def load_pair(
     target_name: str,
     draft_name: str | None = None,
@@ -215,7 +236,8 @@ def load_pair(
 ) -> tuple[Loaded, Loaded | None, int]:
     """Resolve, plan memory, load both models and check them: (target, draft, shared ids).
 
-    target_name, draft_name: aliases, paths or hub repos (draft None: the target alone);
+    target_name, draft_name: aliases, paths or hub repos (draft None: the target alone;
+        "mtp": the target checkpoint's own multi-token-prediction head, mtp.py);
     registry: where aliases resolve (default: the merged models.toml files); context: tokens
     to plan the KV caches for (default: the pair's context, registry.context_for); reserve:
     bytes of KV caches to plan beyond that (a server's prompt cache); group: ranks to split
@@ -224,6 +246,13 @@ def load_pair(
     slow steps."""
     registry = registry or load_registry()
     target = registry.resolve(target_name)
+    if draft_name == MTP:
+        check_family(peek(target, progress=progress)[0], target.alias)  # before loading
+        plan = plan_memory(target, None, context or registry.context_for(target), reserve=reserve,
+                           shards=group.size() if group is not None else 1, progress=progress)  # fmt: skip
+        require_fit(plan, target, None)
+        t = load_model(target, progress=progress, group=group)
+        return t, load_head(t, progress), t.vocab_size
     draft = registry.resolve(draft_name) if draft_name else None
     planned = context or registry.context_for(target, draft)
     shards = group.size() if group is not None else 1

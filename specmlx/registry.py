@@ -28,6 +28,9 @@ _MODEL_KEYS = {
     "label": str,
     "build": str,
 }
+# drafts a pair may name that are not models: none, prompt lookup, the target's own MTP head
+MTP = "mtp"
+DRAFT_WORDS = ("none", "lookup", MTP)
 _PAIR_KEYS = {"target": str, "draft": str, "k": (int, str)}
 BUILDS = ("cpu-demo",)  # stand-ins that `specmlx models build` knows how to make
 _DEFAULT_KEYS = {"pair": str, "pair_cpu": str, "context": int}
@@ -315,6 +318,8 @@ def load_registry(extra_paths: list[Path | str] | None = None) -> Registry:
     for pair in reg.pairs.values():
         for role in ("target", "draft"):
             alias = getattr(pair, role)
+            if role == "draft" and alias in DRAFT_WORDS:
+                continue
             if alias not in reg.models:
                 files = ", ".join(str(f) for f in reg.files)
                 raise RegistryError(

@@ -1,0 +1,258 @@
+"""Multi-token-prediction heads shipped inside a checkpoint: kept, loaded and run as a drafter.
+
+mlx-lm's loaders drop a checkpoint's ``mtp.*`` weights. This module reads them from the same
+safetensors and builds the head from the family's own mlx-lm decoder layer (no model file is
+forked). One step of a head, for the pair (h_i, t_{i+1}) at position i:
+
+    x   = fc([norm_e(embed(t_{i+1})), norm_h(h_i)])     # (B, L, 2H) -> (B, L, H)
+    g_i = norm(layer(x))                                # one decoder layer with its own KV cache
+    p(t_{i+2}) from the target's LM head on g_i
+
+h_i is the target's final (post-norm) hidden state at position i (hidden.HiddenTap's
+"final"); a chained step feeds g_i back in place of h (the same layer reused, as vLLM and
+SGLang do for a one-layer head). The head's cache position of a pair is i, the position of
+its hidden state (vLLM's proposer keeps the target's positions and shifts the tokens).
+
+Families (layout and forward from vLLM's ``qwen3_next_mtp.py`` and ``qwen3_5_mtp.py``, with
+SGLang's ``qwen3_next_mtp.py`` and mlx-lm PR 990 agreeing on the concatenation order):
+``qwen3_next`` (Qwen3-Next), ``qwen3_5`` and ``qwen3_5_moe`` (Qwen3.5/3.6). Their one MTP layer
+is a full-attention decoder layer (MoE when the model is), and their norms are stored
+zero-centred (the weight is 1 + w), which mlx-lm undoes for the main model of a raw
+checkpoint and this module undoes for the head. Not yet: DeepSeek-V3 and GLM-4.5
+(``model.layers.{N}.{enorm,hnorm,eh_proj,shared_head}``), MiMo (``mtp_layers``) and Qwen3.6's
+fused expert tensors inside the head.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import qwen3_5, qwen3_next
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+
+from .errors import BadInput, IncompatiblePair, ModelLoadError
+from .hidden import text_model
+
+# the checkpoint's names of the head's parts (after "mtp.") -> this module's
+_QWEN_NAMES = {
+    "pre_fc_norm_embedding": "norm_e",
+    "pre_fc_norm_hidden": "norm_h",
+    "fc": "fc",
+    "layers.0": "layer",
+    "norm": "norm",
+}
+# norms a raw Qwen checkpoint stores zero-centred (mlx-lm adds 1 to the main model's)
+_QWEN_SHIFTED = re.compile(
+    r"^(norm_e|norm_h|norm|layer\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm))"
+    r"\.weight$"
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one family's head is built and named. layer(args): the family's decoder layer
+    for the head; args(model): the text model's ModelArgs; count: the config keys that say
+    how many MTP layers the checkpoint has."""
+
+    layer: Callable[[object], nn.Module]
+    args: Callable[[nn.Module], object]
+    count: tuple[str, ...]
+
+
+def _qwen3_next_layer(args) -> nn.Module:
+    # the layer index picks the kind: the last of each interval is full attention
+    return qwen3_next.Qwen3NextDecoderLayer(args, args.full_attention_interval - 1)
+
+
+def _qwen3_5_layer(args) -> nn.Module:
+    return qwen3_5.DecoderLayer(args, args.full_attention_interval - 1)
+
+
+FAMILIES = {
+    "qwen3_next": Family(_qwen3_next_layer, lambda m: m.args, ("num_nextn_predict_layers",)),
+    "qwen3_5": Family(_qwen3_5_layer, lambda m: m.language_model.args, ("mtp_num_hidden_layers",)),
+    "qwen3_5_moe": Family(
+        _qwen3_5_layer, lambda m: m.language_model.args, ("mtp_num_hidden_layers",)
+    ),
+}
+
+
+def lm_head(model: nn.Module) -> Callable[[mx.array], mx.array]:
+    """The target's hidden -> logits: its own LM head (or tied embeddings), gathered across
+    ranks where the head is split."""
+    text = getattr(model, "language_model", model)
+    inner = text_model(model)
+    if getattr(text.args, "tie_word_embeddings", False) or not hasattr(text, "lm_head"):
+        return inner.embed_tokens.as_linear
+    group = getattr(text, "sharding_group", None)
+    if group is None:
+        return text.lm_head
+
+    def gathered(h: mx.array) -> mx.array:
+        return qwen3_5.gather_last_axis(text.lm_head(h), group)
+
+    return gathered
+
+
+class _Shared:
+    """The target's embedding and LM head, held by reference: not the head's parameters
+    (they are the target's, loaded, cast and sharded with it)."""
+
+    def __init__(self, embed: nn.Module, head: Callable[[mx.array], mx.array]):
+        self.embed, self.head = embed, head
+
+
+class MTPHead(nn.Module):
+    """One MTP layer over a target (see the module's docstring for the math).
+
+    target: the mlx-lm model whose hidden states, embedding and LM head the head uses;
+    family: a key of FAMILIES. Weights are random until ``load_weights``."""
+
+    reads_hidden = ("final",)  # where hidden.HiddenTap reads the target for this head
+
+    def __init__(self, target: nn.Module, family: str):
+        super().__init__()
+        if family not in FAMILIES:
+            raise BadInput(f"no MTP head is known for {family} (known: {', '.join(FAMILIES)})")
+        self.family = family
+        args = FAMILIES[family].args(target)
+        h, eps = args.hidden_size, args.rms_norm_eps
+        self.norm_e = nn.RMSNorm(h, eps=eps)
+        self.norm_h = nn.RMSNorm(h, eps=eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layer = FAMILIES[family].layer(args)
+        self.norm = nn.RMSNorm(h, eps=eps)
+        self._shared = _Shared(text_model(target).embed_tokens, lm_head(target))
+
+    def __call__(
+        self, hidden: mx.array, tokens: mx.array, cache: list
+    ) -> tuple[mx.array, mx.array]:
+        """hidden (B, L, H): the target's (or the previous step's) hidden states at positions
+        i..i+L-1; tokens (B, L): the tokens at positions i+1..i+L; cache: [KVCache] holding
+        i pairs. Returns (g (B, L, H), logits (B, L, V)): g feeds a chained step."""
+        e = self._shared.embed(tokens)
+        x = self.fc(mx.concatenate([self.norm_e(e), self.norm_h(hidden)], axis=-1))
+        mask = create_attention_mask(x, cache[0])
+        g = self.norm(self.layer(x, mask, cache[0]))
+        return g, self._shared.head(g)
+
+    def make_cache(self) -> list:
+        return [KVCache()]
+
+
+def _family_of(config: dict) -> str:
+    return config.get("model_type", "")
+
+
+def _no_head(config: dict, where) -> None:
+    family = _family_of(config) or "an unknown family"
+    raise IncompatiblePair(
+        f"{where} ({family}) has no MTP head (--draft mtp needs one: "
+        f"{', '.join(FAMILIES)} checkpoints as Hugging Face ships them)"
+    )
+
+
+def check_family(config: dict, where) -> None:
+    """IncompatiblePair, before anything loads, for a family with no known MTP head."""
+    if _family_of(config) not in FAMILIES:
+        _no_head(config, where)
+
+
+def mtp_layers(config: dict) -> int:
+    """How many MTP layers the config says the checkpoint has (0: none, or not said)."""
+    family = FAMILIES.get(_family_of(config))
+    if family is None:
+        return 0
+    text = config.get("text_config") or {}
+    for key in family.count:
+        n = config.get(key, text.get(key))
+        if n:
+            return int(n)
+    return 0
+
+
+def _mtp_weights(path: Path) -> dict[str, mx.array]:
+    """Every ``mtp.*`` tensor in a model directory's safetensors (lazy: mx.load maps them)."""
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            arrays = mx.load(str(f))
+        except (RuntimeError, ValueError) as e:
+            raise ModelLoadError(f"cannot read {f}: {str(e).splitlines()[0]}") from None
+        for k, v in arrays.items():
+            i = k.find("mtp.")
+            if i >= 0 and (i == 0 or k[i - 1] == "."):
+                out[k[i + 4 :]] = v
+    return out
+
+
+def _is_raw(path: Path) -> bool:
+    """A checkpoint as Hugging Face ships it (mlx-lm has not converted it): its linear
+    attention's conv1d is stored (C, 1, K), which mlx-lm moves to (C, K, 1)."""
+    for f in sorted(path.glob("*.safetensors")):
+        for k, v in mx.load(str(f)).items():
+            if k.endswith("conv1d.weight"):
+                return v.shape[-1] != 1
+    return False
+
+
+def _rename(weights: dict[str, mx.array], experts: int) -> dict[str, mx.array]:
+    """The checkpoint's names -> this module's; per-expert weights stacked for mlx-lm's
+    SwitchGLU (as the family's own sanitize does for the main layers)."""
+    out = {}
+    for k, v in weights.items():
+        for old, new in _QWEN_NAMES.items():
+            if k == old or k.startswith(old + "."):
+                out[new + k[len(old) :]] = v
+                break
+    for n in ("gate_proj", "up_proj", "down_proj"):
+        first = f"layer.mlp.experts.0.{n}.weight"
+        if first in out:
+            parts = [out.pop(f"layer.mlp.experts.{e}.{n}.weight") for e in range(experts)]
+            out[f"layer.mlp.switch_mlp.{n}.weight"] = mx.stack(parts)
+    return out
+
+
+def load_mtp(model: nn.Module, config: dict, path: Path, quantize=None) -> MTPHead:
+    """The checkpoint's MTP head over ``model`` (its loaded target).
+
+    model: the target as mlx-lm loaded it; config: its config.json; path: the checkpoint
+    directory holding the ``mtp.*`` tensors (the source, not a quantized copy, which mlx-lm
+    saved without them); quantize: (bits, group_size) to quantize the head's linear layers
+    to, as the target was at load, or None. A checkpoint already quantized on disk is read
+    as it is. ModelLoadError when there are no heads or they do not fit."""
+    family = _family_of(config)
+    check_family(config, path)
+    weights = _mtp_weights(path) if path.is_dir() else {}
+    if not weights:
+        _no_head(config, path)
+    head = MTPHead(model, family)
+    args = FAMILIES[family].args(model)
+    weights = _rename(weights, getattr(args, "num_experts", 0))
+    if _is_raw(path):
+        weights = {k: v + 1.0 if _QWEN_SHIFTED.match(k) else v for k, v in weights.items()}
+    q = config.get("quantization")
+    if q and any(k.endswith(".scales") for k in weights):
+        nn.quantize(
+            head, q["group_size"], q["bits"],
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )  # fmt: skip
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ModelLoadError(f"the MTP head in {path} does not fit {family}: {e}") from None
+    if quantize is not None and not q:
+        bits, group = quantize
+        nn.quantize(head, group, bits, class_predicate=lambda p, m: hasattr(m, "to_quantized"))
+    leaves = tree_flatten(model.parameters())
+    dtype = next(v.dtype for _, v in leaves if mx.issubdtype(v.dtype, mx.floating))
+    head.set_dtype(dtype)
+    mx.eval(head.parameters())
+    return head

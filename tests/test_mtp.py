@@ -1,0 +1,281 @@
+"""The checkpoint's own drafter: MTP heads over the target's hidden states (specmlx/mtp.py,
+hidden.py, drafters.HeadDrafter). Tiny random Qwen3-Next and Qwen3.5 targets from mlx-lm's
+own classes; exactness (greedy identical, the whole-sequence chi-square with its wrong-rule
+control), the plumbing (the head's cache is exactly what feeding it the right pairs gives;
+a trained head beats an untrained one and collapses when fed the previous token), loading
+from a checkpoint as Hugging Face ships it, and `specmlx run --draft mtp`."""
+
+import json
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import pytest
+from families import build, family_config
+from helpers import save_tiny, tiny_tokenizer
+from mlx.utils import tree_flatten, tree_map
+from test_distribution import (
+    JOINT_SAMPLING,
+    JV,
+    _skips_the_residual,
+    engine_sequences,
+    pooled_chi2,
+    sequence_joint,
+)
+from typer.testing import CliRunner
+
+import specmlx.drafters as drafters
+import specmlx.engine as engine
+from specmlx.acceptance import RULES, block_outcome
+from specmlx.cli import app
+from specmlx.engine import KVState, generate_tokens
+from specmlx.errors import IncompatiblePair
+from specmlx.hidden import HiddenTap
+from specmlx.loading import _load_dir, load_pair
+from specmlx.mtp import MTPHead
+from specmlx.sampling import make_processor
+from specmlx.stats import Stats
+
+FAMILIES = ["qwen3_next", "qwen3_5"]
+PROMPT = list(range(1, 20))
+
+
+def random_head(target, family: str, seed: int = 3, scale: float = 0.3) -> MTPHead:
+    head = MTPHead(target, family)
+    mx.random.seed(seed)
+    head.update(tree_map(lambda p: scale * mx.random.normal(p.shape), head.parameters()))
+    mx.eval(head.parameters())
+    return head
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_pair(request):
+    target = build(request.param, 4, 0)
+    return request.param, target, random_head(target, request.param)
+
+
+def tokens(target, draft, prompt=PROMPT, **kw):
+    return [e.token for e in generate_tokens(target, draft, prompt, **kw)]
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_greedy_mtp_is_token_identical(family_pair, k):
+    _, target, head = family_pair
+    plain = tokens(target, None, num_draft=0, max_tokens=40)
+    stats = Stats()
+    assert tokens(target, head, num_draft=k, max_tokens=40, stats=stats) == plain
+    assert stats.drafted >= 30 * k // 2  # the head drafted (a random one is mostly wrong)
+    lookup = tokens(target, head, num_draft=k, max_tokens=40, lookup=True)  # lookup first
+    assert lookup == plain
+
+
+def test_a_one_token_prompt_and_auto_k(family_pair):
+    _, target, head = family_pair
+    assert tokens(target, head, [5], num_draft="auto", max_tokens=24) == tokens(
+        target, None, [5], num_draft=0, max_tokens=24
+    )
+
+
+def test_the_prompt_cache_keeps_the_heads_state_exact(family_pair):
+    """Warm-up prefill, a generation that extends it, one that parts earlier, a plain one in
+    between: each equals plain decoding from scratch, and the head's state stays aligned."""
+    _, target, head = family_pair
+    kv = KVState()
+    engine.prefill(target, head, PROMPT, kv=kv)
+    first = tokens(target, head, PROMPT, num_draft=3, max_tokens=16, kv=kv)
+    assert first == tokens(target, None, PROMPT, num_draft=0, max_tokens=16)
+    for prompt, use in (
+        (PROMPT + first + [7, 8], head),
+        (PROMPT[:10] + [9, 9, 9], None),  # a plain generation on the same caches
+        (PROMPT[:10] + [9, 9, 9, 4], head),
+        (PROMPT[:6], head),
+    ):
+        got = tokens(target, use, prompt, num_draft=3, max_tokens=16, kv=kv)
+        assert got == tokens(target, None, prompt, num_draft=0, max_tokens=16), prompt
+        assert kv.draft_len + (0 if kv.hidden is None else kv.hidden.shape[0]) <= len(kv.tokens)
+
+
+def _offline_keys(target, head, ctx, fed):
+    """The head's attention keys after feeding it the pairs (h_j, t_{j+1}), j < fed, with
+    h from one fresh target pass over ctx: what an aligned plumbing must have built."""
+    tap = HiddenTap(target)
+    target(mx.array(ctx)[None])
+    h = tap.final()
+    cache = head.make_cache()
+    head(h[:, :fed], mx.array(ctx[1 : fed + 1])[None], cache)
+    return cache[0].state[0][..., :fed, :]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_head_is_fed_the_right_hidden_state_and_token(family, monkeypatch):
+    target = build(family, 4, 0)
+    head = random_head(target, family)
+    kv = KVState()
+    out = tokens(target, head, PROMPT, num_draft=3, max_tokens=20, kv=kv)
+    ctx = PROMPT + out
+    fed = kv.draft_len
+    assert fed >= len(PROMPT)
+    got = kv.draft[0].state[0][..., :fed, :]
+    assert mx.allclose(got, _offline_keys(target, head, ctx, fed), atol=1e-4).item()
+    # the control: hidden states one position late are caught by the same comparison
+    shifted = engine.hidden_rows
+    monkeypatch.setattr(
+        engine, "hidden_rows", lambda tap: (lambda r: mx.concatenate([r[:1], r[:-1]]))(shifted(tap))
+    )
+    kv = KVState()
+    out = tokens(target, head, PROMPT, num_draft=3, max_tokens=20, kv=kv)
+    got = kv.draft[0].state[0][..., : kv.draft_len, :]
+    assert not mx.allclose(got, _offline_keys(target, head, PROMPT + out, kv.draft_len), atol=1e-4)
+
+
+def _prev_token(ctx, start, m):
+    return mx.array(ctx[start : start + m], dtype=mx.uint32)[None]
+
+
+def test_a_trained_head_drafts_and_an_off_by_one_token_collapses_it(monkeypatch):
+    """Train a tiny head on a tiny target's own greedy continuations (its hidden states and
+    greedy labels, the target frozen): its drafts are accepted far more often than an
+    untrained head's, and pairing each hidden state with the previous token drops that."""
+    target = build("qwen3_5", 2, 0)
+    tap = HiddenTap(target)
+    batch, plen, length = 32, 8, 40
+
+    def continuations(seed):
+        x = mx.random.randint(0, 128, (batch, plen), key=mx.random.key(seed)).astype(mx.uint32)
+        cache, seq = target.make_cache(), [x]
+        y = mx.argmax(target(x, cache=cache)[:, -1:], -1).astype(mx.uint32)
+        for _ in range(length - plen):
+            seq.append(y)
+            y = mx.argmax(target(y, cache=cache)[:, -1:], -1).astype(mx.uint32)
+        xs = mx.concatenate(seq, 1)
+        labels = mx.argmax(target(xs), -1)  # the target's greedy choice after each prefix
+        mx.eval(tap.final(), labels)
+        return tap.final()[:, :-1], xs[:, 1:], labels[:, 1:]  # pair j -> label j + 1
+
+    data = [continuations(s) for s in range(16)]
+    mx.random.seed(0)
+    head = MTPHead(target, "qwen3_5")
+    mx.eval(head.parameters())
+
+    def acceptance():
+        stats = Stats()
+        for p in range(4):
+            prompt = mx.random.randint(0, 128, (plen,), key=mx.random.key(100 + p)).tolist()
+            tokens(target, head, prompt, num_draft=3, max_tokens=32, stats=stats)
+        return stats.accepted / stats.drafted
+
+    untrained = acceptance()
+
+    def loss(m, h, x, y):
+        return nn.losses.cross_entropy(m(h, x, [None])[1], y).mean()
+
+    opt, step = optim.Adam(learning_rate=3e-3), nn.value_and_grad(head, loss)
+    for i in range(300):
+        _, grads = step(head, *data[i % len(data)])
+        opt.update(head, grads)
+        mx.eval(head.parameters(), opt.state)
+    trained = acceptance()
+    monkeypatch.setattr(drafters, "pair_tokens", _prev_token)
+    monkeypatch.setattr(engine, "pair_tokens", _prev_token)
+    off_by_one = acceptance()
+    assert trained > max(0.06, 4 * untrained), (trained, untrained)
+    assert off_by_one < trained / 3, (off_by_one, trained)
+
+
+# the whole-sequence chi-square through the public generate_tokens (test_distribution.py)
+N_MTP, N_MTP_WRONG = 3_000, 1_500
+MTP_PROMPT = [3, 5, 1, 3]  # the head reads the prompt's hidden states: it drafts in round one
+
+
+@pytest.fixture(scope="module")
+def joint_pair():
+    target = build("qwen3_5", 2, 0, vocab=JV)
+    return target, random_head(target, "qwen3_5", scale=0.5)
+
+
+def test_mtp_sequences_follow_the_target_joint(joint_pair):
+    target, head = joint_pair
+    joint = sequence_joint(target, make_processor(JOINT_SAMPLING), MTP_PROMPT)
+    counts, kept = engine_sequences(target, head, "block", N_MTP, prompt=MTP_PROMPT)
+    assert pooled_chi2(counts, joint) > 1e-3
+    assert all(kept > 0.02 * kept.sum()), kept  # rounds kept 0, 1 and 2 drafts
+
+
+def test_the_mtp_sequence_test_rejects_a_wrong_rule(joint_pair, monkeypatch):
+    target, head = joint_pair
+    joint = sequence_joint(target, make_processor(JOINT_SAMPLING), MTP_PROMPT)
+    monkeypatch.setitem(RULES, "block", _skips_the_residual(block_outcome))
+    counts, _ = engine_sequences(target, head, "block", N_MTP_WRONG, prompt=MTP_PROMPT)
+    assert pooled_chi2(counts, joint) < 1e-6
+
+
+# ---------------------------------------------------------------- loading and the CLI
+
+_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+          ".q_norm.weight", ".k_norm.weight")  # fmt: skip
+_HF_NAMES = {"norm_e": "pre_fc_norm_embedding", "norm_h": "pre_fc_norm_hidden", "fc": "fc",
+             "layer": "layers.0", "norm": "norm"}  # fmt: skip
+
+
+def _raw_checkpoint(path, seed=0):
+    """A tiny Qwen3.5 saved as Hugging Face ships it (mlx-lm's conversions undone: key
+    prefixes, the conv1d layout, norms stored zero-centred) with an MTP head; returns the
+    model and head as they should load."""
+    tok = tiny_tokenizer()
+    config = {"model_type": "qwen3_5", **family_config("qwen3_5", 2)}
+    config["text_config"]["vocab_size"] = len(tok)
+    config["text_config"]["mtp_num_hidden_layers"] = 1
+    save_tiny(path, config, tok, seed)
+    weights = mx.load(str(path / "model.safetensors"))
+    raw = {}
+    for k, v in weights.items():
+        if "conv1d.weight" in k:
+            v = v.moveaxis(2, 1)  # (C, K, 1) -> (C, 1, K), as torch stores it
+        if k.endswith(_NORMS) and v.ndim == 1:
+            v = v - 1.0
+        raw[k.replace("language_model.model.", "model.language_model.")] = v
+    model, _, _ = _load_dir(path)
+    head = random_head(model, "qwen3_5", seed=seed + 5)
+    for k, v in tree_flatten(head.parameters()):
+        first, rest = k.split(".", 1)
+        name = f"mtp.{_HF_NAMES[first]}.{rest}"
+        shifted = rest == "weight" and first.startswith("norm") or k.endswith(_NORMS)
+        raw[name] = v - 1.0 if shifted and v.ndim == 1 else v
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    mx.save_safetensors(str(path / "model.safetensors"), raw)
+    (path / "config.json").write_text(json.dumps(config))
+    return model, head
+
+
+def test_a_raw_checkpoints_head_loads_exactly(tmp_path, specmlx_home):
+    model, head = _raw_checkpoint(tmp_path / "q")
+    target, draft, shared = load_pair(str(tmp_path / "q"), "mtp")
+    x = mx.array([[3, 1, 4, 1, 5]])
+    assert mx.allclose(target.model(x), model(x), atol=1e-5).item()  # mlx-lm's own loading
+    loaded = dict(tree_flatten(draft.model.parameters()))
+    for k, v in tree_flatten(head.parameters()):
+        assert mx.allclose(loaded[k], v, atol=1e-6).item(), k
+    assert draft.identity == target.identity + "|mtp" and shared == target.vocab_size
+
+
+def test_run_draft_mtp_and_a_checkpoint_without_heads(tmp_path, specmlx_home):
+    model, head = _raw_checkpoint(tmp_path / "q")
+    runner = CliRunner()
+    ok = runner.invoke(app, ["run", "--target", str(tmp_path / "q"), "--draft", "mtp", "-k", "2",
+                             "-n", "12", "--temp", "0", "--json", "hello"])  # fmt: skip
+    assert ok.exit_code == 0, ok.output
+    out = json.loads(ok.stdout)
+    assert out["draft"].endswith(":mtp") and out["stats"]["drafted"] > 0
+    plain = runner.invoke(app, ["run", "--target", str(tmp_path / "q"), "--draft", "none",
+                                "-n", "12", "--temp", "0", "--json", "hello"])  # fmt: skip
+    assert json.loads(plain.stdout)["text"] == out["text"]
+    save_tiny(tmp_path / "llama", {**family_config("llama", 2),
+                                   "vocab_size": len(tiny_tokenizer())}, tiny_tokenizer(), 0)  # fmt: skip
+    bad = runner.invoke(app, ["run", "--target", str(tmp_path / "llama"), "--draft", "mtp", "x"])
+    assert bad.exit_code == 2
+    assert bad.output.strip().splitlines() == ["error: llama (llama) has no MTP head "
+        "(--draft mtp needs one: qwen3_next, qwen3_5, qwen3_5_moe checkpoints as Hugging Face "
+        "ships them)"]  # fmt: skip
+    with pytest.raises(IncompatiblePair, match="no MTP head"):
+        load_pair(str(tmp_path / "llama"), "mtp")
