@@ -12,7 +12,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import pytest
 from families import build, family_config
-from helpers import save_tiny, tiny_tokenizer
+from helpers import count_host_syncs, save_tiny, tiny_tokenizer
 from mlx.utils import tree_flatten, tree_map
 from test_distribution import (
     JOINT_SAMPLING,
@@ -33,7 +33,7 @@ from specmlx.errors import IncompatiblePair
 from specmlx.hidden import HiddenTap
 from specmlx.loading import _load_dir, load_pair
 from specmlx.mtp import MTPHead
-from specmlx.sampling import make_processor
+from specmlx.sampling import SamplingParams, make_processor
 from specmlx.stats import Stats
 
 FAMILIES = ["qwen3_next", "qwen3_5"]
@@ -279,3 +279,24 @@ def test_run_draft_mtp_and_a_checkpoint_without_heads(tmp_path, specmlx_home):
         "ships them)"]  # fmt: skip
     with pytest.raises(IncompatiblePair, match="no MTP head"):
         load_pair(str(tmp_path / "llama"), "mtp")
+
+
+def test_one_host_sync_a_round_with_a_head(family_pair, monkeypatch):
+    """The hidden states reach the head with the round's one sync: no extra wait (a second
+    only on the rounds whose drafting is timed apart, as for a draft model)."""
+    _, target, head = family_pair
+    counts, count = [], [0]
+    count_host_syncs(monkeypatch, count)
+
+    def choose(last):
+        counts.append((count[0], last is not None and last.draft_seconds is not None))
+        count[0] = 0
+        return 3
+
+    for temp in (0.0, 1.0):
+        counts.clear()
+        list(generate_tokens(target, head, PROMPT, num_draft=choose, max_tokens=40,
+                             sampling=SamplingParams(temp), seed=0))  # fmt: skip
+        per_round = counts[1:]  # the first window includes prefill
+        assert len(per_round) >= 8, per_round
+        assert all(n == (2 if timed else 1) for n, timed in per_round), per_round
