@@ -1,8 +1,9 @@
 """Multi-token-prediction heads shipped inside a checkpoint: kept, loaded and run as a drafter.
 
-mlx-lm's loaders drop a checkpoint's ``mtp.*`` weights. This module reads them from the same
-safetensors and builds the head from the family's own mlx-lm decoder layer (no model file is
-forked). One step of a head, for the pair (h_i, t_{i+1}) at position i:
+mlx-lm's loaders drop a checkpoint's MTP weights (``mtp.*``, ``model.layers.{N}.*``). This
+module reads them from the same safetensors and builds the head from the family's own mlx-lm
+decoder layer (no model file is forked). One step of a head, for the pair (h_i, t_{i+1}) at
+position i:
 
     x   = fc([norm_e(embed(t_{i+1})), norm_h(h_i)])     # (B, L, 2H) -> (B, L, H)
     g_i = norm(layer(x))                                # one decoder layer with its own KV cache
@@ -13,27 +14,35 @@ h_i is the target's final (post-norm) hidden state at position i (hidden.HiddenT
 SGLang do for a one-layer head). The head's cache position of a pair is i, the position of
 its hidden state (vLLM's proposer keeps the target's positions and shifts the tokens).
 
-Families (layout and forward from vLLM's ``qwen3_next_mtp.py`` and ``qwen3_5_mtp.py``, with
-SGLang's ``qwen3_next_mtp.py`` and mlx-lm PR 990 agreeing on the concatenation order):
-``qwen3_next`` (Qwen3-Next), ``qwen3_5`` and ``qwen3_5_moe`` (Qwen3.5/3.6). Their one MTP layer
-is a full-attention decoder layer (MoE when the model is), and their norms are stored
-zero-centred (the weight is 1 + w), which mlx-lm undoes for the main model of a raw
-checkpoint and this module undoes for the head. Not yet: DeepSeek-V3 and GLM-4.5
-(``model.layers.{N}.{enorm,hnorm,eh_proj,shared_head}``), MiMo (``mtp_layers``) and Qwen3.6's
-fused expert tensors inside the head.
+Families. ``qwen3_next`` (Qwen3-Next), ``qwen3_5`` and ``qwen3_5_moe`` (Qwen3.5/3.6), layout
+and forward from vLLM's ``qwen3_next_mtp.py`` and ``qwen3_5_mtp.py``, with SGLang's
+``qwen3_next_mtp.py`` and mlx-lm PR 990 agreeing on the concatenation order: weights under
+``mtp.``, one full-attention decoder layer (MoE when the model is), norms stored zero-centred
+(the weight is 1 + w), which mlx-lm undoes for the main model of a raw checkpoint and this
+module undoes for the head. ``deepseek_v3`` (DeepSeek-V3/R1) and ``glm4_moe`` (GLM-4.5/4.6),
+from vLLM's ``deepseek_mtp.py`` and ``glm4_moe_mtp.py`` (SGLang's ``deepseek_nextn.py``
+agrees on the layout and the order): weights under ``model.layers.{N}`` (N: the config's
+num_hidden_layers) as ``enorm``, ``hnorm``, ``eh_proj``, ``shared_head.norm`` and a decoder
+layer of the model's own kind (MLA attention for DeepSeek; MoE, since N is past
+first_k_dense_replace); plain RMSNorms; the embedding of the pair at position 0 zeroed, as
+vLLM does. Their ``shared_head.head`` and ``embed_tokens`` copy the target's and are not
+read. A chained step feeds back the output after ``shared_head.norm``, as SGLang does (vLLM
+feeds the layer's output before it; the head was trained for one step only, either way).
+Only the first of several MTP layers is read. Not yet: MiMo (``mtp_layers``), Qwen3.6's fused
+expert tensors inside the head, and mlx-lm's other MLA families (deepseek_v2, kimi, glm4_moe_lite).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models import qwen3_5, qwen3_next
+from mlx_lm.models import deepseek_v3, glm4_moe, qwen3_5, qwen3_next
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
@@ -55,15 +64,43 @@ _QWEN_SHIFTED = re.compile(
 )
 
 
+# DeepSeek-V3's and GLM-4.5's names (after "model.layers.{N}.") -> this module's; their
+# shared_head.head and embed_tokens (copies of the target's) are left out, so not read
+_NEXTN_NAMES = {
+    "enorm": "norm_e",
+    "hnorm": "norm_h",
+    "eh_proj": "fc",
+    "shared_head.norm": "norm",
+    "self_attn": "layer.self_attn",
+    "mlp": "layer.mlp",
+    "input_layernorm": "layer.input_layernorm",
+    "post_attention_layernorm": "layer.post_attention_layernorm",
+}
+
+
 @dataclass(frozen=True)
 class Family:
-    """How one family's head is built and named. layer(args): the family's decoder layer
-    for the head; args(model): the text model's ModelArgs; count: the config keys that say
-    how many MTP layers the checkpoint has."""
+    """How one family's head is built, named and run.
+
+    layer(args): the family's decoder layer for the head; args(model): the text model's
+    ModelArgs; count: the config keys that say how many MTP layers the checkpoint has;
+    prefix(args): what the head's tensor names start with in the checkpoint; names: the
+    checkpoint's names (after the prefix) -> this module's (norm_e, norm_h, fc, layer, norm;
+    others are not read); centred: a raw checkpoint stores the norms zero-centred (1 + w);
+    zero_first: the embedding of the pair at position 0 is zeroed; mask(x, cache): the
+    decoder layer's attention mask, made as the family's own model makes it; sanitize(model,
+    weights): the checkpoint's conversions (dequantization, expert stacking) by the family's
+    own code, on names after the prefix (None: only the experts are stacked, in _rename)."""
 
     layer: Callable[[object], nn.Module]
     args: Callable[[nn.Module], object]
     count: tuple[str, ...]
+    prefix: Callable[[object], str] = lambda args: "mtp."
+    names: dict[str, str] = field(default_factory=lambda: _QWEN_NAMES)
+    centred: bool = True
+    zero_first: bool = False
+    mask: Callable[[mx.array, object], object] = create_attention_mask
+    sanitize: Callable[[nn.Module, dict], dict] | None = None
 
 
 def _qwen3_next_layer(args) -> nn.Module:
@@ -75,12 +112,55 @@ def _qwen3_5_layer(args) -> nn.Module:
     return qwen3_5.DecoderLayer(args, args.full_attention_interval - 1)
 
 
+def _deepseek_v3_layer(args) -> nn.Module:
+    # built at the MTP layer's own index, so MoE or dense as vLLM's DeepseekV2DecoderLayer
+    # decides from the prefix (MoE: N is past first_k_dense_replace)
+    return deepseek_v3.DeepseekV3DecoderLayer(args, args.num_hidden_layers)
+
+
+def _glm4_moe_layer(args) -> nn.Module:
+    return glm4_moe.DecoderLayer(args, args.num_hidden_layers)
+
+
+def _mla_mask(x: mx.array, cache) -> object:
+    # DeepseekV3Model's: its MLA attention applies the mask to its rope scores itself, so it
+    # needs an array, never the "causal" string
+    return create_attention_mask(x, cache, return_array=True)
+
+
+def _nextn_prefix(args) -> str:
+    return f"model.layers.{args.num_hidden_layers}."
+
+
+def _as_main_layer(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The family's own ``Model.sanitize`` (mlx-lm's) on the head's tensors, posed as main
+    layer 0's: FP8 blocks dequantized, per-expert weights stacked for SwitchGLU and, for
+    DeepSeek, kv_b_proj split for MLA, as for the main layers. (Posed, because sanitize
+    drops the MTP layer's own index; layer 0 is never the one it drops.)
+
+    model: the target; weights: the head's tensors, named after the prefix."""
+    posed = {f"model.layers.0.{k}": v for k, v in weights.items()}
+    return {k.removeprefix("model.layers.0."): v for k, v in model.sanitize(posed).items()}
+
+
+_NEXTN = dict(
+    args=lambda m: m.args,
+    count=("num_nextn_predict_layers",),
+    prefix=_nextn_prefix,
+    names=_NEXTN_NAMES,
+    centred=False,
+    zero_first=True,
+    sanitize=_as_main_layer,
+)
+
 FAMILIES = {
     "qwen3_next": Family(_qwen3_next_layer, lambda m: m.args, ("num_nextn_predict_layers",)),
     "qwen3_5": Family(_qwen3_5_layer, lambda m: m.language_model.args, ("mtp_num_hidden_layers",)),
     "qwen3_5_moe": Family(
         _qwen3_5_layer, lambda m: m.language_model.args, ("mtp_num_hidden_layers",)
     ),
+    "deepseek_v3": Family(_deepseek_v3_layer, mask=_mla_mask, **_NEXTN),
+    "glm4_moe": Family(_glm4_moe_layer, **_NEXTN),
 }
 
 
@@ -137,9 +217,14 @@ class MTPHead(nn.Module):
         """hidden (B, L, H): the target's (or the previous step's) hidden states at positions
         i..i+L-1; tokens (B, L): the tokens at positions i+1..i+L; cache: [KVCache] holding
         i pairs. Returns (g (B, L, H), logits (B, L, V)): g feeds a chained step."""
+        family = FAMILIES[self.family]
         e = self._shared.embed(tokens)
+        if family.zero_first and getattr(cache[0], "offset", 0) == 0:
+            # vLLM's "masking inputs at position 0, as not needed by MTP": the pair at
+            # position 0 keeps only its hidden state
+            e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)
         x = self.fc(mx.concatenate([self.norm_e(e), self.norm_h(hidden)], axis=-1))
-        mask = create_attention_mask(x, cache[0])
+        mask = family.mask(x, cache[0])
         g = self.norm(self.layer(x, mask, cache[0]))
         return g, self._shared.head(g)
 
@@ -178,8 +263,9 @@ def mtp_layers(config: dict) -> int:
     return 0
 
 
-def _mtp_weights(path: Path) -> dict[str, mx.array]:
-    """Every ``mtp.*`` tensor in a model directory's safetensors (lazy: mx.load maps them)."""
+def _mtp_weights(path: Path, prefix: str) -> dict[str, mx.array]:
+    """Every tensor under ``prefix`` (the family's: "mtp.", "model.layers.61.") in a model
+    directory's safetensors, named after it (lazy: mx.load maps them)."""
     out = {}
     for f in sorted(path.glob("*.safetensors")):
         try:
@@ -187,9 +273,9 @@ def _mtp_weights(path: Path) -> dict[str, mx.array]:
         except (RuntimeError, ValueError) as e:
             raise ModelLoadError(f"cannot read {f}: {str(e).splitlines()[0]}") from None
         for k, v in arrays.items():
-            i = k.find("mtp.")
+            i = k.find(prefix)
             if i >= 0 and (i == 0 or k[i - 1] == "."):
-                out[k[i + 4 :]] = v
+                out[k[i + len(prefix) :]] = v
     return out
 
 
@@ -203,12 +289,15 @@ def _is_raw(path: Path) -> bool:
     return False
 
 
-def _rename(weights: dict[str, mx.array], experts: int) -> dict[str, mx.array]:
-    """The checkpoint's names -> this module's; per-expert weights stacked for mlx-lm's
-    SwitchGLU (as the family's own sanitize does for the main layers)."""
+def _rename(
+    weights: dict[str, mx.array], names: dict[str, str], experts: int
+) -> dict[str, mx.array]:
+    """The checkpoint's names -> this module's (``names``: the family's map); per-expert
+    weights still apart stacked for mlx-lm's SwitchGLU (as the family's own sanitize does
+    for the main layers) over ``experts`` experts."""
     out = {}
     for k, v in weights.items():
-        for old, new in _QWEN_NAMES.items():
+        for old, new in names.items():
             if k == old or k.startswith(old + "."):
                 out[new + k[len(old) :]] = v
                 break
@@ -224,19 +313,22 @@ def load_mtp(model: nn.Module, config: dict, path: Path, quantize=None) -> MTPHe
     """The checkpoint's MTP head over ``model`` (its loaded target).
 
     model: the target as mlx-lm loaded it; config: its config.json; path: the checkpoint
-    directory holding the ``mtp.*`` tensors (the source, not a quantized copy, which mlx-lm
+    directory holding the head's tensors (the source, not a quantized copy, which mlx-lm
     saved without them); quantize: (bits, group_size) to quantize the head's linear layers
     to, as the target was at load, or None. A checkpoint already quantized on disk is read
     as it is. ModelLoadError when there are no heads or they do not fit."""
     family = _family_of(config)
     check_family(config, path)
-    weights = _mtp_weights(path) if path.is_dir() else {}
+    fam = FAMILIES[family]
+    args = fam.args(model)
+    weights = _mtp_weights(path, fam.prefix(args)) if path.is_dir() else {}
     if not weights:
         _no_head(config, path)
     head = MTPHead(model, family)
-    args = FAMILIES[family].args(model)
-    weights = _rename(weights, getattr(args, "num_experts", 0))
-    if _is_raw(path):
+    if fam.sanitize is not None:
+        weights = fam.sanitize(model, weights)
+    weights = _rename(weights, fam.names, getattr(args, "num_experts", 0))
+    if fam.centred and _is_raw(path):
         weights = {k: v + 1.0 if _QWEN_SHIFTED.match(k) else v for k, v in weights.items()}
     q = config.get("quantization")
     if q and any(k.endswith(".scales") for k in weights):
