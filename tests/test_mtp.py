@@ -8,13 +8,11 @@ from a checkpoint as Hugging Face ships it, and `specmlx run --draft mtp`."""
 import json
 
 import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
-import numpy as np
 import pytest
 from families import build, family_config
 from helpers import count_host_syncs, save_tiny, tiny_tokenizer
 from mlx.utils import tree_flatten, tree_map
+from mtp_toy import toy_head, toy_language, toy_target
 from test_distribution import (
     JOINT_SAMPLING,
     JV,
@@ -133,71 +131,33 @@ def _prev_token(ctx, start, m):
     return mx.array(ctx[start : start + m], dtype=mx.uint32)[None]
 
 
-SYMBOLS = 12  # the toy language's alphabet: ids 0..11 of the tiny model's 128
-
-
-def _toy_language(n: int, length: int, seed: int) -> mx.array:
-    """n sequences of a language where t_{i+1} = TABLE[t_{i-1}, t_i] (a fixed random table):
-    the token after next depends on the token before, which only the hidden state carries."""
-    table = np.random.default_rng(0).integers(0, SYMBOLS, (SYMBOLS, SYMBOLS))
-    x = np.zeros((n, length), dtype=np.int64)
-    x[:, :2] = np.random.default_rng(seed).integers(0, SYMBOLS, (n, 2))
-    for i in range(2, length):
-        x[:, i] = table[x[:, i - 2], x[:, i - 1]]
-    return mx.array(x)
-
-
 def test_a_trained_head_drafts_and_misaligned_plumbing_collapses_it(monkeypatch):
     """A tiny Qwen3.5 target trained on a toy language, then a head trained on its hidden
-    states and greedy labels (the target frozen), as MTP heads are: greedy drafts are kept far
-    more often than an untrained head's; feeding the head the hidden state one position late,
-    or the previous token in place of the newest, drops that (an off-by-one cannot pass)."""
-    target = build("qwen3_5", 2, 0)
+    states and greedy labels (the target frozen), as MTP heads are (tests/mtp_toy.py):
+    greedy drafts are kept far more often than an untrained head's; feeding the head the
+    hidden state one position late, or the previous token in place of the newest, drops
+    that (an off-by-one cannot pass)."""
+    target = toy_target()
 
-    def fit(model, loss, batches, steps):
-        opt, step = optim.Adam(learning_rate=1e-2), nn.value_and_grad(model, loss)
-        for i in range(steps):
-            _, grads = step(model, *batches(i))
-            opt.update(model, grads)
-            mx.eval(model.parameters(), opt.state)
-
-    def lm_loss(m, x):  # next-token loss where the language is determined (from t_2 on)
-        return nn.losses.cross_entropy(m(x[:, :-1])[:, 1:], x[:, 2:]).mean()
-
-    fit(target, lm_loss, lambda i: (_toy_language(32, 24, i),), 150)
-    tap = HiddenTap(target)
-
-    def head_batch(i):  # pair j: (h_j, t_{j+1}) -> the target's greedy choice at j + 1
-        x = _toy_language(32, 24, 10**6 + i)
-        labels = mx.argmax(target(x), -1)
-        return tap.final()[:, :-1], x[:, 1:], labels[:, 1:]
-
-    def head_loss(m, h, x, y):
-        return nn.losses.cross_entropy(m(h, x, [None])[1], y).mean()
-
-    mx.random.seed(0)
-    head = MTPHead(target, "qwen3_5")
-    mx.eval(head.parameters())
-
-    def acceptance():
+    def acceptance(head):
         stats = Stats()
         for p in range(4):
-            prompt = _toy_language(1, 4, 5000 + p)[0].tolist()
+            prompt = toy_language(1, 4, 5000 + p)[0].tolist()
             tokens(target, head, prompt, num_draft=3, max_tokens=32, stats=stats)
         return stats.accepted / stats.drafted
 
-    untrained = acceptance()
-    fit(head, head_loss, head_batch, 200)
-    trained = acceptance()
+    untrained = acceptance(toy_head(target, steps=0))
+    head = toy_head(target)
+    trained = acceptance(head)
     late = engine.hidden_rows
     monkeypatch.setattr(
         engine, "hidden_rows", lambda tap: (lambda r: mx.concatenate([r[:1], r[:-1]]))(late(tap))
     )
-    hidden_late = acceptance()
+    hidden_late = acceptance(head)
     monkeypatch.setattr(engine, "hidden_rows", late)
     monkeypatch.setattr(drafters, "pair_tokens", _prev_token)
     monkeypatch.setattr(engine, "pair_tokens", _prev_token)
-    previous_token = acceptance()
+    previous_token = acceptance(head)
     # measured: untrained 0.006, trained 0.65, hidden late 0.35, previous token 0.09
     assert trained > 0.45 and untrained < trained / 10, (trained, untrained)
     assert hidden_late < 0.65 * trained, (hidden_late, trained)
