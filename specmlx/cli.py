@@ -300,6 +300,8 @@ def check_draft_stop(models, draft_stop: bool) -> None:
     """--draft-stop stops a draft model's drafting by the adaptive chooser's cost model."""
     if draft_stop and not (models.draft and models.k == "auto"):
         raise BadInput("--draft-stop needs a draft model and -k auto")
+    if draft_stop and models.draft == MTP:
+        raise BadInput("--draft-stop needs a draft model: an MTP head drafts the chooser's k")
 
 
 @dataclass

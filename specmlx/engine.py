@@ -161,6 +161,8 @@ def generate_tokens(
         raise BadInput("the prompt is empty")
     if max_tokens <= 0:
         raise BadInput(f"max tokens must be > 0, got {max_tokens}")
+    if draft_stop and _reads_hidden(draft):
+        raise BadInput("per-token stopping needs a draft model: an MTP head drafts the chooser's k")
     next_k = make_chooser(num_draft)
     accept = sampled_rule(verify)
     stats = stats if stats is not None else Stats()

@@ -331,7 +331,10 @@ def load_mtp(model: nn.Module, config: dict, path: Path, quantize=None) -> MTPHe
     if fam.centred and _is_raw(path):
         weights = {k: v + 1.0 if _QWEN_SHIFTED.match(k) else v for k, v in weights.items()}
     q = config.get("quantization")
-    if q and any(k.endswith(".scales") for k in weights):
+    # quantized on disk (the target's config then says how); a target quantized at load has
+    # "quantization" in its config too, but the head read from the source is not
+    on_disk = bool(q) and any(k.endswith(".scales") for k in weights)
+    if on_disk:
         nn.quantize(
             head, q["group_size"], q["bits"],
             class_predicate=lambda p, m: f"{p}.scales" in weights,
@@ -340,7 +343,7 @@ def load_mtp(model: nn.Module, config: dict, path: Path, quantize=None) -> MTPHe
         head.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise ModelLoadError(f"the MTP head in {path} does not fit {family}: {e}") from None
-    if quantize is not None and not q:
+    if quantize is not None and not on_disk:
         bits, group = quantize
         nn.quantize(head, group, bits, class_predicate=lambda p, m: hasattr(m, "to_quantized"))
     leaves = tree_flatten(model.parameters())

@@ -8,10 +8,12 @@ from a checkpoint as Hugging Face ships it, and `specmlx run --draft mtp`."""
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from families import build, family_config
 from helpers import count_host_syncs, save_tiny, tiny_tokenizer
 from mlx.utils import tree_flatten, tree_map
+from mlx_lm.utils import quantize_model, save
 from mtp_toy import toy_head, toy_language, toy_target
 from test_distribution import (
     JOINT_SAMPLING,
@@ -28,10 +30,11 @@ import specmlx.engine as engine
 from specmlx.acceptance import RULES, block_outcome
 from specmlx.cli import app
 from specmlx.engine import KVState, generate_tokens
-from specmlx.errors import IncompatiblePair
+from specmlx.errors import BadInput, IncompatiblePair
 from specmlx.hidden import HiddenTap
 from specmlx.loading import _load_dir, load_pair
 from specmlx.mtp import MTPHead
+from specmlx.registry import load_registry
 from specmlx.sampling import SamplingParams, make_processor
 from specmlx.stats import Stats
 
@@ -199,14 +202,23 @@ _HF_NAMES = {"norm_e": "pre_fc_norm_embedding", "norm_h": "pre_fc_norm_hidden", 
              "layer": "layers.0", "norm": "norm"}  # fmt: skip
 
 
-def _raw_checkpoint(path, seed=0):
-    """A tiny Qwen3.5 saved as Hugging Face ships it (mlx-lm's conversions undone: key
-    prefixes, the conv1d layout, norms stored zero-centred) with an MTP head; returns the
-    model and head as they should load."""
+def _unstack(name: str, v: mx.array) -> dict[str, mx.array]:
+    """mlx-lm's stacked experts (``...mlp.switch_mlp.{n}.weight``, (E, out, in)) as a
+    checkpoint stores them, one tensor per expert."""
+    if ".switch_mlp." not in name:
+        return {name: v}
+    return {name.replace(".switch_mlp.", f".experts.{e}."): v[e] for e in range(v.shape[0])}
+
+
+def _raw_checkpoint(path, seed=0, family="qwen3_5"):
+    """A tiny Qwen3.5 (or Qwen3-Next) saved as Hugging Face ships it (mlx-lm's conversions
+    undone: key prefixes, experts one tensor each, the conv1d layout, norms stored
+    zero-centred) with an MTP head; returns the model and head as they should load."""
     tok = tiny_tokenizer()
-    config = {"model_type": "qwen3_5", **family_config("qwen3_5", 2)}
-    config["text_config"]["vocab_size"] = len(tok)
-    config["text_config"]["mtp_num_hidden_layers"] = 1
+    config = {"model_type": family, **family_config(family, 2)}
+    text = config.get("text_config", config)
+    text["vocab_size"] = len(tok)
+    text["mtp_num_hidden_layers" if family == "qwen3_5" else "num_nextn_predict_layers"] = 1
     save_tiny(path, config, tok, seed)
     weights = mx.load(str(path / "model.safetensors"))
     raw = {}
@@ -215,14 +227,14 @@ def _raw_checkpoint(path, seed=0):
             v = v.moveaxis(2, 1)  # (C, K, 1) -> (C, 1, K), as torch stores it
         if k.endswith(_NORMS) and v.ndim == 1:
             v = v - 1.0
-        raw[k.replace("language_model.model.", "model.language_model.")] = v
+        raw.update(_unstack(k.replace("language_model.model.", "model.language_model."), v))
     model, _, _ = _load_dir(path)
-    head = random_head(model, "qwen3_5", seed=seed + 5)
+    head = random_head(model, family, seed=seed + 5)
     for k, v in tree_flatten(head.parameters()):
         first, rest = k.split(".", 1)
         name = f"mtp.{_HF_NAMES[first]}.{rest}"
         shifted = rest == "weight" and first.startswith("norm") or k.endswith(_NORMS)
-        raw[name] = v - 1.0 if shifted and v.ndim == 1 else v
+        raw.update(_unstack(name, v - 1.0 if shifted and v.ndim == 1 else v))
     for f in path.glob("*.safetensors"):
         f.unlink()
     mx.save_safetensors(str(path / "model.safetensors"), raw)
@@ -230,8 +242,9 @@ def _raw_checkpoint(path, seed=0):
     return model, head
 
 
-def test_a_raw_checkpoints_head_loads_exactly(tmp_path, specmlx_home):
-    model, head = _raw_checkpoint(tmp_path / "q")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_raw_checkpoints_head_loads_exactly(tmp_path, specmlx_home, family):
+    model, head = _raw_checkpoint(tmp_path / "q", family=family)
     target, draft, shared = load_pair(str(tmp_path / "q"), "mtp")
     x = mx.array([[3, 1, 4, 1, 5]])
     assert mx.allclose(target.model(x), model(x), atol=1e-5).item()  # mlx-lm's own loading
@@ -282,3 +295,50 @@ def test_one_host_sync_a_round_with_a_head(family_pair, monkeypatch):
         per_round = counts[1:]  # the first window includes prefill
         assert len(per_round) >= 8, per_round
         assert all(n == (2 if timed else 1) for n, timed in per_round), per_round
+
+
+def test_per_token_stopping_is_refused_with_a_head(family_pair, tmp_path, specmlx_home):
+    _, target, head = family_pair
+    with pytest.raises(BadInput, match="MTP head"):
+        tokens(target, head, num_draft="auto", draft_stop=True, max_tokens=4)
+    _raw_checkpoint(tmp_path / "q")
+    bad = CliRunner().invoke(app, ["run", "--target", str(tmp_path / "q"), "--draft", "mtp",
+                                   "--draft-stop", "x"])  # fmt: skip
+    assert bad.exit_code == 2 and "MTP head" in bad.output
+
+
+def test_a_target_quantized_at_load_gets_a_quantized_head(tmp_path, specmlx_home):
+    """The head is read from the checkpoint (mlx-lm saved the quantized copy without it) and
+    quantized as the target was, on the first load and on the cached one."""
+    _raw_checkpoint(tmp_path / "q")
+    toml = tmp_path / "models.toml"
+    toml.write_text(f'[models.qq]\nsource = "local:{tmp_path / "q"}"\n'
+                    "quantize = { bits = 4, group_size = 32 }\n")  # fmt: skip
+    for _ in range(2):  # quantized at load, then from the quantized copy
+        target, head, _ = load_pair("qq", "mtp", registry=load_registry([toml]))
+        assert isinstance(head.model.fc, nn.QuantizedLinear)
+        assert isinstance(target.model.language_model.lm_head, nn.QuantizedLinear)
+        got = tokens(target.model, head.model, [5, 6, 7, 8], num_draft=3, max_tokens=16)
+        assert got == tokens(target.model, None, [5, 6, 7, 8], num_draft=0, max_tokens=16)
+
+
+def test_a_head_quantized_on_disk_loads_as_it_is(tmp_path, specmlx_home):
+    """A checkpoint converted and quantized (the layout PR 990-style conversions keep the
+    head in): the head's packed weights, scales and biases are read as they are."""
+    _raw_checkpoint(tmp_path / "q")
+    model, tok, config = _load_dir(tmp_path / "q")
+    model, config = quantize_model(model, config, 32, 4)
+    save(tmp_path / "qd", tmp_path / "q", model, tok, config)
+    head = random_head(model, "qwen3_5", seed=9)
+    nn.quantize(head, 32, 4)
+    w = dict(mx.load(str(tmp_path / "qd" / "model.safetensors")))
+    for k, v in tree_flatten(head.parameters()):
+        first, rest = k.split(".", 1)
+        w[f"mtp.{_HF_NAMES[first]}.{rest}"] = v  # converted: norms as they are
+    mx.eval(list(w.values()))
+    mx.save_safetensors(str(tmp_path / "qd" / "model.safetensors"), w)
+    _, draft, _ = load_pair(str(tmp_path / "qd"), "mtp")
+    assert isinstance(draft.model.fc, nn.QuantizedLinear)
+    loaded = dict(tree_flatten(draft.model.parameters()))
+    for k, v in tree_flatten(head.parameters()):
+        assert mx.array_equal(loaded[k], v).item(), k

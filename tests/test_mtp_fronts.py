@@ -14,6 +14,8 @@ import pytest
 from helpers import Server
 from test_distributed import TWO, specmlx, tokens
 from test_mtp import _raw_checkpoint
+from test_mtp_deepseek import _deepseek_v3, _glm4_moe
+from test_mtp_deepseek import _raw_checkpoint as _nextn_checkpoint
 from test_serve import local_json, server_env
 from typer.testing import CliRunner
 
@@ -177,3 +179,56 @@ def test_two_ranks_with_the_head_equal_one_process(root, env):
     assert got["ranks"]["size"] == 2 and got["draft"] == "q:mtp"
     for key in ("drafted", "accepted", "accept_hist"):
         assert got["stats"][key] == one["stats"][key], key
+
+
+# ------------------------------------------------------------------ every supported family
+
+
+def _family_checkpoint(family: str, path: Path) -> None:
+    """A tiny raw checkpoint of ``family`` with a random MTP head (test_mtp's builder for
+    the Qwen families, test_mtp_deepseek's for the model.layers.{N} ones)."""
+    if family.startswith("qwen"):
+        _raw_checkpoint(path, family=family)
+    elif family == "deepseek_v3":
+        # mlx-lm's sanitize drops model.layers.61 only (test_mtp_deepseek loads that layout):
+        # two layers here, the head's tensors in a file of their own, which mlx-lm's loader
+        # does not read (model*.safetensors) and specmlx's does (every *.safetensors)
+        _nextn_checkpoint(path, _deepseek_v3(2), fp8=True)
+        w = mx.load(str(path / "model.safetensors"))
+        mx.eval(list(w.values()))  # read it all before the file is written over
+        head = {k: v for k, v in w.items() if k.startswith("model.layers.2.")}
+        mx.save_safetensors(str(path / "model.safetensors"), {k: v for k, v in w.items()
+                                                               if k not in head})  # fmt: skip
+        mx.save_safetensors(str(path / "mtp.safetensors"), head)
+    else:
+        _nextn_checkpoint(path, _glm4_moe(2), fp8=False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v3", "glm4_moe"])
+def test_every_family_through_run_serve_and_bench(family, tmp_path, root, env):
+    """`--draft mtp` on a tiny checkpoint of each other supported family: `run`, a served
+    completion and a bench row are the target's own greedy text (Qwen3.5 has the tests
+    above)."""
+    _family_checkpoint(family, tmp_path / "m")
+    target = ["--target", str(tmp_path / "m")]
+    run = lambda draft: local_json(root, *target, "--temp", "0", "--draft", draft, "-k",  # noqa: E731
+                                   "2", "-n", "16", PROMPT)  # fmt: skip
+    mtp, plain = run("mtp"), run("none")
+    assert mtp["tokens"] == plain["tokens"] and mtp["stats"]["drafted"] > 0
+    s = Server(env, *target, "--draft", "mtp", "-k", "2", "-q")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="-", max_retries=0, timeout=120)
+        got = client.completions.create(model="m", prompt=PROMPT, max_tokens=16, temperature=0)
+        assert got.choices[0].text == plain["text"]
+        assert got.model_extra["specmlx"]["drafter"] == "m:mtp"
+    finally:
+        code, err = s.stop()
+    assert code == 0 and "Traceback" not in err, err
+    out = tmp_path / "bench.json"
+    done = CliRunner().invoke(app, ["bench", *target, "--draft", "mtp", "-n", "8", "--repeats",
+                                    "1", "--limit", "1", "-k", "2", "--temp", "0", "--json",
+                                    str(out), "--compare", "none"], env=env)  # fmt: skip
+    assert done.exit_code == 0, done.output
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["drafter"] for r in rows} == {"none", "m:mtp"}
+    assert all(r["same_as_target"] == "identical" for r in rows), rows
