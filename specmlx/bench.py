@@ -145,9 +145,10 @@ def run_one(
     return tokens, decoded, secs, gen.stats.drafted, gen.stats.accepted
 
 
-def systems(draft_name: str | None, s: BenchSettings) -> list[System]:
+def systems(draft_name: str | None, s: BenchSettings, head_name: str | None = None) -> list[System]:
     """Every configuration to run, target-only first; specmlx rows once per verification rule
-    in ``s.verifies``, side by side (k = 0 drafts nothing: one row, under the first rule)."""
+    in ``s.verifies``, side by side (k = 0 drafts nothing: one row, under the first rule);
+    head_name: an MTP head's rows beside the draft's (specmlx only: mlx-lm cannot use one)."""
 
     def rules(k: int | str) -> list[str]:
         return s.verifies if k != 0 else s.verifies[:1]
@@ -172,6 +173,10 @@ def systems(draft_name: str | None, s: BenchSettings) -> list[System]:
             out += spec(f"{draft_name} + lookup")
             if s.memory:
                 out += spec(f"{draft_name} + lookup{MEMORY}")
+    if head_name:
+        out += spec(head_name)
+        if s.lookup:
+            out += spec(f"{head_name} + lookup")
     return out
 
 
@@ -186,6 +191,7 @@ def bench(
     shared: int | None = None,
     on_run: Callable[[Run], None] | None = None,
     world: World | None = None,
+    head: tuple[str, object] | None = None,
 ) -> dict:
     """Run every system on every prompt and temperature, interleaved, ``s.repeats`` times.
 
@@ -193,11 +199,12 @@ def bench(
     and "prompt"; encode: a prompt row -> token ids; s: what to sweep; draft_name: the
     draft's alias for the rows; shared: ids the draft may propose; on_run: called after each
     generation (progress); world: the ranks the target is split over (every rank runs this
-    same sequence). A "+ memory" row's lookup memory starts empty in each repeat and
+    same sequence); head: (name, the target's MTP head) to bench beside the draft. A
+    "+ memory" row's lookup memory starts empty in each repeat and
     remembers that repeat's outputs, prompt after prompt. Returns {"rows", "runs",
     "verify_curve", "draft_cost"}; the CLI adds the environment."""
     encoded = [(p["id"], encode(p)) for p in prompts]
-    bed = _Testbed(target, draft, encoded[0][1], s, draft_name, shared, world)
+    bed = _Testbed(target, draft, encoded[0][1], s, draft_name, shared, world, head)
     runs: list[Run] = []
     for rep in range(s.repeats):
         memories = bed.memories()
@@ -224,6 +231,7 @@ def bench_sequences(
     shared: int | None = None,
     on_run: Callable[[Run], None] | None = None,
     world: World | None = None,
+    head: tuple[str, object] | None = None,
 ) -> dict:
     """The editing sequences: each step asks for one more edit of the file the previous step
     wrote (every system follows its own outputs; greedy rows write the same ones). A
@@ -232,7 +240,7 @@ def bench_sequences(
     sequences: rows from load_sequences; decode: token ids -> text (the next step's file);
     the rest as for ``bench``. Returns what ``bench`` returns; runs are named <id>-<step>."""
     first = edit_step(sequences[0], 0, sequences[0]["file"])
-    bed = _Testbed(target, draft, encode(first), s, draft_name, shared, world)
+    bed = _Testbed(target, draft, encode(first), s, draft_name, shared, world, head)
     runs: list[Run] = []
     prompts: dict[str, list[int]] = {}
     for rep in range(s.repeats):
@@ -260,11 +268,12 @@ class _Testbed:
     """What every benchmark shares: the systems, the measured verify curve and draft cost,
     one adaptive-k state per auto system and temperature, and a warm-up."""
 
-    def __init__(self, target, draft, ids, s: BenchSettings, draft_name, shared, world):
+    def __init__(self, target, draft, ids, s: BenchSettings, draft_name, shared, world, head):
         for verify in s.verifies:
             sampled_rule(verify)
         self.target, self.draft, self.s, self.shared, self.world = target, draft, s, shared, world
-        self.todo = systems(draft_name, s)
+        self.head = head  # (name, an MTP head) benched beside the draft, or None
+        self.todo = systems(draft_name, s, head[0] if head else None)
         self.notes: list[str] = []
         if getattr(draft, "reads_hidden", None):  # mlx-lm's loop takes a model, not a head
             self.todo = [sy for sy in self.todo if sy.system != "mlx-lm" or sy.drafter == "none"]
@@ -280,6 +289,7 @@ class _Testbed:
             self.cost = head_step_seconds(draft, reps=5) / t[1]
         else:
             self.cost = pass_times(draft, ctx, [1], reps=5)[1] / t[1] if draft is not None else None
+        self.head_cost = head_step_seconds(head[1], reps=5) / t[1] if head else None
         # one adaptive-k state per auto system and temperature, kept across its generations as
         # `specmlx run` keeps it on disk: what is measured is auto after its first few rounds.
         # They start from this measured curve and live in memory only.
@@ -298,7 +308,15 @@ class _Testbed:
             temps = [t for t in s.temps if runs_at(system, t, s)]
             for temp in temps if system.k == "auto" else temps[:1]:
                 chooser = self.choosers.get((system, temp))
-                run_one(system, target, draft, ids, temp, warm, s.seed, shared, chooser, world)
+                d = self.draft_of(system)
+                run_one(system, target, d, ids, temp, warm, s.seed, shared, chooser, world)
+
+    def draft_of(self, system: System):
+        """The drafting model a system's rows use: the MTP head's rows the head, the rest
+        the draft."""
+        if self.head is not None and system.drafter.split(" + ")[0] == self.head[0]:
+            return self.head[1]
+        return self.draft
 
     def systems_at(self, temp: float) -> list[System]:
         return [sy for sy in self.todo if runs_at(sy, temp, self.s)]
@@ -316,7 +334,7 @@ class _Testbed:
         tokens, decoded, secs, drafted, accepted = run_one(
             system,
             self.target,
-            self.draft,
+            self.draft_of(system),
             ids,
             temp,
             self.s,
@@ -330,10 +348,17 @@ class _Testbed:
 
     def result(self, runs: list[Run]) -> dict:
         return {
-            "rows": summarize(runs, self.todo, self.s, self.cost),
+            "rows": summarize(
+                runs,
+                self.todo,
+                self.s,
+                self.cost,
+                (self.head[0], self.head_cost) if self.head else None,
+            ),  # fmt: skip
             "runs": [asdict(r) for r in runs],
             "verify_curve": self.curve,
             "draft_cost": self.cost,
+            "head_cost": self.head_cost,
             "notes": self.notes,
         }
 

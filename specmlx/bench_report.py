@@ -107,9 +107,15 @@ def worst_same(runs: list[Run], ref: dict) -> str:
 
 
 def summarize(
-    runs: list[Run], todo: list[System], s: BenchSettings, draft_cost: float | None
+    runs: list[Run],
+    todo: list[System],
+    s: BenchSettings,
+    draft_cost: float | None,
+    head: tuple[str, float] | None = None,
 ) -> list[dict]:
-    """One row per (system, temperature): medians over repeats of whole-prompt-set tok/s."""
+    """One row per (system, temperature): medians over repeats of whole-prompt-set tok/s.
+    draft_cost: the draft model's step cost c (against a target step); head: (name, c) of
+    an MTP head benched beside it, whose rows use its own c."""
     rows = []
     for temp in s.temps:
         base_label = todo[0].label  # target-only comes first
@@ -128,6 +134,8 @@ def summarize(
             k_mean = drafted / max(1, sum(_rounds(r) for r in mine)) if drafted else 0.0
             k_theory = system.k if isinstance(system.k, int) else k_mean
             cost = 0.0 if system.drafter.startswith("lookup") else (draft_cost or 0.0)
+            if head is not None and system.drafter.split(" + ")[0] == head[0]:
+                cost = head[1]
             theory = theoretical_speedup(a, k_theory, cost) if system.k != 0 else 1.0
             speedups = [x / b for x, b in zip(tps, base, strict=True)]
             speed = statistics.median(speedups)

@@ -911,6 +911,9 @@ def bench(
     draft_stop: bool = typer.Option(
         False, "--draft-stop", help="Also add auto rows whose draft stops per token."
     ),
+    mtp: bool = typer.Option(
+        False, "--mtp", help="Also add rows drafted by the target's own MTP head (--draft mtp)."
+    ),
     verifies: str = typer.Option(
         DEFAULT_VERIFY,
         "--verify",
@@ -940,7 +943,7 @@ def bench(
     from . import bench_data, bench_report
     from .display import bench_table
     from .distributed import Watchdog, barrier, join, launched
-    from .loading import load_pair
+    from .loading import load_head, load_pair
     from .registry import load_registry
     from .sampling import SamplingParams
     from .stream import encode_prompt
@@ -996,7 +999,12 @@ def bench(
         watchdog.beat("loading the models on the other ranks")
         barrier(world)
         watchdog.beat("benchmarking")
-    todo = b.systems(drf.spec.alias if drf else None, settings)
+    head = None
+    if mtp and models.draft != MTP:  # the head's rows beside the draft model's
+        say = lambda m: console.print(m, style="dim", soft_wrap=True, markup=False)  # noqa: E731
+        loaded = load_head(tgt, say)
+        head = (loaded.spec.alias, loaded.model)
+    todo = b.systems(drf.spec.alias if drf else None, settings, head[0] if head else None)
     generations = sum(len(r["edits"]) for r in rows) if sequences else len(rows)
     total = settings.repeats * generations * len(settings.temps) * len(todo)
     progress = Progress(
@@ -1018,7 +1026,9 @@ def bench(
         def encode(row):
             return encode_prompt(tgt.tokenizer, row["prompt"], chat=bool(row.get("chat")))
 
-        common = dict(draft_name=drf.spec.alias if drf else None, shared=shared, world=world)
+        common = dict(
+            draft_name=drf.spec.alias if drf else None, shared=shared, world=world, head=head
+        )
         draft_model = drf.model if drf else None
         if sequences:
             decode = tgt.tokenizer.decode

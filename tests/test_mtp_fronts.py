@@ -11,7 +11,7 @@ from pathlib import Path
 import mlx.core as mx
 import openai
 import pytest
-from helpers import Server
+from helpers import Server, make_tiny_model
 from test_distributed import TWO, specmlx, tokens
 from test_mtp import _raw_checkpoint
 from test_mtp_deepseek import _deepseek_v3, _glm4_moe
@@ -232,3 +232,21 @@ def test_every_family_through_run_serve_and_bench(family, tmp_path, root, env):
     rows = json.loads(out.read_text())["rows"]
     assert {r["drafter"] for r in rows} == {"none", "m:mtp"}
     assert all(r["same_as_target"] == "identical" for r in rows), rows
+
+
+def test_bench_rows_of_the_head_beside_a_draft_models(root, env, tmp_path):
+    """`bench --draft MODEL --mtp`: the head's rows and the draft model's in one table, each
+    with its own step cost; every greedy row the target's."""
+    make_tiny_model(tmp_path / "d", seed=1, vocab_size=336)  # the tiny tokenizer, more rows
+    out = tmp_path / "bench.json"
+    done = CliRunner().invoke(app, ["bench", "--target", str(root / "q"), "--draft",
+                                    str(tmp_path / "d"), "--mtp", "-n", "8", "--repeats", "1",
+                                    "--limit", "1", "-k", "2", "--temp", "0", "--compare",
+                                    "none", "--json", str(out)], env=env)  # fmt: skip
+    assert done.exit_code == 0, done.output
+    result = json.loads(out.read_text())
+    rows = {r["drafter"]: r for r in result["rows"]}
+    assert set(rows) == {"none", "d", "q:mtp"}
+    assert all(r["same_as_target"] == "identical" for r in result["rows"]), result["rows"]
+    assert rows["q:mtp"]["draft_cost"] == result["head_cost"] > 0
+    assert rows["d"]["draft_cost"] == result["draft_cost"] > 0
