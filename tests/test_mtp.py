@@ -13,6 +13,7 @@ import pytest
 from families import build, family_config
 from helpers import count_host_syncs, save_tiny, tiny_tokenizer
 from mlx.utils import tree_flatten, tree_map
+from mlx_lm.models import qwen3_5_moe
 from mlx_lm.utils import quantize_model, save
 from mtp_toy import toy_head, toy_language, toy_target
 from test_distribution import (
@@ -342,3 +343,33 @@ def test_a_head_quantized_on_disk_loads_as_it_is(tmp_path, specmlx_home):
     loaded = dict(tree_flatten(draft.model.parameters()))
     for k, v in tree_flatten(head.parameters()):
         assert mx.array_equal(loaded[k], v).item(), k
+
+
+def test_qwen3_5_moe_heads_are_exact():
+    """Qwen3.5/3.6 MoE: the head's layer is the family's MoE layer; greedy is the target's."""
+    config = family_config("qwen3_5", 2)
+    config["text_config"].update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                 shared_expert_intermediate_size=32, decoder_sparse_step=1)  # fmt: skip
+    args = qwen3_5_moe.ModelArgs.from_dict({"model_type": "qwen3_5_moe", **config})
+    mx.random.seed(0)
+    target = qwen3_5_moe.Model(args)
+    mx.eval(target.parameters())
+    head = random_head(target, "qwen3_5_moe")
+    assert hasattr(head.layer.mlp, "switch_mlp")
+    plain = tokens(target, None, num_draft=0, max_tokens=24)
+    for k in (1, 2, 4):
+        assert tokens(target, head, num_draft=k, max_tokens=24) == plain
+
+
+def test_the_tap_reads_a_decoder_layers_output():
+    """The seam an EAGLE-3 or DFlash head would use: a layer's output (the residual stream)
+    and the final hidden state from one pass, without a second one."""
+    model = build("llama", 2, 0)
+    tap = HiddenTap(model, (-1, "final"))
+    assert HiddenTap(model, (-1, "final")) is tap  # one tap per model
+    with pytest.raises(BadInput, match="already read"):
+        HiddenTap(model, ("final",))
+    logits = model(mx.array([[3, 1, 4, 1, 5]]))
+    layer, final = tap.last
+    assert mx.allclose(model.model.norm(layer), final).item()
+    assert mx.allclose(model.lm_head(final), logits).item()
