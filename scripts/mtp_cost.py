@@ -21,6 +21,8 @@ from specmlx.hidden import HiddenTap
 from specmlx.machine import blas_in_use
 from specmlx.mtp import MTPHead
 
+from rollback_cost import best  # scripts/: the same timing rule
+
 
 def shape(layers: int) -> dict:
     # Qwen3.5-2B-like layers (gated delta 3 of 4, full attention the 4th) and Qwen3's
@@ -34,15 +36,6 @@ def shape(layers: int) -> dict:
             linear_conv_kernel_dim=4, full_attention_interval=4, tie_word_embeddings=True,
         ),
     )  # fmt: skip
-
-
-def best(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times[1:])  # the first is a warm-up
 
 
 def main() -> None:

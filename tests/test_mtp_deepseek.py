@@ -13,13 +13,13 @@ import mlx.core as mx
 import pytest
 from helpers import save_tiny, tiny_tokenizer
 from mlx.utils import tree_flatten, tree_map
+from test_mtp import check_greedy, random_head, tokens
 
-from specmlx.engine import KVState, generate_tokens
+from specmlx.engine import KVState
 from specmlx.errors import IncompatiblePair
 from specmlx.hidden import HiddenTap
 from specmlx.loading import _load_dir, load_pair
 from specmlx.mtp import MTPHead
-from specmlx.stats import Stats
 
 PROMPT = list(range(1, 20))
 
@@ -65,22 +65,10 @@ def build(config: dict, seed: int = 0):
     return model
 
 
-def random_head(target, family: str, seed: int = 3, scale: float = 0.3) -> MTPHead:
-    head = MTPHead(target, family)
-    mx.random.seed(seed)
-    head.update(tree_map(lambda p: scale * mx.random.normal(p.shape), head.parameters()))
-    mx.eval(head.parameters())
-    return head
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def family_pair(request):
     target = build(CONFIGS[request.param](2))
     return request.param, target, random_head(target, request.param)
-
-
-def tokens(target, draft, prompt=PROMPT, **kw):
-    return [e.token for e in generate_tokens(target, draft, prompt, **kw)]
 
 
 def test_the_head_is_the_familys_own_moe_layer(family_pair):
@@ -92,10 +80,7 @@ def test_the_head_is_the_familys_own_moe_layer(family_pair):
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_greedy_mtp_is_token_identical(family_pair, k):
     _, target, head = family_pair
-    plain = tokens(target, None, num_draft=0, max_tokens=30)
-    stats = Stats()
-    assert tokens(target, head, num_draft=k, max_tokens=30, stats=stats) == plain
-    assert stats.drafted >= 20 * k // 2  # the head drafted (a random one is mostly wrong)
+    check_greedy(target, head, k, n=30)
 
 
 def test_the_head_is_fed_the_right_hidden_state_and_token(family_pair):
