@@ -11,17 +11,15 @@ device MLX uses (on a Linux CPU preload OpenBLAS: scripts/env.sh).
 from __future__ import annotations
 
 import argparse
-import time
 
 import mlx.core as mx
 from mlx_lm.models import qwen3_5
+from rollback_cost import best  # scripts/: the same timing rule
 
 from specmlx.caches import make_caches
 from specmlx.hidden import HiddenTap
 from specmlx.machine import blas_in_use
 from specmlx.mtp import MTPHead
-
-from rollback_cost import best  # scripts/: the same timing rule
 
 
 def shape(layers: int) -> dict:
