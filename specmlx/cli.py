@@ -291,6 +291,17 @@ def run(
         _run_local(job, render, target, draft, lookup, k, context, quiet, join())
 
 
+def allowed_hosts(host: str, loopback: bool, extra: list[str]) -> frozenset[str] | None:
+    """The Host names a server on ``host`` answers to (None: any). On loopback: the loopback
+    names and ``extra``; elsewhere (a key is required there) any, unless ``extra`` names them."""
+    names = frozenset(n.strip().lower().strip("[]") for n in extra)
+    if "*" in names:
+        return None
+    if loopback:
+        return names | {"localhost", "127.0.0.1", "::1", host.lower()}
+    return names | {host.lower()} if names else None
+
+
 def _draft_spec(registry, models):
     """The draft model's spec (None: no draft model, or the target's own MTP head)."""
     return registry.resolve(models.draft) if models.draft not in (None, MTP) else None
@@ -683,6 +694,13 @@ def serve(
         "4GB", "--prompt-cache", help="Memory for KV caches kept across requests (0: off)."
     ),
     max_body: str = typer.Option("16MB", "--max-body", help="Largest request body (then 413)."),
+    allow_host: list[str] = typer.Option(
+        [],
+        "--allow-host",
+        help="A Host header name requests may carry besides the loopback ones (repeat it; "
+        "'*': any). A server on loopback answers only to loopback names by default, so a web "
+        "page cannot reach it by rebinding its own name.",
+    ),
     lookup_memory: bool = typer.Option(
         True,
         "--lookup-memory/--no-lookup-memory",
@@ -736,6 +754,7 @@ def serve(
             "SPECMLX_API_KEY), or say --public-without-key"
         )
     cache_budget, body_limit = parse_size(prompt_cache), parse_size(max_body)
+    host_names = allowed_hosts(host, loopback, allow_host)
     if not launched() or os.environ.get("MLX_RANK") in (None, "0"):
         check_port(host, port)  # before minutes of loading, not after
     if (hosts or hostfile) and not launched():
@@ -793,6 +812,7 @@ def serve(
         api_key=api_key,
         max_body=body_limit,
         verify=verify,
+        hosts=host_names,
     )
     shown = f"[{host}]" if ":" in host else host
     draft_name = drf.spec.alias if drf else drafter

@@ -54,7 +54,7 @@ def resolve_dtype(name: str) -> mx.Dtype:
 
 def parse_size(text: str) -> int:
     """Bytes from '123', '8GB', '8 GiB', '512M' (decimal units unless 'iB')."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(i?)b?\s*", text.lower())
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?|\.\d+)\s*([kmgt]?)(i?)b?\s*", text.lower())
     if not m:
         raise BadInput(f"'{text}' is not a size: use bytes or a size like 8GB or 512MiB")
     base = 1024 if m.group(3) else 1000

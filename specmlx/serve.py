@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .acceptance import DEFAULT_VERIFY, sampled_rule
@@ -186,6 +186,14 @@ class InfillBody(_Text):
     seed: Seed = -1  # -1: random
     stream: bool = False
 
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop: list[str]) -> list[str]:
+        # more than the engine checks cheaply each token: said, never dropped in silence
+        if len(stop) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stop)}")
+        return stop
+
 
 # ---------------------------------------------------------------- the app
 
@@ -198,7 +206,9 @@ class ServerSettings:
     max_tokens: the default budget of a request; sampling: the default sampler; num_draft:
     the default k; drafter: the default drafter ("model", "lookup" or "none"); api_key:
     required as a Bearer token when set; max_body: the largest request body in bytes;
-    verify: the default acceptance rule of sampled rounds ("block" or "token")."""
+    verify: the default acceptance rule of sampled rounds ("block" or "token"); hosts: the
+    Host header names requests may carry (None: any), so a web page that rebinds its own
+    DNS name to 127.0.0.1 cannot reach a keyless server on loopback."""
 
     model_name: str
     context: int
@@ -209,6 +219,7 @@ class ServerSettings:
     api_key: str | None = None
     max_body: int = 16 * 2**20
     verify: str = DEFAULT_VERIFY
+    hosts: frozenset[str] | None = None
 
 
 def create_app(
@@ -227,7 +238,9 @@ def create_app(
             await asyncio.to_thread(worker.stop)
 
     app = FastAPI(title="specmlx", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(_Guard, api_key=settings.api_key, max_body=settings.max_body)
+    app.add_middleware(
+        _Guard, api_key=settings.api_key, max_body=settings.max_body, hosts=settings.hosts
+    )
     app.state.worker, app.state.settings = worker, settings
     _errors(app)
     tok = worker.target.tokenizer
@@ -297,7 +310,7 @@ def create_app(
             max_tokens = 0
         gen = GenRequest(
             prompt_ids=ids, sampling=sampling, max_tokens=max_tokens,
-            seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s][:MAX_STOPS],
+            seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s],
             drafter=_drafter(None, settings, worker), num_draft=settings.num_draft,
             extra_eos=template.stops, verify=settings.verify,
         )  # fmt: skip
@@ -705,16 +718,29 @@ def _errors(app: FastAPI) -> None:
         )
 
 
-class _Guard:
-    """ASGI middleware: the Bearer API key (all but /health) and the body size limit (413)."""
+def host_name(header: str) -> str:
+    """The name in a Host header, without its port ("[::1]:8080" -> "::1")."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    return header.rpartition(":")[0] if header.count(":") == 1 else header
 
-    def __init__(self, app, api_key: str | None, max_body: int):
-        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+class _Guard:
+    """ASGI middleware: the Host header (when the server names its hosts), the Bearer API
+    key (all but /health) and the body size limit (413, chunked bodies too)."""
+
+    def __init__(self, app, api_key: str | None, max_body: int, hosts: frozenset[str] | None):
+        self.app, self.api_key, self.max_body, self.hosts = app, api_key, max_body, hosts
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.hosts is not None and host_name(headers.get("host", "")) not in self.hosts:
+            msg = "this server does not answer to that Host name (see --allow-host)"
+            body = error_body(msg, "invalid_request_error", "invalid_host")
+            return await JSONResponse(body, 400)(scope, receive, send)
         if self.api_key and scope["path"] != "/health":
             scheme, _, given = headers.get("authorization", "").strip().partition(" ")
             # the scheme is case-insensitive (RFC 9110); the key compared in constant time
@@ -728,31 +754,34 @@ class _Guard:
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return await self._too_large(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
+        # read the body here, counting (a chunked one has no length to check first), and
+        # hand the app a replay: an oversized body is a 413 before the app sees any of it
+        chunks, seen, more = [], 0, True
+        while more:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body:
-                    raise _TooLarge
-            return message
+            if message["type"] != "http.request":  # the client went away
+                return None
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.max_body:
+                return await self._too_large(scope, receive, send)
+            more = message.get("more_body", False)
+        replayed = False
 
-        try:
-            return await self.app(scope, counted, send)
-        except _TooLarge:
-            return await self._too_large(scope, receive, send)
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # then what the server says next (a disconnect)
+
+        return await self.app(scope, replay, send)
 
     async def _too_large(self, scope, receive, send):
         msg = f"the request body is larger than {self.max_body} bytes"
         await JSONResponse(error_body(msg, "invalid_request_error", "too_large"), 413)(
             scope, receive, send
         )
-
-
-class _TooLarge(Exception):
-    pass
 
 
 # ---------------------------------------------------------------- metrics

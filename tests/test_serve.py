@@ -21,7 +21,10 @@ import pytest
 from helpers import Server, free_port, tiny_pair
 from typer.testing import CliRunner
 
-from specmlx.cli import app
+from specmlx.cli import allowed_hosts, app
+from specmlx.errors import BadInput
+from specmlx.footprint import parse_size
+from specmlx.serve import host_name
 from specmlx.worker import QueueFull, Worker
 
 KEY = "sk-test-key"
@@ -258,6 +261,8 @@ BAD = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}', 400,
      "surrogate"),
     ("/infill", '{"input_prefix": "x", "input_extra": [{"text": "\\ud800"}]}', 400, "surrogate"),
+    # more stop strings than checked: said, never dropped in silence
+    ("/infill", {"input_prefix": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop strings"),
 ]  # fmt: skip
 
 
@@ -570,3 +575,47 @@ def test_sigterm_answers_the_queued_and_ends_the_running_stream_cleanly(root):
     last = json.loads(lines[-2][6:])
     assert last["error"]["code"] == "shutting_down", lines[-3:]
     assert sum(1 for ln in lines if '"text"' in ln) > 1  # it had streamed before
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(server):
+    """A body sent in chunks has no length to check first: it is counted as it comes."""
+
+    def chunks():
+        for _ in range(17):
+            yield b"x" * 2**20
+
+    r = httpx.post(server.url + "/v1/completions", content=chunks(), timeout=60,
+                   headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})  # fmt: skip
+    assert r.status_code == 413 and r.json()["error"]["code"] == "too_large", r.text
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_loopback_server_answers_only_to_loopback_host_names(server):
+    """DNS rebinding: a page on evil.example that rebinds its name to 127.0.0.1 sends
+    Host: evil.example; the server on loopback refuses it (a keyless one would serve it)."""
+    port = server.url.rsplit(":", 1)[1]
+    evil = httpx.get(server.url + "/health", headers={"Host": f"evil.example:{port}"})
+    assert evil.status_code == 400 and evil.json()["error"]["code"] == "invalid_host"
+    for name in (f"localhost:{port}", f"127.0.0.1:{port}", f"[::1]:{port}", "LOCALHOST"):
+        assert httpx.get(server.url + "/health", headers={"Host": name}).status_code == 200
+
+
+def test_allowed_host_names_and_sizes():
+    assert allowed_hosts("127.0.0.1", True, []) == {"localhost", "127.0.0.1", "::1"}
+    assert "box.lan" in allowed_hosts("127.0.0.1", True, ["Box.lan"])
+    assert allowed_hosts("0.0.0.0", False, []) is None  # public: a key is required there
+    assert allowed_hosts("0.0.0.0", False, ["api.example"]) == {"api.example", "0.0.0.0"}
+    assert allowed_hosts("127.0.0.1", True, ["*"]) is None
+    assert [host_name(h) for h in ("a:1", "[::1]:8", "::1", "B")] == ["a", "::1", "::1", "b"]
+    assert parse_size("1.5kB") == 1500 and parse_size(".5k") == 500
+    for bad in ("1.2.3", "1..2", "."):
+        with pytest.raises(BadInput, match="not a size"):
+            parse_size(bad)
+
+
+def test_a_malformed_size_is_a_usage_error(root):
+    env = server_env(root, root / "models.toml")
+    r = CliRunner().invoke(app, ["serve", "--max-body", "1.2.3"], env=env)
+    assert r.exit_code == 2 and r.output.strip().splitlines() == [
+        "error: '1.2.3' is not a size: use bytes or a size like 8GB or 512MiB"
+    ]
