@@ -185,6 +185,12 @@ class InfillBody(_Text):
     stop: list[str] = []
     seed: Seed = -1  # -1: random
     stream: bool = False
+    # llama.cpp's editor limits: stop once this long has passed after the first token and a
+    # line is done; stop at a line indented less (both finish as "limit"); <= 0: none
+    t_max_predict_ms: float = 0
+    n_indent: int = 0
+    # return just these fields, nested ones flattened as "timings/prompt_n" (llama.vim)
+    response_fields: list[str] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -313,8 +319,20 @@ def create_app(
             seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s],
             drafter=_drafter(None, settings, worker), num_draft=settings.num_draft,
             extra_eos=template.stops, verify=settings.verify,
+            time_limit_s=body.t_max_predict_ms / 1000 if body.t_max_predict_ms > 0 else None,
+            min_indent=body.n_indent if body.n_indent > 0 else None,
         )  # fmt: skip
-        return await _respond_infill(request, worker, gen, body.stream)
+        shown = _generation_settings(settings, max_tokens)
+        return await _respond_infill(request, worker, gen, body.stream, body.response_fields, shown)
+
+    @app.get("/props")
+    async def props():
+        # llama.cpp's: what llama.vscode reads for the context size (one slot: one at a time)
+        return {
+            "default_generation_settings": _generation_settings(settings, settings.max_tokens),
+            "total_slots": 1,
+            "model_path": settings.model_name,
+        }
 
     @app.get("/metrics")
     async def metrics():
@@ -598,12 +616,47 @@ async def _stream(events: _Events, base: dict, chat: bool, usage: bool, with_tok
         events.job.cancel()  # no-op when it finished; frees the slot when the client left
 
 
-async def _respond_infill(request: Request, worker: Worker, gen: GenRequest, stream: bool):
-    """llama.cpp's /completion response shape: content, stop, tokens, timings."""
+def _generation_settings(settings: ServerSettings, max_tokens: int) -> dict:
+    """llama.cpp's generation_settings, as far as specmlx has them."""
+    return {"n_ctx": settings.context, "n_predict": max_tokens, "model": settings.model_name}
+
+
+def _fields(out: dict, fields: list[str]) -> dict:
+    """llama.cpp's response_fields: just these fields; "a/b" is out["a"]["b"] under the key
+    "a/b"; a field that is not there is left out."""
+    picked = {}
+    for name in fields:
+        value = out
+        for part in name.split("/"):
+            if not isinstance(value, dict) or part not in value:
+                break
+            value = value[part]
+        else:
+            picked[name] = value
+    return picked
+
+
+async def _respond_infill(
+    request: Request,
+    worker: Worker,
+    gen: GenRequest,
+    stream: bool,
+    fields: list[str] | None = None,
+    generation_settings: dict | None = None,
+):
+    """llama.cpp's /completion response shape: content, stop, tokens, timings (just
+    ``fields`` when given)."""
     events = _Events(worker, gen)
 
     def final(content: str, stats: Stats) -> dict:
-        stop_type = {"length": "limit", "stop": "eos"}.get(stats.finish_reason or "", "eos")
+        out = full(content, stats)
+        return out if fields is None else _fields(out, fields)
+
+    def full(content: str, stats: Stats) -> dict:
+        stop_type = {"length": "limit", "limit": "limit", "stop": "eos"}.get(
+            stats.finish_reason or "", "eos"
+        )
+        prompt_n = stats.prompt_tokens - stats.cached_tokens
         return {
             "content": content,
             "stop": True,
@@ -613,14 +666,20 @@ async def _respond_infill(request: Request, worker: Worker, gen: GenRequest, str
             "tokens_cached": stats.cached_tokens,
             "truncated": False,
             "timings": {
-                "prompt_n": stats.prompt_tokens - stats.cached_tokens,
+                "prompt_n": prompt_n,
                 "prompt_ms": stats.prefill_s * 1000,
+                "prompt_per_token_ms": stats.prefill_s * 1000 / prompt_n if prompt_n else 0.0,
+                "prompt_per_second": stats.prompt_tps,
                 "predicted_n": stats.generated,
                 "predicted_ms": stats.decode_s * 1000,
+                "predicted_per_token_ms": (
+                    stats.decode_s * 1000 / stats.generated if stats.generated else 0.0
+                ),
                 "predicted_per_second": stats.decode_tps,
                 "draft_n": stats.drafted,
                 "draft_n_accepted": stats.accepted,
             },
+            "generation_settings": generation_settings or {},
             "specmlx": _spec(stats, events.job),
         }
 

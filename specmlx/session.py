@@ -19,7 +19,7 @@ from .engine import KVState, generate_tokens, prefill
 from .lookup import LookupMemory
 from .sampling import SamplingParams
 from .stats import Stats, TokenEvent
-from .stream import stream_text
+from .stream import editor_limits, stream_text
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,9 @@ class Request:
     it is); max_tokens: the budget; seed: None for random; stop: stop strings (text only);
     use_draft: speculate with the pair's draft model; lookup: prompt lookup (first, when
     both); extra_eos: ids that end generation besides the tokenizer's (e.g. end of infill);
-    verify: "block" or "token"; draft_stop: per-token stopping (auto k with a draft)."""
+    verify: "block" or "token"; draft_stop: per-token stopping (auto k with a draft);
+    time_limit_s, min_indent: an editor's limits on the text (stream.editor_limits:
+    llama.cpp's t_max_predict_ms and n_indent; None: none)."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     num_draft: KSetting = "auto"
@@ -71,6 +73,8 @@ class Request:
     extra_eos: tuple[int, ...] = ()
     verify: str = DEFAULT_VERIFY
     draft_stop: bool = False
+    time_limit_s: float | None = None
+    min_indent: int | None = None
 
 
 class Session:
@@ -165,7 +169,10 @@ class Generation:
         """Token events with the text each completed (UTF-8 safe), ending at a stop string;
         closing it early closes the engine's generator (its KVState stays exact)."""
         tokenizer = self.session.pair.tokenizer
-        return stream_text(tokenizer, self.tokens(), self.req.stop, self.stats)
+        text = stream_text(tokenizer, self.tokens(), self.req.stop, self.stats)
+        if self.req.time_limit_s is None and not self.req.min_indent:
+            return text
+        return editor_limits(text, self.req.time_limit_s, self.req.min_indent, self.stats)
 
     def prefill(self) -> None:
         """Put the prompt into the caches and generate nothing (an editor's warm-up)."""

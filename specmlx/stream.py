@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 
 from .errors import BadInput
@@ -70,6 +71,52 @@ def stream_text(
         tail = held + detok.last_segment
         if tail and last is not None:
             yield TokenEvent(None, last.from_draft, tail)
+    finally:
+        close = getattr(events, "close", None)
+        if close is not None:
+            close()
+
+
+def editor_limits(
+    events: Iterator[TokenEvent],
+    time_limit_s: float | None = None,
+    min_indent: int | None = None,
+    stats: Stats | None = None,
+    clock=time.perf_counter,
+) -> Iterator[TokenEvent]:
+    """llama.cpp's limits for code completion in editors, over text events.
+
+    time_limit_s (``t_max_predict_ms``): once this long has passed since the first token and
+    a new line has been generated, stop; min_indent (``n_indent``): stop at a line (after
+    the first) whose first non-blank character is indented less, cutting the text there.
+    Either stop sets finish_reason "limit" in ``stats``. clock: seconds (for tests).
+    Closing this iterator early closes ``events`` (the engine's KVState stays exact)."""
+    start = None
+    newline = False  # a new line has been generated
+    at_line_start, indent = False, 0
+    try:
+        for ev in events:
+            start = clock() if start is None else start
+            text = ev.text or ""
+            if min_indent:
+                for i, ch in enumerate(text):
+                    if ch == "\n":
+                        at_line_start, indent = True, 0
+                    elif at_line_start and ch in " \t":
+                        indent += 1
+                    elif at_line_start:
+                        at_line_start = False
+                        if indent < min_indent:
+                            if stats is not None:
+                                stats.finish_reason = "limit"
+                            yield TokenEvent(ev.token, ev.from_draft, text[:i])
+                            return
+            yield ev
+            newline = newline or "\n" in text
+            if time_limit_s is not None and newline and clock() - start > time_limit_s:
+                if stats is not None:
+                    stats.finish_reason = "limit"
+                return
     finally:
         close = getattr(events, "close", None)
         if close is not None:

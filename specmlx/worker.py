@@ -299,9 +299,12 @@ class Worker:
             lockstep = Lockstep(world, stoppable=True, cancelled=stop, beat=beat)
         job.k_label = str(r.num_draft)
         job.drafter_name = self.draft.spec.alias if use_draft else r.drafter
+        # a time limit would stop the ranks at different tokens: with ranks it is not applied
+        time_limit = None if world.distributed else r.time_limit_s
         request = replace(
-            r, use_draft=use_draft, lookup=r.drafter == "lookup", draft_stop=self.draft_stop
-        )
+            r, use_draft=use_draft, lookup=r.drafter == "lookup", draft_stop=self.draft_stop,
+            time_limit_s=time_limit,
+        )  # fmt: skip
         kv = self.cache.take(r.prompt_ids)
         gen = self.session.start(r.prompt_ids, request, kv=kv, stats=stats, lockstep=lockstep)
         if r.max_tokens == 0:  # a warm-up (llama.vim's n_predict 0): the prompt cache only
@@ -367,7 +370,7 @@ IDLE_TICK = 0.1
 IDLE = object()  # _receive's "nothing yet"
 _DRAFTERS = ("model", "lookup", "none")
 _VERIFIES = ("token", "block")
-_HEADER = 13  # ints: see _send
+_HEADER = 14  # ints: see _send
 
 
 def _send(world: World, r) -> None:
@@ -381,7 +384,7 @@ def _send(world: World, r) -> None:
         1, len(r.prompt_ids), r.max_tokens, r.seed, _DRAFTERS.index(r.drafter),
         -1 if r.num_draft == "auto" else int(r.num_draft), len(r.extra_eos), len(stops),
         float_bits(s.temperature), float_bits(s.top_p), s.top_k, float_bits(s.min_p),
-        _VERIFIES.index(r.verify),
+        _VERIFIES.index(r.verify), r.min_indent or 0,
     ]  # fmt: skip
     share(world, header)
     share(world, [*r.prompt_ids, *r.extra_eos, *stops])
@@ -407,4 +410,5 @@ def _receive(world: World):
         num_draft="auto" if h[5] < 0 else h[5],
         extra_eos=tuple(payload[n_prompt : n_prompt + n_eos]),
         verify=_VERIFIES[h[12]],
+        min_indent=h[13] or None,  # it cuts the text where rank 0's does (a time limit would not)
     )

@@ -327,8 +327,8 @@ def test_llama_vims_warm_up_prefills_and_predicts_nothing(server):
     server's cache: it must return at once with no tokens, and the next real request that
     shares the context must find it cached."""
     extra = [{"filename": "util.py", "text": CODE * 6}]
-    warm = {"input_extra": extra, "n_predict": 0, "samplers": [], "t_max_predict_ms": 1,
-            "response_fields": [""]}  # fmt: skip
+    # (llama.vim's response_fields [""] is in test_llama_vims_requests_in_their_own_shapes)
+    warm = {"input_extra": extra, "n_predict": 0, "samplers": [], "t_max_predict_ms": 1}
     r = post(server, "/infill", warm)
     assert r.status_code == 200, r.text
     out = r.json()
@@ -619,3 +619,36 @@ def test_a_malformed_size_is_a_usage_error(root):
     assert r.exit_code == 2 and r.output.strip().splitlines() == [
         "error: '1.2.3' is not a size: use bytes or a size like 8GB or 512MiB"
     ]
+
+
+# what llama.vim (autoload/llama.vim) sends: its warm-up and its FIM request, field for field
+VIM_FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
+              "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
+              "timings/predicted_per_token_ms", "timings/predicted_per_second", "truncated",
+              "tokens_cached"]  # fmt: skip
+
+
+def test_llama_vims_requests_in_their_own_shapes(server):
+    extra = [{"filename": "util.py", "text": "def add(a, b):\n    return a + b\n" * 4}]
+    warm = post(server, "/infill", {
+        "input_extra": extra, "n_predict": 0, "samplers": [], "cache_prompt": True,
+        "t_max_prompt_ms": 1, "t_max_predict_ms": 1, "response_fields": [""],
+    })  # fmt: skip
+    assert warm.status_code == 200 and warm.json() == {}  # "" names no field: nothing back
+    fim = post(server, "/infill", {
+        "id_slot": 0, "input_prefix": "def f(x):\n", "input_suffix": "\n", "input_extra": extra,
+        "prompt": "    ", "n_predict": 16, "n_indent": 4, "top_k": 40, "top_p": 0.99,
+        "stream": False, "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True,
+        "t_max_prompt_ms": 500, "t_max_predict_ms": 250, "response_fields": VIM_FIELDS,
+    })  # fmt: skip
+    assert fim.status_code == 200, fim.text
+    body = fim.json()
+    # the flattened keys llama.vim reads for its info line, and nothing else
+    assert set(body) == set(VIM_FIELDS), body
+    assert body["timings/predicted_n"] <= 16 and body["timings/prompt_n"] > 0
+    assert body["tokens_cached"] > 0  # the warm-up's extra context was reused
+    whole = post(server, "/infill", {"input_prefix": "def f(x):\n", "n_predict": 4}).json()
+    assert whole["generation_settings"]["n_ctx"] == 2048 and "timings" in whole
+    props = httpx.get(server.url + "/props", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert props["default_generation_settings"]["n_ctx"] == 2048
+    assert props["total_slots"] == 1

@@ -16,8 +16,8 @@ from specmlx.choosers import ChooserStore
 from specmlx.engine import generate_tokens
 from specmlx.sampling import SamplingParams
 from specmlx.session import Pair, Request, Session
-from specmlx.stats import TokenEvent
-from specmlx.stream import _held_back, stream_text
+from specmlx.stats import Stats, TokenEvent
+from specmlx.stream import _held_back, editor_limits, stream_text
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specmlx"
 TEXT = "import os\nfor i in range(10):\n    print(i, os.getcwd())\n"
@@ -138,3 +138,39 @@ def test_no_module_but_the_session_assembles_a_generation():
         used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         used |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
         assert not used & builders, (name, used & builders)
+
+
+def _texts(*pieces):
+    return iter([TokenEvent(i, False, p) for i, p in enumerate(pieces)])
+
+
+def test_editor_limits_cut_at_a_shallower_line_and_after_the_time_limit():
+    # n_indent: the first line is never checked; a later line starting left of 4 ends it,
+    # cut before its first character (as llama.cpp cuts it)
+    stats = Stats()
+    out = editor_limits(_texts("x = 1\n", "    y = 2\n  ", "z", " = 3"), min_indent=4, stats=stats)
+    assert "".join(e.text for e in out) == "x = 1\n    y = 2\n  " and stats.finish_reason == "limit"
+    stats = Stats()
+    out = editor_limits(_texts("a\n", "\tb\n", "    c"), min_indent=1, stats=stats)
+    assert "".join(e.text for e in out) == "a\n\tb\n    c" and stats.finish_reason is None
+    # t_max_predict_ms: past the time, stop once a line is done, not before
+    now = iter([0.0, 0.5, 1.0, 2.0, 3.0, 4.0])
+    stats = Stats()
+    out = editor_limits(_texts("def f(", "a, b", "):\n", "    return", " a"), time_limit_s=0.8,
+                        stats=stats, clock=lambda: next(now))  # fmt: skip
+    # (the clock reads 0.5 s after the newline: under the limit; 1.0 s a token later: over)
+    assert "".join(e.text for e in out) == "def f(a, b):\n    return"
+    assert stats.finish_reason == "limit"
+
+
+def test_editor_limits_close_what_they_read():
+    closed = []
+
+    def events():
+        try:
+            yield from _texts("a\n", "b")
+        finally:
+            closed.append(True)
+
+    list(editor_limits(events(), min_indent=2))
+    assert closed == [True]
