@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import random
 import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
@@ -38,6 +39,7 @@ from .stream import encode_prompt
 from .worker import GenRequest, Job, QueueFull, ShuttingDown, Worker
 
 MAX_STOPS = 4  # as OpenAI allows
+MAX_COMPLETIONS = 8  # llama.cpp's n_cmpl, generated one after another
 
 
 class ApiError(Exception):
@@ -168,15 +170,11 @@ class ExtraChunk(BaseModel):
     text: str = ""
 
 
-class InfillBody(_Text):
-    """llama.cpp's /infill, as llama.vscode and llama.vim send it (other fields ignored)."""
+class _LlamaBody(_Text):
+    """The fields llama.cpp's /completion and /infill share (other fields ignored)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    input_prefix: str = ""
-    input_suffix: str = ""
-    input_extra: list[ExtraChunk] = []
-    prompt: str = ""
     n_predict: int = -1  # < 0: the server's default; 0: a warm-up, prefill only
     temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     top_k: Annotated[int, Field(ge=0)] | None = None
@@ -191,6 +189,7 @@ class InfillBody(_Text):
     n_indent: int = 0
     # return just these fields, nested ones flattened as "timings/prompt_n" (llama.vim)
     response_fields: list[str] | None = None
+    n_cmpl: Annotated[int, Field(ge=1, le=MAX_COMPLETIONS)] = 1  # completions, one after another
 
     @field_validator("stop")
     @classmethod
@@ -199,6 +198,22 @@ class InfillBody(_Text):
         if len(stop) > MAX_STOPS:
             raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stop)}")
         return stop
+
+
+class InfillBody(_LlamaBody):
+    """llama.cpp's /infill, as llama.vscode and llama.vim send it."""
+
+    input_prefix: str = ""
+    input_suffix: str = ""
+    input_extra: list[ExtraChunk] = []
+    prompt: str = ""
+
+
+class LlamaCompletionBody(_LlamaBody):
+    """llama.cpp's native /completion (Continue's and Tabby's llama.cpp providers): a text
+    prompt or its token ids."""
+
+    prompt: str | list[Annotated[int, Field(ge=0)]]
 
 
 # ---------------------------------------------------------------- the app
@@ -309,21 +324,22 @@ def create_app(
                 tok, template, body.input_prefix, body.input_suffix, extra=extra, middle=body.prompt
             )
         )
-        sampling = _sampling(body, settings)
-        budget = body.n_predict if body.n_predict > 0 else None
-        max_tokens = _budget(len(ids), budget, settings)  # (also: the prompt fits the context)
-        if body.n_predict == 0:  # llama.vim's warm-up: fill the prompt cache, predict nothing
-            max_tokens = 0
-        gen = GenRequest(
-            prompt_ids=ids, sampling=sampling, max_tokens=max_tokens,
-            seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s],
-            drafter=_drafter(None, settings, worker), num_draft=settings.num_draft,
-            extra_eos=template.stops, verify=settings.verify,
-            time_limit_s=body.t_max_predict_ms / 1000 if body.t_max_predict_ms > 0 else None,
-            min_indent=body.n_indent if body.n_indent > 0 else None,
-        )  # fmt: skip
-        shown = _generation_settings(settings, max_tokens)
-        return await _respond_infill(request, worker, gen, body.stream, body.response_fields, shown)
+        gen = _llama_request(body, ids, settings, worker, template.stops)
+        return await _respond_llama(request, worker, gen, body, settings)
+
+    @app.post("/completion")
+    async def completion(body: LlamaCompletionBody, request: Request):
+        if isinstance(body.prompt, str):
+            _bounded(settings, body.prompt)
+            ids = await _off_loop(lambda: _encode(tok, body.prompt))
+        else:
+            ids = list(body.prompt)
+            if not ids:
+                raise ApiError(400, "the prompt is empty")
+            if max(ids) >= len(tok):
+                raise ApiError(400, f"token id {max(ids)} is past the vocabulary")
+        gen = _llama_request(body, ids, settings, worker, ())
+        return await _respond_llama(request, worker, gen, body, settings)
 
     @app.get("/props")
     async def props():
@@ -614,6 +630,44 @@ async def _stream(events: _Events, base: dict, chat: bool, usage: bool, with_tok
         yield _sse("[DONE]")
     finally:
         events.job.cancel()  # no-op when it finished; frees the slot when the client left
+
+
+def _llama_request(
+    body, ids: list[int], settings: ServerSettings, worker: Worker, eos
+) -> GenRequest:
+    """A llama.cpp-shaped body (/completion, /infill) as one generation of ``ids``."""
+    sampling = _sampling(body, settings)
+    budget = body.n_predict if body.n_predict > 0 else None
+    max_tokens = _budget(len(ids), budget, settings)  # (also: the prompt fits the context)
+    if body.n_predict == 0:  # llama.vim's warm-up: fill the prompt cache, predict nothing
+        max_tokens = 0
+    return GenRequest(
+        prompt_ids=ids, sampling=sampling, max_tokens=max_tokens,
+        seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s],
+        drafter=_drafter(None, settings, worker), num_draft=settings.num_draft,
+        extra_eos=tuple(eos), verify=settings.verify,
+        time_limit_s=body.t_max_predict_ms / 1000 if body.t_max_predict_ms > 0 else None,
+        min_indent=body.n_indent if body.n_indent > 0 else None,
+    )  # fmt: skip
+
+
+async def _respond_llama(request, worker, gen: GenRequest, body, settings: ServerSettings):
+    """llama.cpp's response (or, for n_cmpl > 1, a list of them: each completion a seed
+    further, so sampled ones differ; greedy ones are the same)."""
+    shown = _generation_settings(settings, gen.max_tokens)
+    if body.n_cmpl == 1:
+        return await _respond_infill(request, worker, gen, body.stream, body.response_fields, shown)
+    if body.stream:
+        raise ApiError(400, "n_cmpl > 1 cannot stream", code="unsupported")
+    seed = gen.seed if gen.seed is not None else random.getrandbits(63)
+    out = []
+    for i in range(body.n_cmpl):
+        one = replace(gen, seed=(seed + i) % 2**64)
+        got = await _respond_infill(request, worker, one, False, body.response_fields, shown)
+        if isinstance(got, Response):  # the client left
+            return got
+        out.append(got)
+    return out
 
 
 def _generation_settings(settings: ServerSettings, max_tokens: int) -> dict:

@@ -652,3 +652,24 @@ def test_llama_vims_requests_in_their_own_shapes(server):
     props = httpx.get(server.url + "/props", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert props["default_generation_settings"]["n_ctx"] == 2048
     assert props["total_slots"] == 1
+
+
+def test_llama_cpps_native_completion(server):
+    """llama.cpp's /completion, as Continue's and Tabby's llama.cpp providers post it: a
+    text or token-id prompt, n_predict, SSE chunks of "content" ending with "stop": true;
+    n_cmpl gives several (each a seed further)."""
+    body = {"prompt": "def add(a, b):\n", "n_predict": 8, "temperature": 0, "cache_prompt": True}
+    r = post(server, "/completion", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["stop"] is True and out["tokens_predicted"] <= 8 and out["content"]
+    with httpx.stream("POST", server.url + "/completion", json={**body, "stream": True},
+                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as s:  # fmt: skip
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: ")]
+    assert "".join(e.get("content", "") for e in events[:-1]) == out["content"]
+    assert events[-1]["stop"] is True and not any(e["stop"] for e in events[:-1])
+    three = post(server, "/completion", {**body, "temperature": 1.0, "seed": 5, "n_cmpl": 3})
+    assert three.status_code == 200 and len(three.json()) == 3
+    assert post(server, "/completion", {"prompt": [], "n_predict": 2}).status_code == 400
+    assert post(server, "/completion", {"prompt": [10**9], "n_predict": 2}).status_code == 400
+    assert post(server, "/completion", {**body, "stream": True, "n_cmpl": 2}).status_code == 400
