@@ -813,6 +813,8 @@ def _errors(app: FastAPI) -> None:
         what = first.get("msg", "invalid request")
         if first.get("type") == "json_invalid":
             msg = "the request body is not valid JSON"
+        elif not where and first.get("type") != "value_error":  # empty, null, a list
+            msg = "the request body must be a JSON object"
         else:
             msg = f"{where}: {what}" if where else what
         return JSONResponse(error_body(msg, "invalid_request_error", None, where or None), 400)

@@ -266,6 +266,59 @@ BAD = [
 ]  # fmt: skip
 
 
+# the same bad values on every generating route, each route with its own minimal body
+_ROUTES = {
+    "/v1/completions": {"prompt": "x"},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "x"}]},
+    "/infill": {"input_prefix": "x"},
+    "/completion": {"prompt": "x"},
+}
+_BAD_VALUES = [
+    ({"temperature": -1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"min_p": 1}, "min_p"),
+    ({"min_p": -0.5}, "min_p"),
+    ({"seed": 2**70}, "seed"),
+    ({"seed": -7}, "seed"),
+    ({"seed": "x"}, "seed"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": [5]}, "stop"),
+    ({"stream": "yes please"}, "stream"),
+]
+_ROUTE_BAD = [
+    ("/v1/completions", {"prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "stream_options": 5}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "penalties"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "text"),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("/infill", {"input_prefix": 5}, 400, "input_prefix"),
+    ("/infill", {"input_extra": [{"text": 5}]}, 400, "input_extra"),
+    ("/infill", {"input_prefix": "x", "n_cmpl": 0}, 400, "n_cmpl"),
+    ("/infill", {"input_prefix": "x", "n_cmpl": 9}, 400, "n_cmpl"),
+    ("/completion", {"n_predict": 4}, 400, "prompt"),
+    ("/completion", {"prompt": ""}, 400, "empty"),
+    ("/completion", {"prompt": [-1]}, 400, "prompt"),
+    ("/completion", {"prompt": "x", "n_cmpl": 2, "stream": True}, 400, "n_cmpl"),
+    ("/completion", {"prompt": "word " * 3000}, 400, "context"),
+    ("/completion", {"prompt": "x", "n_predict": 5000}, 400, "context"),
+    ("/completion", '{"prompt": "\\udc00"}', 400, "surrogate"),
+    ("/completion", "[1, 2, 3]", 400, "body"),
+    ("/infill", "", 400, "body"),
+    ("/v1/completions", "null", 400, "body"),
+]  # fmt: skip
+BAD += [
+    (path, {**base, **bad}, 400, words)
+    for path, base in _ROUTES.items()
+    for bad, words in _BAD_VALUES
+] + _ROUTE_BAD
+
+
 @pytest.mark.parametrize("path,body,status,words", BAD)
 def test_bad_requests_get_a_4xx_json_error(server, path, body, status, words):
     if isinstance(body, str):
