@@ -40,6 +40,9 @@ from .worker import GenRequest, Job, QueueFull, ShuttingDown, Worker
 
 MAX_STOPS = 4  # as OpenAI allows
 MAX_COMPLETIONS = 8  # llama.cpp's n_cmpl, generated one after another
+BODY_TIMEOUT_S = 30.0  # the longest wait for the next piece of a request body (then a 408)
+MAX_CONNECTIONS = 64  # open connections uvicorn serves at once (then a 503): slow clients
+# that never finish their headers hold one each, and uvicorn has no header timeout
 
 
 class ApiError(Exception):
@@ -845,8 +848,16 @@ class _Guard:
     """ASGI middleware: the Host header (when the server names its hosts), the Bearer API
     key (all but /health) and the body size limit (413, chunked bodies too)."""
 
-    def __init__(self, app, api_key: str | None, max_body: int, hosts: frozenset[str] | None):
+    def __init__(
+        self,
+        app,
+        api_key: str | None,
+        max_body: int,
+        hosts: frozenset[str] | None,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+    ):
         self.app, self.api_key, self.max_body, self.hosts = app, api_key, max_body, hosts
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -873,7 +884,12 @@ class _Guard:
         # hand the app a replay: an oversized body is a 413 before the app sees any of it
         chunks, seen, more = [], 0, True
         while more:
-            message = await receive()
+            try:  # a client that stops sending mid-body must not hold the connection for ever
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except TimeoutError:
+                msg = f"the request body did not arrive within {self.body_timeout_s:g} s"
+                body = error_body(msg, "invalid_request_error", "timeout")
+                return await JSONResponse(body, 408)(scope, receive, send)
             if message["type"] != "http.request":  # the client went away
                 return None
             chunks.append(message.get("body", b""))
@@ -959,6 +975,7 @@ def run_server(app: FastAPI, host: str, port: int, *, grace_s: float = 10.0) -> 
                 end.start()
 
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace_s
-    )
+        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace_s,
+        limit_concurrency=MAX_CONNECTIONS,
+    )  # fmt: skip
     Server(config).run()

@@ -4,6 +4,7 @@ bounded concurrency, disconnects, infill, the bad-request matrix, and `specmlx r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ from typer.testing import CliRunner
 from specmlx.cli import allowed_hosts, app
 from specmlx.errors import BadInput
 from specmlx.footprint import parse_size
-from specmlx.serve import host_name
+from specmlx.serve import _Guard, host_name
 from specmlx.worker import QueueFull, Worker
 
 KEY = "sk-test-key"
@@ -726,3 +727,26 @@ def test_llama_cpps_native_completion(server):
     assert post(server, "/completion", {"prompt": [], "n_predict": 2}).status_code == 400
     assert post(server, "/completion", {"prompt": [10**9], "n_predict": 2}).status_code == 400
     assert post(server, "/completion", {**body, "stream": True, "n_cmpl": 2}).status_code == 400
+
+
+def test_a_body_that_stops_coming_is_a_408():
+    """A slow client (slowloris on the body) is answered and let go, not waited on for ever."""
+    sent = []
+
+    async def app(scope, receive, send):  # never reached
+        raise AssertionError("the app ran")
+
+    async def receive():  # the first piece, then nothing more
+        if not sent:
+            sent.append("first")
+            return {"type": "http.request", "body": b"{", "more_body": True}
+        await asyncio.sleep(3600)
+
+    async def send(message):
+        sent.append(message)
+
+    guard = _Guard(app, api_key=None, max_body=1000, hosts=None, body_timeout_s=0.05)
+    scope = {"type": "http", "path": "/v1/completions", "headers": [], "method": "POST"}
+    asyncio.run(guard(scope, receive, send))
+    start = next(m for m in sent if isinstance(m, dict) and m["type"] == "http.response.start")
+    assert start["status"] == 408
