@@ -34,6 +34,8 @@ from .sampling import Processor, sample
 SAFE_ID = 0
 # per-token stopping: the most extensions a round may draft (each one host sync)
 DRAFT_MORE_MAX = 8
+# a head's waiting hidden states past which they are fed without a proposal (see catch_up)
+FEED_AFTER = 16
 _NONE = mx.array([], dtype=mx.uint32)
 
 
@@ -280,6 +282,17 @@ class HeadDrafter:
         if n > 0:
             new = hidden.rows[:n]
             self.rows = new if self.rows is None else mx.concatenate([self.rows, new])
+        if self.rows is not None and self.rows.shape[0] > FEED_AFTER:
+            self.catch_up(ctx)
+
+    def catch_up(self, ctx) -> None:
+        """Feed the head every waiting pair but the newest (rounds without proposals, as when
+        adaptive k has stopped drafting, would otherwise pile them up): queued, not waited
+        for, so the round keeps its one host sync."""
+        m = self.rows.shape[0] - 1
+        self.head(self.rows[None, :m], pair_tokens(ctx, self.fed, m), self.cache)
+        mx.async_eval([c.state for c in self.cache])
+        self.fed, self.rows = self.fed + m, self.rows[m:]
 
     def close(self) -> None:
         pass

@@ -378,3 +378,18 @@ def test_the_tap_reads_a_decoder_layers_output():
     layer, final = tap.last
     assert mx.allclose(model.model.norm(layer), final).item()
     assert mx.allclose(model.lm_head(final), logits).item()
+
+
+def test_plain_rounds_keep_the_heads_waiting_states_bounded(family_pair):
+    """k = 0 for a whole generation (adaptive k stopped drafting): the head is still fed as
+    the target goes (at most FEED_AFTER states wait), exactly, and can draft again after."""
+    _, target, head = family_pair
+    kv = KVState()
+    out = tokens(target, head, num_draft=0, max_tokens=60, kv=kv)
+    assert out == tokens(target, None, num_draft=0, max_tokens=60)
+    assert kv.hidden is not None and kv.hidden.shape[0] <= drafters.FEED_AFTER + 1
+    ctx = PROMPT + out
+    got = kv.draft[0].state[0][..., : kv.draft_len, :]
+    assert mx.allclose(got, _offline_keys(target, head, ctx, kv.draft_len), atol=1e-4).item()
+    more = tokens(target, head, ctx + [3], num_draft=3, max_tokens=12, kv=kv)
+    assert more == tokens(target, None, ctx + [3], num_draft=0, max_tokens=12)
