@@ -83,8 +83,7 @@ class Family:
     """How one family's head is built, named and run.
 
     layer(args): the family's decoder layer for the head; args(model): the text model's
-    ModelArgs; count: the config keys that say how many MTP layers the checkpoint has;
-    prefix(args): what the head's tensor names start with in the checkpoint; names: the
+    ModelArgs; prefix(args): what the head's tensor names start with in the checkpoint; names: the
     checkpoint's names (after the prefix) -> this module's (norm_e, norm_h, fc, layer, norm;
     others are not read); centred: a raw checkpoint stores the norms zero-centred (1 + w);
     zero_first: the embedding of the pair at position 0 is zeroed; mask(x, cache): the
@@ -94,7 +93,6 @@ class Family:
 
     layer: Callable[[object], nn.Module]
     args: Callable[[nn.Module], object]
-    count: tuple[str, ...]
     prefix: Callable[[object], str] = lambda args: "mtp."
     names: dict[str, str] = field(default_factory=lambda: _QWEN_NAMES)
     centred: bool = True
@@ -145,7 +143,6 @@ def _as_main_layer(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, 
 
 _NEXTN = dict(
     args=lambda m: m.args,
-    count=("num_nextn_predict_layers",),
     prefix=_nextn_prefix,
     names=_NEXTN_NAMES,
     centred=False,
@@ -154,11 +151,9 @@ _NEXTN = dict(
 )
 
 FAMILIES = {
-    "qwen3_next": Family(_qwen3_next_layer, lambda m: m.args, ("num_nextn_predict_layers",)),
-    "qwen3_5": Family(_qwen3_5_layer, lambda m: m.language_model.args, ("mtp_num_hidden_layers",)),
-    "qwen3_5_moe": Family(
-        _qwen3_5_layer, lambda m: m.language_model.args, ("mtp_num_hidden_layers",)
-    ),
+    "qwen3_next": Family(_qwen3_next_layer, lambda m: m.args),
+    "qwen3_5": Family(_qwen3_5_layer, lambda m: m.language_model.args),
+    "qwen3_5_moe": Family(_qwen3_5_layer, lambda m: m.language_model.args),
     "deepseek_v3": Family(_deepseek_v3_layer, mask=_mla_mask, **_NEXTN),
     "glm4_moe": Family(_glm4_moe_layer, **_NEXTN),
 }
@@ -248,19 +243,6 @@ def check_family(config: dict, where) -> None:
     """IncompatiblePair, before anything loads, for a family with no known MTP head."""
     if _family_of(config) not in FAMILIES:
         _no_head(config, where)
-
-
-def mtp_layers(config: dict) -> int:
-    """How many MTP layers the config says the checkpoint has (0: none, or not said)."""
-    family = FAMILIES.get(_family_of(config))
-    if family is None:
-        return 0
-    text = config.get("text_config") or {}
-    for key in family.count:
-        n = config.get(key, text.get(key))
-        if n:
-            return int(n)
-    return 0
 
 
 def _mtp_weights(path: Path, prefix: str) -> dict[str, mx.array]:
