@@ -1,0 +1,627 @@
+"""Train a draft for a target by distillation (DistillSpec, Zhou et al. 2023, arXiv 2310.08461).
+
+The student is the target cut down: the target's own embeddings, final norm and LM head (so
+the vocabulary is the same by construction) and L of its blocks, picked evenly (same widths),
+trained with MLX to match the target's next-token distribution. The target labels the data
+once: the top-k of its log-probabilities at every position, kept on disk with the run, so a
+step costs one student pass and its backward pass, and a resumed run reads the same labels.
+
+    data (token ids)  ->  teacher top-k (N, L, k)  ->  student steps  ->  an MLX model dir
+
+The run is a generator of `Event`s; the CLI draws them. Nothing here prints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import math
+import re
+import shutil
+import sysconfig
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from .errors import BadInput
+from .loading import Loaded
+from .paths import atomic_write, load_json, specmlx_home
+
+INITS = ("spaced", "first", "random")
+LOSSES = ("kl", "tvd")
+DATA_FROM = ("files", "target")
+PROMPT_LEN = 16  # with data_from="target": the data's first tokens, then the target writes on
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """What a distillation run does; `check` validates every value in one place.
+
+    layers: the student's depth (blocks); init: "spaced" (evenly spaced target blocks, first
+    and last included), "first" (the first L) or "random" (fresh blocks; embeddings and head
+    still the target's); loss: "kl" (forward KL(p_T || q)) or "tvd" (total variation), both
+    over the target's top-k ids and the rest of the vocabulary as one; data_from: "files"
+    (the data as written) or "target" (the target's own samples at T = 1, each started from
+    PROMPT_LEN tokens of the data); top_k: how many of the target's log-probs to keep per
+    position; data_tokens: the labelled training pool, in tokens; heldout_tokens: held-out
+    tokens (from other files) for the acceptance estimate; steps, batch, seq_len: training
+    steps of batch sequences of seq_len tokens; lr, warmup: AdamW's peak learning rate after
+    a linear warm-up of warmup steps, then cosine decay to lr / 10; seed: data order, the
+    held-out split and random init; eval_every, save_every: steps between estimates and
+    between checkpoints (0: only at the end)."""
+
+    layers: int = 4
+    init: str = "spaced"
+    loss: str = "kl"
+    data_from: str = "files"
+    top_k: int = 32
+    data_tokens: int = 65536
+    heldout_tokens: int = 1024
+    steps: int = 200
+    batch: int = 4
+    seq_len: int = 256
+    lr: float = 3e-4
+    warmup: int = 20
+    seed: int = 0
+    eval_every: int = 50
+    save_every: int = 50
+
+    def check(self, target_layers: int) -> None:
+        """Raise BadInput naming the first value that cannot work with this target."""
+        if not 1 <= self.layers <= target_layers:
+            raise BadInput(
+                f"--layers must be 1..{target_layers} (the target has {target_layers} blocks); "
+                f"got {self.layers}"
+            )
+        for name, allowed in (("init", INITS), ("loss", LOSSES), ("data_from", DATA_FROM)):
+            if getattr(self, name) not in allowed:
+                raise BadInput(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
+        floor = PROMPT_LEN + 1 if self.data_from == "target" else 2
+        for name, low in (("top_k", 1), ("steps", 1), ("batch", 1), ("seq_len", floor)):
+            if getattr(self, name) < low:
+                raise BadInput(f"--{name.replace('_', '-')} must be >= {low}")
+        if self.data_tokens < self.batch * self.seq_len:
+            raise BadInput("--data-tokens must hold at least one batch (batch x seq-len tokens)")
+        if self.heldout_tokens < self.seq_len:
+            raise BadInput("--heldout-tokens must hold at least one sequence (seq-len tokens)")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise BadInput("--lr must be a positive number")
+        if min(self.warmup, self.eval_every, self.save_every, self.seed) < 0:
+            raise BadInput("--warmup, --eval-every, --save-every and --seed must be >= 0")
+
+
+@dataclass
+class Event:
+    """One thing a run reports. phase: "data" | "label" | "train" | "eval" | "saved" | "done";
+    done/total: progress within the phase; loss: the step's loss (train); metrics: held-out
+    estimates (eval, done); seconds: wall time of the run so far (across resumes)."""
+
+    phase: str
+    done: int = 0
+    total: int = 0
+    loss: float | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+# ---------------------------------------------------------------- data
+
+
+def stdlib_files() -> list[Path]:
+    """The Python standard library's own .py files (every machine has them), tests and
+    site-packages left out, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
+
+
+def data_files(data: str | Path) -> list[Path]:
+    """The text files behind --data: "stdlib", one file, or every file under a directory."""
+    if str(data) == "stdlib":
+        return stdlib_files()
+    path = Path(data).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+    raise BadInput(f"no such data: {data} (a file, a directory, or 'stdlib')")
+
+
+def _held_out(path: Path) -> bool:
+    # A fixed tenth of the files, by name, so the held-out text is never trained on.
+    return hashlib.sha1(path.name.encode()).digest()[0] % 10 == 0
+
+
+def _pack(files: list[Path], tokenizer: Any, tokens: int, seq_len: int) -> np.ndarray:
+    """Token ids of the files in order, each ended by EOS, cut into (tokens // seq_len,
+    seq_len) rows; only as many files are read as needed."""
+    ids: list[int] = []
+    eos = tokenizer.eos_token_id
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue  # binary or unreadable: not training text
+        ids += tokenizer.encode(text) + ([eos] if eos is not None else [])
+        if len(ids) >= tokens:
+            break
+    rows = min(tokens, len(ids)) // seq_len
+    return np.array(ids[: rows * seq_len], dtype=np.int32).reshape(rows, seq_len)
+
+
+def read_data(
+    data: str | Path, tokenizer: Any, config: DistillConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    """(train, heldout) token rows of seq_len from the data's files, in a seeded order."""
+    files = data_files(data)
+    order = np.random.default_rng(config.seed).permutation(len(files))
+    files = [files[i] for i in order]
+    heldout = [p for p in files if _held_out(p)] or files[-1:]
+    out = set(heldout)
+    train = [p for p in files if p not in out] or files
+    rows = _pack(train, tokenizer, config.data_tokens, config.seq_len)
+    held = _pack(heldout, tokenizer, config.heldout_tokens, config.seq_len)
+    if len(rows) < config.batch or len(held) == 0:
+        raise BadInput(
+            f"not enough text in {data}: {len(rows) * config.seq_len} training and "
+            f"{len(held) * config.seq_len} held-out tokens for batch x seq-len = "
+            f"{config.batch * config.seq_len}"
+        )
+    return rows, held
+
+
+# ---------------------------------------------------------------- the target's labels
+
+
+def top_logprobs(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """The k largest log-probabilities of each row, (..., k) int32 ids and float32 values,
+    normalised over the whole vocabulary (so their sum is the top-k's mass, <= 1)."""
+    logits = logits.astype(mx.float32)
+    idx = mx.argpartition(-logits, k - 1, axis=-1)[..., :k].astype(mx.int32)
+    logp = mx.take_along_axis(logits, idx, axis=-1) - mx.logsumexp(logits, -1, keepdims=True)
+    return idx, logp
+
+
+def label(
+    teacher: nn.Module, rows: np.ndarray, k: int, batch: int
+) -> Iterator[tuple[int, mx.array, mx.array]]:
+    """The teacher's top-k at every position of rows (N, L), batch rows a pass: yields
+    (rows done, idx (n, L, k), logp (n, L, k)) per pass."""
+    for start in range(0, len(rows), batch):
+        idx, logp = top_logprobs(teacher(mx.array(rows[start : start + batch])), k)
+        mx.eval(idx, logp)
+        yield min(start + batch, len(rows)), idx, logp
+
+
+def sample_rows(
+    teacher: nn.Module, rows: np.ndarray, k: int, batch: int, seed: int
+) -> Iterator[tuple[int, np.ndarray, mx.array, mx.array]]:
+    """The teacher's own text (on-policy data, as DistillSpec compares): each row keeps its
+    first PROMPT_LEN tokens and the teacher samples the rest at T = 1, batch rows at a time.
+    The logits it samples from are its labels, so this costs one incremental pass.
+    Yields (rows done, token rows (n, L), idx (n, L, k), logp (n, L, k))."""
+    key = mx.random.key(seed)
+    length = rows.shape[1]
+    for start in range(0, len(rows), batch):
+        chunk = mx.array(rows[start : start + batch, :PROMPT_LEN])
+        cache = make_prompt_cache(teacher)
+        logits = teacher(chunk, cache=cache)  # (n, PROMPT_LEN, V)
+        toks, idxs, logps = [chunk], [], []
+        for _ in range(length - PROMPT_LEN + 1):
+            i, lp = top_logprobs(logits, k)
+            idxs.append(i)
+            logps.append(lp)
+            if sum(t.shape[1] for t in toks) == length:
+                break
+            key, sub = mx.random.split(key)
+            nxt = mx.random.categorical(logits[:, -1].astype(mx.float32), key=sub)[:, None]
+            toks.append(nxt.astype(mx.int32))
+            logits = teacher(toks[-1], cache=cache)  # (n, 1, V)
+            mx.eval(logits)
+        out = mx.concatenate(toks, axis=1)
+        idx, logp = mx.concatenate(idxs, axis=1), mx.concatenate(logps, axis=1)
+        mx.eval(out, idx, logp)
+        yield min(start + batch, len(rows)), np.array(out), idx, logp
+
+
+# ---------------------------------------------------------------- the student
+
+
+def pick_blocks(n: int, layers: int, init: str) -> list[int]:
+    """Which of the target's n blocks seed the student's: evenly spaced with the first and
+    last included ("spaced"), the first `layers` ("first"); "random" picks the spaced ones
+    for their shapes only."""
+    if init == "first":
+        return list(range(layers))
+    if layers == 1:
+        return [n - 1]
+    return [round(i * (n - 1) / (layers - 1)) for i in range(layers)]
+
+
+def _is_quantized(model: nn.Module) -> bool:
+    return any(k.endswith(".scales") for k, _ in tree_flatten(model.parameters()))
+
+
+def student_config(config: dict, picks: list[int]) -> dict:
+    """The target's config cut to the picked blocks: num_hidden_layers, and every per-block
+    list (layer_types, per-layer window sizes) taken at the picks."""
+    n = config["num_hidden_layers"]
+    out = {**config, "num_hidden_layers": len(picks)}
+    for key, value in config.items():
+        if isinstance(value, list) and len(value) == n and key != "eos_token_id":
+            out[key] = [value[i] for i in picks]
+    return out
+
+
+def make_student(target: Loaded, config: DistillConfig) -> tuple[nn.Module, dict, list[int]]:
+    """The student model (float32, only its blocks and final norm trainable), its config and
+    the target blocks it started from. Raises BadInput for targets it cannot cut down."""
+    tconfig = target.config
+    n = tconfig.get("num_hidden_layers")
+    if not isinstance(n, int):
+        raise BadInput(
+            f"{target.spec.alias}: its config has no top-level num_hidden_layers "
+            "(a multimodal checkpoint?): distill its text model instead"
+        )
+    config.check(n)
+    if _is_quantized(target.model):
+        raise BadInput(
+            f"{target.spec.alias} is quantized: distill from its float weights (the student "
+            "trains in float32)"
+        )
+    picks = pick_blocks(n, config.layers, config.init)
+    sconfig = student_config(tconfig, picks)
+    module = importlib.import_module(type(target.model).__module__)
+    mx.random.seed(config.seed)
+    student = module.Model(module.ModelArgs.from_dict(sconfig))
+    where = {src: dst for dst, src in enumerate(picks)}
+    weights = {}
+    for key, value in tree_flatten(target.model.parameters()):
+        m = _LAYER.search(key)
+        if m is None:
+            weights[key] = value  # embeddings, final norm, head: the target's own
+        elif config.init != "random" and int(m[2]) in where:
+            new = f"{m[1]}layers.{where[int(m[2])]}."
+            weights[key[: m.start()] + new + key[m.end() :]] = value
+    mine = dict(tree_flatten(student.parameters()))
+    missing = [k for k in weights if k not in mine or mine[k].shape != weights[k].shape]
+    if missing:
+        raise BadInput(
+            f"{target.spec.alias}: cannot cut its blocks down to {config.layers} "
+            f"({missing[0]} does not fit the smaller model)"
+        )
+    student.load_weights(list(weights.items()), strict=False)
+    student.set_dtype(mx.float32)
+    student.freeze()
+    for name, module_ in student.named_modules():
+        # the blocks, and the final norm (the one norm outside them) learn; the embeddings
+        # and head stay the target's, so the student reads and writes the same tokens
+        last = name.rsplit(".", 1)[-1]
+        if re.search(r"(^|\.)layers\.\d+$", name) or ("layers." not in name and last == "norm"):
+            module_.unfreeze()
+    mx.eval(student.parameters())
+    return student, sconfig, picks
+
+
+def trainable(student: nn.Module) -> dict[str, mx.array]:
+    return dict(tree_flatten(student.trainable_parameters()))
+
+
+# ---------------------------------------------------------------- losses and estimates
+
+
+def kl_loss(logits: mx.array, idx: mx.array, logp: mx.array) -> mx.array:
+    """Forward KL(p || q) at T = 1 (DistillSpec's FKL) over the partition {each of the
+    teacher's top-k ids, all the rest}: sum_i p_i log(p_i / q_i) + p_rest log(p_rest /
+    q_rest), mean over positions. A lower bound on KL(p || q), exact when p's mass is in its
+    top-k; the rest term keeps the student from parking mass on ids the teacher never keeps.
+    logits (B, L, V) the student's; idx, logp (B, L, k) the teacher's top-k log-probs."""
+    lq = logits - mx.logsumexp(logits, -1, keepdims=True)  # (B, L, V)
+    lq_k = mx.take_along_axis(lq, idx, axis=-1)  # (B, L, k)
+    p_k = mx.exp(logp)
+    p_rest = mx.maximum(1 - mx.sum(p_k, -1), 0.0)  # (B, L)
+    q_rest = mx.maximum(1 - mx.sum(mx.exp(lq_k), -1), 1e-12)
+    rest = p_rest * (mx.log(mx.maximum(p_rest, 1e-12)) - mx.log(q_rest))
+    return mx.mean(mx.sum(p_k * (logp - lq_k), -1) + rest)
+
+
+def tvd_loss(logits: mx.array, idx: mx.array, logp: mx.array) -> mx.array:
+    """Total variation between p and q over the partition {each top-k id, all the rest}:
+    1/2 (sum_i |p_i - q_i| + |p_rest - q_rest|), a lower bound on TVD(p, q) that is exact
+    when p's mass is in its top-k. 1 - TVD is the acceptance rate at T = 1, which is why
+    DistillSpec tries it. Shapes as kl_loss."""
+    lq = logits - mx.logsumexp(logits, -1, keepdims=True)
+    q_k, p_k = mx.exp(mx.take_along_axis(lq, idx, axis=-1)), mx.exp(logp)
+    rest = mx.abs(mx.sum(q_k, -1) - mx.sum(p_k, -1))  # |p_rest - q_rest|
+    return mx.mean(0.5 * (mx.sum(mx.abs(p_k - q_k), -1) + rest))
+
+
+LOSS = {"kl": kl_loss, "tvd": tvd_loss}
+
+
+def estimate(student: nn.Module, heldout: mx.array, p: mx.array) -> dict[str, float]:
+    """Held-out estimates of what the pair will accept: greedy agreement (argmax q ==
+    argmax p), alpha = E[sum_x min(p, q)] (the acceptance rate at T = 1) and KL(p || q).
+    heldout (H, L) ids; p (H, L, V) the teacher's probabilities there."""
+    logits = student(heldout).astype(mx.float32)
+    lq = logits - mx.logsumexp(logits, -1, keepdims=True)
+    q = mx.exp(lq)
+    p = p.astype(mx.float32)
+    agree = mx.mean(mx.argmax(q, -1) == mx.argmax(p, -1))
+    alpha = mx.mean(mx.sum(mx.minimum(p, q), -1))
+    kl = mx.mean(mx.sum(p * (mx.log(mx.maximum(p, 1e-30)) - lq), -1))
+    return {"greedy": agree.item(), "alpha": alpha.item(), "kl": kl.item()}
+
+
+def teacher_probs(teacher: nn.Module, heldout: mx.array, batch: int) -> mx.array:
+    """The teacher's full next-token probabilities on the held-out rows, float16 (H, L, V)."""
+    parts = []
+    for start in range(0, heldout.shape[0], batch):
+        parts.append(mx.softmax(teacher(heldout[start : start + batch]).astype(mx.float32), -1))
+        parts[-1] = parts[-1].astype(mx.float16)
+        mx.eval(parts[-1])
+    return mx.concatenate(parts)
+
+
+# ---------------------------------------------------------------- the run
+
+
+def _schedule(config: DistillConfig):
+    decay = optim.cosine_decay(config.lr, max(config.steps - config.warmup, 1), config.lr / 10)
+    if config.warmup == 0:
+        return decay
+    warm = optim.linear_schedule(config.lr / config.warmup, config.lr, config.warmup)
+    return optim.join_schedules([warm, decay], [config.warmup])
+
+
+def batch_rows(config: DistillConfig, step: int, n: int) -> np.ndarray:
+    """The rows step `step` trains on: a function of (seed, step) alone, so a resumed run
+    sees the same batches as one that never stopped."""
+    return np.random.default_rng([config.seed, step]).choice(n, config.batch, replace=False)
+
+
+def _save_dir(tmp: Path, final: Path) -> None:
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)  # a crash leaves the previous checkpoint or none, never half of one
+
+
+def save_checkpoint(out: Path, student, opt, state: dict) -> None:
+    """Trainable weights, AdamW's state and the run's state under out/checkpoint, atomically."""
+    tmp = out / f".checkpoint.tmp{time.monotonic_ns()}"
+    tmp.mkdir(parents=True)
+    mx.save_safetensors(str(tmp / "student.safetensors"), trainable(student))
+    mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
+    (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+    _save_dir(tmp, out / "checkpoint")
+
+
+def _load_labels(path: Path) -> dict[str, mx.array] | None:
+    try:
+        return dict(mx.load(str(path)))
+    except (OSError, RuntimeError, ValueError):
+        return None
+
+
+def _run_key(target: Loaded, config: DistillConfig, data: str) -> dict:
+    # What a checkpoint must agree on to be resumed: everything but how often to save/eval.
+    run = {k: v for k, v in asdict(config).items() if k not in ("eval_every", "save_every")}
+    return {"target": target.identity or target.spec.identity, "data": str(data), **run}
+
+
+def _open_run(out: Path, key: dict, resume: bool, force: bool) -> dict | None:
+    """Check out for a run to start or resume; the resumed run's state, or None."""
+    state = load_json(out / "checkpoint" / "state.json") if resume else None
+    if resume and state is None:
+        raise BadInput(f"nothing to resume in {out} (no checkpoint/state.json)")
+    if state is not None and state["key"] != key:
+        diff = sorted(k for k in key if state["key"].get(k) != key[k])
+        raise BadInput(f"the checkpoint in {out} is of another run (differs in {', '.join(diff)})")
+    if not resume and out.exists() and any(out.iterdir()):
+        if not force:
+            raise BadInput(f"{out} is not empty: --resume continues its run, --force starts over")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return state
+
+
+def _labels(teacher, rows: np.ndarray, config: DistillConfig, out: Path, rates: dict, clock):
+    """The training rows and the teacher's top-k on them, from out/labels.safetensors or
+    made now (and saved there); yields "label" Events, returns {"rows", "idx", "logp"}."""
+    labels = _load_labels(out / "labels.safetensors")
+    if labels is not None and labels["rows"].shape[0] == len(rows):
+        return labels
+    idxs, logps, made, since = [], [], [], clock()
+    if config.data_from == "target":
+        for done, toks, idx, logp in sample_rows(
+            teacher, rows, config.top_k, config.batch, config.seed
+        ):
+            made.append(toks)
+            idxs.append(idx)
+            logps.append(logp)
+            yield Event("label", done, len(rows), seconds=clock())
+        rows = np.concatenate(made)
+    else:
+        for done, idx, logp in label(teacher, rows, config.top_k, config.batch):
+            idxs.append(idx)
+            logps.append(logp)
+            yield Event("label", done, len(rows), seconds=clock())
+    rates["label_tokens"], rates["label_seconds"] = int(rows.size), clock() - since
+    labels = {"rows": mx.array(rows), "idx": mx.concatenate(idxs), "logp": mx.concatenate(logps)}
+    tmp = out / f".labels.tmp{time.monotonic_ns()}.safetensors"
+    mx.save_safetensors(str(tmp), labels)
+    tmp.rename(out / "labels.safetensors")
+    return labels
+
+
+def distill(
+    target: Loaded,
+    out: str | Path,
+    config: DistillConfig,
+    data: str | Path = "stdlib",
+    *,
+    resume: bool = False,
+    force: bool = False,
+) -> Iterator[Event]:
+    """Train a student for `target`, writing an MLX model directory to `out`.
+
+    target: the loaded teacher (float weights); out: the directory (the model and
+    distill.json; while it runs, labels.safetensors and checkpoint/); config: what to train
+    (DistillConfig); data: "stdlib", a text file or a directory of them; resume: continue
+    from out/checkpoint (it must come from the same target, data and config); force: start
+    over in a directory that holds a run. Yields Events as it goes; the last is "done" with
+    the final held-out estimates. Raises BadInput for what cannot run."""
+    out = Path(out).expanduser()
+    student, sconfig, picks = make_student(target, config)
+    key = _run_key(target, config, data)
+    state = _open_run(out, key, resume, force)
+    start, before = time.perf_counter(), (state or {}).get("seconds", 0.0)
+    clock = lambda: before + time.perf_counter() - start  # noqa: E731
+    rates = dict((state or {}).get("rates", {}))  # tokens and seconds of each kind of pass
+
+    yield Event("data", seconds=clock())
+    rows, held = read_data(data, target.tokenizer, config)
+    labels = yield from _labels(target.model, rows, config, out, rates, clock)
+    heldout = mx.array(held)
+    p_held = teacher_probs(target.model, heldout, config.batch)
+
+    opt = optim.AdamW(learning_rate=_schedule(config), weight_decay=0.0)
+    step, evals = 0, []
+    if state is not None:
+        ckpt = out / "checkpoint"
+        student.load_weights(list(mx.load(str(ckpt / "student.safetensors")).items()), False)
+        opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
+        step, evals = state["step"], state["evals"]
+    else:
+        evals.append(
+            {"step": 0, "seconds": round(clock(), 1), **estimate(student, heldout, p_held)}
+        )
+        yield Event("eval", 0, config.steps, metrics=evals[-1], seconds=clock())
+
+    def loss_of(model, x, idx, logp):
+        return LOSS[config.loss](model(x).astype(mx.float32), idx, logp)
+
+    value_and_grad = nn.value_and_grad(student, loss_of)
+    n = labels["rows"].shape[0]
+    while step < config.steps:
+        tick = time.perf_counter()
+        take = mx.array(batch_rows(config, step, n))  # (batch,) row ids
+        loss, grads = value_and_grad(
+            student, labels["rows"][take], labels["idx"][take], labels["logp"][take]
+        )
+        opt.update(student, grads)
+        mx.eval(student.trainable_parameters(), opt.state, loss)
+        step += 1
+        rates["step_tokens"] = rates.get("step_tokens", 0) + config.batch * config.seq_len
+        rates["step_seconds"] = rates.get("step_seconds", 0.0) + time.perf_counter() - tick
+        yield Event("train", step, config.steps, loss=loss.item(), seconds=clock())
+        if step == config.steps or (config.eval_every and step % config.eval_every == 0):
+            metrics = estimate(student, heldout, p_held)
+            evals.append({"step": step, "seconds": round(clock(), 1), **metrics})
+            yield Event("eval", step, config.steps, metrics=metrics, seconds=clock())
+        if step < config.steps and config.save_every and step % config.save_every == 0:
+            state = {"key": key, "step": step, "seconds": clock(), "evals": evals, "rates": rates}
+            save_checkpoint(out, student, opt, state)
+            yield Event("saved", step, config.steps, seconds=clock())
+
+    facts = {
+        "target": target.spec.alias,
+        "target_identity": key["target"],
+        "picks": picks,
+        "target_layers": target.config["num_hidden_layers"],
+        "student_params": sum(v.size for _, v in tree_flatten(student.parameters())),
+        "trained_params": sum(v.size for v in trainable(student).values()),
+        "train_tokens": int(n * config.seq_len),
+        "heldout_tokens": int(held.size),
+        "data": str(data),
+        "data_sha1": hashlib.sha1(np.array(labels["rows"]).tobytes()).hexdigest()[:12],
+        "config": asdict(config),
+        "evals": evals,
+        "seconds": round(clock(), 1),
+        **throughput(rates),
+    }
+    save_student(out, student, sconfig, target.tokenizer, facts)
+    yield Event("done", step, config.steps, metrics=evals[-1], seconds=clock())
+
+
+def throughput(rates: dict) -> dict[str, float]:
+    """Tokens per second of the teacher's labelling passes and of the student's training
+    steps (forward and backward), from a run's bookkeeping: what a run's cost scales by."""
+    out = {}
+    for name, tokens, seconds in (
+        ("teacher_tokens_per_s", "label_tokens", "label_seconds"),
+        ("student_tokens_per_s", "step_tokens", "step_seconds"),
+    ):
+        if rates.get(seconds):
+            out[name] = round(rates[tokens] / rates[seconds], 1)
+    return out
+
+
+def save_student(out: Path, student, config: dict, tokenizer: Any, facts: dict) -> None:
+    """The student as an MLX model directory (weights, config, tokenizer), then distill.json,
+    the mark of a finished run; the run's labels and checkpoint are removed."""
+    from mlx_lm.utils import save_config, save_model
+
+    save_model(out, student)
+    save_config(dict(config), out / "config.json")
+    tokenizer.save_pretrained(str(out))
+    atomic_write(out / "distill.json", json.dumps(facts, indent=1) + "\n")
+    shutil.rmtree(out / "checkpoint", ignore_errors=True)
+    (out / "labels.safetensors").unlink(missing_ok=True)
+
+
+def is_done(out: str | Path) -> bool:
+    """True when a run finished in out (distill.json is written last)."""
+    return (Path(out).expanduser() / "distill.json").is_file()
+
+
+def registry_entry(
+    name: str, out: Path, target_alias: str, target_source: str | None, label: str
+) -> str:
+    """A models.toml pairing the student with its target. target_source: the target's
+    source when it is not an alias of the shipped registry (a path or hf repo)."""
+    lines = [
+        "# written by `specmlx distill`: SPECMLX_MODELS=<this file> specmlx run --target "
+        f"{target_alias} --draft {name} ... (or copy it into ~/.config/specmlx/models.toml)",
+        f'[models."{name}"]',
+        f'source = "local:{out}"',
+        f'label = "{label}"',
+    ]
+    if target_source is not None:
+        lines += [f'[models."{target_alias}"]', f'source = "{target_source}"']
+    lines += [f'[pairs."{name}"]', f'target = "{target_alias}"', f'draft = "{name}"', 'k = "auto"']
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the built-in CPU pair
+
+# `specmlx models build cpu-distilled`: a 4-block student of SmolLM2-135M on the standard
+# library's source, sized to build in about 20 minutes on a 2-core x86 CPU (teacher ~100
+# tokens/s, a student step ~130 tokens/s there): 32768 labelled tokens, 120 steps of 4 x 256.
+CPU_DISTILLED = DistillConfig(
+    layers=4, steps=120, batch=4, seq_len=256, data_tokens=32768, heldout_tokens=1024,
+    lr=5e-4, warmup=10, eval_every=20, save_every=20,
+)  # fmt: skip
+CPU_RATES = {"teacher_tokens_per_s": 100.0, "student_tokens_per_s": 130.0}
+
+
+def cost_seconds(config: DistillConfig, rates: dict[str, float]) -> float:
+    """A run's time from its sizes and measured rates: labelled tokens / teacher rate +
+    steps x batch x seq_len / student-step rate (evaluations not counted)."""
+    teacher = config.data_tokens / rates["teacher_tokens_per_s"]
+    return teacher + config.steps * config.batch * config.seq_len / rates["student_tokens_per_s"]
+
+
+def distilled_dir() -> Path:
+    """Where `specmlx models build cpu-distilled` puts its draft."""
+    return specmlx_home() / "cpu-distilled" / "draft"
