@@ -17,6 +17,7 @@ from typing import Annotated
 
 import typer
 from rich.live import Live
+from rich.markup import escape
 from typer.core import TyperCommand
 
 from . import __version__
@@ -1047,6 +1048,10 @@ def distill(
     data_files(data)  # a missing path says so before a model loads
     registry = load_registry()
     spec = registry.resolve(target)
+    known = target in registry.models  # else the toml names the target by its source
+    tname, source = (target, None) if known else (spec.alias, f"{spec.kind}:{spec.ref}")
+    if alias == tname:
+        raise BadInput(f"the draft needs a name other than its target's ({tname}): --name")
     console = err_console()
     say = lambda m: console.print(m, style="dim", soft_wrap=True, markup=False)  # noqa: E731
     loaded = load_model(spec, progress=say)
@@ -1057,16 +1062,13 @@ def distill(
             say(f"stopped; the last checkpoint is in {out}: --resume continues from it")
         raise
     assert is_done(out)
-    known = target in registry.models
-    source = None if known else f"{spec.kind}:{spec.ref}"
     label = f"distilled from {spec.alias}: {config.layers} blocks, {config.steps} steps"
-    toml = registry_entry(alias, out, target if known else spec.alias, source, label)
-    atomic_write(out / "models.toml", toml)
+    atomic_write(out / "models.toml", registry_entry(alias, out, tname, source, label))
     _distill_summary(out, console)
-    tname = target if known else spec.alias
+    console.print(f"[green]ready:[/green] {escape(str(out))}", soft_wrap=True)
     console.print(
-        f"[green]ready:[/green] {out}\n  SPECMLX_MODELS={out / 'models.toml'} "
-        f"specmlx run --target {tname} --draft {alias} 'def fib(n):'",
+        f"  SPECMLX_MODELS={out / 'models.toml'} specmlx run --target {tname} --draft {alias} "
+        "'def fib(n):'",
         soft_wrap=True,
         markup=False,
     )

@@ -165,13 +165,23 @@ def read_data(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(train, heldout) token rows of seq_len from the data's files, in a seeded order."""
     files = data_files(data)
+    if not files:
+        raise BadInput(f"not enough text in {data}: no files")
     order = np.random.default_rng(config.seed).permutation(len(files))
     files = [files[i] for i in order]
-    heldout = [p for p in files if _held_out(p)] or files[-1:]
-    out = set(heldout)
-    train = [p for p in files if p not in out] or files
-    rows = _pack(train, tokenizer, config.data_tokens, config.seq_len)
-    held = _pack(heldout, tokenizer, config.heldout_tokens, config.seq_len)
+    if len(files) == 1:  # one file: its last rows are held out
+        n_held = -(-config.heldout_tokens // config.seq_len)
+        both = _pack(files, tokenizer, config.data_tokens + n_held * config.seq_len, config.seq_len)
+        rows, held = both[:-n_held], both[-n_held:]
+    else:
+        out = {p for p in files if _held_out(p)}
+        if len(out) in (0, len(files)):
+            out = {files[-1]}
+        train = [p for p in files if p not in out]
+        rows = _pack(train, tokenizer, config.data_tokens, config.seq_len)
+        held = _pack(
+            [p for p in files if p in out], tokenizer, config.heldout_tokens, config.seq_len
+        )
     if len(rows) < config.batch or len(held) == 0:
         raise BadInput(
             f"not enough text in {data}: {len(rows) * config.seq_len} training and "
@@ -275,6 +285,8 @@ def make_student(target: Loaded, config: DistillConfig) -> tuple[nn.Module, dict
             "(a multimodal checkpoint?): distill its text model instead"
         )
     config.check(n)
+    if target.vocab_size and config.top_k > target.vocab_size:
+        raise BadInput(f"--top-k must be <= the vocabulary ({target.vocab_size})")
     if _is_quantized(target.model):
         raise BadInput(
             f"{target.spec.alias} is quantized: distill from its float weights (the student "
@@ -294,14 +306,26 @@ def make_student(target: Loaded, config: DistillConfig) -> tuple[nn.Module, dict
         elif config.init != "random" and int(m[2]) in where:
             new = f"{m[1]}layers.{where[int(m[2])]}."
             weights[key[: m.start()] + new + key[m.end() :]] = value
+    if hasattr(student, "sanitize"):
+        weights = student.sanitize(weights)  # e.g. drops a tied model's spare lm_head
     mine = dict(tree_flatten(student.parameters()))
+    cant = f"{target.spec.alias}: cannot cut its blocks down to {config.layers}"
     missing = [k for k in weights if k not in mine or mine[k].shape != weights[k].shape]
+    missing += [k for k in mine if not _LAYER.search(k) and k not in weights]
     if missing:
-        raise BadInput(
-            f"{target.spec.alias}: cannot cut its blocks down to {config.layers} "
-            f"({missing[0]} does not fit the smaller model)"
-        )
+        raise BadInput(f"{cant} ({missing[0]} does not fit the smaller model)")
     student.load_weights(list(weights.items()), strict=False)
+    theirs, mine = getattr(target.model, "layers", None), getattr(student, "layers", None)
+    for i, block in enumerate(picks if theirs is not None and mine is not None else []):
+        if _kind(theirs[block]) != _kind(mine[i]):
+            raise BadInput(
+                f"{cant}: its block {block} would run as another kind of block (a window or "
+                "attention pattern set by position): try other --layers or --init first"
+            )
+    try:
+        mx.eval(student(mx.array([[0, 1]])))
+    except Exception as e:  # noqa: BLE001 - a family whose forward needs what we cut
+        raise BadInput(f"{cant}: the cut model does not run ({type(e).__name__}: {e})") from None
     student.set_dtype(mx.float32)
     student.freeze()
     for name, module_ in student.named_modules():
@@ -312,6 +336,19 @@ def make_student(target: Loaded, config: DistillConfig) -> tuple[nn.Module, dict
             module_.unfreeze()
     mx.eval(student.parameters())
     return student, sconfig, picks
+
+
+def _kind(block: nn.Module) -> list:
+    """What makes a block the kind it is apart from its weights: its class and every plain
+    setting of it and its parts (window, RoPE base, sliding or not), position ids left out."""
+    out = []
+    for name, module in block.named_modules():
+        out.append((name, type(module).__name__))
+        for key, value in vars(module).items():
+            skip = key.startswith("_") or re.search(r"idx|index|layer_id|layer_num", key)
+            if not skip and isinstance(value, (bool, int, float, str)):
+                out.append((name, key, value))
+    return sorted(out, key=str)
 
 
 def trainable(student: nn.Module) -> dict[str, mx.array]:
@@ -392,8 +429,14 @@ def batch_rows(config: DistillConfig, step: int, n: int) -> np.ndarray:
 
 
 def _save_dir(tmp: Path, final: Path) -> None:
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)  # a crash leaves the previous checkpoint or none, never half of one
+    # the old one aside, the new one in, the old one gone: a crash at any point leaves a
+    # whole checkpoint under `final` or `.final.old` (which _open_run puts back)
+    old = final.with_name(f".{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def save_checkpoint(out: Path, student, opt, state: dict) -> None:
@@ -421,6 +464,9 @@ def _run_key(target: Loaded, config: DistillConfig, data: str) -> dict:
 
 def _open_run(out: Path, key: dict, resume: bool, force: bool) -> dict | None:
     """Check out for a run to start or resume; the resumed run's state, or None."""
+    old = out / ".checkpoint.old"
+    if old.is_dir() and not (out / "checkpoint").exists():
+        old.rename(out / "checkpoint")  # a crash while swapping checkpoints
     state = load_json(out / "checkpoint" / "state.json") if resume else None
     if resume and state is None:
         raise BadInput(f"nothing to resume in {out} (no checkpoint/state.json)")
@@ -578,6 +624,8 @@ def save_student(out: Path, student, config: dict, tokenizer: Any, facts: dict) 
     atomic_write(out / "distill.json", json.dumps(facts, indent=1) + "\n")
     shutil.rmtree(out / "checkpoint", ignore_errors=True)
     (out / "labels.safetensors").unlink(missing_ok=True)
+    for left in out.glob(".*.tmp*"):  # a crashed write's leftovers
+        shutil.rmtree(left) if left.is_dir() else left.unlink()
 
 
 def is_done(out: str | Path) -> bool:

@@ -140,7 +140,6 @@ def test_the_student_is_its_targets_blocks(teacher):
 
 def test_loss_falls_on_a_tiny_teacher_and_not_without_training(teacher, data, tmp_path):
     trained = _run(teacher, tmp_path / "a", SMALL, data)
-    before, after = trained[-1].metrics, None
     evals = json.loads((tmp_path / "a" / "distill.json").read_text())["evals"]
     before, after = evals[0], evals[-1]
     assert after["kl"] < 0.8 * before["kl"], (before, after)
@@ -174,10 +173,54 @@ def test_a_resumed_run_has_the_weights_of_one_that_never_stopped(teacher, data, 
     assert all(mx.array_equal(whole[k], cut[k]) for k in whole)
     a, b = (json.loads((tmp_path / d / "distill.json").read_text()) for d in ("whole", "cut"))
     assert [e["kl"] for e in a["evals"]] == [e["kl"] for e in b["evals"]]
-    # and a checkpoint of another run is not resumed
-    _run(teacher, tmp_path / "x", config, data)  # finished: nothing to resume
+    # a finished run has nothing to resume, and a checkpoint of another run is refused
+    _run(teacher, tmp_path / "x", config, data)
     with pytest.raises(BadInput, match="nothing to resume"):
         _run(teacher, tmp_path / "x", config, data, resume=True)
+    events = distill(teacher, tmp_path / "y", config, data)
+    next(e for e in events if e.phase == "saved")
+    events.close()
+    other = config.__class__(**{**config.__dict__, "lr": 1e-3})
+    with pytest.raises(BadInput, match="another run .differs in lr"):
+        _run(teacher, tmp_path / "y", other, data, resume=True)
+    # a crash while swapping checkpoints leaves the old one aside: it is put back
+    (tmp_path / "y" / "checkpoint").rename(tmp_path / "y" / ".checkpoint.old")
+    assert _run(teacher, tmp_path / "y", config, data, resume=True)[-1].phase == "done"
+    assert not list((tmp_path / "y").glob(".*"))  # nothing half-written left in the model dir
+
+
+def test_held_out_text_is_never_trained_on(teacher, data, tmp_path):
+    from specmlx.distill import read_data
+
+    rows, held = read_data(data, teacher.tokenizer, SMALL)
+    train_text = {tuple(r) for r in rows}
+    assert held.size >= SMALL.heldout_tokens and not any(tuple(r) in train_text for r in held)
+    one = tmp_path / "one.py"
+    one.write_text("\n".join(f"def f{i}(x):\n    return x * {i}" for i in range(400)))
+    rows, held = read_data(one, teacher.tokenizer, SMALL)
+    both = np.concatenate([rows, held])  # one file: its tail is held out, after the rows
+    assert held.size >= SMALL.heldout_tokens and (both[-len(held) :] == held).all()
+    assert not any((held[0] == r).all() for r in rows)
+
+
+def test_families_whose_blocks_differ_by_position_are_cut_or_refused(tmp_path):
+    """Gemma 3 sets sliding vs global attention by position: a cut that would turn a global
+    block into a sliding one is refused in one line; one that keeps every kind trains."""
+    from helpers import save_tiny, tiny_tokenizer
+
+    config = {"model_type": "gemma3_text", "hidden_size": 32, "num_hidden_layers": 6,
+              "intermediate_size": 64, "num_attention_heads": 4, "head_dim": 8,
+              "num_key_value_heads": 2, "vocab_size": 320, "sliding_window": 8,
+              "sliding_window_pattern": 3}  # fmt: skip
+    path = save_tiny(tmp_path / "g", config, tiny_tokenizer(), seed=0)
+    gemma = load_model(load_registry().resolve(str(path)))
+    with pytest.raises(BadInput, match="another kind of block"):
+        make_student(gemma, SMALL.__class__(**{**SMALL.__dict__, "layers": 3}))
+    ok = SMALL.__class__(**{**SMALL.__dict__, "layers": 3, "init": "first"})
+    student, _, picks = make_student(gemma, ok)
+    assert picks == [0, 1, 2]
+    # the head is the target's own (this checkpoint stores one), not the class's random one
+    assert mx.array_equal(student.lm_head.weight, gemma.model.lm_head.weight)
 
 
 def test_on_policy_labels_are_the_targets_own(teacher, data, tmp_path):
@@ -296,6 +339,8 @@ def test_cli_distills_and_pairs_the_student(tmp_path, specmlx_home, data, monkey
         (["--loss", "l2"], "--loss must be one of kl, tvd"),
         (["--steps", "0"], "--steps must be >= 1"),
         (["--name", "a b"], "--name"),
+        (["--name", "tgt"], "a name other than its target's"),
+        (["--top-k", "100000"], "--top-k must be <= the vocabulary"),
         (["--resume"], "nothing to resume"),
     ],
 )
