@@ -97,8 +97,8 @@ def post(url: str, body: dict, timeout: float) -> tuple[float, dict | None]:
 
 def fim_standin(root: Path, text: str) -> Path:
     """A random-weight llama with a FIM tokenizer (SmolLM2, behind the CPU demo pair, has no
-    fill-in-the-middle tokens, so /infill refuses it): 8 blocks of 768, about 0.1 s a token on
-    this CPU, slow enough for queueing to show. Its suggestions are noise; only the server's
+    fill-in-the-middle tokens, so /infill refuses it): 8 blocks of 768, slow enough on a
+    2-core CPU for queueing to show. Its suggestions are noise; only the server's
     scheduling is measured."""
     sys.path.insert(0, str(ROOT / "tests"))
     from helpers import save_tiny, tiny_config, tiny_tokenizer
