@@ -227,20 +227,17 @@ def sample_rows(
         chunk = mx.array(rows[start : start + batch, :PROMPT_LEN])
         cache = make_prompt_cache(teacher)
         logits = teacher(chunk, cache=cache)  # (n, PROMPT_LEN, V)
-        toks, idxs, logps = [chunk], [], []
-        for _ in range(length - PROMPT_LEN + 1):
-            i, lp = top_logprobs(logits, k)
-            idxs.append(i)
-            logps.append(lp)
-            if sum(t.shape[1] for t in toks) == length:
-                break
+        toks, labels = [chunk], [top_logprobs(logits, k)]
+        for _ in range(length - PROMPT_LEN):
             key, sub = mx.random.split(key)
             nxt = mx.random.categorical(logits[:, -1].astype(mx.float32), key=sub)[:, None]
             toks.append(nxt.astype(mx.int32))
             logits = teacher(toks[-1], cache=cache)  # (n, 1, V)
+            labels.append(top_logprobs(logits, k))
             mx.eval(logits)
         out = mx.concatenate(toks, axis=1)
-        idx, logp = mx.concatenate(idxs, axis=1), mx.concatenate(logps, axis=1)
+        idx = mx.concatenate([i for i, _ in labels], axis=1)  # (n, L, k)
+        logp = mx.concatenate([lp for _, lp in labels], axis=1)
         mx.eval(out, idx, logp)
         yield min(start + batch, len(rows)), np.array(out), idx, logp
 
@@ -315,9 +312,9 @@ def make_student(target: Loaded, config: DistillConfig) -> tuple[nn.Module, dict
     if missing:
         raise BadInput(f"{cant} ({missing[0]} does not fit the smaller model)")
     student.load_weights(list(weights.items()), strict=False)
-    theirs, mine = getattr(target.model, "layers", None), getattr(student, "layers", None)
-    for i, block in enumerate(picks if theirs is not None and mine is not None else []):
-        if _kind(theirs[block]) != _kind(mine[i]):
+    theirs, ours = getattr(target.model, "layers", None), getattr(student, "layers", None)
+    for i, block in enumerate(picks if theirs is not None and ours is not None else []):
+        if _kind(theirs[block]) != _kind(ours[i]):
             raise BadInput(
                 f"{cant}: its block {block} would run as another kind of block (a window or "
                 "attention pattern set by position): try other --layers or --init first"
@@ -405,9 +402,9 @@ def teacher_probs(teacher: nn.Module, heldout: mx.array, batch: int) -> mx.array
     """The teacher's full next-token probabilities on the held-out rows, float16 (H, L, V)."""
     parts = []
     for start in range(0, heldout.shape[0], batch):
-        parts.append(mx.softmax(teacher(heldout[start : start + batch]).astype(mx.float32), -1))
-        parts[-1] = parts[-1].astype(mx.float16)
-        mx.eval(parts[-1])
+        logits = teacher(heldout[start : start + batch]).astype(mx.float32)
+        parts.append(mx.softmax(logits, -1).astype(mx.float16))
+        mx.eval(parts[-1])  # a chunk at a time: the (H, L, V) float32 logits never all exist
     return mx.concatenate(parts)
 
 
