@@ -6,32 +6,61 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "specmlx"
 LEAVES = {"errors", "stats", "paths", "machine"}
 
 
-def imports() -> dict[str, set[str]]:
-    """module -> the specmlx modules it imports anywhere in its body."""
-    mods = {p.stem: p for p in PACKAGE.glob("*.py")}
-    graph: dict[str, set[str]] = {m: set() for m in mods}
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name below specmlx: 'engine', 'cli.run', ..."""
+    return {
+        ".".join(p.relative_to(PACKAGE).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in PACKAGE.rglob("*.py")
+    }
+
+
+def _targets(node: ast.AST, here: str, is_package: bool) -> list[str]:
+    """The dotted names (below specmlx) an import statement in module ``here`` reaches."""
+    if isinstance(node, ast.Import):
+        return [a.name.split(".", 1)[1] for a in node.names if a.name.startswith("specmlx.")]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level == 0:
+        mod = node.module or ""
+        base = mod.split(".", 1)[1] if mod.startswith("specmlx.") else None
+    else:  # relative: up from this module's package
+        parts = here.split(".") if here else []
+        package = parts if is_package else parts[:-1]
+        keep = len(package) - (node.level - 1)
+        if keep < 0:
+            return []
+        base = ".".join(package[:keep] + ([node.module] if node.module else []))
+    if base is None:
+        return []
+    # `from . import bench` names modules; `from .x import y` names x (y may be a module too)
+    return [base] + [f"{base}.{a.name}".strip(".") for a in node.names]
+
+
+def imports(depth: int = 1) -> dict[str, set[str]]:
+    """module -> the specmlx modules it imports anywhere in its body (lazy imports included),
+    names cut to their first ``depth`` parts: depth 1 sees the cli package as one module."""
+    mods = _modules()
+    cut = lambda name: ".".join(name.split(".")[:depth])  # noqa: E731
+    graph: dict[str, set[str]] = {cut(m): set() for m in mods if m}
     for m, path in mods.items():
+        if not m:
+            continue
+        found = set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1:
-                names = [node.module] if node.module else [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("specmlx."):
-                names = [node.module.split(".", 1)[1]]
-            elif isinstance(node, ast.Import):
-                names = [
-                    a.name.split(".", 1)[1] for a in node.names if a.name.startswith("specmlx.")
-                ]
-            else:
-                continue
-            graph[m] |= {n.split(".")[0] for n in names if n and n.split(".")[0] in mods}
+            found |= {t for t in _targets(node, m, path.name == "__init__.py") if t in mods}
+        graph[cut(m)] |= {cut(t) for t in found if cut(t) != cut(m)}
     return graph
 
 
-def test_imports_form_no_cycle():
-    graph, order, state = imports(), [], {}
+@pytest.mark.parametrize("depth", [1, 2])
+def test_imports_form_no_cycle(depth):
+    graph, order, state = imports(depth), [], {}
 
     def visit(m: str, path: list[str]) -> None:
         if state.get(m) == "done":

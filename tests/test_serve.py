@@ -22,7 +22,8 @@ import pytest
 from helpers import Server, free_port, tiny_pair
 from typer.testing import CliRunner
 
-from specmlx.cli import allowed_hosts, app
+from specmlx.cli import app
+from specmlx.cli.serve import allowed_hosts
 from specmlx.errors import BadInput
 from specmlx.footprint import parse_size
 from specmlx.serve import _Guard, host_name

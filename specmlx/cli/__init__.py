@@ -1,0 +1,48 @@
+"""The specmlx command line: parse, call the library, render with rich on stderr. One module
+per command (run, serve, bench, models, distill); this one builds the typer app from them.
+
+Commands import the model-loading modules when they run, so that `--help`, `--version` and
+bad-usage errors answer without loading MLX, mlx-lm and transformers.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from .. import __version__
+from ..machine import version
+from . import bench, distill, models, run, serve
+from .common import PromptCommand
+
+app = typer.Typer(
+    add_completion=True,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Lossless speculative decoding on MLX: a draft proposes, the target verifies.",
+)
+models_app = typer.Typer(help="List and fetch the models in models.toml.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"specmlx {__version__} (mlx {version('mlx')}, mlx-lm {version('mlx-lm')})")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print versions and exit."
+    ),
+) -> None:
+    """specmlx: a cheap draft proposes k tokens, the target checks them in one pass."""
+
+
+app.command("run", cls=PromptCommand)(run.run)
+app.command("serve")(serve.serve)
+app.command("distill")(distill.distill)
+app.command("bench")(bench.bench)
+models_app.command("list")(models.models_list)
+models_app.command("pull")(models.models_pull)
+models_app.command("build")(models.models_build)

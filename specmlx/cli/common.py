@@ -1,0 +1,188 @@
+"""What the commands share: option types, the error wrapper, resolving which models run,
+and the checks every command makes the same way."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from functools import wraps
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from typer.core import TyperCommand
+
+from ..display import err_console, print_error
+from ..distributed import rank_prefix
+from ..errors import BadInput, SpecmlxError
+from ..registry import MTP
+
+# options that run, serve and bench share (each command keeps its own default and wording
+# where they differ)
+TargetOpt = Annotated[
+    str | None, typer.Option("--target", "-t", help="Target alias, path or hf repo.")
+]
+DraftOpt = Annotated[
+    str | None,
+    typer.Option("--draft", "-d", help="Draft alias/path, 'lookup' (prompt lookup), or 'none'."),
+]
+TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy.")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1].")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens (0: off).")]
+MinPOpt = Annotated[
+    float, typer.Option("--min-p", help="Drop tokens below min_p x the top one (0: off).")
+]
+VerifyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--verify",
+        help="How sampled rounds check the drafts: 'block' (the block jointly, the default: "
+        "same output distribution, never fewer kept on average) or 'token' (one by one).",
+    ),
+]
+DraftStopOpt = Annotated[
+    bool,
+    typer.Option(
+        "--draft-stop",
+        help="With -k auto: the draft drafts in small chunks and stops within a round when its "
+        "confidence says more drafts would not pay, per the cost model (up to 8).",
+    ),
+]
+ContextOpt = Annotated[
+    int | None,
+    typer.Option("--context", help="Context limit (default: the models' own, from models.toml)."),
+]
+
+
+def cli_errors(fn):
+    """Domain errors become one red stderr line and their exit code; Ctrl-C exits 130."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort):
+            raise
+        except SpecmlxError as e:
+            print_error(rank_prefix() + str(e))
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            err_console().print("[yellow]interrupted[/yellow]")
+            raise typer.Exit(130) from None
+        except Exception as e:  # noqa: BLE001 - the last line of defence: no tracebacks
+            if os.environ.get("SPECMLX_DEBUG"):
+                raise
+            err_console().print(
+                f"[red]error:[/red] {type(e).__name__}: {e} (SPECMLX_DEBUG=1 for details)"
+            )
+            raise typer.Exit(1) from None
+
+    return wrapper
+
+
+_OPTION = re.compile(r"--?[A-Za-z][\w-]*(=.*)?", re.S)
+
+
+class PromptCommand(TyperCommand):
+    """A command whose PROMPT may start with '-' (an SQL or Lua comment, a diff hunk): such a
+    prompt is not an option, and the error says how to pass it instead of "No such option"."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except Exception as e:
+            # click's NoSuchOption (typer vendors click, so match it by name, not by class)
+            name = getattr(e, "option_name", None)
+            if type(e).__name__ != "NoSuchOption" or name is None or _OPTION.fullmatch(name):
+                raise  # a mistyped option: click's message (with its suggestion) is right
+            shown = " ".join(name.split())
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            print_error(
+                f"the prompt {shown!r} starts with '-' and was read as an option; put -- "
+                f'before it (specmlx {ctx.info_name} -- "$PROMPT") or pipe it on stdin'
+            )
+            ctx.exit(2)
+
+
+def parse_k(text: str) -> int | str:
+    """'auto' or an integer >= 0."""
+    if text == "auto":
+        return text
+    try:
+        k = int(text)
+    except ValueError:
+        raise BadInput(f"-k must be an integer >= 0 or 'auto', got {text!r}") from None
+    if k < 0:
+        raise BadInput(f"-k must be >= 0, got {k}")
+    return k
+
+
+@dataclass
+class Models:
+    """Which models run: target alias, draft alias (or None), lookup, k."""
+
+    target: str
+    draft: str | None
+    lookup: bool
+    k: int | str
+
+
+def resolve_models(registry, target: str | None, draft: str | None, lookup: bool, k: str | None):
+    """Fill in what the user did not say from the pairs and defaults in models.toml."""
+    import mlx.core as mx
+
+    pair = None
+    if target is None:
+        pair = registry.default_pair(cpu=mx.default_device() == mx.cpu)
+        target = pair.target
+    else:
+        pair = next((p for p in registry.pairs.values() if p.target == target), None)
+    if draft is None:
+        draft = pair.draft if pair else "none"
+    if draft == "lookup":
+        draft, lookup = "none", True
+    kk = parse_k(k) if k is not None else (pair.k if pair else "auto")
+    return Models(target, None if draft == "none" else draft, lookup, kk)
+
+
+HostsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--hosts", help="Split the target over ranks: IPs, comma separated (localhost for local)."
+    ),
+]
+HostfileOpt = Annotated[
+    Path | None, typer.Option("--hostfile", help="Split the target over MLX's hostfile's hosts.")
+]
+
+
+def draft_spec(registry, models):
+    """The draft model's spec (None: no draft model, or the target's own MTP head)."""
+    return registry.resolve(models.draft) if models.draft not in (None, MTP) else None
+
+
+def check_draft_stop(models, draft_stop: bool) -> None:
+    """--draft-stop stops a draft model's drafting by the adaptive chooser's cost model."""
+    if draft_stop and not (models.draft and models.k == "auto"):
+        raise BadInput("--draft-stop needs a draft model and -k auto")
+    if draft_stop and models.draft == MTP:
+        raise BadInput("--draft-stop needs a draft model: an MTP head drafts the chooser's k")
+
+
+def rank_timeout() -> float:
+    """Seconds a rank waits for the others before giving up ($SPECMLX_RANK_TIMEOUT, 300)."""
+    try:
+        return float(os.environ.get("SPECMLX_RANK_TIMEOUT") or 300)
+    except ValueError:
+        raise BadInput("SPECMLX_RANK_TIMEOUT must be a number of seconds") from None
+
+
+def check_context(prompt_tokens: int, max_tokens: int, limit: int, name: str) -> None:
+    """BadInput, with the numbers, when the prompt plus max_tokens exceed the context."""
+    if prompt_tokens + max_tokens > limit:
+        raise BadInput(
+            f"the prompt has {prompt_tokens} tokens and --max-tokens asks for {max_tokens} "
+            f"more: {prompt_tokens + max_tokens} > the context of {limit} ({name}); shorten "
+            "the prompt, lower --max-tokens or raise --context"
+        )

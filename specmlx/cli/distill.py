@@ -1,0 +1,165 @@
+"""`specmlx distill`, and how a distillation run is shown."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+
+from ..display import err_console
+from ..errors import BadInput
+from .common import cli_errors
+
+
+def show_distill(events, console) -> dict:
+    """Draw a distillation run's Events as a progress bar with its loss and latest held-out
+    estimate; return the "done" Event's metrics."""
+    from rich.progress import (
+        BarColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    progress = Progress(
+        TextColumn("{task.description:<14}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[note]}"),
+        console=console,
+    )
+    tasks: dict[str, int] = {}
+    est, loss, done = "", "", {}
+    with progress:
+        for e in events:
+            phase = "label" if e.phase == "label" else "train"
+            if e.phase in ("label", "train", "eval") and phase not in tasks:
+                name = "target labels" if phase == "label" else "student steps"
+                tasks[phase] = progress.add_task(name, total=e.total, note="")
+            if e.phase == "eval" or e.phase == "done":
+                m = e.metrics
+                est = f"held-out greedy {m['greedy']:.0%} alpha {m['alpha']:.0%} kl {m['kl']:.2f}"
+                done = m
+            if e.phase == "eval":  # a line each, so a log (or a pipe) keeps the curve
+                progress.console.print(
+                    f"step {e.done}/{e.total} ({e.seconds / 60:.1f} min): {est}", style="dim"
+                )
+            if e.phase == "train":
+                loss = f"loss {e.loss:.3f}"
+            if e.phase in ("label", "train", "eval"):
+                note = f"{loss}  {est}" if phase == "train" else ""
+                progress.update(tasks[phase], completed=e.done, note=note)
+            if e.phase == "saved":
+                progress.console.print(f"checkpoint at step {e.done}", style="dim")
+    return done
+
+
+def distill_summary(out: Path, console) -> None:
+    facts = json.loads((out / "distill.json").read_text())
+    first, last = facts["evals"][0], facts["evals"][-1]
+    console.print(
+        f"student: {len(facts['picks'])} of {facts['target_layers']} blocks "
+        f"(from {facts['picks']}), {facts['student_params'] / 1e6:.0f}M params, "
+        f"{facts['trained_params'] / 1e6:.0f}M trained, {facts['train_tokens']} tokens, "
+        f"{facts['seconds'] / 60:.1f} min",
+        soft_wrap=True,
+        markup=False,
+    )
+    console.print(
+        f"held-out: greedy agreement {first['greedy']:.1%} -> {last['greedy']:.1%}, "
+        f"alpha (T = 1) {first['alpha']:.1%} -> {last['alpha']:.1%}, "
+        f"KL {first['kl']:.3f} -> {last['kl']:.3f}",
+        soft_wrap=True,
+        markup=False,
+    )
+    rates = [
+        f"{name} {facts[key]:.0f} tok/s"
+        for name, key in (
+            ("teacher", "teacher_tokens_per_s"),
+            ("student step", "student_tokens_per_s"),
+        )
+        if key in facts
+    ]
+    if rates:
+        console.print("throughput: " + ", ".join(rates), soft_wrap=True, markup=False)
+
+
+@cli_errors
+def distill(
+    target: str = typer.Option(..., "--target", "-t", help="Target (teacher) alias or path."),
+    out: Path = typer.Option(..., "--out", "-o", help="Directory for the student model."),
+    layers: int = typer.Option(4, "--layers", help="The student's blocks."),
+    init: str = typer.Option("spaced", "--init", help="spaced | first | random blocks."),
+    loss: str = typer.Option("kl", "--loss", help="kl (forward KL) or tvd."),
+    data: str = typer.Option("stdlib", "--data", help="'stdlib', a text file or a directory."),
+    data_from: str = typer.Option(
+        "files", "--data-from", help="files, or target: the target's own samples at T = 1."
+    ),
+    top_k: int = typer.Option(32, "--top-k", help="Target log-probs kept per position."),
+    data_tokens: int = typer.Option(65536, "--data-tokens", help="Training tokens labelled."),
+    heldout_tokens: int = typer.Option(1024, "--heldout-tokens", help="Held-out tokens."),
+    steps: int = typer.Option(200, "--steps", help="Training steps."),
+    batch: int = typer.Option(4, "--batch", help="Sequences per step."),
+    seq_len: int = typer.Option(256, "--seq-len", help="Tokens per sequence."),
+    lr: float = typer.Option(3e-4, "--lr", help="Peak learning rate (AdamW, cosine)."),
+    warmup: int = typer.Option(20, "--warmup", help="Warm-up steps."),
+    seed: int = typer.Option(0, "--seed", help="Data order, split and init."),
+    eval_every: int = typer.Option(50, "--eval-every", help="Steps between estimates."),
+    save_every: int = typer.Option(50, "--save-every", help="Steps between checkpoints."),
+    name: str | None = typer.Option(None, "--name", help="Alias (default: the out dir's name)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out."),
+    force: bool = typer.Option(False, "--force", help="Start over in a non-empty --out."),
+) -> None:
+    """Train a draft for a target by distillation (DistillSpec): its embeddings and head,
+    L of its blocks, trained on its own next-token distributions; writes an MLX model dir
+    and a models.toml that pairs it with the target."""
+    from ..distill import DistillConfig, data_files, is_done, registry_entry
+    from ..distill import distill as run_distill
+    from ..loading import load_model
+    from ..paths import atomic_write
+    from ..registry import load_registry
+
+    config = DistillConfig(
+        layers=layers, init=init, loss=loss, data_from=data_from, top_k=top_k,
+        data_tokens=data_tokens, heldout_tokens=heldout_tokens, steps=steps, batch=batch,
+        seq_len=seq_len, lr=lr, warmup=warmup, seed=seed, eval_every=eval_every,
+        save_every=save_every,
+    )  # fmt: skip
+    config.check(10**9)  # every value but the depth, before anything loads
+    out = out.expanduser().resolve()
+    alias = name or out.name
+    if not re.fullmatch(r"[\w.-]+", alias):
+        raise BadInput(f"--name {alias!r}: use letters, digits, '.', '_' and '-'")
+    data_files(data)  # a missing path says so before a model loads
+    registry = load_registry()
+    spec = registry.resolve(target)
+    known = target in registry.models  # else the toml names the target by its source
+    tname, source = (target, None) if known else (spec.alias, f"{spec.kind}:{spec.ref}")
+    if alias == tname:
+        raise BadInput(f"the draft needs a name other than its target's ({tname}): --name")
+    console = err_console()
+    say = lambda m: console.print(m, style="dim", soft_wrap=True, markup=False)  # noqa: E731
+    loaded = load_model(spec, progress=say)
+    try:
+        show_distill(run_distill(loaded, out, config, data, resume=resume, force=force), console)
+    except KeyboardInterrupt:
+        if (out / "checkpoint").is_dir():
+            say(f"stopped; the last checkpoint is in {out}: --resume continues from it")
+        raise
+    assert is_done(out)
+    label = f"distilled from {spec.alias}: {config.layers} blocks, {config.steps} steps"
+    atomic_write(out / "models.toml", registry_entry(alias, out, tname, source, label))
+    distill_summary(out, console)
+    console.print(f"[green]ready:[/green] {escape(str(out))}", soft_wrap=True)
+    console.print(
+        f"  SPECMLX_MODELS={out / 'models.toml'} specmlx run --target {tname} --draft {alias} "
+        "'def fib(n):'",
+        soft_wrap=True,
+        markup=False,
+    )

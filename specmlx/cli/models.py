@@ -1,0 +1,98 @@
+"""`specmlx models list | pull | build`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ..display import err_console
+from ..errors import BadInput
+from .common import cli_errors
+from .distill import distill_summary, show_distill
+
+
+@cli_errors
+def models_list() -> None:
+    """Aliases, sources, sizes and whether each is present locally."""
+    from ..display import models_table
+    from ..registry import load_registry
+
+    err_console().print(models_table(load_registry()))
+
+
+@cli_errors
+def models_pull(alias: str = typer.Argument(..., help="Alias to download or quantize.")) -> None:
+    """Download a model's files into the local cache; an alias with `quantize` is then loaded
+    (after the memory check) to quantize it once and cache the result."""
+    from ..footprint import plan_memory, require_fit
+    from ..loading import load_model
+    from ..registry import load_registry
+    from ..sources import fetch
+
+    console = err_console()
+    say = lambda m: console.print(m, style="dim", soft_wrap=True, markup=False)  # noqa: E731
+    spec = load_registry().resolve(alias)
+    if not spec.quantize:
+        path = fetch(spec, progress=say)
+        console.print(f"[green]ready:[/green] {alias} ({path})")
+        return
+    require_fit(plan_memory(spec, None, 0, progress=say), spec, None)
+    loaded = load_model(spec, progress=say)
+    console.print(f"[green]ready:[/green] {alias} ({loaded.nbytes / 1e9:.2f} GB quantized)")
+
+
+@cli_errors
+def models_build(
+    name: str = typer.Argument(
+        ..., help="What to build: cpu-demo, cpu-distilled (or one of their aliases)."
+    ),
+    force: bool = typer.Option(False, "--force", help="Rebuild even if it is complete."),
+) -> None:
+    """Build a stand-in that specmlx makes itself from SmolLM2: the CPU demo pair, or the
+    distilled CPU pair (the demo target and a 4-block student trained for it)."""
+    from ..registry import BUILDS, load_registry
+    from ..standin import build_demo, describe
+
+    registry = load_registry()
+    spec = registry.models.get(name)
+    builder = spec.build if spec is not None and spec.build else name
+    if builder not in BUILDS:
+        raise BadInput(f"nothing to build called {name!r}; known: {', '.join(BUILDS)}")
+    console = err_console()
+    say = lambda m: console.print(m, style="dim", soft_wrap=True, markup=False)  # noqa: E731
+    facts = build_demo(force=force and builder == "cpu-demo", progress=say)
+    if not facts["built"]:
+        say(f"already built: {Path(facts['target']).parent} (--force rebuilds)")
+    for line in describe(facts):
+        console.print(line, soft_wrap=True, markup=False)
+    if builder == "cpu-distilled":
+        _build_distilled(registry, force, console, say)
+    console.print(f"[green]ready:[/green] {builder}")
+
+
+def _build_distilled(registry, force: bool, console, say) -> None:
+    """The distilled CPU pair's draft: SmolLM2-135M (the demo target's logits) as teacher,
+    CPU_DISTILLED's run on the standard library; an interrupted build resumes."""
+    import mlx.core as mx
+
+    from ..distill import CPU_DISTILLED, CPU_RATES, cost_seconds, distill, distilled_dir, is_done
+    from ..loading import load_model
+
+    out = distilled_dir()
+    if is_done(out) and not force:
+        say(f"already built: {out} (--force rebuilds)")
+        distill_summary(out, console)
+        return
+    c = CPU_DISTILLED
+    resume = (out / "checkpoint" / "state.json").is_file() and not force
+    say(
+        f"distilling {out}: {c.layers} of SmolLM2-135M's 30 blocks on the standard library's "
+        f"source ({c.data_tokens} tokens labelled, {c.steps} steps of {c.batch} x {c.seq_len}); "
+        f"about 0.2 GB float32 on disk, about {cost_seconds(c, CPU_RATES) / 60:.0f} min on a "
+        f"2-core x86 CPU{' (resuming)' if resume else ''}"
+    )
+    teacher = load_model(registry.resolve("smollm2-135m"), progress=say)
+    teacher.model.set_dtype(mx.float32)  # the demo target's weights, at its precision
+    show_distill(distill(teacher, out, c, "stdlib", resume=resume, force=True), console)
+    distill_summary(out, console)

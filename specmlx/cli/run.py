@@ -1,0 +1,319 @@
+"""`specmlx run`: one completion here, on ranks, or from a running server.
+
+stdout carries only generated text (or one JSON object with --json), so pipelines work:
+    cat file.py | specmlx run - >> file.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import typer
+
+from ..acceptance import DEFAULT_VERIFY
+from ..display import err_console, print_error, print_warning
+from ..distributed import rank_prefix
+from ..errors import BadInput
+from ..stats import Stats
+from .common import (
+    ContextOpt,
+    DraftOpt,
+    DraftStopOpt,
+    HostfileOpt,
+    HostsOpt,
+    MinPOpt,
+    TargetOpt,
+    TempOpt,
+    TopKOpt,
+    TopPOpt,
+    VerifyOpt,
+    check_context,
+    check_draft_stop,
+    cli_errors,
+    draft_spec,
+    parse_k,
+    rank_timeout,
+    resolve_models,
+)
+from .ranks import check_split, launch_command
+from .render import Render
+
+
+def read_prompt(prompt: str | None) -> str:
+    """PROMPT, or stdin when PROMPT is '-' or absent."""
+    if prompt is not None and prompt != "-":
+        return prompt
+    if sys.stdin is None or (sys.stdin.isatty() and prompt is None):
+        raise BadInput("no prompt: give one as an argument or pipe it on stdin")
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise BadInput(f"stdin is not valid UTF-8 (byte {e.start})") from None
+    return data
+
+
+@cli_errors
+def run(
+    ctx: typer.Context,
+    prompt: str = typer.Argument(None, help="Prompt text; '-' or absent reads stdin."),
+    target: TargetOpt = None,
+    draft: DraftOpt = None,
+    lookup: bool = typer.Option(False, "--lookup", help="Prompt lookup first, then the draft."),
+    lookup_memory: bool = typer.Option(
+        True,
+        "--lookup-memory/--no-lookup-memory",
+        help="With lookup: also look up (and keep) recent outputs, per tokenizer under "
+        "$SPECMLX_HOME/lookup.",
+    ),
+    k: str = typer.Option(None, "-k", "--num-draft", help="Draft tokens per round, or 'auto'."),
+    max_tokens: int = typer.Option(256, "-n", "--max-tokens", help="Tokens to generate."),
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    min_p: MinPOpt = 0.0,
+    verify: VerifyOpt = None,
+    draft_stop: DraftStopOpt = False,
+    seed: int = typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
+    stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template."),
+    suffix: str = typer.Option(
+        None, "--suffix", help="Fill in the middle: the text after the cursor (PROMPT before)."
+    ),
+    suffix_file: Path = typer.Option(None, "--suffix-file", help="--suffix, read from a file."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No live line or summary."),
+    show_draft: bool = typer.Option(False, "--show-draft", help="Colour draft-accepted text."),
+    context: ContextOpt = None,
+    server: str = typer.Option(
+        None, "--server", envvar="SPECMLX_SERVER", help="Send it to a running `specmlx serve`."
+    ),
+    api_key: str = typer.Option(
+        None, "--api-key", envvar="SPECMLX_API_KEY", help="The server's API key."
+    ),
+    hosts: HostsOpt = None,
+    hostfile: HostfileOpt = None,
+) -> None:
+    """Generate a completion: text on stdout, live stats and a summary on stderr."""
+    from ..acceptance import sampled_rule
+    from ..distributed import join, launched
+    from ..sampling import SamplingParams
+
+    params = SamplingParams(temp, top_p, top_k, min_p)  # validates before any loading
+    if verify is not None:
+        sampled_rule(verify)
+    if max_tokens <= 0:
+        raise BadInput(f"--max-tokens must be > 0, got {max_tokens}")
+    if context is not None and context <= 0:
+        raise BadInput(f"--context must be > 0, got {context}")
+    text = read_prompt(prompt)
+    after = read_suffix(suffix, suffix_file)
+    if after is not None and chat:
+        raise BadInput("--suffix fills in the middle of raw text: drop --chat")
+    if not text.strip() and not (after or "").strip():
+        raise BadInput("the prompt is empty")
+    console = err_console()
+    render = Render(console, as_json, quiet, show_draft, k or "")
+    job = RunInput(
+        text, after, params, max_tokens, seed, stop or [], chat, verify, lookup_memory, draft_stop
+    )
+    if (hosts or hostfile) and not launched():
+        if server:
+            raise BadInput("--hosts/--hostfile start ranks here; --server sends to a server")
+        raise typer.Exit(_launch_ranks(ctx, job, hosts, hostfile, target))
+    if server:
+        if target or (draft not in (None, "none", "lookup")) or context or lookup or draft_stop:
+            raise BadInput(
+                "with --server the server's models run: drop --target, --context, --lookup, "
+                "--draft-stop and --draft ALIAS (--draft none or lookup still choose how it "
+                "drafts)"
+            )
+        _run_remote(job, render, server, api_key, draft, k)
+    else:
+        _run_local(job, render, target, draft, lookup, k, context, quiet, join())
+
+
+@dataclass
+class RunInput:
+    """What `specmlx run` was asked to generate, wherever the models are."""
+
+    text: str
+    suffix: str | None
+    params: object  # SamplingParams
+    max_tokens: int
+    seed: int | None
+    stop: list[str]
+    chat: bool
+    verify: str | None = None  # None: DEFAULT_VERIFY here, the server's default there
+    lookup_memory: bool = True  # with lookup, here: search and keep recent outputs too
+    draft_stop: bool = False  # with auto k: per-token stopping of the draft model
+
+
+def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
+    """--suffix or the text of --suffix-file (UTF-8), or None."""
+    if suffix is not None and suffix_file is not None:
+        raise BadInput("give --suffix or --suffix-file, not both")
+    if suffix_file is None:
+        return suffix
+    try:
+        return suffix_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(f"{suffix_file} is not valid UTF-8 (byte {e.start})") from None
+    except OSError as e:
+        raise BadInput(f"cannot read --suffix-file {suffix_file}: {e.strerror or e}") from None
+
+
+def _run_local(job: RunInput, render, target, draft, lookup, k, context, quiet, world) -> None:
+    from ..choosers import ChooserStore
+    from ..distributed import Lockstep, Watchdog, barrier, lost_peer, shared_seed
+    from ..fim import encode_infill, require_fim
+    from ..loading import load_pair
+    from ..lookup import LookupMemory
+    from ..registry import load_registry
+    from ..session import Pair, Request, Session
+    from ..stream import encode_prompt
+
+    registry = load_registry()
+    models = resolve_models(registry, target, draft, lookup, k)
+    check_draft_stop(models, job.draft_stop)
+    render.k_label = str(models.k)
+    console = render.console
+    quiet = quiet or not world.leader
+    if not world.leader:  # only rank 0 writes: the others' text would repeat it
+        render.quiet, render.as_json, render.live_ok = True, False, False
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - for the life of this rank
+    say = (
+        None
+        if quiet
+        else (lambda msg: console.print(msg, style="dim", soft_wrap=True, markup=False))
+    )
+    watchdog = None
+    if world.distributed:
+        watchdog = Watchdog(rank_timeout(), lambda m: print_error(rank_prefix() + m))
+    tspec = registry.resolve(models.target)
+    limit = context or registry.context_for(tspec, draft_spec(registry, models))
+    # plan memory for what this run can reach: a token never takes less than a byte of text
+    size = len(job.text.encode()) + len((job.suffix or "").encode())
+    planned = min(limit, size + job.max_tokens + 64)
+    tgt, drf, shared = load_pair(
+        models.target, models.draft, registry=registry, context=planned, progress=say,
+        group=world.group if world.distributed else None,
+    )  # fmt: skip
+    lockstep = None
+    if world.distributed:
+        watchdog.beat("loading the models on the other ranks")
+        try:
+            barrier(world)
+        except RuntimeError as e:
+            raise (lost_peer(e) or e) from None
+        job.seed = shared_seed(world, job.seed)
+        lockstep = Lockstep(world, beat=lambda: watchdog.beat("generating"))
+    extra_eos: tuple[int, ...] = ()
+    if job.suffix is not None:
+        template = require_fim(tgt.tokenizer, drf.tokenizer if drf else None, tgt.spec.alias)
+        ids = encode_infill(tgt.tokenizer, template, job.text, job.suffix)
+        extra_eos = template.stops
+    else:
+        ids = encode_prompt(tgt.tokenizer, job.text, chat=job.chat)
+    check_context(len(ids), job.max_tokens, limit, tgt.spec.alias)
+    memory = None
+    if models.lookup and job.lookup_memory:
+        directory = LookupMemory.directory_for(tgt.tokenizer)
+        memory = LookupMemory(directory, vocab_size=tgt.vocab_size, warn=print_warning)
+    # adaptive k resumes from this machine's last run of the pair
+    store = ChooserStore(warn=print_warning, persist=world.leader)
+    session = Session(Pair.of(tgt, drf, shared), choosers=store, memory=memory, world=world)
+    request = Request(
+        sampling=job.params,
+        num_draft=models.k,
+        max_tokens=job.max_tokens,
+        seed=job.seed,
+        stop=job.stop,
+        use_draft=drf is not None,
+        lookup=models.lookup,
+        extra_eos=extra_eos,
+        verify=job.verify or DEFAULT_VERIFY,
+        draft_stop=job.draft_stop,
+    )
+    gen = session.start(ids, request, lockstep=lockstep)
+    stats = gen.stats
+    responses = gen.text()
+    parts = ([drf.spec.alias] if drf else []) + (["lookup"] if models.lookup else [])
+    try:
+        interrupted = render.stream(responses, stats)
+        if lockstep is not None and not interrupted:
+            lockstep.check()  # the last rounds too
+            watchdog.disarm()
+    except RuntimeError as e:
+        raise (lost_peer(e) or e) from None
+    gen.finish()
+    where = {"load_s": tgt.load_seconds}
+    ranks = None
+    if world.distributed:
+        where["ranks"] = f"{world.size} ({world.backend}), {_ms(stats)} per target pass"
+        pass_s = stats.decode_s / stats.rounds if stats.rounds else None
+        ranks = {"size": world.size, "backend": world.backend, "target_pass_s": pass_s}
+    drafter_shown = " + ".join(parts) or "none"
+    verify = job.verify or DEFAULT_VERIFY
+    render.finish(stats, tgt.spec.alias, drafter_shown, where, interrupted)
+    render.json(stats, tgt.spec.alias, drafter_shown, models.k, job, verify, ranks)
+    if interrupted:
+        raise typer.Exit(130)
+
+
+def _ms(stats: Stats) -> str:
+    return f"{stats.decode_s / stats.rounds * 1000:.1f} ms" if stats.rounds else "-"
+
+
+def _launch_ranks(ctx: typer.Context, job: RunInput, hosts, hostfile, target) -> int:
+    """`specmlx run` as ranks: the prompt, suffix file and seed are resolved here, once."""
+    check_split(hosts, hostfile, target)
+    tail = []
+    if job.suffix is not None and ctx.params.get("suffix_file") is not None:
+        tail += ["--suffix", job.suffix]  # the ranks may not see this machine's files
+    seed = job.seed if job.seed is not None else int.from_bytes(os.urandom(6), "little")
+    # the prompt was read here (stdin reaches the ranks without an end), so it travels as
+    # an argument
+    if len(job.text.encode()) > 100_000:
+        raise BadInput("with --hosts the prompt travels on the command line: 100 KB at most")
+    return launch_command(ctx, "run", hosts, hostfile, [*tail, "--seed", str(seed), "--", job.text])
+
+
+def _run_remote(job: RunInput, render, url: str, api_key, draft, k) -> None:
+    from ..client import Remote, stream_remote
+
+    body: dict = {
+        "max_tokens": job.max_tokens,
+        "temperature": job.params.temperature,
+        "top_p": job.params.top_p,
+        "top_k": job.params.top_k,
+        "min_p": job.params.min_p,
+        "stop": job.stop or None,
+        "seed": job.seed,
+    }
+    if draft is not None:
+        body["draft"] = draft
+    if k is not None:
+        body["num_draft"] = parse_k(k)
+    if job.verify is not None:
+        body["verify"] = job.verify
+    if job.chat:
+        body["messages"] = [{"role": "user", "content": job.text}]
+    else:
+        body["prompt"] = job.text
+        if job.suffix is not None:
+            body["suffix"] = job.suffix
+    stats, names = Stats(), {"model": "?", "drafter": "?"}
+    pieces = stream_remote(Remote(url, api_key), body, stats, chat=job.chat, names=names)
+    interrupted = render.stream(pieces, stats)
+    pieces.close()  # an interrupted stream closes the connection: the server cancels it
+    shown = f"{names['model']} (served by {url})"
+    render.finish(stats, shown, names["drafter"], {"server": url}, interrupted)
+    verify = names.get("verify") or job.verify or "server default"
+    render.json(stats, names["model"], names["drafter"], k or "server default", job, verify)
+    if interrupted:
+        raise typer.Exit(130)
