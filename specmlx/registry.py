@@ -1,4 +1,17 @@
-"""Read and validate models.toml: model aliases, target/draft pairs and defaults."""
+"""Read and validate models.toml: model aliases, target/draft pairs and defaults.
+
+pydantic validates each raw TOML table against a schema (_FileTable and the tables in it):
+the keys a table may have, their types taken strictly (context = "4096" is refused, not
+coerced; 1 is not a bool), allowed values (dtype, build, context > 0, k >= 0 or "auto") and
+required keys. Kept by hand, as pydantic cannot do them or does them worse: (1) the message.
+TOML parsers keep no positions, so _schema_error turns the first of pydantic's errors into one
+line naming file:line (_line_of finds the line from the error's loc); pydantic's multi-line
+report names neither. (2) Checks on parsed values or across files: a source's kind and shape
+(_parse_source, shared with Registry.resolve for names given on the command line), quantize /
+keep_quantized against that kind, pairs naming known models and [defaults] naming known pairs
+(known only once all files are merged), did-you-mean hints. The parsed result stays the frozen
+dataclasses ModelSpec/PairSpec used everywhere else.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +21,9 @@ import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
 
 try:
     import tomllib
@@ -19,24 +35,58 @@ from .paths import expand_path
 
 DTYPES = ("float16", "bfloat16", "float32", "auto")
 KINDS = ("hf", "local", "gguf", "wheel")
-_MODEL_KEYS = {
-    "source": str,
-    "dtype": str,
-    "quantize": dict,
-    "keep_quantized": bool,
-    "context": int,
-    "label": str,
-    "build": str,
-}
 # drafts a pair may name that are not models: none, prompt lookup, the target's own MTP head
 MTP = "mtp"
 DRAFT_WORDS = ("none", "lookup", MTP)
-_PAIR_KEYS = {"target": str, "draft": str, "k": (int, str)}
 BUILDS = ("cpu-demo", "cpu-distilled")  # stand-ins that `specmlx models build` knows how to make
-_DEFAULT_KEYS = {"pair": str, "pair_cpu": str, "context": int}
-_QUANT_KEYS = {"bits": int, "group_size": int}
 _HF_REPO = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
 WHEEL_RE = re.compile(r"^([\w.-]+)==([\w.!+-]+)#(.+)$")
+
+
+class _Table(BaseModel):
+    """A raw TOML table: no unknown keys and no coercion between types."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _QuantizeTable(_Table):
+    bits: int = 4
+    group_size: int = 64
+
+
+class _ModelTable(_Table):  # [models.ALIAS]; "expected one of" lists the keys in this order
+    source: str
+    dtype: Literal[DTYPES] = "auto"
+    quantize: _QuantizeTable | None = None
+    keep_quantized: bool = False
+    context: PositiveInt | None = None
+    label: str = ""
+    build: Literal[BUILDS] | None = None
+
+
+class _PairTable(_Table):  # [pairs.NAME]
+    target: str
+    draft: str
+    k: int | str = "auto"
+
+    @field_validator("k")
+    @classmethod
+    def _k_or_auto(cls, k: int | str) -> int | str:
+        if k != "auto" and not (isinstance(k, int) and k >= 0):
+            raise ValueError('must be >= 0 or "auto"')
+        return k
+
+
+class _DefaultsTable(_Table):  # [defaults]
+    pair: str | None = None
+    pair_cpu: str | None = None
+    context: PositiveInt = 4096
+
+
+class _FileTable(_Table):  # one models.toml
+    models: dict[str, _ModelTable] = Field(default_factory=dict)
+    pairs: dict[str, _PairTable] = Field(default_factory=dict)
+    defaults: _DefaultsTable = Field(default_factory=_DefaultsTable)
 
 
 @dataclass(frozen=True)
@@ -210,18 +260,64 @@ def _fail(where: tuple[Path, str], table: tuple[str, ...], key: str | None, msg:
     return RegistryError(f"{path}:{line}: {msg}" if line else f"{path}: {msg}")
 
 
-def _check_keys(raw: dict, allowed: dict, table: tuple[str, ...], where: tuple[Path, str]) -> None:
-    for key, value in raw.items():
-        shown = f" in [{_show(table)}]" if table else ""
-        if key not in allowed:
-            expected = ", ".join(allowed)
-            msg = f"unknown key '{key}'{shown} (expected one of: {expected})"
-            raise _fail(where, table, key, msg)
-        want = allowed[key]
-        if (isinstance(value, bool) and want is not bool) or not isinstance(value, want):
-            names = " or ".join(t.__name__ for t in (want if isinstance(want, tuple) else (want,)))
-            msg = f"'{key}'{shown} must be {names}, got {type(value).__name__}"
-            raise _fail(where, table, key, msg)
+_TYPE_NAMES = {
+    "int_type": "int",
+    "string_type": "str",
+    "bool_type": "bool",
+    "model_type": "a table",
+    "dict_type": "a table",
+}
+
+
+def _split_loc(loc: tuple) -> tuple[tuple[str, ...], str]:
+    """A pydantic error loc as (table, key): ('models', 'a', 'quantize', 'gs') is key 'gs' of
+    [models.a.quantize]; what follows the key (a union member's name, 'int') is dropped."""
+    loc = tuple(str(p) for p in loc)
+    depth = min({"models": 2, "pairs": 2, "defaults": 1}.get(loc[0], 0), len(loc) - 1)
+    table, rest = loc[:depth], loc[depth:]
+    if depth == 2 and table[0] == "models" and rest[0] == "quantize" and len(rest) > 1:
+        table, rest = (*table, "quantize"), rest[1:]
+    return table, rest[0]
+
+
+def _schema_of(table: tuple[str, ...]) -> type[_Table]:
+    if len(table) == 3:
+        return _QuantizeTable
+    return {"models": _ModelTable, "pairs": _PairTable, "defaults": _DefaultsTable}.get(
+        table[0] if table else "", _FileTable
+    )
+
+
+def _schema_error(e: ValidationError, where: tuple[Path, str]) -> RegistryError:
+    """The first of pydantic's errors in file order, as one line that names file:line."""
+    path, text = where
+    errors = [(*_split_loc(err["loc"]), err) for err in e.errors(include_url=False)]
+
+    def line(item: tuple) -> float:
+        table, key, err = item
+        return _line_of(text, table, None if err["type"] == "missing" else key) or float("inf")
+
+    table, key, err = min(errors, key=line)
+    shown = f" in [{_show(table)}]" if table else ""
+    kind, ctx, got = err["type"], err.get("ctx") or {}, err["input"]
+    if kind == "missing":
+        return _fail(where, table, None, f"[{_show(table)}] has no '{key}'")
+    if kind == "extra_forbidden":
+        expected = ", ".join(_schema_of(table).model_fields)
+        msg = f"unknown key '{key}'{shown} (expected one of: {expected})"
+    elif kind in _TYPE_NAMES:  # a union (k: int | str) fails once per member: name them all
+        same = [x["type"] for t, k, x in errors if (t, k) == (table, key)]
+        wanted = " or ".join(dict.fromkeys(_TYPE_NAMES[t] for t in same if t in _TYPE_NAMES))
+        msg = f"'{key}'{shown} must be {wanted}, got {type(got).__name__}"
+    elif kind == "literal_error":
+        msg = f"{key}{shown} must be one of {ctx['expected']}, got {got!r}"
+    elif kind == "greater_than":
+        msg = f"{key}{shown} must be > {ctx['gt']}"
+    elif kind == "value_error":
+        msg = f"{key}{shown} {ctx['error']}"
+    else:
+        msg = f"{key}{shown}: {err['msg']}"
+    return _fail(where, table, key, msg)
 
 
 def parse_file(path: Path) -> tuple[dict, dict, dict]:
@@ -238,24 +334,19 @@ def parse_file(path: Path) -> tuple[dict, dict, dict]:
         loc = f"{path}:{m.group(1)}:{m.group(2)}" if m else str(path)
         raise RegistryError(f"{loc}: TOML syntax error: {msg}") from e
     where = (path, text)
-    _check_keys(data, {"models": dict, "pairs": dict, "defaults": dict}, (), where)
+    try:
+        parsed = _FileTable.model_validate(data)
+    except ValidationError as e:
+        raise _schema_error(e, where) from None
     models: dict[str, ModelSpec] = {}
-    for alias, raw in data.get("models", {}).items():
+    for alias, raw in parsed.models.items():
         table = ("models", alias)
-        if not isinstance(raw, dict):
-            raise _fail(where, ("models",), alias, f"[{_show(table)}] must be a table")
-        _check_keys(raw, _MODEL_KEYS, table, where)
-        if "source" not in raw:
-            raise _fail(where, table, None, f"[{_show(table)}] has no 'source'")
-        fields = {k: v for k, v in raw.items() if k != "source"}
-        if fields.get("dtype", "auto") not in DTYPES:
-            msg = f"dtype in [{_show(table)}] must be one of {', '.join(DTYPES)}"
-            raise _fail(where, table, "dtype", msg)
-        if "quantize" in fields:
-            _check_keys(fields["quantize"], _QUANT_KEYS, (*table, "quantize"), where)
-            fields["quantize"] = Quantize(**fields["quantize"])
+        # only the keys given: ModelSpec's own defaults fill in the rest
+        fields = raw.model_dump(exclude_unset=True, exclude={"source", "quantize"})
+        if raw.quantize is not None:
+            fields["quantize"] = Quantize(raw.quantize.bits, raw.quantize.group_size)
         try:
-            models[alias] = spec = _parse_source(raw["source"], alias, fields)
+            models[alias] = spec = _parse_source(raw.source, alias, fields)
         except ValueError as e:
             raise _fail(where, table, "source", f"{e} in [{_show(table)}]") from None
         gguf = spec.kind in ("gguf", "wheel")
@@ -267,29 +358,11 @@ def parse_file(path: Path) -> tuple[dict, dict, dict]:
         if spec.keep_quantized and not gguf:
             msg = f"keep_quantized in [{_show(table)}] is for gguf:/wheel: sources only"
             raise _fail(where, table, "keep_quantized", msg)
-        if spec.build is not None and spec.build not in BUILDS:
-            msg = f"build in [{_show(table)}] must be one of {', '.join(BUILDS)}"
-            raise _fail(where, table, "build", msg)
-        if spec.context is not None and spec.context <= 0:
-            raise _fail(where, table, "context", f"context in [{_show(table)}] must be > 0")
-    pairs: dict[str, PairSpec] = {}
-    for name, raw in data.get("pairs", {}).items():
-        table = ("pairs", name)
-        if not isinstance(raw, dict):
-            raise _fail(where, ("pairs",), name, f"[{_show(table)}] must be a table")
-        _check_keys(raw, _PAIR_KEYS, table, where)
-        missing = [k for k in ("target", "draft") if k not in raw]
-        if missing:
-            raise _fail(where, table, None, f"[{_show(table)}] has no '{missing[0]}'")
-        k = raw.get("k", "auto")
-        if k != "auto" and not (isinstance(k, int) and k >= 0):
-            raise _fail(where, table, "k", f'k in [{_show(table)}] must be >= 0 or "auto"')
-        pairs[name] = PairSpec(name=name, target=raw["target"], draft=raw["draft"], k=k)
-    defaults = data.get("defaults", {})
-    _check_keys(defaults, _DEFAULT_KEYS, ("defaults",), where)
-    if defaults.get("context", 1) <= 0:
-        raise _fail(where, ("defaults",), "context", "context in [defaults] must be > 0")
-    return models, pairs, defaults
+    pairs = {
+        name: PairSpec(name=name, target=raw.target, draft=raw.draft, k=raw.k)
+        for name, raw in parsed.pairs.items()
+    }
+    return models, pairs, parsed.defaults.model_dump(exclude_unset=True)
 
 
 def registry_files(extra_paths: list[Path | str] | None = None) -> list[Path]:

@@ -5,7 +5,14 @@ from pathlib import Path
 import pytest
 
 from specmlx.errors import RegistryError, UnknownModel
-from specmlx.registry import Quantize, expand_path, load_registry, parse_file
+from specmlx.registry import (
+    ModelSpec,
+    PairSpec,
+    Quantize,
+    expand_path,
+    load_registry,
+    parse_file,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 REQUIRED = [
@@ -156,6 +163,76 @@ def test_bad_values_name_the_line(tmp_path, text, line, words):
     with pytest.raises(RegistryError) as e:
         parse_file(path)
     assert str(e.value).startswith(f"{path}:{line}: ") and words in str(e.value)
+
+
+PAIR = '[models.a]\nsource = "hf:a/b"\n\n[pairs.p]\ntarget = "a"\ndraft = "a"\n'
+
+
+@pytest.mark.parametrize(
+    "text, line, message",
+    [
+        (  # an unknown key in a model table
+            '[models.a]\nsource = "hf:a/b"\n\nlabels = "x"\n',
+            4,
+            "unknown key 'labels' in [models.a] (expected one of: source, dtype, quantize, "
+            "keep_quantized, context, label, build)",
+        ),
+        (  # strict types: a quoted number is not an int, 1 is not a bool
+            '[models.a]\nsource = "hf:a/b"\ncontext = "4096"\n',
+            3,
+            "'context' in [models.a] must be int, got str",
+        ),
+        (
+            '[models.a]\nsource = "gguf:x.gguf"\nkeep_quantized = 1\n',
+            3,
+            "'keep_quantized' in [models.a] must be bool, got int",
+        ),
+        (  # quantize: inline or as its own table
+            '[models.a]\nsource = "hf:a/b"\nquantize = { bits = "4" }\n',
+            3,
+            "'bits' in [models.a.quantize] must be int, got str",
+        ),
+        (
+            '[models.a]\nsource = "hf:a/b"\n\n[models.a.quantize]\nbits = 4\ngroup = 32\n',
+            6,
+            "unknown key 'group' in [models.a.quantize] (expected one of: bits, group_size)",
+        ),
+        (
+            '[models.a]\nsource = "hf:a/b"\nquantize = 4\n',
+            3,
+            "'quantize' in [models.a] must be a table, got int",
+        ),
+        (PAIR + "k = 2.5\n", 7, "'k' in [pairs.p] must be int or str, got float"),
+        (PAIR + "k = true\n", 7, "'k' in [pairs.p] must be int or str, got bool"),
+        (PAIR + 'k = "fast"\n', 7, 'k in [pairs.p] must be >= 0 or "auto"'),
+        (  # the first error in the file is the one reported, not pydantic's field order
+            "[models.a]\nlabel = 1\nsource = 2\n",
+            2,
+            "'label' in [models.a] must be str, got int",
+        ),
+    ],
+)
+def test_schema_errors_are_one_line_naming_the_line(tmp_path, text, line, message):
+    path = write(tmp_path, text)
+    with pytest.raises(RegistryError) as e:
+        parse_file(path)
+    assert str(e.value) == f"{path}:{line}: {message}"
+
+
+def test_tables_parse_to_specs_and_given_defaults(tmp_path):
+    path = write(
+        tmp_path,
+        '[defaults]\ncontext = 8192\n\n[models.a]\nsource = "hf:a/b@v2"\ndtype = "bfloat16"\n'
+        '\n[models.a.quantize]\nbits = 8\n\n[pairs.p]\ntarget = "a"\ndraft = "lookup"\nk = 5\n',
+    )
+    models, pairs, defaults = parse_file(path)
+    assert models == {
+        "a": ModelSpec(
+            alias="a", kind="hf", ref="a/b", revision="v2", dtype="bfloat16", quantize=Quantize(8)
+        )
+    }
+    assert pairs == {"p": PairSpec(name="p", target="a", draft="lookup", k=5)}
+    assert defaults == {"context": 8192}  # only the keys given: later files override per key
 
 
 def test_k_zero_and_contexts(tmp_path, specmlx_home):
