@@ -1,222 +1,50 @@
 """`specmlx serve`: an OpenAI-compatible HTTP server over one loaded pair.
 
-FastAPI validates requests, which are tokenized here and handed to the worker thread (the
-only thread that runs MLX); text streams back as server-sent events in OpenAI's chunk format.
-Endpoints: /health, /v1/models, /v1/completions (with `suffix` for fill-in-the-middle),
-/v1/chat/completions, llama.cpp's /infill (editor plugins), and /metrics (Prometheus).
-Every error is OpenAI's {"error": {"message", "type", "code"}} with a 4xx status for bad
-input, and the server keeps serving.
+FastAPI validates requests (api_schemas), which are tokenized here and handed to the worker
+thread (the only thread that runs MLX); text streams back as server-sent events in OpenAI's
+chunk format (api_shapes). Endpoints: /health, /v1/models, /v1/completions (with `suffix`
+for fill-in-the-middle), /v1/chat/completions, llama.cpp's /infill (editor plugins), and
+/metrics (Prometheus: metrics). Every error is OpenAI's {"error": {"message", "type",
+"code"}} with a 4xx status for bad input (api_errors), and the server keeps serving; the
+Host check, API key and body limits sit in front of every route (guard).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
-import json
 import random
-import sys
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import Response, StreamingResponse
 
+from . import api_shapes as shapes
 from .acceptance import DEFAULT_VERIFY, sampled_rule
-from .distributed import RankFailure
-from .errors import BadInput, SpecmlxError
+from .api_errors import ApiError, as_api_error, error_body, install_error_handlers
+from .api_schemas import (
+    ChatBody,
+    CompletionBody,
+    InfillBody,
+    LlamaBody,
+    LlamaCompletionBody,
+    SamplingBody,
+)
+from .errors import BadInput
 from .fim import encode_infill, require_fim
+from .guard import Guard
+from .metrics import CONTENT_TYPE, ServerMetrics
 from .sampling import SamplingParams
 from .stats import Stats, TokenEvent
 from .stream import encode_prompt
-from .worker import GenRequest, Job, QueueFull, ShuttingDown, Worker
+from .worker import GenRequest, QueueFull, ShuttingDown, Worker
 
-MAX_STOPS = 4  # as OpenAI allows
-MAX_COMPLETIONS = 8  # llama.cpp's n_cmpl, generated one after another
-BODY_TIMEOUT_S = 30.0  # the longest wait for the next piece of a request body (then a 408)
 MAX_CONNECTIONS = 64  # open connections uvicorn serves at once (then a 503): slow clients
 # that never finish their headers hold one each, and uvicorn has no header timeout
-
-
-class ApiError(Exception):
-    """An error with an HTTP status, in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code=None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.code = status, message, kind, code
-
-
-def error_body(message: str, kind: str, code: str | None = None, param: str | None = None):
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-# ---------------------------------------------------------------- request bodies
-
-Positive = Annotated[int, Field(gt=0)]
-
-
-# llama.cpp's clients send -1 for "random"; anything else must fit the 64-bit seed MLX takes
-Seed = Annotated[int, Field(ge=-1, le=2**64 - 1)]
-
-
-def _no_lone_surrogates(value: Any, where: str = "body") -> None:
-    """Refuse text that is not valid Unicode (a lone UTF-16 surrogate such as "\\ud800",
-    which JSON can carry and no tokenizer can encode), wherever it sits in a request."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"{where} holds a lone surrogate at character {e.start}") from None
-    elif isinstance(value, BaseModel):
-        for name in type(value).model_fields:
-            _no_lone_surrogates(getattr(value, name), name)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _no_lone_surrogates(item, where)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _no_lone_surrogates(item, where)
-
-
-class _Text(BaseModel):
-    """A request body whose every string must be valid Unicode (else a 400)."""
-
-    @model_validator(mode="after")
-    def _valid_text(self):
-        _no_lone_surrogates(self)
-        return self
-
-
-class _Sampling(_Text):
-    """The fields every generating endpoint shares (unknown fields are ignored, as clients
-    send many; fields that would change the output and are not supported are refused)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: Positive | None = None
-    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
-    min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
-    stop: str | list[str] | None = None
-    seed: Seed | None = None  # -1 or None: random
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    n: int = 1
-    logprobs: bool | int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    # specmlx extensions
-    draft: Literal["model", "lookup", "none"] | None = None
-    num_draft: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
-    verify: str | None = None  # "block" or "token" (checked where the engine checks it)
-    return_tokens: bool = False  # token ids in each chunk (specmlx run --server uses it)
-
-    def refuse_unsupported(self) -> None:
-        if self.n != 1:
-            raise ApiError(400, "n must be 1: one completion per request", code="unsupported")
-        if self.logprobs not in (None, False, 0):
-            raise ApiError(400, "logprobs are not supported", code="unsupported")
-        if self.presence_penalty or self.frequency_penalty or self.logit_bias:
-            raise ApiError(
-                400,
-                "presence/frequency penalties and logit_bias are not supported: they would "
-                "change the target's distribution",
-                code="unsupported",
-            )
-
-    def stops(self) -> list[str]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > MAX_STOPS:
-            raise ApiError(400, f"at most {MAX_STOPS} stop strings, got {len(stops)}")
-        return [s for s in stops if s]
-
-
-class CompletionBody(_Sampling):
-    prompt: str
-    suffix: str | None = None
-    echo: bool = False
-    best_of: int | None = None
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
-            parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
-            if len(parts) != len(self.content):
-                raise ApiError(400, "only text message content is supported")
-            return "".join(parts)
-        return self.content or ""
-
-
-class ChatBody(_Sampling):
-    messages: Annotated[list[Message], Field(min_length=1)]
-    max_completion_tokens: Positive | None = None
-
-
-class ExtraChunk(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    filename: str = ""
-    text: str = ""
-
-
-class _LlamaBody(_Text):
-    """The fields llama.cpp's /completion and /infill share (other fields ignored)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    n_predict: int = -1  # < 0: the server's default; 0: a warm-up, prefill only
-    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
-    stop: list[str] = []
-    seed: Seed = -1  # -1: random
-    stream: bool = False
-    # llama.cpp's editor limits: stop once this long has passed after the first token and a
-    # line is done; stop at a line indented less (both finish as "limit"); <= 0: none
-    t_max_predict_ms: float = 0
-    n_indent: int = 0
-    # return just these fields, nested ones flattened as "timings/prompt_n" (llama.vim)
-    response_fields: list[str] | None = None
-    n_cmpl: Annotated[int, Field(ge=1, le=MAX_COMPLETIONS)] = 1  # completions, one after another
-
-    @field_validator("stop")
-    @classmethod
-    def _few_stops(cls, stop: list[str]) -> list[str]:
-        # more than the engine checks cheaply each token: said, never dropped in silence
-        if len(stop) > MAX_STOPS:
-            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stop)}")
-        return stop
-
-
-class InfillBody(_LlamaBody):
-    """llama.cpp's /infill, as llama.vscode and llama.vim send it."""
-
-    input_prefix: str = ""
-    input_suffix: str = ""
-    input_extra: list[ExtraChunk] = []
-    prompt: str = ""
-
-
-class LlamaCompletionBody(_LlamaBody):
-    """llama.cpp's native /completion (Continue's and Tabby's llama.cpp providers): a text
-    prompt or its token ids."""
-
-    prompt: str | list[Annotated[int, Field(ge=0)]]
 
 
 # ---------------------------------------------------------------- the app
@@ -263,10 +91,11 @@ def create_app(
 
     app = FastAPI(title="specmlx", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.add_middleware(
-        _Guard, api_key=settings.api_key, max_body=settings.max_body, hosts=settings.hosts
+        Guard, api_key=settings.api_key, max_body=settings.max_body, hosts=settings.hosts
     )
-    app.state.worker, app.state.settings = worker, settings
-    _errors(app)
+    prometheus = ServerMetrics(worker)
+    app.state.worker, app.state.settings, app.state.metrics = worker, settings, prometheus
+    install_error_handlers(app)
     tok = worker.target.tokenizer
     created = int(time.time())
 
@@ -355,7 +184,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(_metrics(worker), media_type="text/plain; version=0.0.4")
+        return Response(prometheus.exposition(), media_type=CONTENT_TYPE)
 
     return app
 
@@ -442,7 +271,7 @@ def _budget(prompt_tokens: int, asked: int | None, settings: ServerSettings) -> 
     return asked
 
 
-def _request(body: _Sampling, ids, extra_eos, asked, settings, worker) -> GenRequest:
+def _request(body: SamplingBody, ids, extra_eos, asked, settings, worker) -> GenRequest:
     return GenRequest(
         prompt_ids=ids,
         sampling=_sampling(body, settings),
@@ -465,16 +294,38 @@ def _verify(asked: str | None, settings: ServerSettings) -> str:
     return verify
 
 
+def _llama_request(
+    body, ids: list[int], settings: ServerSettings, worker: Worker, eos
+) -> GenRequest:
+    """A llama.cpp-shaped body (/completion, /infill) as one generation of ``ids``."""
+    sampling = _sampling(body, settings)
+    budget = body.n_predict if body.n_predict > 0 else None
+    max_tokens = _budget(len(ids), budget, settings)  # (also: the prompt fits the context)
+    if body.n_predict == 0:  # llama.vim's warm-up: fill the prompt cache, predict nothing
+        max_tokens = 0
+    return GenRequest(
+        prompt_ids=ids, sampling=sampling, max_tokens=max_tokens,
+        seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s],
+        drafter=_drafter(None, settings, worker), num_draft=settings.num_draft,
+        extra_eos=tuple(eos), verify=settings.verify,
+        time_limit_s=body.t_max_predict_ms / 1000 if body.t_max_predict_ms > 0 else None,
+        min_indent=body.n_indent if body.n_indent > 0 else None,
+    )  # fmt: skip
+
+
 # ---------------------------------------------------------------- running a job
 
 
 class _Events:
     """The worker's events for one job, delivered into this event loop."""
 
-    def __init__(self, worker: Worker, gen: GenRequest):
+    def __init__(self, request: Request, worker: Worker, gen: GenRequest):
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
-        emit = lambda kind, value: loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))  # noqa: E731
+
+        def emit(kind: str, value: object) -> None:
+            loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+
         try:
             self.job = worker.submit(gen, emit)
         except QueueFull as e:
@@ -491,7 +342,7 @@ class _Events:
         status instead of a 200 carrying an error event. ClientGone if the client left."""
         self.held = await self.next(request)
         if self.held[0] == "error":
-            raise _as_api_error(self.held[1])
+            raise as_api_error(self.held[1])
 
     async def next(self, request: Request | None = None):
         """The next event. With ``request`` (a response not streamed yet), a client that hung
@@ -515,49 +366,11 @@ class ClientGone(Exception):
     """The client disconnected before its response was ready."""
 
 
-def _usage(stats: Stats) -> dict:
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generated,
-        "total_tokens": stats.prompt_tokens + stats.generated,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
-    }
-
-
-def spec_stats(stats: Stats, k_label: str, drafter: str = "", verify: str = DEFAULT_VERIFY) -> dict:
-    """The speculative statistics every response carries, under "specmlx"."""
-    return {
-        "drafted": stats.drafted,
-        "accepted": stats.accepted,
-        "acceptance_rate": stats.acceptance_rate,
-        "tokens_per_pass": stats.tokens_per_pass,
-        "target_passes": stats.rounds,
-        "accept_hist": stats.accept_hist,
-        "k": k_label,
-        "drafter": drafter,
-        "verify": verify,
-        "last_k": stats.last.k if stats.last else 0,
-        "cached_tokens": stats.cached_tokens,
-        "prefill_s": stats.prefill_s,
-        "decode_s": stats.decode_s,
-        "decode_tps": stats.decode_tps,
-        "draft_s": stats.draft_s,
-        "target_s": stats.target_s,
-        "timed_rounds": stats.timed_rounds,
-        "peak_memory": stats.peak_memory,
-    }
-
-
-def _spec(stats: Stats, job: Job) -> dict:
-    return spec_stats(stats, job.k_label, job.drafter_name, job.request.verify)
-
-
-def _sse(data) -> str:
-    return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
-
-
-async def _respond(request, worker, gen: GenRequest, body: _Sampling, kind: str, settings):
-    events = _Events(worker, gen)
+async def _respond(
+    request: Request, worker: Worker, gen: GenRequest, body: SamplingBody, kind: str, settings
+):
+    """OpenAI's answer to a completion or chat completion: whole, or streamed as chunks."""
+    events = _Events(request, worker, gen)
     rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     base = {"id": rid, "created": int(time.time()), "model": settings.model_name}
     chat = kind == "chat.completion"
@@ -577,84 +390,48 @@ async def _respond(request, worker, gen: GenRequest, body: _Sampling, kind: str,
                 text.append(value.text)
                 tokens += [value.token] if value.token is not None else []
             elif what == "error":
-                raise _as_api_error(value)
+                raise as_api_error(value)
             else:
                 stats = value
                 break
     except ClientGone:
         return Response(status_code=499)  # nobody reads this
-    content = "".join(text)
-    choice = {"index": 0, "finish_reason": stats.finish_reason or "stop", "logprobs": None}
-    choice |= {"message": {"role": "assistant", "content": content}} if chat else {"text": content}
-    if body.return_tokens:
-        choice["token_ids"] = tokens
-    out = base | {"object": kind, "choices": [choice], "usage": _usage(stats)}
-    return out | {"specmlx": _spec(stats, events.job)}
+    shown = tokens if body.return_tokens else None
+    return shapes.completion(base, chat, "".join(text), stats, events.job, shown)
 
 
 async def _stream(events: _Events, base: dict, chat: bool, usage: bool, with_tokens: bool):
     """OpenAI's chunks as server-sent events, ending with data: [DONE]. If the client goes
     away, Starlette cancels this generator and the job is cancelled with it."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(text: str | None, finish: str | None, piece: TokenEvent | None = None) -> dict:
-        if chat:
-            delta = {} if text is None else {"content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        if piece is not None and piece.token is not None:  # the return_tokens extension
-            choice["token_ids"], choice["token_from_draft"] = [piece.token], [piece.from_draft]
-        return base | {"object": kind, "choices": [choice]}
-
+    sse = shapes.sse
     try:
         if chat:
-            first = chunk("", None)
-            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-            yield _sse(first)
+            yield sse(shapes.role_chunk(base))
         while True:
             what, value = await events.next()
             if what == "piece":
                 piece: TokenEvent = value
                 if piece.text or (with_tokens and piece.token is not None):
-                    yield _sse(chunk(piece.text, None, piece if with_tokens else None))
+                    shown = piece if with_tokens else None
+                    yield sse(shapes.chunk(base, chat, piece.text, None, shown))
             elif what == "error":
-                err = _as_api_error(value)
-                yield _sse(error_body(err.message, err.kind, err.code))
+                err = as_api_error(value)
+                yield sse(error_body(err.message, err.kind, err.code))
                 break
             else:
                 stats: Stats = value
-                last = chunk(None if chat else "", stats.finish_reason or "stop")
-                last["specmlx"] = _spec(stats, events.job)
-                yield _sse(last)
+                last = shapes.chunk(base, chat, None if chat else "", stats.finish_reason or "stop")
+                last["specmlx"] = shapes.job_stats(stats, events.job)
+                yield sse(last)
                 if usage:
-                    yield _sse(base | {"object": kind, "choices": [], "usage": _usage(stats)})
+                    yield sse(shapes.usage_chunk(base, chat, stats))
                 break
-        yield _sse("[DONE]")
+        yield sse("[DONE]")
     finally:
         events.job.cancel()  # no-op when it finished; frees the slot when the client left
 
 
-def _llama_request(
-    body, ids: list[int], settings: ServerSettings, worker: Worker, eos
-) -> GenRequest:
-    """A llama.cpp-shaped body (/completion, /infill) as one generation of ``ids``."""
-    sampling = _sampling(body, settings)
-    budget = body.n_predict if body.n_predict > 0 else None
-    max_tokens = _budget(len(ids), budget, settings)  # (also: the prompt fits the context)
-    if body.n_predict == 0:  # llama.vim's warm-up: fill the prompt cache, predict nothing
-        max_tokens = 0
-    return GenRequest(
-        prompt_ids=ids, sampling=sampling, max_tokens=max_tokens,
-        seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s],
-        drafter=_drafter(None, settings, worker), num_draft=settings.num_draft,
-        extra_eos=tuple(eos), verify=settings.verify,
-        time_limit_s=body.t_max_predict_ms / 1000 if body.t_max_predict_ms > 0 else None,
-        min_indent=body.n_indent if body.n_indent > 0 else None,
-    )  # fmt: skip
-
-
-async def _respond_llama(request, worker, gen: GenRequest, body, settings: ServerSettings):
+async def _respond_llama(request, worker, gen: GenRequest, body: LlamaBody, settings):
     """llama.cpp's response (or, for n_cmpl > 1, a list of them: each completion a seed
     further, so sampled ones differ; greedy ones are the same)."""
     shown = _generation_settings(settings, gen.max_tokens)
@@ -674,23 +451,7 @@ async def _respond_llama(request, worker, gen: GenRequest, body, settings: Serve
 
 
 def _generation_settings(settings: ServerSettings, max_tokens: int) -> dict:
-    """llama.cpp's generation_settings, as far as specmlx has them."""
-    return {"n_ctx": settings.context, "n_predict": max_tokens, "model": settings.model_name}
-
-
-def _fields(out: dict, fields: list[str]) -> dict:
-    """llama.cpp's response_fields: just these fields; "a/b" is out["a"]["b"] under the key
-    "a/b"; a field that is not there is left out."""
-    picked = {}
-    for name in fields:
-        value = out
-        for part in name.split("/"):
-            if not isinstance(value, dict) or part not in value:
-                break
-            value = value[part]
-        else:
-            picked[name] = value
-    return picked
+    return shapes.generation_settings(settings.model_name, settings.context, max_tokens)
 
 
 async def _respond_infill(
@@ -703,42 +464,11 @@ async def _respond_infill(
 ):
     """llama.cpp's /completion response shape: content, stop, tokens, timings (just
     ``fields`` when given)."""
-    events = _Events(worker, gen)
+    events = _Events(request, worker, gen)
 
     def final(content: str, stats: Stats) -> dict:
-        out = full(content, stats)
-        return out if fields is None else _fields(out, fields)
-
-    def full(content: str, stats: Stats) -> dict:
-        stop_type = {"length": "limit", "limit": "limit", "stop": "eos"}.get(
-            stats.finish_reason or "", "eos"
-        )
-        prompt_n = stats.prompt_tokens - stats.cached_tokens
-        return {
-            "content": content,
-            "stop": True,
-            "stop_type": stop_type,
-            "tokens_predicted": stats.generated,
-            "tokens_evaluated": stats.prompt_tokens,
-            "tokens_cached": stats.cached_tokens,
-            "truncated": False,
-            "timings": {
-                "prompt_n": prompt_n,
-                "prompt_ms": stats.prefill_s * 1000,
-                "prompt_per_token_ms": stats.prefill_s * 1000 / prompt_n if prompt_n else 0.0,
-                "prompt_per_second": stats.prompt_tps,
-                "predicted_n": stats.generated,
-                "predicted_ms": stats.decode_s * 1000,
-                "predicted_per_token_ms": (
-                    stats.decode_s * 1000 / stats.generated if stats.generated else 0.0
-                ),
-                "predicted_per_second": stats.decode_tps,
-                "draft_n": stats.drafted,
-                "draft_n_accepted": stats.accepted,
-            },
-            "generation_settings": generation_settings or {},
-            "specmlx": _spec(stats, events.job),
-        }
+        out = shapes.llama_completion(content, stats, events.job, generation_settings)
+        return out if fields is None else shapes.pick_fields(out, fields)
 
     if stream:
 
@@ -747,13 +477,13 @@ async def _respond_infill(
                 while True:
                     what, value = await events.next()
                     if what == "piece" and value.text:
-                        yield _sse({"content": value.text, "stop": False})
+                        yield shapes.sse({"content": value.text, "stop": False})
                     elif what == "error":
-                        err = _as_api_error(value)
-                        yield _sse(error_body(err.message, err.kind, err.code))
+                        err = as_api_error(value)
+                        yield shapes.sse(error_body(err.message, err.kind, err.code))
                         return
                     elif what == "done":
-                        yield _sse(final("", value))
+                        yield shapes.sse(final("", value))
                         return
             finally:
                 events.job.cancel()
@@ -770,183 +500,11 @@ async def _respond_infill(
             if what == "piece":
                 text.append(value.text)
             elif what == "error":
-                raise _as_api_error(value)
+                raise as_api_error(value)
             else:
                 return final("".join(text), value)
     except ClientGone:
         return Response(status_code=499)
-
-
-def _as_api_error(e: BaseException) -> ApiError:
-    if isinstance(e, ApiError):
-        return e
-    if isinstance(e, ShuttingDown):
-        return ApiError(503, str(e), "server_error", "shutting_down")
-    if isinstance(e, RankFailure):
-        return ApiError(503, str(e), "server_error", "rank_failed")
-    if isinstance(e, SpecmlxError) and e.exit_code == 2:
-        return ApiError(400, str(e))
-    _log_failure("a generation failed", e)
-    return ApiError(500, "generation failed (logged by the server)", "server_error")
-
-
-def _log_failure(what: str, e: BaseException) -> None:
-    """One line on the server's stderr for a failure the client gets only a 500 for."""
-    print(f"specmlx serve: {what}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-
-
-# ---------------------------------------------------------------- errors, auth, limits
-
-
-def _errors(app: FastAPI) -> None:
-    @app.exception_handler(ApiError)
-    async def api_error(_request, e: ApiError):
-        headers = {"Retry-After": "1"} if e.status == 503 else None
-        return JSONResponse(error_body(e.message, e.kind, e.code), e.status, headers=headers)
-
-    @app.exception_handler(SpecmlxError)
-    async def domain_error(_request, e: SpecmlxError):
-        err = _as_api_error(e)
-        return JSONResponse(error_body(err.message, err.kind, err.code), err.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_request, e: RequestValidationError):
-        first = e.errors()[0] if e.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        what = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            msg = "the request body is not valid JSON"
-        elif not where and first.get("type") != "value_error":  # empty, null, a list
-            msg = "the request body must be a JSON object"
-        else:
-            msg = f"{where}: {what}" if where else what
-        return JSONResponse(error_body(msg, "invalid_request_error", None, where or None), 400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(e.detail), kind), e.status_code)
-
-    @app.exception_handler(Exception)
-    async def unexpected(_request, e: Exception):
-        # the details go to the server's log, not to the client (they can name paths)
-        _log_failure("a request failed", e)
-        return JSONResponse(
-            error_body("internal error (logged by the server)", "server_error"), 500
-        )
-
-
-def host_name(header: str) -> str:
-    """The name in a Host header, without its port ("[::1]:8080" -> "::1")."""
-    header = header.strip().lower()
-    if header.startswith("["):
-        return header[1:].partition("]")[0]
-    return header.rpartition(":")[0] if header.count(":") == 1 else header
-
-
-class _Guard:
-    """ASGI middleware: the Host header (when the server names its hosts), the Bearer API
-    key (all but /health) and the body size limit (413, chunked bodies too)."""
-
-    def __init__(
-        self,
-        app,
-        api_key: str | None,
-        max_body: int,
-        hosts: frozenset[str] | None,
-        body_timeout_s: float = BODY_TIMEOUT_S,
-    ):
-        self.app, self.api_key, self.max_body, self.hosts = app, api_key, max_body, hosts
-        self.body_timeout_s = body_timeout_s
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.hosts is not None and host_name(headers.get("host", "")) not in self.hosts:
-            msg = "this server does not answer to that Host name (see --allow-host)"
-            body = error_body(msg, "invalid_request_error", "invalid_host")
-            return await JSONResponse(body, 400)(scope, receive, send)
-        if self.api_key and scope["path"] != "/health":
-            scheme, _, given = headers.get("authorization", "").strip().partition(" ")
-            # the scheme is case-insensitive (RFC 9110); the key compared in constant time
-            ok = scheme.lower() == "bearer" and hmac.compare_digest(
-                given.strip().encode(), self.api_key.encode()
-            )
-            if not ok:
-                msg = "a missing or wrong API key: send Authorization: Bearer <key>"
-                body = error_body(msg, "invalid_request_error", "invalid_api_key")
-                return await JSONResponse(body, 401)(scope, receive, send)
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_body:
-            return await self._too_large(scope, receive, send)
-        # read the body here, counting (a chunked one has no length to check first), and
-        # hand the app a replay: an oversized body is a 413 before the app sees any of it
-        chunks, seen, more = [], 0, True
-        while more:
-            try:  # a client that stops sending mid-body must not hold the connection for ever
-                message = await asyncio.wait_for(receive(), self.body_timeout_s)
-            except TimeoutError:
-                msg = f"the request body did not arrive within {self.body_timeout_s:g} s"
-                body = error_body(msg, "invalid_request_error", "timeout")
-                return await JSONResponse(body, 408)(scope, receive, send)
-            if message["type"] != "http.request":  # the client went away
-                return None
-            chunks.append(message.get("body", b""))
-            seen += len(chunks[-1])
-            if seen > self.max_body:
-                return await self._too_large(scope, receive, send)
-            more = message.get("more_body", False)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # then what the server says next (a disconnect)
-
-        return await self.app(scope, replay, send)
-
-    async def _too_large(self, scope, receive, send):
-        msg = f"the request body is larger than {self.max_body} bytes"
-        await JSONResponse(error_body(msg, "invalid_request_error", "too_large"), 413)(
-            scope, receive, send
-        )
-
-
-# ---------------------------------------------------------------- metrics
-
-
-def _metrics(worker: Worker) -> str:
-    t, cache = worker.totals, worker.cache
-    rows = [
-        ("requests_total", "counter", "generations run", t.requests),
-        ("requests_cancelled_total", "counter", "generations cancelled by the client", t.cancelled),
-        ("requests_failed_total", "counter", "generations that failed", t.failed),
-        ("requests_rejected_total", "counter", "requests refused with 503", t.rejected),
-        ("prompt_tokens_total", "counter", "prompt tokens", t.prompt_tokens),
-        ("prompt_cache_tokens_total", "counter", "prompt tokens served from the cache", t.cached_tokens),
-        ("prompt_cache_hits_total", "counter", "requests that reused cached tokens", t.cache_hits),
-        ("prompt_cache_bytes", "gauge", "bytes of KV caches kept", cache.nbytes),
-        ("prompt_cache_entries", "gauge", "sequences kept", len(cache.entries)),
-        ("generated_tokens_total", "counter", "tokens generated", t.generated),
-        ("drafted_tokens_total", "counter", "tokens drafted", t.drafted),
-        ("accepted_tokens_total", "counter", "drafts accepted", t.accepted),
-        ("target_passes_total", "counter", "target forward passes", t.rounds),
-        ("acceptance_rate", "gauge", "accepted / drafted", t.accepted / t.drafted if t.drafted else 0.0),
-        ("tokens_per_pass", "gauge", "generated / target passes", t.generated / t.rounds if t.rounds else 0.0),
-        ("decode_tokens_per_second", "gauge", "generated / decode seconds", t.generated / t.decode_s if t.decode_s else 0.0),
-        ("decode_seconds_total", "counter", "seconds spent decoding", t.decode_s),
-        ("prefill_seconds_total", "counter", "seconds spent prefilling", t.prefill_s),
-        ("queue_depth", "gauge", "requests waiting", worker.queued),
-        ("busy", "gauge", "1 while a generation runs", int(worker.busy)),
-    ]  # fmt: skip
-    out = []
-    for name, kind, help_, value in rows:
-        out += [f"# HELP specmlx_{name} {help_}", f"# TYPE specmlx_{name} {kind}"]
-        out.append(f"specmlx_{name} {value}")
-    return "\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------- serving

@@ -92,6 +92,10 @@ class Totals:
     decode_s: float = 0.0
     prefill_s: float = 0.0
     cache_hits: int = 0
+    # the prompt cache's size after the last job (the cache itself is the worker thread's
+    # alone: PromptCache is not thread-safe, so /metrics reads these instead)
+    cache_bytes: int = 0
+    cache_entries: int = 0
 
 
 class Worker:
@@ -351,6 +355,7 @@ class Worker:
         t.rounds += stats.rounds
         t.decode_s += stats.decode_s
         t.prefill_s += stats.prefill_s
+        t.cache_bytes, t.cache_entries = self.cache.nbytes, len(self.cache.entries)
         mx.clear_cache()  # between requests: give the allocator's free blocks back
 
 

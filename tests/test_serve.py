@@ -26,7 +26,7 @@ from specmlx.cli import app
 from specmlx.cli.serve import allowed_hosts
 from specmlx.errors import BadInput
 from specmlx.footprint import parse_size
-from specmlx.serve import _Guard, host_name
+from specmlx.guard import Guard, host_name
 from specmlx.worker import QueueFull, Worker
 
 KEY = "sk-test-key"
@@ -202,6 +202,28 @@ def test_metrics_count_tokens_and_acceptance(server, client):
     ):  # fmt: skip
         assert f"specmlx_{name}" in m, name
     assert m["specmlx_requests_total"] >= 1 and m["specmlx_generated_tokens_total"] >= 16
+
+
+def test_metrics_parse_as_prometheus_text_and_counters_move(server, client):
+    from prometheus_client import CONTENT_TYPE_LATEST
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> tuple[httpx.Response, dict]:
+        r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        families = {f.name: f for f in text_string_to_metric_families(r.text)}
+        return r, families
+
+    _, before = scrape()
+    client.completions.create(model="tiny-t", prompt=CODE, max_tokens=8)
+    r, after = scrape()
+    assert r.status_code == 200 and r.headers["content-type"] == CONTENT_TYPE_LATEST
+    requests = after["specmlx_requests"]  # the parser names a counter's family without _total
+    assert requests.type == "counter" and requests.samples[0].name == "specmlx_requests_total"
+    assert requests.samples[0].value == before["specmlx_requests"].samples[0].value + 1
+    assert after["specmlx_queue_depth"].type == "gauge"
+    # the prompt cache's figures, published by the worker's thread after the completion
+    assert after["specmlx_prompt_cache_entries"].samples[0].value >= 1
+    assert after["specmlx_prompt_cache_bytes"].samples[0].value > 0
 
 
 # ------------------------------------------------------------------ fill in the middle
@@ -586,9 +608,9 @@ def test_the_bearer_scheme_is_case_insensitive_and_the_key_exact(server):
 
 
 def test_a_500_names_no_exception_text(capsys):
-    from specmlx.serve import _as_api_error
+    from specmlx.api_errors import as_api_error
 
-    err = _as_api_error(RuntimeError("cannot open /home/someone/secret.safetensors"))
+    err = as_api_error(RuntimeError("cannot open /home/someone/secret.safetensors"))
     assert err.status == 500 and "secret" not in err.message and "logged" in err.message
     assert "secret.safetensors" in capsys.readouterr().err  # the server's log has it
 
@@ -746,7 +768,7 @@ def test_a_body_that_stops_coming_is_a_408():
     async def send(message):
         sent.append(message)
 
-    guard = _Guard(app, api_key=None, max_body=1000, hosts=None, body_timeout_s=0.05)
+    guard = Guard(app, api_key=None, max_body=1000, hosts=None, body_timeout_s=0.05)
     scope = {"type": "http", "path": "/v1/completions", "headers": [], "method": "POST"}
     asyncio.run(guard(scope, receive, send))
     start = next(m for m in sent if isinstance(m, dict) and m["type"] == "http.response.start")
