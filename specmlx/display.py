@@ -7,7 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .footprint import model_size
-from .sources import is_cached
+from .inspection import is_cached
 from .stats import Stats
 
 

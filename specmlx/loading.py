@@ -1,13 +1,11 @@
 """Load models through mlx-lm (MLX/HF directories, GGUF files), quantize at load with a cache,
-and check that a target and a draft can speculate together. Files come from sources.py, the
-memory plan from footprint.py."""
+and check that a target and a draft can speculate together. Files come from sources.py, what
+a model is from inspection.py, the memory plan from footprint.py, the quantized copy from
+quantized.py and whether a target splits from sharding.py."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,14 +15,15 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .distributed import check_shardable
 from .errors import IncompatiblePair, ModelLoadError
-from .footprint import peek, plan_memory, read_config, require_fit, resolve_dtype
+from .footprint import plan_memory, require_fit
 from .gguf import load_gguf
-from .mlx_lm_api import model_classes
+from .inspection import peek, read_config, resolve_dtype
 from .mtp import check_family, load_mtp
+from .quantized import cached_quantized, quantize_and_cache
 from .registry import MTP, ModelSpec, Registry, load_registry
-from .sources import Progress, cached_quantized, fetch, file_facts, quantized_dir, say
+from .sharding import check_shardable, shard_support
+from .sources import Progress, fetch, file_facts, say
 
 
 @dataclass
@@ -83,29 +82,8 @@ def _unreadable(path: Path) -> bool:
 
 
 def _quantize_to_cache(spec: ModelSpec, src: Path, progress: Progress | None):
-    """Quantize once with mlx-lm and save under $SPECMLX_HOME/quantized (keyed by the spec's
-    identity) so later loads skip the work. Returns (model, tokenizer, config, identity)."""
-    from mlx_lm.utils import quantize_model, save
-
-    model, tokenizer, config = _load_dir(src)
-    identity = f"{spec.identity}|{file_facts(src)}"
-    if "quantization" in config:  # already quantized on disk: use it as it is
-        return model, tokenizer, config, identity
-    q, cache = spec.quantize, quantized_dir(spec)
-    say(progress, f"quantizing {spec.alias} to {q.bits} bits (group {q.group_size}) into {cache}")
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints bits per weight: not ours
-        model, config = quantize_model(model, config, q.group_size, q.bits)
-    config["specmlx_spec"], config["specmlx_identity"] = spec.identity, identity
-    tmp = cache.with_name(f".{cache.name}.tmp{time.monotonic_ns()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        save(tmp, src, model, tokenizer, config, donate_model=False)
-        shutil.rmtree(cache, ignore_errors=True)
-        tmp.rename(cache)  # atomic: a crash never leaves a half-written cache behind
-    except OSError as e:  # a read-only home: this run is quantized all the same
-        shutil.rmtree(tmp, ignore_errors=True)
-        say(progress, f"could not cache the quantized copy in {cache} ({e.strerror or e})")
-    return model, tokenizer, config, identity
+    """The model in ``src`` loaded, quantized and cached (quantized.quantize_and_cache)."""
+    return quantize_and_cache(spec, src, _load_dir(src), progress)
 
 
 # ---------------------------------------------------------------- loading
@@ -193,16 +171,6 @@ def check_pair(target: Loaded, draft: Loaded) -> int:
             f"({names}); pick a draft whose vocabulary covers the target's"
         )
     return shared
-
-
-def shard_support(config: dict) -> bool:
-    """Whether mlx-lm implements tensor parallelism (a ``shard`` method) for this config's
-    architecture; decided from the class alone, without loading anything."""
-    try:
-        model_class, _ = model_classes(config)
-    except (ValueError, KeyError):
-        return False
-    return hasattr(model_class, "shard")
 
 
 def load_head(target: Loaded, progress: Progress | None = None) -> Loaded:

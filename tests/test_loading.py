@@ -31,13 +31,14 @@ from specmlx.footprint import (
     parse_size,
     plan_memory,
     require_fit,
-    safetensors_header,
 )
 from specmlx.gguf import load_gguf, read_gguf_header
 from specmlx.gguf_tokenizer import gguf_tokenizer
+from specmlx.inspection import is_cached, safetensors_header
 from specmlx.loading import Loaded, check_pair, load_model, load_pair
+from specmlx.quantized import cached_quantized, quantized_dir
 from specmlx.registry import ModelSpec, Quantize, load_registry
-from specmlx.sources import cached_quantized, fetch, is_cached, quantized_dir
+from specmlx.sources import fetch
 
 
 def local(path: Path, **kw) -> ModelSpec:

@@ -14,10 +14,10 @@ from .common import resolve_models
 def check_split(hosts, hostfile, target) -> None:
     """Before any rank starts: the hosts are well formed and the target can be split over
     them (both one-line errors)."""
-    from ..distributed import check_shardable, parse_hosts
-    from ..footprint import peek
-    from ..loading import shard_support
+    from ..distributed import parse_hosts
+    from ..inspection import peek
     from ..registry import load_registry
+    from ..sharding import check_shardable, shard_support
 
     names = parse_hosts(hosts, hostfile)
     registry = load_registry()
