@@ -143,15 +143,22 @@ def shared_probe(world: World, store, model, identity: str, ids: list[int]) -> l
 class SharedK:
     """A k chooser whose decisions are rank 0's: each rank times its own rounds, so adaptive
     choosers would drift apart, and ranks that draft different k run different passes. One
-    small all-sum a round (k and plain_next together) keeps them in step."""
+    small collective a round carries k and plain_next, and with a ``lockstep`` the ranks'
+    token hash too (the check rides on the k exchange: no second collective a round)."""
 
-    def __init__(self, inner: KChooser, world: World):
+    def __init__(self, inner: KChooser, world: World, lockstep: Lockstep | None = None):
         self.inner, self.world, self._plain = inner, world, False
+        self.lockstep = lockstep
+        if lockstep is not None:
+            lockstep.carried = True  # it no longer checks on its own between rounds
 
     def __call__(self, last: RoundReport | None) -> int:
         k = self.inner(last) if self.world.leader else 0
         plain = getattr(self.inner, "plain_next", lambda: False)() if self.world.leader else 0
-        k, plain = share(self.world, [k, plain])
+        if self.lockstep is not None:
+            k, plain = self.lockstep.exchange([k, plain])
+        else:
+            k, plain = share(self.world, [k, plain])
         self._plain = bool(plain)
         return k
 
@@ -182,6 +189,7 @@ class Lockstep:
         self.world, self.every, self.beat = world, 1 if stoppable else every, beat
         self.stoppable, self.cancelled = stoppable, cancelled
         self.hash, self.rounds, self.tokens = 0, 0, 0
+        self.carried = False  # a SharedK compares with its k exchange each round instead
 
     def __call__(self, tokens: list[int]) -> None:
         for t in tokens:
@@ -190,25 +198,32 @@ class Lockstep:
         self.rounds += 1
         if self.beat is not None:
             self.beat()
-        if self.rounds % self.every == 0:
+        if not self.carried and self.rounds % self.every == 0:
             self.check()
 
     def check(self) -> None:
         """Compare now (the engine also calls this when generation ends)."""
+        self.exchange([])
+
+    def exchange(self, extra: Sequence[int]) -> list[int]:
+        """Compare the ranks' hashes (LockstepError if they differ; Cancelled when stoppable
+        and rank 0 was cancelled) and return rank 0's ``extra`` integers on every rank: one
+        all-gather of [hash, tokens, stop, *extra] per rank. Every rank passes as many."""
         if not self.world.distributed:
-            return
+            return list(extra)
         stop = int(bool(self.cancelled and self.cancelled()))
-        mine = mx.array([self.hash, self.tokens, stop], dtype=mx.int64)
+        mine = mx.array([self.hash, self.tokens, stop, *extra], dtype=mx.int64)
         # the default stream: after any target pass still in flight (see share)
-        seen = mx.distributed.all_gather(mine[None], group=self.world.group)
-        rows = [tuple(r[:2]) for r in seen.tolist()]
+        seen = mx.distributed.all_gather(mine[None], group=self.world.group).tolist()
+        rows = [tuple(r[:2]) for r in seen]  # (ranks, 3 + len(extra)): rank 0's row first
         if len(set(rows)) > 1:
             raise LockstepError(
                 f"the ranks generated different tokens (token counts {[r[1] for r in rows]}, "
                 "hashes differ); stopped rather than write diverging text"
             )
-        if self.stoppable and seen.tolist()[0][2]:
+        if self.stoppable and seen[0][2]:
             raise Cancelled("cancelled by rank 0")
+        return [int(v) for v in seen[0][3:]]
 
 
 def watch_parent(every: float = 1.0) -> None:
@@ -274,25 +289,6 @@ class Watchdog:
                     f"{self.what} (a rank died, hangs or never connected); stopping"
                 )
                 os._exit(1)
-
-
-def check_shardable(config: dict, size: int, name: str, has_shard: bool) -> None:
-    """BadInput before anything loads when ``size`` ranks cannot split this model: mlx-lm
-    must implement tensor parallelism for it, and its heads and MLP must divide evenly."""
-    if not has_shard:
-        raise BadInput(
-            f"{name} ({config.get('model_type', '?')}) has no tensor-parallel sharding in "
-            "mlx-lm, so it cannot be split over ranks"
-        )
-    c = config.get("text_config", config)
-    heads, kv = c.get("num_attention_heads"), c.get("num_key_value_heads")
-    kv = kv or heads
-    for what, n in (("attention heads", heads), ("KV heads", kv), ("MLP units", c.get("intermediate_size"))):  # fmt: skip
-        if n is not None and n % size:
-            raise BadInput(
-                f"{name} has {heads} query / {kv} KV heads and {c.get('intermediate_size')} "
-                f"MLP units: its {what} ({n}) do not split evenly over {size} ranks"
-            )
 
 
 # ---------------------------------------------------------------- launching the ranks

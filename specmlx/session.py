@@ -122,11 +122,12 @@ class Session:
             num_draft = saved = store.get(
                 pair.target, pair.target_id, drafter, req.sampling, ids, verify=req.verify
             )
-        if world.distributed and not isinstance(num_draft, int):
-            # rank 0 decides k for all: each rank's timings differ
-            num_draft = SharedK(make_chooser(num_draft), world)
         if world.distributed and lockstep is None:
             lockstep = Lockstep(world)
+        if world.distributed and not isinstance(num_draft, int):
+            # rank 0 decides k for all (each rank's timings differ); the lockstep hash
+            # travels in the same collective
+            num_draft = SharedK(make_chooser(num_draft), world, lockstep)
         eos = set(req.extra_eos)
         if pair.tokenizer is not None:
             eos |= set(getattr(pair.tokenizer, "eos_token_ids", ()) or ())

@@ -20,10 +20,10 @@ from specmlx.distributed import (
     SharedK,
     World,
     _exit_code,
-    check_shardable,
     parse_hosts,
 )
 from specmlx.errors import BadInput
+from specmlx.sharding import check_shardable
 
 TWO = ["--hosts", "localhost,localhost"]
 PROMPT = "def add(a, b):\n    return"
@@ -421,3 +421,25 @@ def test_the_api_key_reaches_rank_0_on_stdin_never_a_command_line(models):
     finally:
         code, err = server.stop()
     assert code == 0, err
+
+
+@pytest.mark.parametrize("diverge_at", [-1, 5])
+def test_k_and_the_lockstep_hash_travel_in_one_collective_a_round(models, diverge_at):
+    script = Path(__file__).with_name("rank_sync.py")
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring",
+         "--python", sys.executable, str(script), str(diverge_at)],
+        env=models["env"] | {"PYTHONPATH": str(Path(__file__).parent.parent)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = [json.loads(x) for x in done.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 2, done.stdout + done.stderr
+    for out in lines:
+        if diverge_at < 0:
+            assert out["ks"] == [3, 1, 4, 1, 5, 9, 2, 6], out  # rank 0's, on both ranks
+            # 8 rounds and the last check: one all-gather each, no all-sum
+            assert out["calls"] == {"all_gather": 9, "all_sum": 0}, out
+            assert out["error"] is None
+        else:  # round 5's tokens differ: round 6's k exchange compares them and stops
+            assert len(out["ks"]) == diverge_at + 1, out
+            assert "different tokens" in out["error"], out
