@@ -15,17 +15,18 @@ pass over L + 1, and its acceptance is estimated per match length (a longer matc
 predicts better), with its own a_later. The better expected tokens per second wins. A lookup
 proposal may run past the draft model's k_max, up to LOOKUP_MAX, wherever the target's
 verify curve is flat enough to pay for it (copied text tends to go on being copied).
+
+By concern: the model (expected_tokens, best_k); Acceptance, what drafts score; CostCurve,
+what rounds cost; AdaptiveK, the choices that read both (k, the per-token stopping plan, the
+lookup length) and the one object the engine and drafters call. probe.py times the target
+for the curve's first shape: it runs models, nothing here does.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
-import mlx.core as mx
-
-from .caches import can_rollback, make_caches, trim
 from .stats import RoundReport
 
 CONF_BINS = 10  # per-token stopping: acceptance is learned per tenth of draft confidence
@@ -37,8 +38,6 @@ DRAFT_CHUNKS = (1, 1, 2)
 # the first timings of the draft are taken at their minimum, later ones averaged
 EARLY_TIMES = 3
 LOOKUP_MAX = 15  # the longest lookup proposal: a target pass over 16 tokens
-# token counts a verify probe times; the curve between them is interpolated
-PROBE_SIZES = (*range(1, 10), 12, 16)
 
 
 def _chunk(m: int) -> int:
@@ -80,68 +79,298 @@ LEARNED = (
 )  # fmt: skip
 
 
+def _bin(confidence: float) -> int:
+    """The confidence bin (a tenth of [0, 1]) of a draft the draft model gave that probability."""
+    return min(int(confidence * CONF_BINS), CONF_BINS - 1)
+
+
+@dataclass
+class Acceptance:
+    """What drafts score, learned from rounds: decayed [accepted, tried] counts (``decay`` per
+    round counted, ~20 rounds of memory) on top of a prior worth ``prior_weight`` trials that
+    fades like old data. (Not the acceptance rule: acceptance.py decides which drafts pass,
+    this learns how often they do.)
+
+    decay: weight of the history, per round counted; prior: the first position's prior
+    acceptance; prior_weight: the prior's worth in trials. The counts (None: none yet, as a
+    fresh chooser has): first, at the first draft position, prior included (a); later, at the
+    positions after it, each tried when all before it passed (a_later, shrunk towards a while
+    it has few trials); conf, per-token stopping, per confidence bin (a draft tried once all
+    before it were accepted); lookup, prompt lookup by match length, [accepted, tried] at the
+    first position and then after it.
+    """
+
+    decay: float = 0.95
+    prior: float = 0.6
+    prior_weight: float = 2.0
+    first: list[float] | None = None
+    later: list[float] | None = None
+    conf: list[list[float]] | None = None
+    lookup: dict[int, list[float]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.first is None:
+            self.first = [self.prior * self.prior_weight, self.prior_weight]
+        if self.later is None:
+            self.later = [0.0, 0.0]
+        self.lookup = {int(n): list(v) for n, v in (self.lookup or {}).items()}  # JSON: str keys
+        self.conf = [[float(w), float(t)] for w, t in self.conf or []]
+        if len(self.conf) != CONF_BINS:  # none yet, or saved with other bins: start afresh
+            self.conf = [[0.0, 0.0] for _ in range(CONF_BINS)]
+
+    @property
+    def first_rate(self) -> float:
+        """a: the chance that the first draft token is accepted."""
+        wins, tries = self.first
+        return wins / tries
+
+    @property
+    def later_rate(self) -> float:
+        """a_later: the chance that a later draft token is accepted when all before it were."""
+        wins, tries = self.later
+        return (self.first_rate * self.prior_weight + wins) / (self.prior_weight + tries)
+
+    def optimistic(self, explore: float) -> float:
+        """a, ``explore`` standard errors up (a binomial's, over the trials counted)."""
+        a, n = self.first_rate, self.first[1]
+        return min(1.0, a + explore * (a * (1 - a) / n) ** 0.5)
+
+    def confident(self, confidence: float) -> float:
+        """The chance that a draft the draft model gave probability ``confidence`` is
+        accepted when those before it were: learned per bin, a_later as the prior."""
+        wins, tries = self.conf[_bin(confidence)]
+        return (self.later_rate * self.prior_weight + wins) / (self.prior_weight + tries)
+
+    def lookup_first(self, match: int, explore: float = 0.0) -> float:
+        """The chance that the first token of a lookup proposal found by a ``match``-token
+        n-gram is accepted (prior: 0.5 for a 1-gram, up to 0.8), ``explore`` standard errors
+        up (0: the point estimate)."""
+        wins, tries = self.lookup.get(match, [0.0] * 4)[:2]
+        prior = min(0.8, 0.4 + 0.1 * match)
+        a = (prior * self.prior_weight + wins) / (self.prior_weight + tries)
+        if explore:
+            a += explore * (a * (1 - a) / (self.prior_weight + tries)) ** 0.5
+        return min(1.0, a)
+
+    def lookup_later(self, match: int) -> float:
+        """a_later for lookup after a ``match``-token n-gram: copied text tends to go on
+        being copied, more so after a long match."""
+        wins, tries = self.lookup.get(match, [0.0] * 4)[2:]
+        prior = self.lookup_first(match)
+        return (prior * self.prior_weight + wins) / (self.prior_weight + tries)
+
+    def count(self, k: int, n: int) -> None:
+        """Fold in a draft model's round: n of its k drafts accepted."""
+        self._fold(self.first, self.later, k, n)
+
+    def count_lookup(self, match: int, k: int, n: int) -> None:
+        """Fold in a lookup round: n of k proposed tokens accepted, after a ``match``-token
+        n-gram."""
+        counts = self.lookup.setdefault(match, [0.0] * 4)
+        first, later = counts[:2], counts[2:]
+        self._fold(first, later, k, n)
+        counts[:] = first + later
+
+    def observe(self, confidences: Sequence[float], n: int) -> None:
+        """Fold in a round's confidences: drafts 1..n were accepted, draft n + 1 was not."""
+        for i, c in enumerate(confidences[: n + 1]):
+            counts = self.conf[_bin(c)]
+            counts[0] = self.decay * counts[0] + (i < n)
+            counts[1] = self.decay * counts[1] + 1
+
+    def _fold(self, first: list[float], later: list[float], k: int, n: int) -> None:
+        """Decayed acceptance counts: position 1 was tried once; positions 2..min(n + 1, k)
+        were tried when the one before passed."""
+        tried_later = (n - 1, min(n + 1, k) - 1) if n > 0 else (0, 0)
+        for counts, (wins, tries) in ((first, (n > 0, 1)), (later, tried_later)):
+            counts[0] = self.decay * counts[0] + wins
+            counts[1] = self.decay * counts[1] + tries
+
+
+@dataclass
+class CostCurve:
+    """What rounds cost, learned from rounds: t_draft seconds per draft token, and
+    t_verify(k) = level * shape[k] for a target pass over k + 1 tokens. Every round updates the
+    level (so no k keeps a stale or spiked time); the shape is the probed ``verify_ratio``
+    corrected per k (``fix``) as rounds at that k come in. Observations are clipped to
+    [1/2, 2] x the prediction before averaging, so one descheduled round does not move the
+    plan. The engine times drafting apart on one drafting round in eight and on the first
+    after plain rounds; the first EARLY_TIMES timings count at their minimum. Plain rounds are
+    timed directly (t_plain): a plain round over one token can cost much less than the probe's
+    shape says (a round with drafts also pays for the draft's catch-up, rollback and
+    acceptance), and it is what speculation must beat.
+
+    time_decay: weight of the level, t_draft and t_plain, per round; shape_decay: weight of a
+    k's correction, per round at that k (the level takes most of any change); verify_ratio:
+    the probe's t_verify(k) / t_verify(0) (None: +10% a token); t_draft, level (seconds of a
+    target pass over one token), t_plain: None until timed; fix: per k, how far the probe's
+    shape was off (None: nowhere yet); draft_timed: draft timings folded in.
+    """
+
+    time_decay: float = 0.8
+    shape_decay: float = 0.98
+    verify_ratio: list[float] | None = None
+    t_draft: float | None = None
+    level: float | None = None
+    t_plain: float | None = None
+    fix: dict[int, float] | None = None
+    draft_timed: int = 0
+    # (the last curve built and what it was built from: never saved)
+    _memo: tuple | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.fix = {int(k): v for k, v in (self.fix or {}).items()}  # JSON keys are strings
+
+    def curve(self, k_last: int) -> list[float]:
+        """t_verify(k) for k in 0..k_last, never cheaper than a smaller k. Built once per
+        change of what it depends on (a round asks for it several times)."""
+        key = (self.level, tuple(self.fix.items()), id(self.verify_ratio), k_last)
+        if self._memo is not None and self._memo[0] == key:
+            return self._memo[1]
+        curve = []
+        for k in range(k_last + 1):
+            t = (self.level or 0.0) * self.shape(k)
+            curve.append(max(t, curve[-1]) if curve else t)
+        self._memo = (key, curve)
+        return curve
+
+    def plain_seconds(self) -> float:
+        """A plain step: the lower of the timed one and the curve's t_verify(0). A wrong stop
+        re-measures itself (plain rounds follow), a wrong go would not."""
+        t0 = (self.level or 0.0) * self.shape(0)
+        return min(self.t_plain or t0, t0)
+
+    def draft_share(self, k: int, made: int, round_s: float) -> float | None:
+        """The drafting seconds of a round whose drafting was not timed apart (``made`` drafts,
+        k verified, ``round_s`` in all), split in the predicted proportions, so a machine-wide
+        slowdown shows in both models' times (the timed rounds correct the split). None until
+        both are timed."""
+        if not (self.t_draft and self.level):
+            return None
+        draft = made * self.t_draft
+        return round_s * draft / (draft + self.level * self.shape(k))
+
+    def time_draft(self, step: float, timed: bool) -> None:
+        """Fold in ``step`` seconds a draft token; ``timed``: measured apart, not split off a
+        round by draft_share."""
+        self.draft_timed += timed
+        if self.t_draft is None:
+            self.t_draft = step
+        elif timed and self.draft_timed <= EARLY_TIMES:
+            # the first few timings: noise only ever makes a draft look slower, and one slow
+            # first timing (a busy machine) made auto stop drafting for good
+            self.t_draft = min(self.t_draft, step)
+        else:
+            self.t_draft = self.blend(self.t_draft, step)
+
+    def time_plain(self, round_s: float) -> None:
+        """Fold in a plain round that took ``round_s`` seconds."""
+        self.t_plain = round_s if self.t_plain is None else self.blend(self.t_plain, round_s)
+
+    def time(self, k: int, target_s: float) -> None:
+        """Fold in a target pass over k + 1 tokens that took ``target_s`` seconds."""
+        shape = self.shape(k)
+        if self.level is None:
+            self.level = target_s / shape
+            return
+        predicted = self.level * shape
+        self.level = self.blend(predicted, target_s) / shape
+        # k = 0 anchors the shape; the rest learn how far the probe was off, but only from
+        # ordinary rounds: a round the clip caught moves the level, never the shape
+        if k > 0 and predicted / 2 < target_s < 2 * predicted:
+            seen = target_s / (self.level * self.ratio(k))
+            old = self.fix.get(k, 1.0)
+            self.fix[k] = self.shape_decay * old + (1 - self.shape_decay) * seen
+
+    def ratio(self, k: int) -> float:
+        """The probe's t_verify(k) / t_verify(0)."""
+        r = self.verify_ratio
+        if r and k < len(r):
+            return r[k]
+        # +10% a token past what was probed (a curve saved before lookup ran longer ends at 8)
+        return (r[-1] if r else 1.0) + 0.1 * (k - (len(r) - 1 if r else 0))
+
+    def shape(self, k: int) -> float:
+        """t_verify(k) / level: the probe's ratio, as corrected by the rounds at k."""
+        return self.ratio(k) * self.fix.get(k, 1.0)
+
+    def blend(self, old: float, new: float) -> float:
+        """EWMA with the new value clipped to [old / 2, 2 old]: robust to one slow round."""
+        new = min(max(new, old / 2), 2 * old)
+        return self.time_decay * old + (1 - self.time_decay) * new
+
+
 @dataclass
 class AdaptiveK:
     """A k chooser (stats.KChooser): call it with each round's report, get the next k back.
     Keep one per pair and sampler (choosers.ChooserStore does): the estimates carry over from
     one generation to the next.
 
-    Acceptance: decayed counts (``decay`` per drafting round, ~20 rounds of memory), for the
-    first position (a) and for the later ones (a_later, shrunk towards a while it has few
-    trials),
-    on top of a prior a worth ``prior_weight`` trials that fades like old data.
-    Times: t_draft per token (the engine times drafting apart on one drafting round in eight
-    and on the first after plain rounds; the first EARLY_TIMES timings count at their minimum),
-    and t_verify(k) = level * shape[k]; every round updates the
-    level (so no k keeps a stale or spiked time) and the shape is the probed ``verify_ratio``
-    corrected per k as rounds at that k come in. Observations are clipped to [1/2, 2] x the
-    prediction before averaging, so one descheduled round does not move the plan.
-    Plain steps are timed directly (``t_plain``): the second round ever is a plain one, since a
-    plain round over one token can cost much less than the probe's shape says (a round with
-    drafts also pays for the draft's catch-up, rollback and acceptance), and k = 0 is what
-    speculation must beat. Choice: the best k >= 1 on the point estimate; drafting stops (k = 0)
-    when even an optimistic a (``explore`` standard errors up) says plain decoding is faster.
-    Every ``neighbor_every`` drafting rounds it tries k +- 1 to keep the curve near the optimum
-    measured. Once stopped it stays stopped until, after ``reprobe_every`` plain rounds, it
-    drafts once (k = 1) in case the text got easier, doubling the wait while drafts score
-    nothing.
+    What it learns lives in two parts, ``accept`` (Acceptance: how often drafts pass) and
+    ``cost`` (CostCurve: what a round costs); this class makes the choices that read them: k
+    for the next round, the per-token stopping plan (draft_plan) and the length of a lookup
+    proposal (lookup_length). The parts' settings and learned values keep the argument and
+    attribute names they had when they were fields of this class (``t_draft``, ``_first``,
+    ...: _PARTS), so callers and saved states are unchanged.
+    Calibration: the first round drafts to time something; the second ever is a plain one,
+    since k = 0 is what speculation must beat. Choice: the best k >= 1 on the point estimate;
+    drafting stops (k = 0) when even an optimistic a (``explore`` standard errors up) says
+    plain decoding is faster. Every ``neighbor_every`` drafting rounds it tries k +- 1 to keep
+    the curve near the optimum measured. Once stopped it stays stopped until, after
+    ``reprobe_every`` plain rounds, it drafts once (k = 1) in case the text got easier,
+    doubling the wait while drafts score nothing.
     """
 
     k_max: int = 8  # the most drafts from the draft model
     lookup_max: int = LOOKUP_MAX  # the longest lookup proposal
-    decay: float = 0.95  # weight of acceptance history, per drafting round
-    time_decay: float = 0.8  # weight of the time level and t_draft, per round
-    shape_decay: float = 0.98  # per round at that k: the level takes most of any change
+    # each InitVar is handed to its part (accept, cost) by __post_init__ and is an attribute
+    # again through _PARTS, below the class
+    decay: InitVar[float] = 0.95  # weight of acceptance history, per drafting round
+    time_decay: InitVar[float] = 0.8  # weight of the time level and t_draft, per round
+    shape_decay: InitVar[float] = 0.98  # per round at that k: the level takes most of any change
     explore: float = 1.0  # standard errors of optimism before giving up on the draft
     reprobe_every: int = 8  # plain rounds before drafting once more
     neighbor_every: int = 8  # drafting rounds between tries of k +- 1
-    verify_ratio: list[float] | None = None
-    a: float = 0.6  # prior acceptance, worth ``prior_weight`` draft trials
-    prior_weight: float = 2.0
-    t_draft: float | None = None  # seconds per draft token
-    level: float | None = None  # seconds of a target pass over one token
-    t_plain: float | None = None  # seconds of a plain round, measured on k = 0 rounds
-    _first: list[float] | None = None  # [accepted, tried] at the first position, prior included
-    _later: list[float] = field(default_factory=lambda: [0.0, 0.0])  # the same after it
-    _fix: dict[int, float] = field(default_factory=dict)
-    # per-token stopping: [accepted, tried] by draft confidence bin (a draft tried once all
-    # before it were accepted)
-    _conf: list[list[float]] = field(default_factory=lambda: [[0.0, 0.0] for _ in range(CONF_BINS)])
-    # prompt lookup, by match length: [accepted, tried] at the first position, then after it
-    _lookup: dict[int, list[float]] = field(default_factory=dict)
+    verify_ratio: InitVar[list[float] | None] = None
+    a: InitVar[float] = 0.6  # prior acceptance, worth ``prior_weight`` draft trials
+    prior_weight: InitVar[float] = 2.0
+    t_draft: InitVar[float | None] = None  # seconds per draft token
+    level: InitVar[float | None] = None  # seconds of a target pass over one token
+    t_plain: InitVar[float | None] = None  # seconds of a plain round, measured on k = 0 rounds
+    _first: InitVar[list[float] | None] = None  # Acceptance.first, and so on: see _PARTS
+    _later: InitVar[list[float] | None] = None
+    _fix: InitVar[dict[int, float] | None] = None
+    _conf: InitVar[list[list[float]] | None] = None
+    _lookup: InitVar[dict[int, list[float]] | None] = None
     _drafting_rounds: int = 0
-    _draft_timed: int = 0  # draft timings folded in
+    _draft_timed: InitVar[int] = 0
     _zeros: int = 0
     _wait: int = 0
+    accept: Acceptance = field(init=False)
+    cost: CostCurve = field(init=False)
 
-    def __post_init__(self) -> None:
-        if self._first is None:
-            self._first = [self.a * self.prior_weight, self.prior_weight]
-        self._fix = {int(k): v for k, v in self._fix.items()}  # JSON keys are strings
-        self._lookup = {int(n): list(v) for n, v in self._lookup.items()}
-        self._conf = [[float(w), float(t)] for w, t in self._conf]
-        if len(self._conf) != CONF_BINS:  # saved with other bins: start them afresh
-            self._conf = [[0.0, 0.0] for _ in range(CONF_BINS)]
+    def __post_init__(
+        self,
+        decay: float,
+        time_decay: float,
+        shape_decay: float,
+        verify_ratio: list[float] | None,
+        a: float,
+        prior_weight: float,
+        t_draft: float | None,
+        level: float | None,
+        t_plain: float | None,
+        _first: list[float] | None,
+        _later: list[float] | None,
+        _fix: dict[int, float] | None,
+        _conf: list[list[float]] | None,
+        _lookup: dict[int, list[float]] | None,
+        _draft_timed: int,
+    ) -> None:
+        self.accept = Acceptance(decay, a, prior_weight, _first, _later, _conf, _lookup)
+        self.cost = CostCurve(
+            time_decay, shape_decay, verify_ratio, t_draft, level, t_plain, _fix, _draft_timed
+        )
 
     def __call__(self, last: RoundReport | None) -> int:
         """The next round's k, after folding in ``last`` (None: a generation starts; what
@@ -150,10 +379,10 @@ class AdaptiveK:
             self.update(
                 last.k, last.accepted, last.seconds, last.draft_seconds, last.lookup, last.made
             )
-            self._observe(last.confidences[: last.k], last.accepted)
-        if self.level is None:
+            self.accept.observe(last.confidences[: last.k], last.accepted)
+        if self.cost.level is None:
             return min(2, self.k_max)  # measure something first
-        if self.t_plain is None:
+        if self.cost.t_plain is None:
             return 0  # then what it must beat
         # once it has stopped, only a probe restarts drafting: plain rounds alone make the
         # estimates no better, and the probe's outcome is what the next choice should see
@@ -178,30 +407,34 @@ class AdaptiveK:
 
     def best_now(self) -> int:
         """The k the estimates favour now, before probing and neighbour exploration."""
-        td, curve, later = self.t_draft or 0.0, self.verify_curve(), self.continuation
+        td, curve, later = self.cost.t_draft or 0.0, self.verify_curve(), self.continuation
         k = best_k(self.acceptance, td, curve, self.k_max, k_min=1, a_later=later)
         rate = expected_tokens(self.optimistic, k, later) / (k * td + curve[k])
-        # the lower of the two plain-step estimates: a wrong stop re-measures itself (plain
-        # rounds follow), a wrong go would not
-        t0 = min(self.t_plain or curve[0], curve[0])
-        return k if rate > 1.0 / t0 else 0
+        return k if rate > 1.0 / self.cost.plain_seconds() else 0
 
     @property
     def acceptance(self) -> float:
         """a: the chance that the first draft token is accepted."""
-        wins, tries = self._first
-        return wins / tries
+        return self.accept.first_rate
 
     @property
     def continuation(self) -> float:
         """a_later: the chance that a later draft token is accepted when all before it were."""
-        wins, tries = self._later
-        return (self.acceptance * self.prior_weight + wins) / (self.prior_weight + tries)
+        return self.accept.later_rate
 
     @property
     def optimistic(self) -> float:
-        a, n = self.acceptance, self._first[1]
-        return min(1.0, a + self.explore * (a * (1 - a) / n) ** 0.5)
+        """a, ``explore`` standard errors up: what it takes before drafting stops."""
+        return self.accept.optimistic(self.explore)
+
+    def confident(self, confidence: float) -> float:
+        """The chance that a draft the draft model gave probability ``confidence`` is
+        accepted when those before it were (Acceptance.confident)."""
+        return self.accept.confident(confidence)
+
+    def _observe(self, confidences: Sequence[float], n: int) -> None:
+        """Fold in a round's confidences: drafts 1..n were accepted, draft n + 1 was not."""
+        self.accept.observe(confidences, n)
 
     def draft_plan(self, confidences: Sequence[float], drafted: int = 0) -> tuple[int, int]:
         """Per-token stopping, after drafting len(confidences) tokens (the draft's
@@ -228,9 +461,9 @@ class AdaptiveK:
         m = len(confidences)
         if m == 0:
             return 0, min(_chunk(0), self.k_max)
-        if self.level is None:  # nothing timed yet: verify what was drafted, and time it
+        if self.cost.level is None:  # nothing timed yet: verify what was drafted, and time it
             return m, 0
-        td, curve, later = self.t_draft or 0.0, self.verify_curve(), self.continuation
+        td, curve, later = self.cost.t_draft or 0.0, self.verify_curve(), self.continuation
 
         def cost(n: int) -> float:  # a round verifying n drafts; the first ``drafted`` sunk
             return max(n, drafted) * td + curve[n]
@@ -251,54 +484,34 @@ class AdaptiveK:
                 return j, 0
         return m, min(_chunk(m), self.k_max - m)
 
-    def confident(self, confidence: float) -> float:
-        """The chance that a draft the draft model gave probability ``confidence`` is
-        accepted when those before it were: learned per bin, a_later as the prior."""
-        wins, tries = self._conf[min(int(confidence * CONF_BINS), CONF_BINS - 1)]
-        return (self.continuation * self.prior_weight + wins) / (self.prior_weight + tries)
-
-    def _observe(self, confidences: Sequence[float], n: int) -> None:
-        """Fold in a round's confidences: drafts 1..n were accepted, draft n + 1 was not."""
-        for i, c in enumerate(confidences[: n + 1]):
-            counts = self._conf[min(int(c * CONF_BINS), CONF_BINS - 1)]
-            counts[0] = self.decay * counts[0] + (i < n)
-            counts[1] = self.decay * counts[1] + 1
-
     def lookup_length(self, match: int, available: int, k: int, draft: bool) -> int:
         """How many of ``available`` lookup tokens (found by a ``match``-token n-gram) to
         verify this round: the length with the most expected tokens per second, or 0 when the
         alternative is worth more: drafting k tokens with the draft model (``draft``, k > 0),
         else a plain step. Optimistic by ``explore`` standard errors, as for stopping."""
         lengths = range(1, min(available, self.lookup_max) + 1)
-        if not lengths or self.level is None:  # nothing timed yet: try it, and time it
+        if not lengths or self.cost.level is None:  # nothing timed yet: try it, and time it
             return len(lengths)
         curve = self.verify_curve()
         a, later = self.lookup_acceptance(match, optimistic=True), self.lookup_continuation(match)
         best = max(lengths, key=lambda n: expected_tokens(a, n, later) / curve[n])
         value = expected_tokens(a, best, later) / curve[best]
         if draft and k > 0:
-            td = self.t_draft or 0.0
+            td = self.cost.t_draft or 0.0
             rival = expected_tokens(self.acceptance, k, self.continuation) / (k * td + curve[k])
         else:
-            rival = 1.0 / min(self.t_plain or curve[0], curve[0])
+            rival = 1.0 / self.cost.plain_seconds()
         return best if value > rival else 0
 
     def lookup_acceptance(self, match: int, optimistic: bool = False) -> float:
         """The chance that the first token of a lookup proposal found by a ``match``-token
-        n-gram is accepted (prior: 0.5 for a 1-gram, up to 0.8; worth ``prior_weight``)."""
-        wins, tries = self._lookup.get(match, [0.0] * 4)[:2]
-        prior = min(0.8, 0.4 + 0.1 * match)
-        a = (prior * self.prior_weight + wins) / (self.prior_weight + tries)
-        if optimistic:
-            a += self.explore * (a * (1 - a) / (self.prior_weight + tries)) ** 0.5
-        return min(1.0, a)
+        n-gram is accepted (Acceptance.lookup_first); ``optimistic``: ``explore`` standard
+        errors up."""
+        return self.accept.lookup_first(match, self.explore if optimistic else 0.0)
 
     def lookup_continuation(self, match: int) -> float:
-        """a_later for lookup after a ``match``-token n-gram: copied text tends to go on
-        being copied, more so after a long match."""
-        wins, tries = self._lookup.get(match, [0.0] * 4)[2:]
-        prior = self.lookup_acceptance(match)
-        return (prior * self.prior_weight + wins) / (self.prior_weight + tries)
+        """a_later for lookup after a ``match``-token n-gram (Acceptance.lookup_later)."""
+        return self.accept.lookup_later(match)
 
     def update(
         self,
@@ -315,75 +528,26 @@ class AdaptiveK:
         ``made``: drafts made, when more than k (per-token stopping verified fewer than it
         drafted: the unverified ones cost draft time, not target time)."""
         made = k if made is None else max(made, k)
-        timed = draft_s is not None
         if k > 0 and lookup:
-            counts = self._lookup.setdefault(lookup, [0.0] * 4)
-            first, later = counts[:2], counts[2:]
-            self._count(first, later, k, n)
-            counts[:] = first + later
-            self._time(k, round_s)  # nothing to draft: the round is the target's pass
+            self.accept.count_lookup(lookup, k, n)
+            self.cost.time(k, round_s)  # nothing to draft: the round is the target's pass
             return
         if k == 0:
-            self.t_plain = round_s if self.t_plain is None else self._blend(self.t_plain, round_s)
-        if k > 0 and draft_s is None and self.t_draft and self.level:
-            # not timed apart: split the round in the predicted proportions, so a machine-wide
-            # slowdown shows in both models' times; the timed rounds correct the split
-            draft = made * self.t_draft
-            draft_s = round_s * draft / (draft + self.level * self._shape(k))
-        if k > 0:
-            self._count(self._first, self._later, k, n)
+            self.cost.time_plain(round_s)
+        else:
+            self.accept.count(k, n)
             if n > 0:
                 self._wait = self.reprobe_every  # the draft scored: no backing off
+            timed = draft_s is not None
+            if not timed:
+                draft_s = self.cost.draft_share(k, made, round_s)
             if draft_s is not None:
-                step = draft_s / made
-                self._draft_timed += timed
-                if self.t_draft is None:
-                    self.t_draft = step
-                elif timed and self._draft_timed <= EARLY_TIMES:
-                    # the first few timings: noise only ever makes a draft look slower, and one
-                    # slow first timing (a busy machine) made auto stop drafting for good
-                    self.t_draft = min(self.t_draft, step)
-                else:
-                    self.t_draft = self._blend(self.t_draft, step)
-        self._time(k, max(round_s - (draft_s or 0.0), 1e-9))
-
-    def _count(self, first: list[float], later: list[float], k: int, n: int) -> None:
-        """Decayed acceptance counts: position 1 was tried once; positions 2..min(n + 1, k)
-        were tried when the one before passed."""
-        tried_later = (n - 1, min(n + 1, k) - 1) if n > 0 else (0, 0)
-        for counts, (wins, tries) in ((first, (n > 0, 1)), (later, tried_later)):
-            counts[0] = self.decay * counts[0] + wins
-            counts[1] = self.decay * counts[1] + tries
-
-    def _time(self, k: int, target_s: float) -> None:
-        """Fold in a target pass over k + 1 tokens that took ``target_s`` seconds."""
-        shape = self._shape(k)
-        if self.level is None:
-            self.level = target_s / shape
-            return
-        predicted = self.level * shape
-        self.level = self._blend(predicted, target_s) / shape
-        # k = 0 anchors the shape; the rest learn how far the probe was off, but only from
-        # ordinary rounds: a round the clip caught moves the level, never the shape
-        if k > 0 and predicted / 2 < target_s < 2 * predicted:
-            seen = target_s / (self.level * self._ratio(k))
-            old = self._fix.get(k, 1.0)
-            self._fix[k] = self.shape_decay * old + (1 - self.shape_decay) * seen
+                self.cost.time_draft(draft_s / made, timed)
+        self.cost.time(k, max(round_s - (draft_s or 0.0), 1e-9))
 
     def verify_curve(self) -> list[float]:
-        """t_verify(k) for k in 0..max(k_max, lookup_max), never cheaper than a smaller k.
-        Built once per change of what it depends on (a round asks for it several times)."""
-        key = (self.level, tuple(self._fix.items()), id(self.verify_ratio), self.k_max)
-        key += (self.lookup_max,)
-        memo = self.__dict__.get("_curve_memo")  # (not a field: never saved)
-        if memo is not None and memo[0] == key:
-            return memo[1]
-        curve = []
-        for k in range(max(self.k_max, self.lookup_max) + 1):
-            t = (self.level or 0.0) * self._shape(k)
-            curve.append(max(t, curve[-1]) if curve else t)
-        self.__dict__["_curve_memo"] = (key, curve)
-        return curve
+        """t_verify(k) for k in 0..max(k_max, lookup_max), never cheaper than a smaller k."""
+        return self.cost.curve(max(self.k_max, self.lookup_max))
 
     def state(self) -> dict:
         """What was learned, JSON-ready, with the format's version; ``AdaptiveK.resume``
@@ -399,75 +563,31 @@ class AdaptiveK:
             raise ValueError(f"not a version {STATE_VERSION} chooser state")
         return cls(**settings, **{name: state[name] for name in LEARNED if name in state})
 
-    def _ratio(self, k: int) -> float:
-        r = self.verify_ratio
-        if r and k < len(r):
-            return r[k]
-        # +10% a token past what was probed (a curve saved before lookup ran longer ends at 8)
-        return (r[-1] if r else 1.0) + 0.1 * (k - (len(r) - 1 if r else 0))
 
-    def _shape(self, k: int) -> float:
-        return self._ratio(k) * self._fix.get(k, 1.0)
-
-    def _blend(self, old: float, new: float) -> float:
-        """EWMA with the new value clipped to [old / 2, 2 old]: robust to one slow round."""
-        new = min(max(new, old / 2), 2 * old)
-        return self.time_decay * old + (1 - self.time_decay) * new
+# AdaptiveK's arguments that its parts keep: AdaptiveK's name -> part.name. Each stays an
+# attribute of AdaptiveK by that name, read and set in the part, so chooser.t_draft,
+# chooser.verify_ratio = ... and state() (which saves by these names) work as before the split
+_PARTS = {
+    "decay": "accept.decay", "a": "accept.prior", "prior_weight": "accept.prior_weight",
+    "_first": "accept.first", "_later": "accept.later", "_conf": "accept.conf",
+    "_lookup": "accept.lookup", "time_decay": "cost.time_decay",
+    "shape_decay": "cost.shape_decay", "verify_ratio": "cost.verify_ratio",
+    "t_draft": "cost.t_draft", "level": "cost.level", "t_plain": "cost.t_plain",
+    "_fix": "cost.fix", "_draft_timed": "cost.draft_timed",
+}  # fmt: skip
 
 
-def pass_times(model, ids: list[int], ns: list[int], reps: int = 3) -> dict[int, float]:
-    """Seconds of one forward pass over n tokens after a prefill of ``ids``, for each n in
-    ``ns``: the sizes take turns within each repetition, so drift hits them alike, and the
-    fastest repetition is kept, since on a shared machine noise only ever adds time."""
-    cache = make_caches(model)
-    model(mx.array(ids, dtype=mx.uint32)[None], cache=cache)
-    mx.eval([c.state for c in cache])
-    best = dict.fromkeys(ns, float("inf"))
-    for rep in range(reps + 1):  # the first is a warm-up
-        for n in ns:
-            x = mx.array((ids * n)[:n], dtype=mx.uint32)[None]
-            t0 = time.perf_counter()
-            mx.eval(model(x, cache=cache))
-            if rep:
-                best[n] = min(best[n], time.perf_counter() - t0)
-            if can_rollback(cache, n):  # recurrent state just runs on: the timing is the same
-                trim(cache, n)
-    return best
+def _kept_in(path: str) -> property:
+    """An attribute of AdaptiveK kept in one of its parts (``path``: "part.name")."""
+    part, name = path.split(".")
+    return property(
+        lambda self: getattr(getattr(self, part), name),
+        lambda self, value: setattr(getattr(self, part), name, value),
+        doc=f"AdaptiveK.{path}",
+    )
 
 
-def head_step_seconds(head, reps: int = 3) -> float:
-    """Seconds of one step of a head over the target's hidden states (an MTP head: one pair
-    in, one token's logits out), the fastest of ``reps`` after a warm-up."""
-    cache = head.make_cache()
-    hidden = mx.zeros((1, 1, head.norm.weight.shape[0]))
-    token = mx.zeros((1, 1), dtype=mx.uint32)
-    best = float("inf")
-    for rep in range(reps + 1):
-        t0 = time.perf_counter()
-        mx.eval(head(hidden, token, cache))
-        if rep:
-            best = min(best, time.perf_counter() - t0)
-        trim(cache, 1)
-    return best
-
-
-def curve_from(times: dict[int, float], k_max: int) -> list[float]:
-    """t_verify(k) / t_verify(0) for k in 0..k_max from passes timed over some token counts
-    (``times``: n tokens -> seconds, n = 1 among them): linear between the counts timed,
-    flat past the largest."""
-    ns = sorted(times)
-    out = []
-    for n in range(1, k_max + 2):
-        lo = max(m for m in ns if m <= n)
-        hi = min((m for m in ns if m >= n), default=lo)
-        w = 0.0 if hi == lo else (n - lo) / (hi - lo)
-        out.append(((1 - w) * times[lo] + w * times[hi]) / times[1])
-    return out
-
-
-def probe_verify(model, ids: list[int], k_max: int = LOOKUP_MAX, reps: int = 3) -> list[float]:
-    """t_verify(k) / t_verify(0) for k in 0..k_max: a target pass over k + 1 tokens against
-    one token, timed at PROBE_SIZES (and k_max + 1) and interpolated between. On Metal this
-    curve is known not to be flat; adaptive k needs it."""
-    sizes = sorted({n for n in PROBE_SIZES if n <= k_max + 1} | {k_max + 1})
-    return curve_from(pass_times(model, ids[-64:] or [0], sizes, reps), k_max)
+# installed after @dataclass has read the arguments' defaults: a property in the class body
+# would have been taken for the default
+for _name, _path in _PARTS.items():
+    setattr(AdaptiveK, _name, _kept_in(_path))

@@ -20,25 +20,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import mlx.core as mx
 
 from .acceptance import sampled_rule
-from .adaptive import (
-    LOOKUP_MAX,
-    PROBE_SIZES,
-    AdaptiveK,
-    curve_from,
-    head_step_seconds,
-    pass_times,
-)
+from .adaptive import LOOKUP_MAX, AdaptiveK
 from .bench_data import MEMORY, STOP, BenchSettings, Run, System, code_of, edit_step, runs_at
-from .bench_report import check_identity, summarize
+from .bench_report import judge_greedy_runs, summarize
 from .caches import mlx_lm_speculates
 from .choosers import ChooserStore
 from .distributed import World
 from .lookup import LookupMemory
+from .probe import PROBE_SIZES, curve_from, head_step_seconds, pass_times
 from .sampling import SamplingParams, make_processor, sample
 from .session import Pair, Request, Session
 
@@ -180,31 +174,39 @@ def systems(draft_name: str | None, s: BenchSettings, head_name: str | None = No
     return out
 
 
+@dataclass(frozen=True)
+class Benched:
+    """The models a benchmark runs.
+
+    target, draft: mlx-lm models (draft None: no draft rows); draft_name: the draft's alias
+    for the rows; shared: ids the draft may propose; world: the ranks the target is split
+    over (every rank runs the same sequence); head: (name, the target's MTP head) to bench
+    beside the draft."""
+
+    target: object
+    draft: object | None = None
+    draft_name: str | None = None
+    shared: int | None = None
+    world: World | None = None
+    head: tuple[str, object] | None = None
+
+
 def bench(
-    target,
-    draft,
+    models: Benched,
     prompts: list[dict],
     encode: Callable[[dict], list[int]],
     s: BenchSettings,
     *,
-    draft_name: str | None = None,
-    shared: int | None = None,
     on_run: Callable[[Run], None] | None = None,
-    world: World | None = None,
-    head: tuple[str, object] | None = None,
 ) -> dict:
     """Run every system on every prompt and temperature, interleaved, ``s.repeats`` times.
 
-    target, draft: the loaded models (draft None: no draft rows); prompts: rows with "id"
-    and "prompt"; encode: a prompt row -> token ids; s: what to sweep; draft_name: the
-    draft's alias for the rows; shared: ids the draft may propose; on_run: called after each
-    generation (progress); world: the ranks the target is split over (every rank runs this
-    same sequence); head: (name, the target's MTP head) to bench beside the draft. A
-    "+ memory" row's lookup memory starts empty in each repeat and
+    models: what runs; prompts: rows with "id" and "prompt"; encode: a prompt row -> token
+    ids; s: what to sweep; on_run: called after each generation (progress). A "+ memory" row's lookup memory starts empty in each repeat and
     remembers that repeat's outputs, prompt after prompt. Returns {"rows", "runs",
     "verify_curve", "draft_cost"}; the CLI adds the environment."""
     encoded = [(p["id"], encode(p)) for p in prompts]
-    bed = _Testbed(target, draft, encoded[0][1], s, draft_name, shared, world, head)
+    bed = _Testbed(models, encoded[0][1], s)
     runs: list[Run] = []
     for rep in range(s.repeats):
         memories = bed.memories()
@@ -215,23 +217,18 @@ def bench(
                     runs.append(run)
                     if on_run:
                         on_run(run)
-    check_identity(runs, dict(encoded), target, bed.todo[0].label)
+    judge_greedy_runs(runs, dict(encoded), models.target, bed.todo[0].label)
     return bed.result(runs)
 
 
 def bench_sequences(
-    target,
-    draft,
+    models: Benched,
     sequences: list[dict],
     encode: Callable[[dict], list[int]],
     decode: Callable[[list[int]], str],
     s: BenchSettings,
     *,
-    draft_name: str | None = None,
-    shared: int | None = None,
     on_run: Callable[[Run], None] | None = None,
-    world: World | None = None,
-    head: tuple[str, object] | None = None,
 ) -> dict:
     """The editing sequences: each step asks for one more edit of the file the previous step
     wrote (every system follows its own outputs; greedy rows write the same ones). A
@@ -240,7 +237,7 @@ def bench_sequences(
     sequences: rows from load_sequences; decode: token ids -> text (the next step's file);
     the rest as for ``bench``. Returns what ``bench`` returns; runs are named <id>-<step>."""
     first = edit_step(sequences[0], 0, sequences[0]["file"])
-    bed = _Testbed(target, draft, encode(first), s, draft_name, shared, world, head)
+    bed = _Testbed(models, encode(first), s)
     runs: list[Run] = []
     prompts: dict[str, list[int]] = {}
     for rep in range(s.repeats):
@@ -260,7 +257,7 @@ def bench_sequences(
                         runs.append(run)
                         if on_run:
                             on_run(run)
-    check_identity(runs, prompts, target, bed.todo[0].label)
+    judge_greedy_runs(runs, prompts, models.target, bed.todo[0].label)
     return bed.result(runs)
 
 
@@ -268,12 +265,14 @@ class _Testbed:
     """What every benchmark shares: the systems, the measured verify curve and draft cost,
     one adaptive-k state per auto system and temperature, and a warm-up."""
 
-    def __init__(self, target, draft, ids, s: BenchSettings, draft_name, shared, world, head):
+    def __init__(self, models: Benched, ids: list[int], s: BenchSettings):
         for verify in s.verifies:
             sampled_rule(verify)
-        self.target, self.draft, self.s, self.shared, self.world = target, draft, s, shared, world
+        target, draft, head = models.target, models.draft, models.head
+        self.target, self.draft, self.s = target, draft, s
+        self.shared, self.world = models.shared, models.world
         self.head = head  # (name, an MTP head) benched beside the draft, or None
-        self.todo = systems(draft_name, s, head[0] if head else None)
+        self.todo = systems(models.draft_name, s, head[0] if head else None)
         self.notes: list[str] = []
         if getattr(draft, "reads_hidden", None):  # mlx-lm's loop takes a model, not a head
             self.todo = [sy for sy in self.todo if sy.system != "mlx-lm" or sy.drafter == "none"]
@@ -309,7 +308,9 @@ class _Testbed:
             for temp in temps if system.k == "auto" else temps[:1]:
                 chooser = self.choosers.get((system, temp))
                 d = self.draft_of(system)
-                run_one(system, target, d, ids, temp, warm, s.seed, shared, chooser, world)
+                run_one(
+                    system, target, d, ids, temp, warm, s.seed, self.shared, chooser, self.world
+                )
 
     def draft_of(self, system: System):
         """The drafting model a system's rows use: the MTP head's rows the head, the rest

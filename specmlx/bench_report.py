@@ -71,7 +71,7 @@ def target_logits_after(target, context: list[int], step: int = 512) -> mx.array
     return target(mx.array(context[-1:], dtype=mx.uint32)[None], cache=cache)[0, -1]
 
 
-def identity(target, prompt: list[int], ref: list[int], tokens: list[int]) -> str:
+def greedy_verdict(target, prompt: list[int], ref: list[int], tokens: list[int]) -> str:
     """ "identical", "near-tie" or "diverged": a greedy run's ``tokens`` against target-only's
     ``ref`` for the same ``prompt``; the target is run (once) only when they differ. A run that
     ends early or runs on past the reference cannot be judged by a tie: "diverged"."""
@@ -84,13 +84,13 @@ def identity(target, prompt: list[int], ref: list[int], tokens: list[int]) -> st
     return classify_difference(logits, ref[at], tokens[at])
 
 
-def check_identity(runs: list[Run], prompts: dict[str, list[int]], target, base: str) -> None:
+def judge_greedy_runs(runs: list[Run], prompts: dict[str, list[int]], target, base: str) -> None:
     """Set ``same`` on every greedy run: compared with the target-only run (label ``base``)
     of the same prompt and repeat. Sampled runs are left None."""
     ref = {(r.prompt, r.repeat): r.tokens for r in runs if r.label == base and r.temperature == 0}
     for r in runs:
         if r.temperature == 0 and (r.prompt, r.repeat) in ref:
-            r.same = identity(target, prompts[r.prompt], ref[(r.prompt, r.repeat)], r.tokens)
+            r.same = greedy_verdict(target, prompts[r.prompt], ref[(r.prompt, r.repeat)], r.tokens)
 
 
 SAME_ORDER = ("identical", "near-tie", "diverged")

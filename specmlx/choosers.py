@@ -19,10 +19,11 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .acceptance import DEFAULT_VERIFY
-from .adaptive import LOOKUP_MAX, AdaptiveK, probe_verify
+from .adaptive import LOOKUP_MAX, AdaptiveK
 from .errors import BadInput
 from .machine import machine_id
 from .paths import Warn, load_json, save_json, specmlx_home
+from .probe import probe_verify
 from .sampling import SamplingParams
 from .stats import KChooser, RoundReport
 

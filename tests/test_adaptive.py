@@ -1,6 +1,8 @@
 """The adaptive-k chooser on synthetic rounds (no timing asserted), and the chooser store."""
 
 import copy
+import dataclasses
+import inspect
 import json
 import random
 import statistics
@@ -9,14 +11,18 @@ import pytest
 from helpers import Feed, make_tiny, steady
 
 from specmlx.adaptive import (
+    _PARTS,
+    CONF_BINS,
+    LEARNED,
     LOOKUP_MAX,
+    Acceptance,
     AdaptiveK,
+    CostCurve,
     best_k,
-    curve_from,
     expected_tokens,
-    probe_verify,
 )
 from specmlx.engine import generate_tokens
+from specmlx.probe import curve_from, probe_verify
 from specmlx.stats import RoundReport, Stats
 
 
@@ -316,3 +322,105 @@ def test_one_slow_first_draft_timing_does_not_stop_drafting_for_good():
         last = RoundReport(k, n, draft_s + 0.1 + 0.005 * k, draft_s if timed else None)
     assert ks[2] == 0  # the slow timing stopped it, as it should on what it saw
     assert chooser.t_draft == pytest.approx(0.03, rel=0.05) and all(k > 0 for k in ks[-30:]), ks
+
+
+def _replay(chooser: AdaptiveK, rounds: int = 80) -> tuple[list, list, list]:
+    """Seeded rounds fed back to ``chooser``: drafting and lookup rounds, per-token stopping
+    (confidences, drafts made past k), untimed and descheduled rounds, and a stretch where the
+    draft fails. Returns its k each round, and its answers to a draft_plan and a
+    lookup_length question asked after each."""
+    rng, asks, last = random.Random(5), random.Random(6), None
+    ks, plans, lengths = [], [], []
+    for i in range(rounds):
+        k = chooser(last)
+        a, a_later = (0.1, 0.3) if 30 <= i < 60 else (0.75, 0.9)
+        lookup = rng.randint(1, 5) if k and i % 5 == 0 else 0
+        n = 0
+        while n < k and rng.random() < (a if n == 0 else a_later):
+            n += 1
+        conf = () if lookup else tuple(rng.choice((0.97, 0.6, 0.3, 0.1)) for _ in range(k))
+        made = k + 1 if k and not lookup and i % 3 == 0 else None
+        draft_s = 0.02 * (made or k) if k and not lookup and i % 4 == 0 else None
+        slow = 0.5 if i % 17 == 16 else 0.0  # a descheduled round
+        seconds = 0.1 + 0.005 * k + (0.0 if lookup else 0.02 * (made or k)) + slow
+        last = RoundReport(k, n, seconds, draft_s, lookup, conf, made)
+        ks.append(k)
+        m = asks.randint(1, 5)
+        confidences = [asks.choice((0.97, 0.9, 0.6, 0.3)) for _ in range(m)]
+        plans.append(chooser.draft_plan(confidences, drafted=asks.randint(0, m)))
+        match, available = asks.randint(1, 4), asks.randint(0, 20)
+        lengths.append(chooser.lookup_length(match, available, k, i % 2 == 0))
+    return ks, plans, lengths
+
+
+def test_the_split_into_parts_kept_every_choice():
+    """AdaptiveK was one class holding the estimates, the cost curve and the choices; it now
+    composes Acceptance and CostCurve. These are what the one class chose on _replay's rounds
+    (recorded by running it): the split moved code, not decisions. A change meant to move
+    the choices re-records them."""
+    ks, plans, lengths = _replay(
+        AdaptiveK(verify_ratio=[1.0] + [1.1 + 0.05 * k for k in range(1, 16)])
+    )
+    assert ks == RECORDED_KS
+    assert plans == RECORDED_PLANS
+    assert lengths == RECORDED_LENGTHS
+
+
+RECORDED_KS = [
+    2, 0, 4, 8, 8, 8, 8, 5, 7, 7, 5, 5, 5, 4, 3, 4, 4, 4, 4, 5, 5, 5, 5, 4, 5, 6, 5, 5, 5, 5, 5, 5,
+    5, 3, 3, 3, 3, 3, 3, 3, 3, 4, 2, 2, 2, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0,
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0
+]  # fmt: skip
+RECORDED_PLANS = [
+    (5, 0), (3, 2), (4, 0), (4, 2), (5, 2), (5, 2), (5, 2), (2, 2), (3, 2), (4, 0), (1, 1), (4, 0),
+    (4, 0), (3, 2), (3, 0), (3, 2), (3, 0), (1, 1), (4, 0), (3, 0), (3, 2), (1, 1), (1, 1), (3, 0),
+    (4, 0), (3, 2), (4, 0), (1, 1), (1, 1), (2, 2), (4, 0), (4, 0), (2, 2), (4, 0), (3, 0), (2, 2),
+    (4, 0), (3, 0), (1, 1), (2, 2), (3, 0), (3, 0), (2, 2), (1, 1), (3, 0), (4, 0), (2, 0), (2, 0),
+    (3, 0), (3, 0), (2, 2), (1, 1), (2, 0), (1, 1), (3, 0), (2, 0), (2, 0), (2, 0), (2, 0), (3, 0),
+    (1, 1), (1, 1), (3, 0), (2, 0), (3, 0), (2, 2), (4, 0), (3, 0), (2, 2), (2, 0), (2, 2), (3, 0),
+    (4, 0), (3, 0), (4, 0), (1, 1), (1, 1), (1, 1), (3, 0), (2, 0)
+]  # fmt: skip
+RECORDED_LENGTHS = [
+    11, 8, 4, 1, 0, 3, 5, 3, 4, 7, 2, 6, 6, 15, 15, 15, 6, 0, 5, 3, 3, 14, 3, 15, 5, 5, 0, 1, 2, 3,
+    3, 3, 3, 0, 3, 1, 1, 3, 3, 15, 3, 3, 5, 0, 2, 2, 1, 0, 6, 3, 3, 3, 2, 3, 3, 3, 2, 3, 3, 3, 1,
+    15, 3, 3, 2, 3, 15, 3, 3, 3, 2, 2, 3, 3, 2, 15, 0, 3, 3, 4
+]  # fmt: skip
+
+
+def test_the_parts_answer_to_the_names_they_had_on_the_chooser():
+    """Every argument AdaptiveK hands to a part stays an attribute by that name, read and set
+    in the part: callers set chooser.t_draft or chooser.verify_ratio, and state() saves by
+    these names, so a state file from before the split resumes."""
+    own = {f.name for f in dataclasses.fields(AdaptiveK)}
+    handed = set(inspect.signature(AdaptiveK).parameters) - own
+    assert handed == set(_PARTS) and set(LEARNED) <= own | handed
+    given = {
+        "decay": 0.5, "a": 0.7, "prior_weight": 3.0, "_first": [1.0, 2.0], "_later": [0.5, 1.0],
+        "_conf": [[0.0, 1.0]] * CONF_BINS, "_lookup": {3: [1.0, 2.0, 0.0, 1.0]},
+        "time_decay": 0.6, "shape_decay": 0.9, "verify_ratio": [1.0, 1.3], "t_draft": 0.02,
+        "level": 0.1, "t_plain": 0.11, "_fix": {2: 1.1}, "_draft_timed": 4,
+    }  # fmt: skip
+    chooser = AdaptiveK(**given)  # each value reaches its own part
+    assert {name: getattr(chooser, name) for name in given} == given
+    assert chooser.cost.t_draft == 0.02 and chooser.accept.later == [0.5, 1.0]
+    for name in handed:
+        value = object()
+        setattr(chooser, name, value)
+        assert getattr(chooser, name) is value
+    assert chooser.cost.verify_ratio is chooser.verify_ratio
+
+
+def test_each_part_learns_on_its_own():
+    """Acceptance: of k drafts with n accepted, the first position was tried once and the
+    later ones while those before them passed (draft n + 1 failed, the rest were never tried).
+    CostCurve: a round 5x its prediction is clipped to 2x, moves the level and leaves the
+    probed shape alone."""
+    accept = Acceptance(prior=0.5, prior_weight=2.0)
+    accept.count(4, 2)  # drafts 1 and 2 passed, 3 failed, 4 was never tried
+    assert accept.first == pytest.approx([0.95 * 1.0 + 1, 0.95 * 2.0 + 1])
+    assert accept.later == [1.0, 2.0]
+    cost = CostCurve(verify_ratio=[1.0, 1.5, 2.0])
+    cost.time(0, 0.1)
+    cost.time(2, 1.0)  # predicted 0.2 s: counted as 0.4 s
+    assert cost.level == pytest.approx((0.8 * 0.2 + 0.2 * 0.4) / 2.0) and cost.fix == {}
+    assert cost.curve(3) == pytest.approx([0.12, 0.18, 0.24, 0.12 * 2.1])

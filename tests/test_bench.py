@@ -1,4 +1,4 @@
-"""Bench math on synthetic numbers (no timing asserted), the rows it runs, the identity
+"""Bench math on synthetic numbers (no timing asserted), the rows it runs, the greedy
 verdicts on hand-built logits, and the like-for-like sampler it gives mlx-lm."""
 
 import subprocess
@@ -16,7 +16,7 @@ from specmlx.bench_report import (
     classify_difference,
     first_difference,
     git_revision,
-    identity,
+    greedy_verdict,
     spread,
     summarize,
     target_logits_after,
@@ -107,12 +107,14 @@ def test_identity_recomputes_the_targets_logits_where_runs_differ():
     target = make_tiny(0)
     prompt = [1, 5, 9]
     ref = generate(target, prompt, 6)
-    assert identity(target, prompt, ref, ref) == "identical"
+    assert greedy_verdict(target, prompt, ref, ref) == "identical"
     logits = np.array(target_logits_after(target, prompt + ref[:3]))
     assert int(logits.argmax()) == ref[3]  # the recomputed position is the one that differs
     worst = int(logits.argmin())
-    assert identity(target, prompt, ref, ref[:3] + [worst] + ref[4:]) == "diverged"
-    assert identity(target, prompt, ref, ref[:4]) == "diverged"  # ended early: no tie to judge
+    assert greedy_verdict(target, prompt, ref, ref[:3] + [worst] + ref[4:]) == "diverged"
+    assert (
+        greedy_verdict(target, prompt, ref, ref[:4]) == "diverged"
+    )  # ended early: no tie to judge
 
 
 def generate(target, prompt, n):

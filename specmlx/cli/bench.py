@@ -182,19 +182,13 @@ def bench(
         def encode(row):
             return encode_prompt(tgt.tokenizer, row["prompt"], chat=bool(row.get("chat")))
 
-        common = dict(
-            draft_name=drf.spec.alias if drf else None, shared=shared, world=world, head=head
-        )
-        draft_model = drf.model if drf else None
+        draft_name, draft_model = (drf.spec.alias, drf.model) if drf else (None, None)
+        models = b.Benched(tgt.model, draft_model, draft_name, shared, world, head)
         if sequences:
             decode = tgt.tokenizer.decode
-            result = b.bench_sequences(
-                tgt.model, draft_model, rows, encode, decode, settings, on_run=on_run, **common
-            )
+            result = b.bench_sequences(models, rows, encode, decode, settings, on_run=on_run)
         else:
-            result = b.bench(
-                tgt.model, draft_model, rows, encode, settings, on_run=on_run, **common
-            )
+            result = b.bench(models, rows, encode, settings, on_run=on_run)
     if watchdog is not None:
         watchdog.disarm()
     info = {"target": _model_info(tgt), "draft": _model_info(drf) if drf else None}
