@@ -87,4 +87,6 @@ def test_the_engine_knows_nothing_of_the_layers_above():
     graph = imports()
     above = {"cli", "display", "bench", "loading", "registry", "sources", "footprint", "stream"}
     above |= {"session", "worker", "serve", "client", "overhead"}
+    above |= {"api_errors", "api_schemas", "api_shapes", "guard", "metrics"}  # serve's parts
+    above |= {"inspection", "quantized", "sharding"}  # loading's parts
     assert not graph["engine"] & above, graph["engine"]
