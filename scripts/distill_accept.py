@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from specmlx.distill import CPU_DISTILLED, distilled_dir, make_student, read_data
+from specmlx.distill import make_student, read_data
 from specmlx.loading import load_model
 from specmlx.registry import load_registry
+from specmlx.standins.cpu_distilled import CPU_DISTILLED, distilled_dir
 
 
 def rates(logits_p: mx.array, logits_q: mx.array) -> dict[str, float]:

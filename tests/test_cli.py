@@ -439,7 +439,7 @@ def test_models_build_and_list(registry, monkeypatch):
     """`specmlx models build cpu-demo` works from a pip install (no scripts/ needed); the
     unbuilt pair's error names that command; `models list` sizes what it can and says "?"
     for what it cannot."""
-    from specmlx import standin
+    from specmlx.standins import cpu_demo as standin
 
     monkeypatch.setenv("SPECMLX_MODELS", str(registry / "models.toml"))
     one_line_error(

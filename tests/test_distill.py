@@ -365,7 +365,9 @@ def test_models_build_cpu_distilled_says_what_it_costs_and_resumes(specmlx_home,
     from test_cli import FACTS
 
     from specmlx import distill as distill_mod
-    from specmlx import loading, standin
+    from specmlx import loading
+    from specmlx.standins import cpu_demo as standin
+    from specmlx.standins import cpu_distilled
 
     monkeypatch.setattr(standin, "build_demo", lambda **kw: json.loads(FACTS) | {"built": False})
     teacher = Loaded(make_tiny(0), None, ModelSpec("smollm2-135m", "gguf", "/x"), {}, 0, 0, 64)
@@ -382,14 +384,14 @@ def test_models_build_cpu_distilled_says_what_it_costs_and_resumes(specmlx_home,
         yield distill_mod.Event("done", 1, 1, metrics=facts["evals"][-1])
 
     monkeypatch.setattr(distill_mod, "distill", fake)
-    out = distill_mod.distilled_dir()
+    out = cpu_distilled.distilled_dir()
     assert out == specmlx_home / "cpu-distilled" / "draft"
     (out / "checkpoint").mkdir(parents=True)
     (out / "checkpoint" / "state.json").write_text("{}")
     r = runner.invoke(app, ["models", "build", "cpu-distilled-draft"])
     assert r.exit_code == 0, r.output
     assert "about 0.2 GB" in r.output and "min on a 2-core" in r.output and "(resuming)" in r.output
-    assert calls == [("smollm2-135m", distill_mod.CPU_DISTILLED, "stdlib", True)]
+    assert calls == [("smollm2-135m", cpu_distilled.CPU_DISTILLED, "stdlib", True)]
     assert "ready: cpu-distilled" in r.output
     again = runner.invoke(app, ["models", "build", "cpu-distilled"])
     assert again.exit_code == 0 and "already built" in again.output and len(calls) == 1

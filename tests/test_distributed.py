@@ -252,7 +252,7 @@ def wide_smollm2(tmp_path_factory):
     from specmlx.errors import SpecmlxError
     from specmlx.loading import load_model
     from specmlx.registry import load_registry
-    from specmlx.standin import _save, widen
+    from specmlx.standins.cpu_demo import _save, widen
 
     try:
         base = load_model(load_registry().resolve("smollm2-135m"))

@@ -90,3 +90,9 @@ def test_the_engine_knows_nothing_of_the_layers_above():
     above |= {"api_errors", "api_schemas", "api_shapes", "guard", "metrics"}  # serve's parts
     above |= {"inspection", "quantized", "sharding"}  # loading's parts
     assert not graph["engine"] & above, graph["engine"]
+
+
+def test_only_the_models_build_command_imports_the_standins():
+    graph = imports(2)
+    users = {m for m, deps in graph.items() if any(d.startswith("standins") for d in deps)}
+    assert users <= {"cli.models", "standins"}, users

@@ -21,7 +21,7 @@ from specmlx.engine import generate_tokens
 from specmlx.errors import ModelLoadError, OfflineError
 from specmlx.loading import load_model
 from specmlx.registry import load_registry
-from specmlx.standin import quantize_dequantize
+from specmlx.standins.cpu_demo import quantize_dequantize
 from specmlx.stats import Stats
 from specmlx.stream import encode_prompt
 

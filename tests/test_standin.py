@@ -8,7 +8,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.llama import Model, ModelArgs
 
-from specmlx.standin import quantize_dequantize, widen
+from specmlx.standins.cpu_demo import quantize_dequantize, widen
 
 
 def tiny_model(seed: int = 0) -> Model:
@@ -78,7 +78,7 @@ def test_real_pair_keeps_logits_and_draft_differs(tmp_path) -> None:
         base = load_model(load_registry().resolve("smollm2-135m"))
     except (ImportError, SpecmlxError) as e:
         pytest.skip(f"SmolLM2-135M weights unavailable: {e}")
-    from specmlx.standin import PROMPTS, build_cpu_pair
+    from specmlx.standins.cpu_demo import PROMPTS, build_cpu_pair
 
     base.model.set_dtype(mx.float32)
     # m=2 keeps this test to about half the cost of the shipped m=3 pair; the math is the same.

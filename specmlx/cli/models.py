@@ -52,7 +52,7 @@ def models_build(
     """Build a stand-in that specmlx makes itself from SmolLM2: the CPU demo pair, or the
     distilled CPU pair (the demo target and a 4-block student trained for it)."""
     from ..registry import BUILDS, load_registry
-    from ..standin import build_demo, describe
+    from ..standins.cpu_demo import build_demo, describe
 
     registry = load_registry()
     spec = registry.models.get(name)
@@ -76,8 +76,9 @@ def _build_distilled(registry, force: bool, console, say) -> None:
     CPU_DISTILLED's run on the standard library; an interrupted build resumes."""
     import mlx.core as mx
 
-    from ..distill import CPU_DISTILLED, CPU_RATES, cost_seconds, distill, distilled_dir, is_done
+    from ..distill import distill, is_done
     from ..loading import load_model
+    from ..standins.cpu_distilled import CPU_DISTILLED, CPU_RATES, cost_seconds, distilled_dir
 
     out = distilled_dir()
     if is_done(out) and not force:

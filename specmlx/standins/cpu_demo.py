@@ -19,11 +19,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.llama import Model, ModelArgs
 
-from .errors import SpecmlxError
-from .loading import load_model
-from .paths import atomic_write, specmlx_home
-from .registry import load_registry
-from .sources import Progress, say
+from ..errors import SpecmlxError
+from ..loading import load_model
+from ..paths import atomic_write, specmlx_home
+from ..registry import load_registry
+from ..sources import Progress, say
 
 Weights = dict[str, mx.array]
 TOLERANCE = 1e-3
