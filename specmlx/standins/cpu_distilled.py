@@ -9,8 +9,10 @@ from ..distill import DistillConfig
 from ..paths import specmlx_home
 
 # `specmlx models build cpu-distilled`: a 4-block student of SmolLM2-135M on the standard
-# library's source, sized to build in about 20 minutes on a 2-core x86 CPU (teacher ~100
-# tokens/s, a student step ~130 tokens/s there): 32768 labelled tokens, 120 steps of 4 x 256.
+# library's source: 32768 labelled tokens, 120 steps of 4 x 256, sized to build in about
+# 20 minutes on a 2-core x86 CPU. CPU_RATES are the rounded rates measured there (tokens/s
+# of the teacher's labelling and of a student step; BENCHMARKS.md, "A distilled draft"):
+# they only size the time the build announces.
 CPU_DISTILLED = DistillConfig(
     layers=4, steps=120, batch=4, seq_len=256, data_tokens=32768, heldout_tokens=1024,
     lr=5e-4, warmup=10, eval_every=20, save_every=20,
