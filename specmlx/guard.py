@@ -1,6 +1,8 @@
 """The server's ASGI middleware, in front of every route: the Host header (when the server
 names its hosts), the Bearer API key (all but /health), the body size limit (a 413, chunked
-bodies too) and the body timeout (a 408 for a client that stops sending mid-body).
+bodies too) and the body timeout (a 408 for a client that stops sending mid-body); and,
+below ASGI, a deadline for a request's headers (HeaderDeadline, uvicorn's HTTP/1.1 protocol
+with one timer added).
 
 It answers each refusal itself in OpenAI's error shape; the app sees only requests that
 passed, with their whole body already read.
@@ -10,13 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 
+import h11
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .api_errors import error_body
 
 BODY_TIMEOUT_S = 30.0  # the longest wait for the next piece of a request body (then a 408)
+HEADER_TIMEOUT_S = 10.0  # the longest a request's line and headers may take (then a 408)
 
 
 def host_name(header: str) -> str:
@@ -104,3 +110,56 @@ class Guard:
         await JSONResponse(error_body(msg, "invalid_request_error", "too_large"), 413)(
             scope, receive, send
         )
+
+
+class HeaderDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's line and headers.
+
+    uvicorn has none: a client that connects and then trickles its headers (or sends
+    nothing) holds one of the server's few connection slots for as long as it likes
+    (slowloris). The deadline starts when a connection opens and when the first byte of a
+    later request arrives on it (between requests uvicorn's keep-alive timeout applies), and
+    ends when h11 has the whole head; past it the client gets a 408 and the connection
+    closes. ``header_timeout_s`` is a class attribute: serve.run_server makes a subclass
+    with the server's value."""
+
+    header_timeout_s = HEADER_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        # IDLE: h11 has not yet seen a whole request line and headers
+        if self.conn.their_state is h11.IDLE:
+            self._arm()
+        else:
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._deadline is None and not self.transport.is_closing():
+            self._deadline = self.loop.call_later(self.header_timeout_s, self._too_slow)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _too_slow(self) -> None:
+        self._deadline = None
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            return
+        msg = f"the request headers did not arrive within {self.header_timeout_s:g} s"
+        body = json.dumps(error_body(msg, "invalid_request_error", "timeout")).encode()
+        head = (
+            "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        self.transport.write(head.encode() + body)
+        self.transport.close()

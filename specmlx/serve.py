@@ -36,7 +36,7 @@ from .api_schemas import (
 )
 from .errors import BadInput
 from .fim import encode_infill, require_fim
-from .guard import Guard
+from .guard import HEADER_TIMEOUT_S, Guard, HeaderDeadline
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .sampling import SamplingParams
 from .stats import Stats, TokenEvent
@@ -510,11 +510,21 @@ async def _respond_infill(
 # ---------------------------------------------------------------- serving
 
 
-def run_server(app: FastAPI, host: str, port: int, *, grace_s: float = 10.0) -> None:
+def run_server(
+    app: FastAPI,
+    host: str,
+    port: int,
+    *,
+    grace_s: float = 10.0,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+) -> None:
     """Serve ``app`` until SIGINT or SIGTERM, then stop cleanly: no new connections; queued
     requests are answered at once with a 503 shutting_down; the running one gets most of
     ``grace_s`` seconds to finish, and is then ended with a final error event (a stream) or a
-    503; this returns normally (the command exits 0)."""
+    503; this returns normally (the command exits 0).
+
+    app: from create_app; host, port: where to listen; grace_s: as above;
+    header_timeout_s: the longest a request's line and headers may take (then a 408)."""
     import uvicorn
 
     worker: Worker = app.state.worker
@@ -532,8 +542,9 @@ def run_server(app: FastAPI, host: str, port: int, *, grace_s: float = 10.0) -> 
                 end.daemon = True
                 end.start()
 
+    protocol = type("Deadline", (HeaderDeadline,), {"header_timeout_s": header_timeout_s})
     config = uvicorn.Config(
         app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace_s,
-        limit_concurrency=MAX_CONNECTIONS,
+        limit_concurrency=MAX_CONNECTIONS, http=protocol,
     )  # fmt: skip
     Server(config).run()

@@ -773,3 +773,52 @@ def test_a_body_that_stops_coming_is_a_408():
     asyncio.run(guard(scope, receive, send))
     start = next(m for m in sent if isinstance(m, dict) and m["type"] == "http.response.start")
     assert start["status"] == 408
+
+
+def test_headers_that_never_finish_get_a_408_and_the_connection_closes():
+    """Slowloris on the headers (uvicorn has no deadline for them): a client that sends half
+    a request head, or connects and sends nothing, is answered and let go; a whole request
+    on the same kind of connection is served as usual."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from specmlx.guard import HeaderDeadline
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = free_port()
+    protocol = type("Quick", (HeaderDeadline,), {"header_timeout_s": 0.5})
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=protocol)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    def answer(send: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(send)
+            got = b""
+            while chunk := s.recv(4096):  # until the server closes (a timeout would raise)
+                got += chunk
+                if b"\r\n\r\n" in got and send.endswith(b"\r\n\r\n"):
+                    break
+            return got
+
+    try:
+        half = answer(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        assert half.startswith(b"HTTP/1.1 408"), half
+        assert json.loads(half.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "timeout"
+        assert answer(b"").startswith(b"HTTP/1.1 408")  # connected, said nothing
+        whole = answer(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert whole.startswith(b"HTTP/1.1 200"), whole
+    finally:
+        server.should_exit = True
+        thread.join(10)
