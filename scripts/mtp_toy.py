@@ -70,7 +70,8 @@ def main() -> None:
         chooser = AdaptiveK()
         s = run(target, head, chooser, temp, a.prompts, a.tokens)
         print(f"| {temp} | auto (mean k {s.drafted / s.rounds:.1f}) | {s.tokens_per_pass:.2f} | "
-              f"learned a = {chooser.acceptance:.2f}, a_later = {chooser.continuation:.2f} |")  # fmt: skip
+              f"learned a = {chooser.accept.first_rate:.2f}, "
+              f"a_later = {chooser.accept.later_rate:.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

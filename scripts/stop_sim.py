@@ -25,7 +25,7 @@ import argparse
 import json
 import random
 
-from specmlx.adaptive import DRAFT_CHUNKS, AdaptiveK
+from specmlx.adaptive import DRAFT_CHUNKS, Acceptance, AdaptiveK, CostCurve
 
 SCHEDULES = {"committed": DRAFT_CHUNKS, "k then 2s": None, "2s": (2,), "1s": (1,), "1,2": (1, 2)}
 
@@ -123,7 +123,7 @@ def main() -> None:
                 time += m * a.c + curve[v + 1] + max(0, y - 1) * a.sync
                 drafted, syncs = drafted + m, syncs + max(0, y - 1)
                 if learn is not None:  # what the engine's chooser folds in
-                    learn._observe(s["conf"][:v], n)
+                    learn.accept.observe(s["conf"][:v], n)
         return tokens / time, drafted / max(syncs, 1)
 
     def fixed(steps: list[dict], k: int) -> tuple[float, float]:  # (tokens, time) at k
@@ -159,10 +159,9 @@ def main() -> None:
             first = (first[0] + (n > 0), first[1] + 1)
             later = (later[0] + max(0, n - 1), later[1] + (n > 0) * n)
     for name, chunks in SCHEDULES.items():
-        chooser = AdaptiveK(
-            k_max=min(8, K), verify_ratio=curve[1:], level=1.0, t_draft=a.c, t_plain=1.0,
-            _first=[first[0], first[1]], _later=[later[0], later[1]],
-        )  # fmt: skip
+        fitted = Acceptance(first=[first[0], first[1]], later=[later[0], later[1]])
+        timed = CostCurve(pass_ratio=curve[1:], level=1.0, t_draft=a.c, t_plain=1.0)
+        chooser = AdaptiveK(k_max=min(8, K), accept=fitted, cost=timed)
         k = chooser.best_now()
         r, per_sync = rate(plan_rule(chooser, chunks, k), learn=chooser)
         label = f"{name} {chunks}" if chunks else f"{name} (k = {k})"

@@ -14,18 +14,18 @@ model's (or a plain step): lookup drafting costs nothing, so its L tokens cost o
 pass over L + 1, and its acceptance is estimated per match length (a longer matched n-gram
 predicts better), with its own a_later. The better expected tokens per second wins. A lookup
 proposal may run past the draft model's k_max, up to LOOKUP_MAX, wherever the target's
-verify curve is flat enough to pay for it (copied text tends to go on being copied).
+pass-cost curve is flat enough to pay for it (copied text tends to go on being copied).
 
 By concern: the model (expected_tokens, best_k); Acceptance, what drafts score; CostCurve,
 what rounds cost; AdaptiveK, the choices that read both (k, the per-token stopping plan, the
-lookup length) and the one object the engine and drafters call. probe.py times the target
-for the curve's first shape: it runs models, nothing here does.
+lookup length), holding one of each, and the one object the engine and drafters call.
+probe.py times the target for the curve's first shape: it runs models, nothing here does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 
 from .stats import RoundReport
 
@@ -38,11 +38,6 @@ DRAFT_CHUNKS = (1, 1, 2)
 # the first timings of the draft are taken at their minimum, later ones averaged
 EARLY_TIMES = 3
 LOOKUP_MAX = 15  # the longest lookup proposal: a target pass over 16 tokens
-
-
-def _chunk(m: int) -> int:
-    """Per-token stopping: how many to draft next after m drafts (DRAFT_CHUNKS, then pairs)."""
-    return DRAFT_CHUNKS[min(m, len(DRAFT_CHUNKS) - 1)]
 
 
 def expected_tokens(a: float, k: int, a_later: float | None = None) -> float:
@@ -67,16 +62,6 @@ def best_k(
     target pass over k + 1 tokens; a_later: acceptance of later drafts (default a)."""
     ks = range(k_min, k_max + 1)
     return max(ks, key=lambda k: expected_tokens(a, k, a_later) / (k * t_draft + verify[k]))
-
-
-# the saved state's format: bump when LEARNED or a field's meaning changes (old files are then
-# ignored, with one warning, and relearned)
-STATE_VERSION = 2
-# what a saved state holds: the estimates learned from rounds and the measured verify curve
-LEARNED = (
-    "verify_ratio", "t_draft", "level", "t_plain", "_first", "_later", "_fix", "_conf",
-    "_lookup", "_drafting_rounds", "_draft_timed", "_zeros", "_wait",
-)  # fmt: skip
 
 
 def _bin(confidence: float) -> int:
@@ -191,7 +176,7 @@ class Acceptance:
 class CostCurve:
     """What rounds cost, learned from rounds: t_draft seconds per draft token, and
     t_verify(k) = level * shape[k] for a target pass over k + 1 tokens. Every round updates the
-    level (so no k keeps a stale or spiked time); the shape is the probed ``verify_ratio``
+    level (so no k keeps a stale or spiked time); the shape is the probed ``pass_ratio``
     corrected per k (``fix``) as rounds at that k come in. Observations are clipped to
     [1/2, 2] x the prediction before averaging, so one descheduled round does not move the
     plan. The engine times drafting apart on one drafting round in eight and on the first
@@ -201,7 +186,7 @@ class CostCurve:
     acceptance), and it is what speculation must beat.
 
     time_decay: weight of the level, t_draft and t_plain, per round; shape_decay: weight of a
-    k's correction, per round at that k (the level takes most of any change); verify_ratio:
+    k's correction, per round at that k (the level takes most of any change); pass_ratio:
     the probe's t_verify(k) / t_verify(0) (None: +10% a token); t_draft, level (seconds of a
     target pass over one token), t_plain: None until timed; fix: per k, how far the probe's
     shape was off (None: nowhere yet); draft_timed: draft timings folded in.
@@ -209,7 +194,7 @@ class CostCurve:
 
     time_decay: float = 0.8
     shape_decay: float = 0.98
-    verify_ratio: list[float] | None = None
+    pass_ratio: list[float] | None = None
     t_draft: float | None = None
     level: float | None = None
     t_plain: float | None = None
@@ -224,7 +209,7 @@ class CostCurve:
     def curve(self, k_last: int) -> list[float]:
         """t_verify(k) for k in 0..k_last, never cheaper than a smaller k. Built once per
         change of what it depends on (a round asks for it several times)."""
-        key = (self.level, tuple(self.fix.items()), id(self.verify_ratio), k_last)
+        key = (self.level, tuple(self.fix.items()), id(self.pass_ratio), k_last)
         if self._memo is not None and self._memo[0] == key:
             return self._memo[1]
         curve = []
@@ -284,7 +269,7 @@ class CostCurve:
 
     def ratio(self, k: int) -> float:
         """The probe's t_verify(k) / t_verify(0)."""
-        r = self.verify_ratio
+        r = self.pass_ratio
         if r and k < len(r):
             return r[k]
         # +10% a token past what was probed (a curve saved before lookup ran longer ends at 8)
@@ -300,6 +285,28 @@ class CostCurve:
         return self.time_decay * old + (1 - self.time_decay) * new
 
 
+def _chunk(m: int) -> int:
+    """Per-token stopping: how many to draft next after m drafts (DRAFT_CHUNKS, then pairs)."""
+    return DRAFT_CHUNKS[min(m, len(DRAFT_CHUNKS) - 1)]
+
+
+# the saved state's format: bump when LEARNED or a field's meaning changes (old files are then
+# ignored, with one warning, and relearned)
+STATE_VERSION = 2
+# what a saved state holds: the estimates learned from rounds and the measured pass-cost curve.
+# Each is (its key in the file, where it is kept: AdaptiveK's part "accept" or "cost", or
+# "own" for AdaptiveK itself, its name there); the keys are the names these had when AdaptiveK
+# was one class, so files saved then still load.
+LEARNED = (
+    ("verify_ratio", "cost", "pass_ratio"), ("t_draft", "cost", "t_draft"),
+    ("level", "cost", "level"), ("t_plain", "cost", "t_plain"), ("_first", "accept", "first"),
+    ("_later", "accept", "later"), ("_fix", "cost", "fix"), ("_conf", "accept", "conf"),
+    ("_lookup", "accept", "lookup"), ("_drafting_rounds", "own", "_drafting_rounds"),
+    ("_draft_timed", "cost", "draft_timed"), ("_zeros", "own", "_zeros"),
+    ("_wait", "own", "_wait"),
+)  # fmt: skip
+
+
 @dataclass
 class AdaptiveK:
     """A k chooser (stats.KChooser): call it with each round's report, get the next k back.
@@ -307,11 +314,10 @@ class AdaptiveK:
     one generation to the next.
 
     What it learns lives in two parts, ``accept`` (Acceptance: how often drafts pass) and
-    ``cost`` (CostCurve: what a round costs); this class makes the choices that read them: k
-    for the next round, the per-token stopping plan (draft_plan) and the length of a lookup
-    proposal (lookup_length). The parts' settings and learned values keep the argument and
-    attribute names they had when they were fields of this class (``t_draft``, ``_first``,
-    ...: _PARTS), so callers and saved states are unchanged.
+    ``cost`` (CostCurve: what a round costs), each built with its own settings
+    (``AdaptiveK(cost=CostCurve(pass_ratio=ratio))``); this class makes the choices that
+    read them: k for the next round, the per-token stopping plan (draft_plan) and the length
+    of a lookup proposal (lookup_length).
     Calibration: the first round drafts to time something; the second ever is a plain one,
     since k = 0 is what speculation must beat. Choice: the best k >= 1 on the point estimate;
     drafting stops (k = 0) when even an optimistic a (``explore`` standard errors up) says
@@ -323,54 +329,16 @@ class AdaptiveK:
 
     k_max: int = 8  # the most drafts from the draft model
     lookup_max: int = LOOKUP_MAX  # the longest lookup proposal
-    # each InitVar is handed to its part (accept, cost) by __post_init__ and is an attribute
-    # again through _PARTS, below the class
-    decay: InitVar[float] = 0.95  # weight of acceptance history, per drafting round
-    time_decay: InitVar[float] = 0.8  # weight of the time level and t_draft, per round
-    shape_decay: InitVar[float] = 0.98  # per round at that k: the level takes most of any change
     explore: float = 1.0  # standard errors of optimism before giving up on the draft
     reprobe_every: int = 8  # plain rounds before drafting once more
-    neighbor_every: int = 8  # drafting rounds between tries of k +- 1
-    verify_ratio: InitVar[list[float] | None] = None
-    a: InitVar[float] = 0.6  # prior acceptance, worth ``prior_weight`` draft trials
-    prior_weight: InitVar[float] = 2.0
-    t_draft: InitVar[float | None] = None  # seconds per draft token
-    level: InitVar[float | None] = None  # seconds of a target pass over one token
-    t_plain: InitVar[float | None] = None  # seconds of a plain round, measured on k = 0 rounds
-    _first: InitVar[list[float] | None] = None  # Acceptance.first, and so on: see _PARTS
-    _later: InitVar[list[float] | None] = None
-    _fix: InitVar[dict[int, float] | None] = None
-    _conf: InitVar[list[list[float]] | None] = None
-    _lookup: InitVar[dict[int, list[float]] | None] = None
+    neighbor_every: int = 8  # drafting rounds between tries of k +- 1 (0: never)
+    accept: Acceptance = field(default_factory=Acceptance)  # how often drafts pass
+    cost: CostCurve = field(default_factory=CostCurve)  # what rounds cost
+    # where the choices stand (saved with what the parts learned): drafting rounds so far,
+    # plain rounds since drafting stopped, plain rounds to wait before the next probe
     _drafting_rounds: int = 0
-    _draft_timed: InitVar[int] = 0
     _zeros: int = 0
     _wait: int = 0
-    accept: Acceptance = field(init=False)
-    cost: CostCurve = field(init=False)
-
-    def __post_init__(
-        self,
-        decay: float,
-        time_decay: float,
-        shape_decay: float,
-        verify_ratio: list[float] | None,
-        a: float,
-        prior_weight: float,
-        t_draft: float | None,
-        level: float | None,
-        t_plain: float | None,
-        _first: list[float] | None,
-        _later: list[float] | None,
-        _fix: dict[int, float] | None,
-        _conf: list[list[float]] | None,
-        _lookup: dict[int, list[float]] | None,
-        _draft_timed: int,
-    ) -> None:
-        self.accept = Acceptance(decay, a, prior_weight, _first, _later, _conf, _lookup)
-        self.cost = CostCurve(
-            time_decay, shape_decay, verify_ratio, t_draft, level, t_plain, _fix, _draft_timed
-        )
 
     def __call__(self, last: RoundReport | None) -> int:
         """The next round's k, after folding in ``last`` (None: a generation starts; what
@@ -406,35 +374,14 @@ class AdaptiveK:
         return 0 < self._zeros < max(self._wait, self.reprobe_every)
 
     def best_now(self) -> int:
-        """The k the estimates favour now, before probing and neighbour exploration."""
-        td, curve, later = self.cost.t_draft or 0.0, self.verify_curve(), self.continuation
-        k = best_k(self.acceptance, td, curve, self.k_max, k_min=1, a_later=later)
-        rate = expected_tokens(self.optimistic, k, later) / (k * td + curve[k])
+        """The k the estimates favour now, before probing and neighbour exploration: the best
+        on the point estimate of a, or 0 when even a, ``explore`` standard errors up, says a
+        plain step yields more tokens per second."""
+        td, curve, later = self.cost.t_draft or 0.0, self.pass_curve(), self.accept.later_rate
+        k = best_k(self.accept.first_rate, td, curve, self.k_max, k_min=1, a_later=later)
+        hopeful = self.accept.optimistic(self.explore)
+        rate = expected_tokens(hopeful, k, later) / (k * td + curve[k])
         return k if rate > 1.0 / self.cost.plain_seconds() else 0
-
-    @property
-    def acceptance(self) -> float:
-        """a: the chance that the first draft token is accepted."""
-        return self.accept.first_rate
-
-    @property
-    def continuation(self) -> float:
-        """a_later: the chance that a later draft token is accepted when all before it were."""
-        return self.accept.later_rate
-
-    @property
-    def optimistic(self) -> float:
-        """a, ``explore`` standard errors up: what it takes before drafting stops."""
-        return self.accept.optimistic(self.explore)
-
-    def confident(self, confidence: float) -> float:
-        """The chance that a draft the draft model gave probability ``confidence`` is
-        accepted when those before it were (Acceptance.confident)."""
-        return self.accept.confident(confidence)
-
-    def _observe(self, confidences: Sequence[float], n: int) -> None:
-        """Fold in a round's confidences: drafts 1..n were accepted, draft n + 1 was not."""
-        self.accept.observe(confidences, n)
 
     def draft_plan(self, confidences: Sequence[float], drafted: int = 0) -> tuple[int, int]:
         """Per-token stopping, after drafting len(confidences) tokens (the draft's
@@ -446,7 +393,7 @@ class AdaptiveK:
         1..j all accepted), from what drafts at each confidence scored before, and the
         unseen drafts accepted at a_later each, E[tokens | j + e] = E[tokens | j] +
         R (a_later + ... + a_later^e), for (j + e) t_draft + curve[j + e]. Looking past the
-        next draft matters where the verify curve is steep at first and flat later (one
+        next draft matters where the pass-cost curve is steep at first and flat later (one
         more draft does not pay, four do). ``drafted``: how many drafts the round committed
         to before reading any confidence; their drafting is sunk, so verifying one of them
         costs only its share of the target pass.
@@ -463,14 +410,14 @@ class AdaptiveK:
             return 0, min(_chunk(0), self.k_max)
         if self.cost.level is None:  # nothing timed yet: verify what was drafted, and time it
             return m, 0
-        td, curve, later = self.cost.t_draft or 0.0, self.verify_curve(), self.continuation
+        td, curve, later = self.cost.t_draft or 0.0, self.pass_curve(), self.accept.later_rate
 
         def cost(n: int) -> float:  # a round verifying n drafts; the first ``drafted`` sunk
             return max(n, drafted) * td + curve[n]
 
         run = total = 1.0  # P(drafts 1..j accepted); expected tokens of a round with j drafts
         for j in range(1, m + 1):
-            run *= self.confident(confidences[j - 1])
+            run *= self.accept.confident(confidences[j - 1])
             total += run
             if j >= self.k_max:
                 return j, 0
@@ -492,26 +439,18 @@ class AdaptiveK:
         lengths = range(1, min(available, self.lookup_max) + 1)
         if not lengths or self.cost.level is None:  # nothing timed yet: try it, and time it
             return len(lengths)
-        curve = self.verify_curve()
-        a, later = self.lookup_acceptance(match, optimistic=True), self.lookup_continuation(match)
+        curve = self.pass_curve()
+        a = self.accept.lookup_first(match, self.explore)
+        later = self.accept.lookup_later(match)
         best = max(lengths, key=lambda n: expected_tokens(a, n, later) / curve[n])
         value = expected_tokens(a, best, later) / curve[best]
         if draft and k > 0:
             td = self.cost.t_draft or 0.0
-            rival = expected_tokens(self.acceptance, k, self.continuation) / (k * td + curve[k])
+            a_draft, later_draft = self.accept.first_rate, self.accept.later_rate
+            rival = expected_tokens(a_draft, k, later_draft) / (k * td + curve[k])
         else:
             rival = 1.0 / self.cost.plain_seconds()
         return best if value > rival else 0
-
-    def lookup_acceptance(self, match: int, optimistic: bool = False) -> float:
-        """The chance that the first token of a lookup proposal found by a ``match``-token
-        n-gram is accepted (Acceptance.lookup_first); ``optimistic``: ``explore`` standard
-        errors up."""
-        return self.accept.lookup_first(match, self.explore if optimistic else 0.0)
-
-    def lookup_continuation(self, match: int) -> float:
-        """a_later for lookup after a ``match``-token n-gram (Acceptance.lookup_later)."""
-        return self.accept.lookup_later(match)
 
     def update(
         self,
@@ -545,7 +484,7 @@ class AdaptiveK:
                 self.cost.time_draft(draft_s / made, timed)
         self.cost.time(k, max(round_s - (draft_s or 0.0), 1e-9))
 
-    def verify_curve(self) -> list[float]:
+    def pass_curve(self) -> list[float]:
         """t_verify(k) for k in 0..max(k_max, lookup_max), never cheaper than a smaller k."""
         return self.cost.curve(max(self.k_max, self.lookup_max))
 
@@ -553,41 +492,21 @@ class AdaptiveK:
         """What was learned, JSON-ready, with the format's version; ``AdaptiveK.resume``
         resumes it. The settings (k_max, the decays, explore, ...) are not saved, so a
         changed default reaches machines that already have a state file."""
-        return {"version": STATE_VERSION, **{name: getattr(self, name) for name in LEARNED}}
+        holders = {"accept": self.accept, "cost": self.cost, "own": self}
+        learned = {key: getattr(holders[part], name) for key, part, name in LEARNED}
+        return {"version": STATE_VERSION, **learned}
 
     @classmethod
     def resume(cls, state: dict, **settings) -> AdaptiveK:
-        """The chooser ``state()`` described, with today's settings (or ``settings``).
-        ValueError for a state of another format version."""
+        """The chooser ``state()`` described (a key it lacks starts afresh), with today's
+        settings. ``settings``: AdaptiveK's own (k_max, explore, ...) to use instead; the
+        parts' settings (decays, prior) are their defaults. ValueError for a state of another
+        format version."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not a version {STATE_VERSION} chooser state")
-        return cls(**settings, **{name: state[name] for name in LEARNED if name in state})
-
-
-# AdaptiveK's arguments that its parts keep: AdaptiveK's name -> part.name. Each stays an
-# attribute of AdaptiveK by that name, read and set in the part, so chooser.t_draft,
-# chooser.verify_ratio = ... and state() (which saves by these names) work as before the split
-_PARTS = {
-    "decay": "accept.decay", "a": "accept.prior", "prior_weight": "accept.prior_weight",
-    "_first": "accept.first", "_later": "accept.later", "_conf": "accept.conf",
-    "_lookup": "accept.lookup", "time_decay": "cost.time_decay",
-    "shape_decay": "cost.shape_decay", "verify_ratio": "cost.verify_ratio",
-    "t_draft": "cost.t_draft", "level": "cost.level", "t_plain": "cost.t_plain",
-    "_fix": "cost.fix", "_draft_timed": "cost.draft_timed",
-}  # fmt: skip
-
-
-def _kept_in(path: str) -> property:
-    """An attribute of AdaptiveK kept in one of its parts (``path``: "part.name")."""
-    part, name = path.split(".")
-    return property(
-        lambda self: getattr(getattr(self, part), name),
-        lambda self, value: setattr(getattr(self, part), name, value),
-        doc=f"AdaptiveK.{path}",
-    )
-
-
-# installed after @dataclass has read the arguments' defaults: a property in the class body
-# would have been taken for the default
-for _name, _path in _PARTS.items():
-    setattr(AdaptiveK, _name, _kept_in(_path))
+        kept: dict[str, dict] = {"accept": {}, "cost": {}, "own": {}}
+        for key, part, name in LEARNED:
+            if key in state:
+                kept[part][name] = state[key]
+        accept, cost = Acceptance(**kept["accept"]), CostCurve(**kept["cost"])
+        return cls(**settings, **kept["own"], accept=accept, cost=cost)

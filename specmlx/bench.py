@@ -204,7 +204,7 @@ def bench(
     models: what runs; prompts: rows with "id" and "prompt"; encode: a prompt row -> token
     ids; s: what to sweep; on_run: called after each generation (progress). A "+ memory" row's lookup memory starts empty in each repeat and
     remembers that repeat's outputs, prompt after prompt. Returns {"rows", "runs",
-    "verify_curve", "draft_cost"}; the CLI adds the environment."""
+    "pass_curve", "draft_cost"}; the CLI adds the environment."""
     encoded = [(p["id"], encode(p)) for p in prompts]
     bed = _Testbed(models, encoded[0][1], s)
     runs: list[Run] = []
@@ -262,7 +262,7 @@ def bench_sequences(
 
 
 class _Testbed:
-    """What every benchmark shares: the systems, the measured verify curve and draft cost,
+    """What every benchmark shares: the systems, the measured pass-cost curve and draft cost,
     one adaptive-k state per auto system and temperature, and a warm-up."""
 
     def __init__(self, models: Benched, ids: list[int], s: BenchSettings):
@@ -292,7 +292,7 @@ class _Testbed:
         # one adaptive-k state per auto system and temperature, kept across its generations as
         # `specmlx run` keeps it on disk: what is measured is auto after its first few rounds.
         # They start from this measured curve and live in memory only.
-        store = ChooserStore(persist=False, verify_ratio=curve_from(t, LOOKUP_MAX))
+        store = ChooserStore(persist=False, pass_ratio=curve_from(t, LOOKUP_MAX))
         self.choosers = {
             (sy, temp): store.get(target, "bench", sy.label, _sampling(temp, s), ids)
             for sy in self.todo
@@ -357,7 +357,7 @@ class _Testbed:
                 (self.head[0], self.head_cost) if self.head else None,
             ),  # fmt: skip
             "runs": [asdict(r) for r in runs],
-            "verify_curve": self.curve,
+            "pass_curve": self.curve,
             "draft_cost": self.cost,
             "head_cost": self.head_cost,
             "notes": self.notes,

@@ -219,7 +219,7 @@ def environment(models: dict, rev: str | None = None) -> dict:
 
 
 def to_markdown(result: dict) -> str:
-    """The rows as a Markdown table, plus the verify-cost curve and environment."""
+    """The rows as a Markdown table, plus the pass-cost curve and environment."""
     head = "| system | drafter | k | verify | temp | tok/s (min-max) | speedup | accept | tok/pass | theory | eff. | same as target |"
     lines = [head, "|" + "---|" * 12]
     shown = {"identical": "identical", "near-tie": "near-tie", "diverged": "**diverged**"}
@@ -233,7 +233,7 @@ def to_markdown(result: dict) -> str:
             f"{r['speedup']:.2f}x | {r['acceptance_rate']:.0%} | {r['tokens_per_pass']:.2f} | "
             f"{r['theoretical_speedup']:.2f}x | {eff} | {same} |"
         )
-    curve = ", ".join(f"{n}: {v:.2f}" for n, v in result["verify_curve"].items())
+    curve = ", ".join(f"{n}: {v:.2f}" for n, v in result["pass_curve"].items())
     lines += ["", f"Verify cost (target pass over n tokens / 1 token): {curve}"]
     if result.get("draft_cost") is not None:
         lines.append(f"Draft/target step cost c = {result['draft_cost']:.3f}")

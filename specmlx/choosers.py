@@ -4,7 +4,7 @@
 ``ChooserStore`` keeps one AdaptiveK per target, drafter, sampler and machine: in memory for a
 long-lived process (the server, the bench) and on disk under $SPECMLX_HOME/adaptive across
 runs, so each run starts from what the last one learned. Both files it writes (the chooser
-state and the target's probed verify curve) are best effort: a read-only home costs one
+state and the target's probed pass-cost curve) are best effort: a read-only home costs one
 warning line and the run goes on.
 """
 
@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .acceptance import DEFAULT_VERIFY
-from .adaptive import LOOKUP_MAX, AdaptiveK
+from .adaptive import LOOKUP_MAX, AdaptiveK, CostCurve
 from .errors import BadInput
 from .machine import machine_id
 from .paths import Warn, load_json, save_json, specmlx_home
@@ -69,7 +69,7 @@ class ChooserStore:
     """Adaptive-k choosers by (target identity, drafter identity, sampler, machine).
 
     persist: read and write $SPECMLX_HOME (False: memory only, as the bench wants).
-    verify_ratio: a measured verify curve for fresh choosers (default: probe the target once,
+    pass_ratio: a measured pass-cost curve for fresh choosers (default: probe the target once,
     cached on disk by the target's identity). warn: gets one line when a write fails.
     """
 
@@ -77,10 +77,10 @@ class ChooserStore:
         self,
         *,
         persist: bool = True,
-        verify_ratio: list[float] | None = None,
+        pass_ratio: list[float] | None = None,
         warn: Warn | None = None,
     ):
-        self.persist, self.verify_ratio, self.warn = persist, verify_ratio, warn
+        self.persist, self.pass_ratio, self.warn = persist, pass_ratio, warn
         self._live: dict[str, AdaptiveK] = {}
         self._paths: dict[int, Path] = {}
         self._warned = False
@@ -107,7 +107,7 @@ class ChooserStore:
         verify: str = DEFAULT_VERIFY,
     ) -> AdaptiveK:
         """The chooser for this pair and sampler: live, else as the last run left it on disk,
-        else fresh and seeded with the target's verify curve (probed over ``prompt_ids``).
+        else fresh and seeded with the target's pass-cost curve (probed over ``prompt_ids``).
 
         target: the target model (probed only when no curve is known); target_id and
         drafter_id: full model identities (registry.ModelSpec.identity; "lookup" or "none"
@@ -125,8 +125,8 @@ class ChooserStore:
             if chooser is None and self.warn is not None:
                 self.warn(f"ignoring {path}: it does not fit this version of specmlx")
         if chooser is None:
-            ratio = self.verify_ratio or self.probe(target, target_id, list(prompt_ids))
-            chooser = AdaptiveK(verify_ratio=ratio)
+            ratio = self.pass_ratio or self.probe(target, target_id, list(prompt_ids))
+            chooser = AdaptiveK(cost=CostCurve(pass_ratio=ratio))
         self._live[key] = chooser
         self._paths[id(chooser)] = path
         return chooser
@@ -138,14 +138,14 @@ class ChooserStore:
             self._save(path, {"state": chooser.state()})
 
     def cached_probe(self, target_id: str, k_max: int = LOOKUP_MAX) -> list[float] | None:
-        """The target's verify curve from an earlier probe on this machine, if any."""
+        """The target's pass-cost curve from an earlier probe on this machine, if any."""
         path = _state_path("probes", f"{target_id}|{k_max}|{PROBE_VERSION}")
         cached = load_json(path) if self.persist else None
         ratio = cached.get("ratio") if cached is not None else None
         return ratio if isinstance(ratio, list) else None
 
     def probe(self, target: nn.Module, target_id: str, ids: list[int], k_max: int = LOOKUP_MAX):
-        """The target's verify curve: cached on disk by identity, else probed and saved."""
+        """The target's pass-cost curve: cached on disk by identity, else probed and saved."""
         ratio = self.cached_probe(target_id, k_max)
         if ratio is None:
             ratio = probe_verify(target, ids, k_max)

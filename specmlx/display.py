@@ -124,7 +124,7 @@ def bench_table(result: dict) -> Table:
             eff,
             same,
         )
-    curve = "  ".join(f"{n}:{v:.2f}" for n, v in result["verify_curve"].items())
+    curve = "  ".join(f"{n}:{v:.2f}" for n, v in result["pass_curve"].items())
     cost = result.get("draft_cost")
     t.caption = f"verify cost t(n)/t(1): {curve}" + (f"   c = {cost:.3f}" if cost else "")
     for note in result.get("notes", []):

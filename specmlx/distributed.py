@@ -129,7 +129,7 @@ def shared_seed(world: World, seed: int | None) -> int | None:
 
 
 def shared_probe(world: World, store, model, identity: str, ids: list[int]) -> list[float]:
-    """The target's verify curve for adaptive k (store: a choosers.ChooserStore; model,
+    """The target's pass-cost curve for adaptive k (store: a choosers.ChooserStore; model,
     identity: the target). Probing runs target passes, which are collective, so every rank
     probes or none does: rank 0's cached curve decides."""
     cached = store.cached_probe(identity) if world.leader else None

@@ -1,6 +1,6 @@
 """One place builds a generation: a loaded pair and one request's settings -> a running
 generation. Here, and nowhere else: which drafter runs, the k chooser (adaptive state from
-the store, the target's verify curve probed across ranks, the ranks' shared k), the EOS ids,
+the store, the target's pass-cost curve probed across ranks, the ranks' shared k), the EOS ids,
 the lookup memory, the lockstep check and the text stream. The CLI, the server's worker and
 the bench call it; none of them assembles a generation itself.
 """
@@ -116,8 +116,8 @@ class Session:
         saved = None
         if num_draft == "auto" and self.choosers is not None:
             store = self.choosers
-            if world.distributed and store.verify_ratio is None:  # one curve for all ranks
-                store.verify_ratio = shared_probe(world, store, pair.target, pair.target_id, ids)
+            if world.distributed and store.pass_ratio is None:  # one curve for all ranks
+                store.pass_ratio = shared_probe(world, store, pair.target, pair.target_id, ids)
             drafter = f"{pair.draft_id if draft is not None else 'none'}|lookup={req.lookup}"
             num_draft = saved = store.get(
                 pair.target, pair.target_id, drafter, req.sampling, ids, verify=req.verify

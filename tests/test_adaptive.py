@@ -1,8 +1,6 @@
 """The adaptive-k chooser on synthetic rounds (no timing asserted), and the chooser store."""
 
 import copy
-import dataclasses
-import inspect
 import json
 import random
 import statistics
@@ -11,10 +9,9 @@ import pytest
 from helpers import Feed, make_tiny, steady
 
 from specmlx.adaptive import (
-    _PARTS,
     CONF_BINS,
-    LEARNED,
     LOOKUP_MAX,
+    STATE_VERSION,
     Acceptance,
     AdaptiveK,
     CostCurve,
@@ -46,7 +43,7 @@ def test_chooser_learns_from_rounds():
     chooser = AdaptiveK(k_max=8)
     feed = Feed(chooser)
     assert feed.k() == 2  # nothing measured yet
-    for _ in range(30):  # every draft accepted, draft at 0.3 of a step, flat verify curve
+    for _ in range(30):  # every draft accepted, draft at 0.3 of a step, flat pass-cost curve
         k = feed.k()
         feed.done(k, k, 0.1 + 0.031 * k, 0.03 * k)
     assert feed.k() >= 6
@@ -63,7 +60,7 @@ def test_chooser_learns_from_rounds():
 def test_chooser_learns_draft_time_from_the_timed_rounds():
     chooser = AdaptiveK()
     steady(Feed(chooser), 48, accept=0.75)
-    assert chooser.t_draft == pytest.approx(0.03, rel=0.05)
+    assert chooser.cost.t_draft == pytest.approx(0.03, rel=0.05)
 
 
 def test_one_slow_round_does_not_move_the_plan():
@@ -76,7 +73,7 @@ def test_one_slow_round_does_not_move_the_plan():
     assert feed.k() == twin.k()
     twin = twin.chooser
     # the slow round counts as at most 2x the prediction, then is averaged in
-    assert chooser.verify_curve()[0] < 1.25 * twin.verify_curve()[0]
+    assert chooser.pass_curve()[0] < 1.25 * twin.pass_curve()[0]
 
 
 def test_verify_times_follow_the_machine_at_every_k():
@@ -85,9 +82,9 @@ def test_verify_times_follow_the_machine_at_every_k():
     chooser = AdaptiveK(neighbor_every=0)
     feed = Feed(chooser)
     steady(feed, 40, accept=1.0)
-    t0 = chooser.verify_curve()[0]
+    t0 = chooser.pass_curve()[0]
     steady(feed, 40, accept=1.0, draft_s=0.06, verify=lambda k: 0.2 + 0.01 * k)
-    assert chooser.verify_curve()[0] == pytest.approx(2 * t0, rel=0.1)
+    assert chooser.pass_curve()[0] == pytest.approx(2 * t0, rel=0.1)
 
 
 def test_chooser_tries_the_neighbours_of_its_k():
@@ -112,15 +109,16 @@ def test_plain_rounds_are_timed_directly():
     """The probe says a 2-token pass costs 1.1 plain steps, but a round with a draft costs
     1.45 (catch-up, rollback, acceptance). The second round is a plain one that measures what
     speculation must beat, so a useless draft is still dropped within a few rounds."""
-    chooser = AdaptiveK(verify_ratio=[1.0 + 0.1 * k for k in range(9)])
+    chooser = AdaptiveK(cost=CostCurve(pass_ratio=[1.0 + 0.1 * k for k in range(9)]))
     ks = _useless(chooser, 24)
     assert ks[:2] == [2, 0], ks  # measure a drafting round, then a plain one
-    assert chooser.t_plain == pytest.approx(0.42)
+    assert chooser.cost.t_plain == pytest.approx(0.42)
     assert ks[8:].count(0) >= 10, ks  # plain, bar probes while the estimates settle
 
 
 def test_chooser_reprobes_after_a_run_of_zeros():
-    chooser = AdaptiveK(k_max=4, reprobe_every=5, a=0.0, prior_weight=100.0)
+    hopeless = Acceptance(prior=0.0, prior_weight=100.0)
+    chooser = AdaptiveK(k_max=4, reprobe_every=5, accept=hopeless)
     feed = Feed(chooser, RoundReport(0, 0, 0.1))
     ks = []
     for _ in range(12):
@@ -187,11 +185,11 @@ def test_chooser_learns_first_and_later_acceptance_apart():
         while n < k and rng.random() < (0.8 if n == 0 else 0.95):
             n += 1
         feed.done(k, n, 0.1 + 0.02 * k, 0.005 * k)
-    assert chooser.acceptance == pytest.approx(0.8, abs=0.15)
-    assert chooser.continuation == pytest.approx(0.95, abs=0.05)
+    assert chooser.accept.first_rate == pytest.approx(0.8, abs=0.15)
+    assert chooser.accept.later_rate == pytest.approx(0.95, abs=0.05)
     settled = statistics.median(ks[-100:])
     pooled = (0.8 + 0.95) / 2
-    assert settled > best_k(pooled, 0.005, chooser.verify_curve(), 8, k_min=1), ks
+    assert settled > best_k(pooled, 0.005, chooser.pass_curve(), 8, k_min=1), ks
 
 
 def test_estimates_carry_over_to_the_next_generation():
@@ -208,7 +206,7 @@ def test_estimates_carry_over_to_the_next_generation():
 def _warm(chooser: AdaptiveK) -> AdaptiveK:
     """A chooser that has timed the target: 1 s a plain step, +15% for a second token and
     +5% for each one after it (about the CPU's curve)."""
-    chooser.verify_ratio = [1.0] + [1.1 + 0.05 * k for k in range(1, 9)]
+    chooser.cost.pass_ratio = [1.0] + [1.1 + 0.05 * k for k in range(1, 9)]
     chooser.update(0, 0, 1.0)
     chooser.update(0, 0, 1.0)
     return chooser
@@ -218,58 +216,60 @@ def test_lookup_is_weighed_against_the_draft_by_value():
     """Lookup acceptance is learned per match length, apart from the draft's: a long match
     that keeps being copied wins over a mediocre draft; a 1-token match that keeps failing
     loses to it, and to a plain step when there is no draft model."""
-    chooser = _warm(AdaptiveK(t_draft=0.2))
+    chooser = _warm(AdaptiveK(cost=CostCurve(t_draft=0.2)))
     for _ in range(30):
         chooser.update(4, 2, 2.1, 0.8)  # the draft: 2 of 4
         chooser.update(8, 8, 1.5, lookup=4)  # lookup after a 4-gram match: all 8 kept
         chooser.update(3, 0, 1.25, lookup=1)  # after a 1-gram match: nothing kept
-    a_draft = chooser.acceptance
-    assert chooser.lookup_acceptance(4) > 0.9 and chooser.lookup_acceptance(1) < 0.2
+    a_draft = chooser.accept.first_rate
+    assert chooser.accept.lookup_first(4) > 0.9 and chooser.accept.lookup_first(1) < 0.2
     # all 12 the match offers: a copy this reliable pays even where the curve (known up to 8)
     # is extended at +10% a token
     assert chooser.lookup_length(4, 12, 4, draft=True) == 12
     assert chooser.lookup_length(4, 3, 4, draft=True) == 3  # what the match offers
     assert chooser.lookup_length(1, 8, 4, draft=True) == 0
     assert chooser.lookup_length(1, 8, 0, draft=False) == 0  # plain is better
-    assert chooser.acceptance == a_draft  # lookup rounds left the draft's estimates alone
-    assert chooser.t_draft == pytest.approx(0.2, rel=0.3)
+    assert chooser.accept.first_rate == a_draft  # lookup rounds left the draft's estimates alone
+    assert chooser.cost.t_draft == pytest.approx(0.2, rel=0.3)
 
 
 def test_lookup_rounds_leave_the_draft_time_alone():
     """Lookup drafting is host work: its rounds must not teach the chooser that drafting
     is free (they once did, through the timed rounds)."""
-    chooser = _warm(AdaptiveK(t_draft=0.2))
-    before = chooser.t_draft
+    chooser = _warm(AdaptiveK(cost=CostCurve(t_draft=0.2)))
+    before = chooser.cost.t_draft
     for _ in range(20):
         chooser(RoundReport(6, 6, 1.4, 0.0001, lookup=3))
-    assert chooser.t_draft == before
+    assert chooser.cost.t_draft == before
     assert 3 in chooser.state()["_lookup"]
     resumed = AdaptiveK.resume(json.loads(json.dumps(chooser.state())))
-    assert resumed.lookup_acceptance(3) == pytest.approx(chooser.lookup_acceptance(3))
+    assert resumed.accept.lookup_first(3) == pytest.approx(chooser.accept.lookup_first(3))
 
 
 def test_copied_text_runs_past_the_draft_k_max_while_the_curve_is_flat():
-    """A lookup proposal may be as long as the flat part of the verify curve (issue 14), not
+    """A lookup proposal may be as long as the flat part of the pass-cost curve (issue 14), not
     the draft model's k_max; where the curve climbs it stops, and a curve saved before probes
     reached that far is extended at +10% a token (no longer proposal looks free)."""
-    chooser = AdaptiveK(t_draft=0.2, k_max=8, verify_ratio=[1.0] + [2.0] * LOOKUP_MAX)
+    flat = CostCurve(pass_ratio=[1.0] + [2.0] * LOOKUP_MAX, t_draft=0.2)
+    chooser = AdaptiveK(k_max=8, cost=flat)
     chooser.update(0, 0, 1.0)
     chooser.update(0, 0, 1.0)
     for _ in range(30):
         chooser.update(LOOKUP_MAX, LOOKUP_MAX, 2.0, lookup=4)  # a 4-gram match: all kept
     assert chooser.lookup_length(4, 40, 4, draft=True) == LOOKUP_MAX > chooser.k_max
-    steep = AdaptiveK(verify_ratio=[1.0] + [2.0] * 8 + [2.0 + 0.5 * k for k in range(1, 8)])
+    steep_ratio = [1.0] + [2.0] * 8 + [2.0 + 0.5 * k for k in range(1, 8)]
+    steep = AdaptiveK(cost=CostCurve(pass_ratio=steep_ratio))
     steep.update(0, 0, 1.0)
     steep.update(0, 0, 1.0)
-    steep._lookup = copy.deepcopy(chooser._lookup)
+    steep.accept.lookup = copy.deepcopy(chooser.accept.lookup)
     assert steep.lookup_length(4, 40, 0, draft=False) == 8
-    old = AdaptiveK(verify_ratio=[1.0] + [2.0] * 8)  # saved when probes stopped at 8
+    old = AdaptiveK(cost=CostCurve(pass_ratio=[1.0] + [2.0] * 8))  # probes stopped at 8
     old.update(0, 0, 1.0)  # a plain step: 1 s
-    assert old.verify_curve()[8:11] == pytest.approx([2.0, 2.1, 2.2])
-    assert len(old.verify_curve()) == LOOKUP_MAX + 1
+    assert old.pass_curve()[8:11] == pytest.approx([2.0, 2.1, 2.2])
+    assert len(old.pass_curve()) == LOOKUP_MAX + 1
 
 
-def test_verify_curve_from_sparse_probes():
+def test_pass_curve_from_sparse_probes():
     """Passes are timed at a few token counts; the curve in between is linear, flat after."""
     curve = curve_from({1: 1.0, 2: 1.5, 4: 2.5, 8: 2.5}, 9)
     assert curve == pytest.approx([1.0, 1.5, 2.0, 2.5, 2.5, 2.5, 2.5, 2.5, 2.5, 2.5])
@@ -289,15 +289,16 @@ def test_unverified_drafts_cost_draft_time_not_target_time():
     ratio = [1.0] + [1.1 + 0.05 * k for k in range(1, 16)]
 
     def fed(report: RoundReport) -> AdaptiveK:
-        chooser = AdaptiveK(verify_ratio=ratio, level=1.0, t_draft=0.1, t_plain=1.0)
+        chooser = AdaptiveK(cost=CostCurve(pass_ratio=ratio, level=1.0, t_draft=0.1, t_plain=1.0))
         for _ in range(40):  # 4 drafted at 0.1 s, 2 verified in a 1.2 s pass
             chooser(report)
         return chooser
 
     right = fed(RoundReport(2, 1, 1.6, 0.4, made=4))
-    assert right.t_draft == pytest.approx(0.1) and right.verify_curve()[2] == pytest.approx(1.2)
+    assert right.cost.t_draft == pytest.approx(0.1)
+    assert right.pass_curve()[2] == pytest.approx(1.2)
     wrong = fed(RoundReport(2, 1, 1.6, 0.2))  # the old report: 2 drafts' share of the time
-    assert wrong.verify_curve()[2] == pytest.approx(1.4, rel=1e-3)
+    assert wrong.pass_curve()[2] == pytest.approx(1.4, rel=1e-3)
     stats = Stats()
     stats.record(RoundReport(2, 1, 1.6, 0.4, made=4), 2)
     stats.record(RoundReport(4, 4, 1.6), 7)
@@ -321,7 +322,8 @@ def test_one_slow_first_draft_timing_does_not_stop_drafting_for_good():
         timed = k > 0 and (i == 0 or ks[i - 1] == 0 or i % 8 == 0)
         last = RoundReport(k, n, draft_s + 0.1 + 0.005 * k, draft_s if timed else None)
     assert ks[2] == 0  # the slow timing stopped it, as it should on what it saw
-    assert chooser.t_draft == pytest.approx(0.03, rel=0.05) and all(k > 0 for k in ks[-30:]), ks
+    assert chooser.cost.t_draft == pytest.approx(0.03, rel=0.05)
+    assert all(k > 0 for k in ks[-30:]), ks
 
 
 def _replay(chooser: AdaptiveK, rounds: int = 80) -> tuple[list, list, list]:
@@ -358,9 +360,8 @@ def test_the_split_into_parts_kept_every_choice():
     composes Acceptance and CostCurve. These are what the one class chose on _replay's rounds
     (recorded by running it): the split moved code, not decisions. A change meant to move
     the choices re-records them."""
-    ks, plans, lengths = _replay(
-        AdaptiveK(verify_ratio=[1.0] + [1.1 + 0.05 * k for k in range(1, 16)])
-    )
+    ratio = [1.0] + [1.1 + 0.05 * k for k in range(1, 16)]
+    ks, plans, lengths = _replay(AdaptiveK(cost=CostCurve(pass_ratio=ratio)))
     assert ks == RECORDED_KS
     assert plans == RECORDED_PLANS
     assert lengths == RECORDED_LENGTHS
@@ -387,27 +388,24 @@ RECORDED_LENGTHS = [
 ]  # fmt: skip
 
 
-def test_the_parts_answer_to_the_names_they_had_on_the_chooser():
-    """Every argument AdaptiveK hands to a part stays an attribute by that name, read and set
-    in the part: callers set chooser.t_draft or chooser.verify_ratio, and state() saves by
-    these names, so a state file from before the split resumes."""
-    own = {f.name for f in dataclasses.fields(AdaptiveK)}
-    handed = set(inspect.signature(AdaptiveK).parameters) - own
-    assert handed == set(_PARTS) and set(LEARNED) <= own | handed
-    given = {
-        "decay": 0.5, "a": 0.7, "prior_weight": 3.0, "_first": [1.0, 2.0], "_later": [0.5, 1.0],
+def test_a_saved_state_keeps_the_names_from_before_the_split():
+    """A version-2 state file names each value as AdaptiveK's attribute did when it was one
+    class (t_draft, _first, ...): resume puts each in the part that keeps it now, and state()
+    writes the same values back under the same keys."""
+    saved = {
+        "version": STATE_VERSION, "verify_ratio": [1.0, 1.3], "t_draft": 0.02, "level": 0.1,
+        "t_plain": 0.11, "_first": [1.0, 2.0], "_later": [0.5, 1.0], "_fix": {2: 1.1},
         "_conf": [[0.0, 1.0]] * CONF_BINS, "_lookup": {3: [1.0, 2.0, 0.0, 1.0]},
-        "time_decay": 0.6, "shape_decay": 0.9, "verify_ratio": [1.0, 1.3], "t_draft": 0.02,
-        "level": 0.1, "t_plain": 0.11, "_fix": {2: 1.1}, "_draft_timed": 4,
+        "_drafting_rounds": 7, "_draft_timed": 4, "_zeros": 2, "_wait": 16,
     }  # fmt: skip
-    chooser = AdaptiveK(**given)  # each value reaches its own part
-    assert {name: getattr(chooser, name) for name in given} == given
-    assert chooser.cost.t_draft == 0.02 and chooser.accept.later == [0.5, 1.0]
-    for name in handed:
-        value = object()
-        setattr(chooser, name, value)
-        assert getattr(chooser, name) is value
-    assert chooser.cost.verify_ratio is chooser.verify_ratio
+    chooser = AdaptiveK.resume(json.loads(json.dumps(saved)), k_max=5)  # JSON: str keys
+    cost, accept = chooser.cost, chooser.accept
+    assert (cost.t_draft, cost.level, cost.t_plain, cost.draft_timed) == (0.02, 0.1, 0.11, 4)
+    assert cost.fix == {2: 1.1} and accept.lookup == {3: [1.0, 2.0, 0.0, 1.0]}
+    assert (accept.first, accept.later) == ([1.0, 2.0], [0.5, 1.0])
+    assert (chooser._drafting_rounds, chooser._zeros, chooser._wait) == (7, 2, 16)
+    assert chooser.k_max == 5 and accept.decay == Acceptance().decay  # settings: not saved
+    assert chooser.state() == saved and list(chooser.state()) == list(saved)
 
 
 def test_each_part_learns_on_its_own():
@@ -419,7 +417,7 @@ def test_each_part_learns_on_its_own():
     accept.count(4, 2)  # drafts 1 and 2 passed, 3 failed, 4 was never tried
     assert accept.first == pytest.approx([0.95 * 1.0 + 1, 0.95 * 2.0 + 1])
     assert accept.later == [1.0, 2.0]
-    cost = CostCurve(verify_ratio=[1.0, 1.5, 2.0])
+    cost = CostCurve(pass_ratio=[1.0, 1.5, 2.0])
     cost.time(0, 0.1)
     cost.time(2, 1.0)  # predicted 0.2 s: counted as 0.4 s
     assert cost.level == pytest.approx((0.8 * 0.2 + 0.2 * 0.4) / 2.0) and cost.fix == {}

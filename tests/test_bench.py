@@ -79,7 +79,7 @@ def test_verdicts_fold_into_the_worst_one_per_row():
     unchecked = Run(spec.label, "q", 0.0, 0, [5, 7], 2, 1.0, 2, 1)  # no verdict: tokens decide
     rows = summarize([ref, base_q, tie, unchecked], [base, spec], s, None)
     assert rows[1]["same_as_target"] == "diverged"
-    table = to_markdown({"rows": rows, "verify_curve": {1: 1.0}})
+    table = to_markdown({"rows": rows, "pass_curve": {1: 1.0}})
     assert "**diverged**" in table and "| verify |" in table
 
 

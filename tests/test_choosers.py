@@ -33,18 +33,18 @@ def test_store_resumes_per_pair_and_sampler(specmlx_home):
     model, ids = make_tiny(0), [1, 2, 3, 4]
     store = ChooserStore()
     fresh = store.get(model, "t", "d", GREEDY, ids)
-    assert fresh.level is None and len(fresh.verify_ratio) == LOOKUP_MAX + 1  # the probe
+    assert fresh.cost.level is None and len(fresh.cost.pass_ratio) == LOOKUP_MAX + 1  # the probe
     assert store.get(model, "t", "d", GREEDY, ids) is fresh  # live in this process
     steady(Feed(fresh), 30, accept=0.7)
     store.save(fresh)
     again = ChooserStore().get(model, "t", "d", GREEDY, ids)  # the next run
     assert again.state() == fresh.state() and again.best_now() == fresh.best_now()
-    assert ChooserStore().get(model, "t", "d", WARM, ids).level is None  # its own sampler
-    assert ChooserStore().get(model, "t", "d2", GREEDY, ids).level is None  # its own drafter
+    assert ChooserStore().get(model, "t", "d", WARM, ids).cost.level is None  # its own sampler
+    assert ChooserStore().get(model, "t", "d2", GREEDY, ids).cost.level is None  # its own drafter
     for f in (specmlx_home / "adaptive").glob("*.json"):
         f.write_text("{not json")  # a damaged file is ignored, not fatal
-    assert ChooserStore().get(model, "t", "d", GREEDY, ids).level is None
-    assert ChooserStore(persist=False).get(model, "t", "d", GREEDY, ids).level is None
+    assert ChooserStore().get(model, "t", "d", GREEDY, ids).cost.level is None
+    assert ChooserStore(persist=False).get(model, "t", "d", GREEDY, ids).cost.level is None
 
 
 def test_a_state_file_of_the_wrong_shape_is_ignored_with_one_warning(specmlx_home):
@@ -60,7 +60,7 @@ def test_a_state_file_of_the_wrong_shape_is_ignored_with_one_warning(specmlx_hom
     for bad in ({"state": w} for w in wrong):
         path.write_text(json.dumps(bad))
         chooser = ChooserStore(warn=warnings.append).get(model, "t", "d", GREEDY, ids)
-        assert chooser.level is None and isinstance(chooser(None), int)
+        assert chooser.cost.level is None and isinstance(chooser(None), int)
     assert len(warnings) == 4 and all("does not fit" in w for w in warnings)
 
 
@@ -78,7 +78,7 @@ def test_only_what_was_learned_is_saved_so_changed_defaults_reach_saved_state(sp
     assert "explore" not in saved and "k_max" not in saved
     again = ChooserStore().get(model, "t", "d", GREEDY, ids)
     assert (again.explore, again.k_max) == (AdaptiveK().explore, AdaptiveK().k_max)
-    assert again.level == chooser.level and again._first == chooser._first
+    assert again.cost.level == chooser.cost.level and again.accept.first == chooser.accept.first
 
 
 def test_the_key_names_each_sampling_field():

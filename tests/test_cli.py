@@ -303,7 +303,7 @@ def test_bench_json_schema(registry, tmp_path):
     assert all(row["identical_to_target"] for row in greedy)
     assert {"mlx", "mlx_lm", "blas", "device", "models", "git"} <= set(result["environment"])
     assert len(result["runs"]) == 2 * 2 * len({(r["system"], r["drafter"], r["k"]) for r in rows})
-    assert {"1", "2", "4", "8", "16"} <= set(result["verify_curve"])
+    assert {"1", "2", "4", "8", "16"} <= set(result["pass_curve"])
     assert "| system |" in md.read_text()
 
 

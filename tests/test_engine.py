@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
-from specmlx.adaptive import DRAFT_CHUNKS, AdaptiveK, _chunk
+from specmlx.adaptive import DRAFT_CHUNKS, Acceptance, AdaptiveK, CostCurve, _chunk
 from specmlx.engine import TIME_DRAFT_EVERY, KVState, generate_tokens, prefill
 from specmlx.errors import BadInput
 from specmlx.sampling import SamplingParams
@@ -576,7 +576,8 @@ def test_hybrid_by_value_is_lossless_and_keeps_one_sync_a_round(pair, monkeypatc
     count, seen = [0], []
 
     count_host_syncs(monkeypatch, count)
-    chooser = Watched(count, seen, verify_ratio=[1.0] + [1.1 + 0.05 * k for k in range(1, 9)])
+    ratio = [1.0] + [1.1 + 0.05 * k for k in range(1, 9)]
+    chooser = Watched(count, seen, cost=CostCurve(pass_ratio=ratio))
     for _ in range(3):  # the chooser learns across generations, as a store keeps it
         seen.clear()
         out = tokens(target, draft, prompt, lookup=True, num_draft=chooser, max_tokens=40)
@@ -605,9 +606,8 @@ def test_per_token_stopping_is_lossless_and_syncs_per_extension_not_per_token(pa
     count, seen = [0], []
 
     count_host_syncs(monkeypatch, count)
-    chooser = Watched(
-        count, seen, verify_ratio=[1.0] + [1.02 + 0.01 * k for k in range(1, 9)], t_draft=1e-4
-    )
+    ratio = [1.0] + [1.02 + 0.01 * k for k in range(1, 9)]
+    chooser = Watched(count, seen, cost=CostCurve(pass_ratio=ratio, t_draft=1e-4))
     for _ in range(3):
         seen.clear()
         out = tokens(target, draft, PROMPTS[1], num_draft=chooser, max_tokens=50, draft_stop=True)
@@ -653,7 +653,8 @@ def test_a_round_reports_the_drafts_it_made_but_did_not_verify(pair):
     """Drafts past where the plan stops cost drafting time: the round says how many it made
     (RoundReport.made), and the statistics count them apart from the verified ones."""
     target, _ = pair
-    chooser, stats = MidChunkStop(t_draft=1e-4, level=1.0, t_plain=2.0, a=0.9), Stats()
+    timed = CostCurve(t_draft=1e-4, level=1.0, t_plain=2.0)
+    chooser, stats = MidChunkStop(accept=Acceptance(prior=0.9), cost=timed), Stats()
     kw = dict(num_draft=chooser, max_tokens=40, draft_stop=True, stats=stats)
     out = tokens(target, make_tiny(0), PROMPTS[1], **kw)
     assert out == tokens(target, None, PROMPTS[1], max_tokens=40)
@@ -664,12 +665,13 @@ def test_a_round_reports_the_drafts_it_made_but_did_not_verify(pair):
 
 
 def test_draft_plan_stops_at_doubtful_drafts_and_extends_confident_ones():
-    chooser = AdaptiveK(verify_ratio=[1.0] + [1.1 + 0.05 * k for k in range(1, 9)], t_draft=0.1)
+    ratio = [1.0] + [1.1 + 0.05 * k for k in range(1, 9)]
+    chooser = AdaptiveK(cost=CostCurve(pass_ratio=ratio, t_draft=0.1))
     chooser.update(0, 0, 1.0)
     chooser.update(0, 0, 1.0)
     for _ in range(40):  # confident drafts are accepted, doubtful ones are not
         chooser(RoundReport(4, 2, 1.6, 0.4, confidences=(0.95, 0.9, 0.2, 0.1)))
-    assert chooser.confident(0.95) > 0.8 and chooser.confident(0.25) < 0.2
+    assert chooser.accept.confident(0.95) > 0.8 and chooser.accept.confident(0.25) < 0.2
     # stop after the doubtful one: it was drafted on the strength of those before it, so it
     # is verified; what comes after it is not (its own confidence never decides its fate)
     assert chooser.draft_plan([0.95, 0.9, 0.2, 0.1]) == (3, 0)
@@ -683,20 +685,23 @@ def test_draft_plan_stops_at_doubtful_drafts_and_extends_confident_ones():
     resumed = AdaptiveK.resume(json.loads(json.dumps(chooser.state())))
     assert resumed.draft_plan([0.95, 0.9, 0.2, 0.1]) == (3, 0)
     odd = AdaptiveK.resume({**chooser.state(), "_conf": [[1.0, 2.0]]})
-    assert odd.confident(0.95) == pytest.approx(odd.continuation)
+    assert odd.accept.confident(0.95) == pytest.approx(odd.accept.later_rate)
 
 
 def test_the_plan_counts_the_rounds_first_drafts_as_sunk():
     """The chooser's k drafts were made before any confidence was read: verifying one costs
     only its share of the target pass. The plan once charged each as if still to draft and,
     with a dear draft, verified half of what it had drafted."""
-    chooser = AdaptiveK(verify_ratio=[1.0] + [1.1 + 0.05 * k for k in range(1, 16)], t_draft=0.1)
+    ratio = [1.0] + [1.1 + 0.05 * k for k in range(1, 16)]
+    chooser = AdaptiveK(cost=CostCurve(pass_ratio=ratio, t_draft=0.1))
     chooser.update(0, 0, 1.0)
     chooser.update(0, 0, 1.0)
     for _ in range(40):
-        chooser._observe((0.95, 0.9, 0.2, 0.1), 2)  # confident drafts pass, doubtful ones fail
+        # confident drafts pass, doubtful ones fail
+        chooser.accept.observe((0.95, 0.9, 0.2, 0.1), 2)
     assert chooser.draft_plan([0.95, 0.92], drafted=2) == (2, DRAFT_CHUNKS[-1])
-    chooser.t_draft = 0.4  # a dear draft: drafting on rarely pays, verifying what is drafted does
+    # a dear draft: drafting on rarely pays, verifying what is drafted does
+    chooser.cost.t_draft = 0.4
     assert chooser.draft_plan([0.95] * 4) == (2, 0)  # as if none were drafted yet
     assert chooser.draft_plan([0.95] * 4, drafted=4) == (4, 0)
     assert chooser.draft_plan([0.95, 0.92], drafted=2) == (2, 0)
@@ -705,17 +710,20 @@ def test_the_plan_counts_the_rounds_first_drafts_as_sunk():
 
 
 def test_the_plan_looks_past_the_next_draft():
-    """A verify curve steep at first and flat later: one more draft does not pay for itself,
+    """A pass-cost curve steep at first and flat later: one more draft does not pay for itself,
     four more do. Stopping by the next draft's worth alone quit at one draft."""
     steep_then_flat = [1.0, 1.1] + [1.8] * 15
-    chooser = AdaptiveK(verify_ratio=steep_then_flat, t_draft=0.05, _later=[36.0, 40.0])
+    chooser = AdaptiveK(
+        accept=Acceptance(later=[36.0, 40.0]),
+        cost=CostCurve(pass_ratio=steep_then_flat, t_draft=0.05),
+    )
     chooser.update(0, 0, 1.0)
     chooser.update(0, 0, 1.0)
     for _ in range(40):
-        chooser._observe((0.95, 0.95, 0.95, 0.95), 4)  # confident drafts pass
+        chooser.accept.observe((0.95, 0.95, 0.95, 0.95), 4)  # confident drafts pass
     assert chooser.draft_plan([0.95], drafted=1) == (1, 1)  # on: j = 5 beats j = 1
     steep = [1.0, 1.1] + [1.1 + 0.7 * k for k in range(1, 16)]  # every draft dear to verify
-    chooser.verify_ratio = steep
+    chooser.cost.pass_ratio = steep
     assert chooser.draft_plan([0.95], drafted=1) == (1, 0)
 
 
@@ -724,11 +732,12 @@ def test_sampled_plan_is_a_stopping_rule():
     later ones (that would bias sampling): changing confidences from position j on leaves
     the decision about draft j as it was, for any number committed up front. (A rule that
     weighed each draft's own confidence broke this 113 times in these 300 cases.)"""
-    chooser = AdaptiveK(verify_ratio=[1.0] + [1.1 + 0.05 * k for k in range(1, 16)], t_draft=0.2)
+    ratio = [1.0] + [1.1 + 0.05 * k for k in range(1, 16)]
+    chooser = AdaptiveK(cost=CostCurve(pass_ratio=ratio, t_draft=0.2))
     chooser.update(0, 0, 1.0)
     chooser.update(0, 0, 1.0)
     for _ in range(40):
-        chooser._observe((0.95, 0.9, 0.2, 0.1), 2)
+        chooser.accept.observe((0.95, 0.9, 0.2, 0.1), 2)
     rng = random.Random(0)
     for _ in range(300):
         m, drafted = rng.randint(1, 8), rng.randint(0, 8)

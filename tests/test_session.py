@@ -116,7 +116,7 @@ def test_text_joins_to_the_decoded_tokens(tok, models):
 
 def test_auto_k_resumes_from_the_store_and_is_saved(tok, models):
     target, draft = models
-    store = ChooserStore(persist=False, verify_ratio=[1.0] + [1.0 + 0.1 * k for k in range(1, 17)])
+    store = ChooserStore(persist=False, pass_ratio=[1.0] + [1.0 + 0.1 * k for k in range(1, 17)])
     session = Session(Pair(target, draft, tok, "t", "d"), choosers=store)
     sampling = SamplingParams(temperature=0.8)
     req = Request(sampling=sampling, num_draft="auto", max_tokens=40, seed=1)
@@ -124,7 +124,7 @@ def test_auto_k_resumes_from_the_store_and_is_saved(tok, models):
     list(first.tokens())
     first.finish()
     chooser = store.get(target, "t", "d|lookup=False", sampling, [1], verify=req.verify)
-    assert isinstance(chooser, AdaptiveK) and chooser.level is not None  # it learned
+    assert isinstance(chooser, AdaptiveK) and chooser.cost.level is not None  # it learned
     second = session.start(tok.encode("import os"), req)
     assert second._saved is chooser  # the same state goes on learning
 
@@ -133,11 +133,14 @@ def test_no_module_but_the_session_assembles_a_generation():
     """The CLI, the server's worker and the bench build generations through session.py:
     none calls the engine's generate_tokens, the text stream or the ranks' shared k."""
     builders = {"generate_tokens", "stream_text", "SharedK"}
-    for name in ("cli", "worker", "bench", "serve"):
-        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    paths = [*sorted((PACKAGE / "cli").glob("*.py"))]
+    paths += [PACKAGE / f"{name}.py" for name in ("worker", "bench", "serve")]
+    assert len(paths) > 5
+    for path in paths:
+        tree = ast.parse(path.read_text())
         used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
         used |= {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
-        assert not used & builders, (name, used & builders)
+        assert not used & builders, (path.name, used & builders)
 
 
 def _texts(*pieces):
