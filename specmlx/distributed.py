@@ -144,18 +144,24 @@ class SharedK:
     """A k chooser whose decisions are rank 0's: each rank times its own rounds, so adaptive
     choosers would drift apart, and ranks that draft different k run different passes. One
     small collective a round carries k and plain_next, and with a ``lockstep`` the ranks'
-    token hash too (the check rides on the k exchange: no second collective a round)."""
+    token hash too: the check rides on the k exchange, no second collective a round. A
+    stoppable lockstep (the server's) is not carried: it compares each round's tokens before
+    they reach a client, and carries rank 0's cancel, so it keeps its own collective."""
+
+    WIDTH = 2  # the integers a round's exchange carries: k and plain_next
 
     def __init__(self, inner: KChooser, world: World, lockstep: Lockstep | None = None):
         self.inner, self.world, self._plain = inner, world, False
-        self.lockstep = lockstep
-        if lockstep is not None:
-            lockstep.carried = True  # it no longer checks on its own between rounds
+        self.lockstep = lockstep if lockstep is not None and not lockstep.stoppable else None
+        if self.lockstep is not None:
+            # it no longer checks on its own between rounds, and its last check carries as
+            # many integers as an exchange, so ranks that end a round apart still pair up
+            self.lockstep.carried = self.WIDTH
 
     def __call__(self, last: RoundReport | None) -> int:
         k = self.inner(last) if self.world.leader else 0
         plain = getattr(self.inner, "plain_next", lambda: False)() if self.world.leader else 0
-        if self.lockstep is not None:
+        if self.lockstep is not None:  # (rank 0's row of the all-gather)
             k, plain = self.lockstep.exchange([k, plain])
         else:
             k, plain = share(self.world, [k, plain])
@@ -169,7 +175,10 @@ class SharedK:
 class Lockstep:
     """Compares a running hash of the emitted tokens across ranks every ``every`` rounds
     (one all-gather of a few integers); raises LockstepError on every rank if they differ.
-    Called by the engine with each round's new tokens; ``check()`` once more at the end.
+    Called by the engine with each round's new tokens; the caller runs ``check()`` once more
+    when generation ends. Carried by a SharedK (``carried``: the width of its exchange), it
+    compares at each round's k exchange instead (``every`` then unused): a round's tokens
+    are compared at the next round's start, or by the final check.
 
     stoppable: compare every round and carry rank 0's ``cancelled()`` with it, so that a
     generation rank 0 stops (the server's client hung up) stops on every rank at the same
@@ -189,7 +198,7 @@ class Lockstep:
         self.world, self.every, self.beat = world, 1 if stoppable else every, beat
         self.stoppable, self.cancelled = stoppable, cancelled
         self.hash, self.rounds, self.tokens = 0, 0, 0
-        self.carried = False  # a SharedK compares with its k exchange each round instead
+        self.carried = 0  # > 0: a SharedK compares with its k exchange (this many extras)
 
     def __call__(self, tokens: list[int]) -> None:
         for t in tokens:
@@ -202,8 +211,10 @@ class Lockstep:
             self.check()
 
     def check(self) -> None:
-        """Compare now (the engine also calls this when generation ends)."""
-        self.exchange([])
+        """Compare now (callers do when generation ends). Carried, it sends as many
+        integers as a round's exchange: a rank that ended a round early pairs with the
+        others' next exchange and every rank raises LockstepError, instead of a hang."""
+        self.exchange([0] * self.carried)
 
     def exchange(self, extra: Sequence[int]) -> list[int]:
         """Compare the ranks' hashes (LockstepError if they differ; Cancelled when stoppable
@@ -219,7 +230,7 @@ class Lockstep:
         if len(set(rows)) > 1:
             raise LockstepError(
                 f"the ranks generated different tokens (token counts {[r[1] for r in rows]}, "
-                "hashes differ); stopped rather than write diverging text"
+                "hashes differ); stopped rather than go on writing diverging text"
             )
         if self.stoppable and seen[0][2]:
             raise Cancelled("cancelled by rank 0")

@@ -143,7 +143,8 @@ def generate_tokens(
     kv: caches to reuse (their longest common prefix with the prompt is kept, the rest of the
         prompt is prefilled) and that hold the context afterwards; fresh ones if None.
     lockstep: called with each round's new tokens before they are yielded; it may raise to
-        stop (distributed.Lockstep compares the ranks' tokens this way).
+        stop (distributed.Lockstep compares the ranks' tokens this way, now or, carried by
+        the ranks' shared k, at the next round's start).
     verify: how a sampled round checks the drafts: "block" (the default: the drafted block
         jointly, Sun et al. 2024: the same distribution, never fewer tokens kept in
         expectation) or "token" (token by token, Leviathan et al.). Greedy decoding is the

@@ -20,6 +20,7 @@ for name in calls:  # count the collectives each round makes
     setattr(mx.distributed, name, counted)
 
 diverge_at = int(sys.argv[1])  # the round from which rank 1 emits another token (-1: never)
+ends = sys.argv[2:] == ["ends"]  # rank 1 then stops (its last token an EOS, say) and checks
 lock = Lockstep(world)
 ks = iter([3, 1, 4, 1, 5, 9, 2, 6])
 shared = SharedK(lambda _last: next(ks) + 10 * world.rank, world, lock)  # rank 0's decides
@@ -28,6 +29,8 @@ try:
     for r in range(8):
         got.append(shared(None))
         lock([7 + (world.rank if 0 <= diverge_at <= r else 0)])
+        if ends and world.rank == 1 and r == diverge_at:
+            break  # its final check meets rank 0's next k exchange: the same shape
     lock.check()
 except LockstepError as e:
     error = str(e)

@@ -423,12 +423,12 @@ def test_the_api_key_reaches_rank_0_on_stdin_never_a_command_line(models):
     assert code == 0, err
 
 
-@pytest.mark.parametrize("diverge_at", [-1, 5])
-def test_k_and_the_lockstep_hash_travel_in_one_collective_a_round(models, diverge_at):
+@pytest.mark.parametrize("diverge_at, how", [(-1, ""), (5, ""), (5, "ends")])
+def test_k_and_the_lockstep_hash_travel_in_one_collective_a_round(models, diverge_at, how):
     script = Path(__file__).with_name("rank_sync.py")
     done = subprocess.run(
         [str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring",
-         "--python", sys.executable, str(script), str(diverge_at)],
+         "--python", sys.executable, str(script), str(diverge_at), *([how] if how else [])],
         env=models["env"] | {"PYTHONPATH": str(Path(__file__).parent.parent)},
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -443,3 +443,13 @@ def test_k_and_the_lockstep_hash_travel_in_one_collective_a_round(models, diverg
         else:  # round 5's tokens differ: round 6's k exchange compares them and stops
             assert len(out["ks"]) == diverge_at + 1, out
             assert "different tokens" in out["error"], out
+
+
+def test_the_servers_stoppable_lockstep_keeps_its_own_check_each_round():
+    """The server compares each round's tokens before a client sees them (and carries rank
+    0's cancel): its lockstep is not carried by the shared k; run's and bench's are."""
+    two = World(None, rank=0, size=2)
+    served = Lockstep(two, stoppable=True)
+    assert SharedK(lambda _last: 1, two, served).lockstep is None and not served.carried
+    plain = Lockstep(two)
+    assert SharedK(lambda _last: 1, two, plain).lockstep is plain and plain.carried == 2
