@@ -202,8 +202,9 @@ def bench(
     """Run every system on every prompt and temperature, interleaved, ``s.repeats`` times.
 
     models: what runs; prompts: rows with "id" and "prompt"; encode: a prompt row -> token
-    ids; s: what to sweep; on_run: called after each generation (progress). A "+ memory" row's lookup memory starts empty in each repeat and
-    remembers that repeat's outputs, prompt after prompt. Returns {"rows", "runs",
+    ids; s: what to sweep; on_run: called after each generation (progress). A "+ memory"
+    row's lookup memory starts empty in each repeat and remembers that repeat's outputs,
+    prompt after prompt. Returns {"rows", "runs",
     "pass_curve", "draft_cost"}; the CLI adds the environment."""
     encoded = [(p["id"], encode(p)) for p in prompts]
     bed = _Testbed(models, encoded[0][1], s)

@@ -234,7 +234,7 @@ def to_markdown(result: dict) -> str:
             f"{r['theoretical_speedup']:.2f}x | {eff} | {same} |"
         )
     curve = ", ".join(f"{n}: {v:.2f}" for n, v in result["pass_curve"].items())
-    lines += ["", f"Verify cost (target pass over n tokens / 1 token): {curve}"]
+    lines += ["", f"Pass cost (target pass over n tokens / 1 token): {curve}"]
     if result.get("draft_cost") is not None:
         lines.append(f"Draft/target step cost c = {result['draft_cost']:.3f}")
     lines.append(

@@ -23,7 +23,7 @@ from .adaptive import LOOKUP_MAX, AdaptiveK, CostCurve
 from .errors import BadInput
 from .machine import machine_id
 from .paths import Warn, load_json, save_json, specmlx_home
-from .probe import probe_verify
+from .probe import probe_pass_cost
 from .sampling import SamplingParams
 from .stats import KChooser, RoundReport
 
@@ -148,7 +148,7 @@ class ChooserStore:
         """The target's pass-cost curve: cached on disk by identity, else probed and saved."""
         ratio = self.cached_probe(target_id, k_max)
         if ratio is None:
-            ratio = probe_verify(target, ids, k_max)
+            ratio = probe_pass_cost(target, ids, k_max)
             if self.persist:
                 path = _state_path("probes", f"{target_id}|{k_max}|{PROBE_VERSION}")
                 self._save(path, {"identity": target_id, "ratio": ratio})

@@ -126,7 +126,7 @@ def bench_table(result: dict) -> Table:
         )
     curve = "  ".join(f"{n}:{v:.2f}" for n, v in result["pass_curve"].items())
     cost = result.get("draft_cost")
-    t.caption = f"verify cost t(n)/t(1): {curve}" + (f"   c = {cost:.3f}" if cost else "")
+    t.caption = f"pass cost t(n)/t(1): {curve}" + (f"   c = {cost:.3f}" if cost else "")
     for note in result.get("notes", []):
         t.caption += f"\n{note}"
     return t

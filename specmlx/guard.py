@@ -83,7 +83,7 @@ class Guard:
         while more:
             try:  # a client that stops sending mid-body must not hold the connection for ever
                 message = await asyncio.wait_for(receive(), self.body_timeout_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # not the builtin TimeoutError before 3.11
                 msg = f"the request body did not arrive within {self.body_timeout_s:g} s"
                 body = error_body(msg, "invalid_request_error", "timeout")
                 return await JSONResponse(body, 408)(scope, receive, send)

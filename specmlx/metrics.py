@@ -63,8 +63,9 @@ class ServerMetrics:
         ]  # fmt: skip
         for name, kind, help_, value in rows:
             # a counter's family is named without "_total" (prometheus_client strips it
-            # here and writes it back on each sample and on HELP and TYPE): the text is as
-            # before
+            # here and writes it back on each sample and on HELP and TYPE): names, labels
+            # and order are as before prometheus_client; values now print as floats (3.0)
+            # and the content type is its CONTENT_TYPE_LATEST
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(PREFIX + name, help_, value=value)
 

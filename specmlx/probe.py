@@ -1,4 +1,4 @@
-"""Timing probes: how long a model's forward pass takes over n tokens, and the target's verify
+"""Timing probes: how long a model's forward pass takes over n tokens, and the target's pass-cost
 curve (a pass over k + 1 tokens against one) that seeds adaptive k's cost model.
 
 These run models; the estimates in adaptive.py never do, they only read the curve.
@@ -9,15 +9,16 @@ from __future__ import annotations
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .adaptive import LOOKUP_MAX
 from .caches import can_rollback, make_caches, trim
 
-# token counts a verify probe times; the curve between them is interpolated
+# token counts the pass-cost probe times; the curve between them is interpolated
 PROBE_SIZES = (*range(1, 10), 12, 16)
 
 
-def pass_times(model, ids: list[int], ns: list[int], reps: int = 3) -> dict[int, float]:
+def pass_times(model: nn.Module, ids: list[int], ns: list[int], reps: int = 3) -> dict[int, float]:
     """Seconds of one forward pass over n tokens after a prefill of ``ids``, for each n in
     ``ns``: the sizes take turns within each repetition, so drift hits them alike, and the
     fastest repetition is kept, since on a shared machine noise only ever adds time.
@@ -40,7 +41,7 @@ def pass_times(model, ids: list[int], ns: list[int], reps: int = 3) -> dict[int,
     return best
 
 
-def head_step_seconds(head, reps: int = 3) -> float:
+def head_step_seconds(head: nn.Module, reps: int = 3) -> float:
     """Seconds of one step of a head over the target's hidden states (an MTP head: one pair
     in, one token's logits out), the fastest of ``reps`` after a warm-up.
 
@@ -73,7 +74,9 @@ def curve_from(times: dict[int, float], k_max: int) -> list[float]:
     return out
 
 
-def probe_verify(model, ids: list[int], k_max: int = LOOKUP_MAX, reps: int = 3) -> list[float]:
+def probe_pass_cost(
+    model: nn.Module, ids: list[int], k_max: int = LOOKUP_MAX, reps: int = 3
+) -> list[float]:
     """t_verify(k) / t_verify(0) for k in 0..k_max: a target pass over k + 1 tokens against
     one token, timed at PROBE_SIZES (and k_max + 1) and interpolated between. On Metal this
     curve is known not to be flat; adaptive k needs it.

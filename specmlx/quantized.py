@@ -11,6 +11,8 @@ import shutil
 import time
 from pathlib import Path
 
+import mlx.nn as nn
+
 from .paths import load_json, specmlx_home
 from .registry import ModelSpec
 from .sources import Progress, file_facts, say
@@ -32,7 +34,9 @@ def cached_quantized(spec: ModelSpec) -> Path | None:
     return cache if config.get("specmlx_spec") == spec.identity else None
 
 
-def quantize_and_cache(spec: ModelSpec, src: Path, loaded: tuple, progress: Progress | None):
+def quantize_and_cache(
+    spec: ModelSpec, src: Path, loaded: tuple, progress: Progress | None
+) -> tuple[nn.Module, object, dict, str]:
     """Quantize a model loaded from ``src`` once with mlx-lm and save it under
     $SPECMLX_HOME/quantized (keyed by the spec's identity) so later loads skip the work.
 

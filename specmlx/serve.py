@@ -319,7 +319,7 @@ def _llama_request(
 class _Events:
     """The worker's events for one job, delivered into this event loop."""
 
-    def __init__(self, request: Request, worker: Worker, gen: GenRequest):
+    def __init__(self, worker: Worker, gen: GenRequest):
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
 
@@ -370,7 +370,7 @@ async def _respond(
     request: Request, worker: Worker, gen: GenRequest, body: SamplingBody, kind: str, settings
 ):
     """OpenAI's answer to a completion or chat completion: whole, or streamed as chunks."""
-    events = _Events(request, worker, gen)
+    events = _Events(worker, gen)
     rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     base = {"id": rid, "created": int(time.time()), "model": settings.model_name}
     chat = kind == "chat.completion"
@@ -464,7 +464,7 @@ async def _respond_infill(
 ):
     """llama.cpp's /completion response shape: content, stop, tokens, timings (just
     ``fields`` when given)."""
-    events = _Events(request, worker, gen)
+    events = _Events(worker, gen)
 
     def final(content: str, stats: Stats) -> dict:
         out = shapes.llama_completion(content, stats, events.job, generation_settings)

@@ -191,7 +191,7 @@ def local_files(spec: ModelSpec) -> Path | None:
     return SOURCES[spec.kind].local(spec)
 
 
-# ---------------------------------------------------------------- identity and quantized copies
+# ---------------------------------------------------------------- what identifies the files
 
 
 def file_facts(path: Path) -> str:

@@ -267,6 +267,8 @@ class Worker:
                 return
             finally:
                 self._current, self.busy = None, False
+                t = self.totals  # after every job, failed ones too: this thread's cache
+                t.cache_bytes, t.cache_entries = self.cache.nbytes, len(self.cache.entries)
                 if self.watchdog is not None:
                     self.watchdog.idle()
 
@@ -355,7 +357,6 @@ class Worker:
         t.rounds += stats.rounds
         t.decode_s += stats.decode_s
         t.prefill_s += stats.prefill_s
-        t.cache_bytes, t.cache_entries = self.cache.nbytes, len(self.cache.entries)
         mx.clear_cache()  # between requests: give the allocator's free blocks back
 
 

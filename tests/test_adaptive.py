@@ -19,7 +19,7 @@ from specmlx.adaptive import (
     expected_tokens,
 )
 from specmlx.engine import generate_tokens
-from specmlx.probe import curve_from, probe_verify
+from specmlx.probe import curve_from, probe_pass_cost
 from specmlx.stats import RoundReport, Stats
 
 
@@ -273,7 +273,7 @@ def test_pass_curve_from_sparse_probes():
     """Passes are timed at a few token counts; the curve in between is linear, flat after."""
     curve = curve_from({1: 1.0, 2: 1.5, 4: 2.5, 8: 2.5}, 9)
     assert curve == pytest.approx([1.0, 1.5, 2.0, 2.5, 2.5, 2.5, 2.5, 2.5, 2.5, 2.5])
-    ratio = probe_verify(make_tiny(5), [1, 2, 3], k_max=10, reps=1)
+    ratio = probe_pass_cost(make_tiny(5), [1, 2, 3], k_max=10, reps=1)
     assert len(ratio) == 11 and ratio[0] == 1.0 and all(r > 0 for r in ratio)
 
 

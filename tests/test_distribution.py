@@ -197,10 +197,11 @@ def test_engine_first_token_distribution(pair):
 JV = 8  # vocabulary: 8**3 = 512 possible sequences, 154 of them possible after the filters
 JOINT_PROMPT = [3]  # one token: nothing to prefill, each generation is just its rounds
 JOINT_SAMPLING = SamplingParams(1.0, top_p=0.9, top_k=6, min_p=0.05)
-# generations per test, ~2.5 ms each on a 2-core CPU (the engine's per-round MLX ops: the
-# table model's own pass is a few); the exact enumeration in test_acceptance.py carries the
-# fine math
-N_JOINT = 20_000
+# generations per test (the engine's per-round MLX ops make most of each one's time): 12,000
+# over the 154 possible sequences keeps every cell's expected count high for the pooled
+# chi-square, at four times the generations that show each wrong rule below at p < 1e-6; the
+# exact enumeration in test_acceptance.py carries the fine math
+N_JOINT = 12_000
 N_WRONG = 3_000  # a wrong rule is far off: fewer generations show it
 
 
@@ -342,7 +343,7 @@ def test_the_sequence_test_rejects_stopping_on_a_drafts_own_confidence(small_pai
 # ------------------------------- the same through a sliding window and a recurrent state
 
 KIND_PROMPT = [3, 5, 1, 3]  # past the window of 2: the ring has wrapped before round one
-N_KIND = 20_000
+N_KIND = N_JOINT
 
 
 @pytest.fixture(scope="module", params=["window", "recurrent"])

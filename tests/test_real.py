@@ -57,10 +57,10 @@ def test_greedy_speculation_is_token_identical(real):
     target, draft = real
     eos = target.tokenizer.eos_token_ids
     total = Stats()
-    for text in PROMPTS:
+    for i, text in enumerate(PROMPTS):
         ids = target.tokenizer.encode(text)
         base = _tokens(target.model, None, ids, max_tokens=20, eos_ids=eos)
-        for k in (2, 4, 8):
+        for k in (2, 4, 8) if i < 2 else (4,):  # every k on two prompts, k = 4 on the rest
             stats = Stats()
             out = _tokens(
                 target.model, draft, ids, num_draft=k, max_tokens=20, eos_ids=eos, stats=stats

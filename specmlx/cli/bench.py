@@ -183,12 +183,12 @@ def bench(
             return encode_prompt(tgt.tokenizer, row["prompt"], chat=bool(row.get("chat")))
 
         draft_name, draft_model = (drf.spec.alias, drf.model) if drf else (None, None)
-        models = b.Benched(tgt.model, draft_model, draft_name, shared, world, head)
+        benched = b.Benched(tgt.model, draft_model, draft_name, shared, world, head)
         if sequences:
             decode = tgt.tokenizer.decode
-            result = b.bench_sequences(models, rows, encode, decode, settings, on_run=on_run)
+            result = b.bench_sequences(benched, rows, encode, decode, settings, on_run=on_run)
         else:
-            result = b.bench(models, rows, encode, settings, on_run=on_run)
+            result = b.bench(benched, rows, encode, settings, on_run=on_run)
     if watchdog is not None:
         watchdog.disarm()
     info = {"target": _model_info(tgt), "draft": _model_info(drf) if drf else None}

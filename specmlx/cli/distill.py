@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 
 from ..display import err_console
@@ -60,7 +61,11 @@ def show_distill(events, console) -> dict:
     return done
 
 
-def distill_summary(out: Path, console) -> None:
+def distill_summary(out: Path, console: Console) -> None:
+    """Print a finished run's facts from ``out``/distill.json: the student's size, the
+    held-out agreement, alpha and KL before and after, the throughput.
+
+    out: the run's directory; console: where to print."""
     facts = json.loads((out / "distill.json").read_text())
     first, last = facts["evals"][0], facts["evals"][-1]
     console.print(

@@ -8,15 +8,22 @@ import os
 import sys
 
 import typer
+from rich.console import Console
 from rich.live import Live
 
 from ..display import live_line, summary
 
 
 class Render:
-    """Streams text to stdout and a live line to stderr; collects text and ids for --json."""
+    """Streams text to stdout and a live line to stderr; collects text and ids for --json.
 
-    def __init__(self, console, as_json, quiet, show_draft, k_label):
+    console: stderr's rich console; as_json: one JSON object on stdout instead of text;
+    quiet: no live line or summary; show_draft: colour draft-accepted text on a terminal;
+    k_label: k as shown on the live line."""
+
+    def __init__(
+        self, console: Console, as_json: bool, quiet: bool, show_draft: bool, k_label: str
+    ) -> None:
         self.console, self.as_json, self.quiet, self.k_label = console, as_json, quiet, k_label
         self.colour = show_draft and sys.stdout.isatty()
         self.text, self.tokens = "", []
