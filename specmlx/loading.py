@@ -81,11 +81,6 @@ def _unreadable(path: Path) -> bool:
         return True
 
 
-def _quantize_to_cache(spec: ModelSpec, src: Path, progress: Progress | None):
-    """The model in ``src`` loaded, quantized and cached (quantized.quantize_and_cache)."""
-    return quantize_and_cache(spec, src, _load_dir(src), progress)
-
-
 # ---------------------------------------------------------------- loading
 
 
@@ -115,7 +110,8 @@ def load_model(
         say(progress, f"loading {spec.alias} from {path.name}")
         model, tokenizer, config = load_gguf(path, dtype, spec.keep_quantized)
     elif spec.quantize and cached is None:
-        model, tokenizer, config, identity = _quantize_to_cache(spec, path, progress)
+        loaded = _load_dir(path)
+        model, tokenizer, config, identity = quantize_and_cache(spec, path, loaded, progress)
     else:
         say(progress, f"loading {spec.alias} from {path}")
         model, tokenizer, config = _load_dir(path, lazy=shards > 1)

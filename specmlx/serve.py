@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -525,8 +526,6 @@ def run_server(
 
     app: from create_app; host, port: where to listen; grace_s: as above;
     header_timeout_s: the longest a request's line and headers may take (then a 408)."""
-    import uvicorn
-
     worker: Worker = app.state.worker
 
     class Server(uvicorn.Server):

@@ -145,7 +145,7 @@ def test_quantize_at_load_is_cached(tiny_model, specmlx_home, monkeypatch):
     def boom(*a, **kw):
         raise AssertionError("quantized again instead of using the cache")
 
-    monkeypatch.setattr(loading, "_quantize_to_cache", boom)
+    monkeypatch.setattr(loading, "quantize_and_cache", boom)
     for f in tiny_model.glob("*.safetensors"):  # the source is not even needed any more
         f.unlink()
     second = load_model(spec)

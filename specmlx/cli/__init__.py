@@ -1,8 +1,9 @@
 """The specmlx command line: parse, call the library, render with rich on stderr. One module
 per command (run, serve, bench, models, distill); this one builds the typer app from them.
 
-Commands import the model-loading modules when they run, so that `--help`, `--version` and
-bad-usage errors answer without loading MLX, mlx-lm and transformers.
+Commands import what only they need (loading, the engine, the server, the bench) when they
+run, so `--help`, `--version` and bad-usage errors answer without loading models, building
+the server or probing anything.
 """
 
 from __future__ import annotations
