@@ -109,6 +109,9 @@ def load_model(
     if path.is_file():
         say(progress, f"loading {spec.alias} from {path.name}")
         model, tokenizer, config = load_gguf(path, dtype, spec.keep_quantized)
+        if spec.quantize:  # (a cached copy is a directory: this is its first load)
+            loaded = (model, tokenizer, config)
+            model, tokenizer, config, identity = quantize_and_cache(spec, path, loaded, progress)
     elif spec.quantize and cached is None:
         loaded = _load_dir(path)
         model, tokenizer, config, identity = quantize_and_cache(spec, path, loaded, progress)

@@ -350,9 +350,10 @@ def parse_file(path: Path) -> tuple[dict, dict, dict]:
         except ValueError as e:
             raise _fail(where, table, "source", f"{e} in [{_show(table)}]") from None
         gguf = spec.kind in ("gguf", "wheel")
-        if spec.quantize and gguf:
+        if spec.quantize and spec.keep_quantized:
             msg = (
-                f"quantize in [{_show(table)}] is for hf:/local: sources; GGUF uses keep_quantized"
+                f"[{_show(table)}] sets both quantize (requantize at load) and keep_quantized "
+                "(keep the GGUF's own blocks): pick one"
             )
             raise _fail(where, table, "quantize", msg)
         if spec.keep_quantized and not gguf:

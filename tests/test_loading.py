@@ -182,6 +182,34 @@ def test_gguf_loads_like_the_reference(tiny_gguf, keep):
     assert got.vocab_size == len(got.tokenizer)
 
 
+def test_a_gguf_is_requantized_at_load_once(tiny_gguf, specmlx_home, monkeypatch):
+    """quantize on a GGUF source: dequantized, requantized to MLX's format, cached; the
+    second load reads the copy (tokenizer included) and computes what the first did."""
+    path = tiny_gguf[0]
+    spec = gguf_spec(path, quantize=Quantize(bits=4, group_size=64))
+    first = load_model(spec)
+    assert isinstance(first.model.lm_head, nn.QuantizedLinear)
+    assert first.nbytes < load_model(gguf_spec(path)).nbytes
+    # what mlx-lm's own quantization of the dequantized GGUF computes
+    plain = load_model(gguf_spec(path)).model
+    nn.quantize(plain, group_size=64, bits=4)
+    assert mx.allclose(logits(first.model), logits(plain), atol=1e-5).item()
+    assert cached_quantized(spec) == quantized_dir(spec)
+
+    def boom(*a, **kw):
+        raise AssertionError("quantized again instead of using the cache")
+
+    monkeypatch.setattr(loading, "quantize_and_cache", boom)
+    monkeypatch.setattr(loading, "load_gguf", boom)
+    second = load_model(spec)
+    assert mx.allclose(logits(first.model), logits(second.model), atol=1e-5).item()
+    assert second.identity == first.identity
+    text = "for i in range(10):\n    print(i)  # ünï 123\n"
+    assert second.tokenizer.encode(text) == first.tokenizer.encode(text)
+    assert second.tokenizer.decode(second.tokenizer.encode(text)) == text
+    assert second.tokenizer.eos_token_ids == first.tokenizer.eos_token_ids
+
+
 def test_gguf_header_reader(tiny_gguf):
     path, _, meta, tensors = tiny_gguf
     got_meta, got_tensors = read_gguf_header(path)

@@ -144,7 +144,11 @@ def test_unknown_key_names_file_line_and_key(tmp_path):
         ('[models.a]\nsource = "hf:a/b"\ndtype = "int8"\n', 3, "dtype in [models.a] must be"),
         ('[models."a.b"]\nsource = "hf:x/y"\nquantize = { bits = 4, gs = 6 }\n', 3, "'gs'"),
         ('[models.a]\nsource = "wheel:x"\n', 2, "wheel:DIST==VER#path"),
-        ('[models.a]\nsource = "gguf:x.gguf"\nquantize = {bits = 4}\n', 3, "keep_quantized"),
+        (
+            '[models.a]\nsource = "gguf:x.gguf"\nquantize = {bits = 4}\nkeep_quantized = true\n',
+            3,
+            "pick one",
+        ),
         ('[models.a]\nsource = "hf:a/b"\nkeep_quantized = true\n', 3, "for gguf:/wheel:"),
         (
             '[models.a]\nsource = "hf:a/b"\n\n[pairs.p]\ntarget = "a"\ndraft = "a"\nk = -1\n',
