@@ -15,6 +15,13 @@ mlx-lm makes three kinds of layer cache, and speculation must undo tokens in eac
   round's start (MLX arrays are never changed in place by these layers: the mixers assign new
   arrays, so keeping references costs no copy) and ``rollback`` restores them, after which the
   engine feeds the kept tokens again (``Rollback.replay``).
+- ``ChunkedKVCache`` (Llama 4's chunked attention) keeps only a chunk's worth of keys before
+  each pass; ``ChunkKVCache`` keeps ``ROLLBACK_SLACK`` more, as the window does.
+
+A family whose own output depends on how tokens are batched into passes (plamo3 in mlx-lm
+0.32) has no one target output to keep: its caches stay mlx-lm's, named so that speculation
+is refused (``BatchDependentRotatingKVCache``). A cache class with no known rollback
+(deepseek_v41's ``LayerCache``) is refused by name.
 
 Whether a rollback can be exact is checked when it happens, never assumed from an empty cache:
 a cache that cannot give back n tokens exactly raises ``RollbackError``.
@@ -44,6 +51,8 @@ from .errors import IncompatiblePair, RollbackError
 
 __all__ = [
     "ROLLBACK_SLACK",
+    "BatchDependentRotatingKVCache",
+    "ChunkKVCache",
     "WindowKVCache",
     "cache_kinds",
     "can_rollback",
@@ -81,6 +90,7 @@ class WindowKVCache(_BaseCache):
         self.values: mx.array | None = None
         self.offset = 0  # tokens seen: the absolute position of the next one
         self.start = 0  # the absolute position of keys[..., 0, :]
+        self.fetched = (0, 0)  # the buffer rows the last pass got
 
     @property
     def held(self) -> int:
@@ -106,7 +116,13 @@ class WindowKVCache(_BaseCache):
         self.values[..., held : held + S, :] = values
         self.offset += S
         end = held + S
-        lo = max(0, end - (self.window - 1 + S))
+        self.fetched = (max(0, end - (self.window - 1 + S)), end)
+        return self.keys_and_values()
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """What the last update_and_fetch returned: Gemma 3n's KV-shared layers read their
+        owner layer's keys with this, in the same pass and under the same mask."""
+        lo, end = self.fetched
         return self.keys[..., lo:end, :], self.values[..., lo:end, :]
 
     def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False):
@@ -162,6 +178,49 @@ class WindowKVCache(_BaseCache):
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+class ChunkKVCache(ChunkedKVCache):
+    """mlx-lm's ChunkedKVCache (Llama 4's chunked attention) keeping ``slack`` keys more than
+    a chunk, so that a rollback within them is exact: mlx-lm's keeps only the last chunk's
+    worth before each pass, which a draft's one-token steps leave nothing to give back from.
+    The model builds the mask from ``start_position`` and its own chunk size, so the extra
+    keys are never seen by a query outside their chunk."""
+
+    def __init__(self, chunk_size: int, slack: int = ROLLBACK_SLACK):
+        super().__init__(chunk_size)
+        self.slack = int(slack)
+
+    def maybe_trim_front(self) -> None:
+        if self.keys is None:
+            return
+        valid = self.offset - self.start_position  # keys held: (B, heads, valid, head_dim)
+        drop = valid - (self.chunk_size + self.slack)
+        if drop > 0:
+            self.start_position += drop
+            self.keys = self.keys[..., drop:valid, :]
+            self.values = self.values[..., drop:valid, :]
+
+
+class BatchDependentRotatingKVCache(RotatingKVCache):
+    """mlx-lm's RotatingKVCache, unchanged, in a family whose output depends on how the tokens
+    are split into passes (``why``): there is no one target output for speculation to keep,
+    so plain decoding runs as mlx-lm's does and ``check_kinds`` refuses speculation."""
+
+    why = ""
+
+
+# mlx-lm modules whose own output depends on how tokens are batched into passes
+_BATCH_DEPENDENT = {
+    "mlx_lm.models.plamo3": "its sliding layers mask window + 1 keys in a multi-token pass "
+    "but see window keys in a one-token step, so its output depends on how tokens are batched",
+}
+
+
+def _batch_dependent(c: RotatingKVCache, why: str) -> BatchDependentRotatingKVCache:
+    kept = BatchDependentRotatingKVCache(c.max_size, c.keep)
+    kept.why = why
+    return kept
+
+
 def _convert(c, slack: int):
     """One layer's cache as specmlx keeps it; a kind it cannot roll back raises."""
     if isinstance(c, CacheList):
@@ -174,14 +233,21 @@ def _convert(c, slack: int):
                 "speculation cannot roll it back exactly"
             )
         return WindowKVCache(c.max_size, slack)
+    if type(c) is ChunkedKVCache:
+        return ChunkKVCache(c.chunk_size, slack)
     return c
 
 
 def make_caches(model: nn.Module, slack: int = ROLLBACK_SLACK) -> list:
-    """The model's caches (mlx-lm's make_prompt_cache) with every sliding window given
-    ``slack`` tokens of rollback room. Plain decoding uses them too, so it computes exactly
-    what speculation does."""
-    return [_convert(c, slack) for c in make_prompt_cache(model)]
+    """The model's caches (mlx-lm's make_prompt_cache) with every sliding window and attention
+    chunk given ``slack`` tokens of rollback room (a batch-dependent family's kept as
+    mlx-lm's, named for check_kinds to refuse). Plain decoding uses them too, so it computes
+    exactly what speculation does."""
+    made = make_prompt_cache(model)
+    why = _BATCH_DEPENDENT.get(type(model).__module__)
+    if why is not None:
+        return [_batch_dependent(c, why) if type(c) is RotatingKVCache else c for c in made]
+    return [_convert(c, slack) for c in made]
 
 
 def _layers(cache: Sequence) -> list:
@@ -203,12 +269,24 @@ def cache_kinds(cache: Sequence) -> dict[str, int]:
 
 # layer caches whose rollback is known exact: a trim (checked when it happens) or, for
 # ArraysCache, a restored snapshot and a replay
-_KNOWN = (KVCache, QuantizedKVCache, WindowKVCache, RotatingKVCache, ChunkedKVCache, ArraysCache)
+_KNOWN = (
+    KVCache,
+    QuantizedKVCache,
+    WindowKVCache,
+    RotatingKVCache,
+    ChunkedKVCache,
+    ChunkKVCache,
+    ArraysCache,
+)
 
 
 def check_kinds(cache: Sequence, what: str = "model") -> None:
     """Refuse, by name, a cache holding a layer kind no exact rollback is known for."""
     for c in _layers(cache):
+        if isinstance(c, BatchDependentRotatingKVCache):
+            raise IncompatiblePair(
+                f"the {what}'s {type(c).__name__} layer cache cannot speculate exactly: {c.why}"
+            )
         if type(c) not in _KNOWN:
             raise IncompatiblePair(
                 f"the {what}'s {type(c).__name__} layer cache cannot be rolled back exactly, "
@@ -235,7 +313,10 @@ def _trimmable(c, n: int) -> bool:
         # exact only while nothing has been dropped yet: asked now, not when it was empty
         return c.is_trimmable()
     if isinstance(c, ChunkedKVCache):
-        return c.start_position == 0  # likewise: no chunk dropped yet
+        # the next query (at position keep) sees keys from its chunk's start on: they must
+        # still be held
+        keep = c.offset - min(n, c.offset)
+        return c.start_position <= keep - keep % c.chunk_size
     return False
 
 
