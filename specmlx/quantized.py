@@ -15,7 +15,7 @@ import mlx.nn as nn
 
 from .paths import load_json, specmlx_home
 from .registry import ModelSpec
-from .sources import Progress, file_facts, say
+from .sources import Progress, file_facts, local_files, say
 
 
 def quantized_dir(spec: ModelSpec) -> Path:
@@ -26,12 +26,20 @@ def quantized_dir(spec: ModelSpec) -> Path:
 
 
 def cached_quantized(spec: ModelSpec) -> Path | None:
-    """The quantized copy from an earlier load, if it was made for this very identity."""
+    """The quantized copy from an earlier load, if it was made for this very identity and
+    from the source's files as they are now (a replaced GGUF or checkpoint at the same path
+    is quantized again; a source no longer on disk leaves the copy in use)."""
     cache = quantized_dir(spec)
     if not any(cache.glob("model*.safetensors")):
         return None
     config = load_json(cache / "config.json") or {}
-    return cache if config.get("specmlx_spec") == spec.identity else None
+    if config.get("specmlx_spec") != spec.identity:
+        return None
+    src = local_files(spec)
+    present = src is not None and (src.is_file() or any(src.glob("*.safetensors")))
+    if present and config.get("specmlx_identity") != f"{spec.identity}|{file_facts(src)}":
+        return None
+    return cache
 
 
 def quantize_and_cache(

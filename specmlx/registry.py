@@ -350,15 +350,15 @@ def parse_file(path: Path) -> tuple[dict, dict, dict]:
         except ValueError as e:
             raise _fail(where, table, "source", f"{e} in [{_show(table)}]") from None
         gguf = spec.kind in ("gguf", "wheel")
+        if spec.keep_quantized and not gguf:
+            msg = f"keep_quantized in [{_show(table)}] is for gguf:/wheel: sources only"
+            raise _fail(where, table, "keep_quantized", msg)
         if spec.quantize and spec.keep_quantized:
             msg = (
                 f"[{_show(table)}] sets both quantize (requantize at load) and keep_quantized "
                 "(keep the GGUF's own blocks): pick one"
             )
             raise _fail(where, table, "quantize", msg)
-        if spec.keep_quantized and not gguf:
-            msg = f"keep_quantized in [{_show(table)}] is for gguf:/wheel: sources only"
-            raise _fail(where, table, "keep_quantized", msg)
     pairs = {
         name: PairSpec(name=name, target=raw.target, draft=raw.draft, k=raw.k)
         for name, raw in parsed.pairs.items()

@@ -11,12 +11,17 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from families import FAMILIES, OUTSIDE, WINDOW, build, noisy_copy
+from families import FAMILIES, OUTSIDE, WINDOW, build, family_config, noisy_copy
+from helpers import save_tiny, tiny_tokenizer
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from specmlx import caches
 from specmlx.caches import cache_kinds, check_kinds, make_caches
 from specmlx.engine import generate_tokens
-from specmlx.errors import IncompatiblePair
+from specmlx.errors import IncompatiblePair, RollbackError
+from specmlx.loading import load_pair
+from specmlx.registry import load_registry
 from specmlx.stats import Stats
 
 SHORT = [5, 9, 2]  # inside every window
@@ -131,3 +136,48 @@ def test_a_refused_outside_family_is_refused_by_its_cache_class(family):
     target, draft = pair(family)
     with pytest.raises(IncompatiblePair, match=f"target's {REFUSED[family]} layer cache"):
         tokens(target, draft, SHORT, num_draft=3)
+
+
+def test_a_chunk_cache_gives_back_what_the_next_chunk_needs_and_refuses_more():
+    """Llama 4's chunked layers with a slack of 1 (chunk 8): after one-token steps have dropped
+    keys, every rollback the trim rule allows gives the next token the logits of a cache that
+    never drops a key, and the rollbacks it refuses (asking for keys already gone) would not."""
+    target = build("llama4", LAYERS, 0, SCALE)
+    prompt, steps = LONG[:13], LONG[13:18]
+    allowed, refused = [], []
+    for n in range(13):
+        ours, full = make_caches(target, slack=1), make_caches(target, slack=10_000)
+        for cache in (ours, full):
+            target(mx.array([prompt]), cache=cache)
+            for t in steps:
+                target(mx.array([[t]]), cache=cache)
+        if caches.can_rollback(ours, n):
+            caches.trim(ours, n)
+            allowed.append(n)
+        else:
+            with pytest.raises(RollbackError):
+                caches.trim(ours, n)
+            for c in caches._layers(ours):  # what a trim without the check would do
+                c.trim(n)
+            refused.append(n)
+        caches.trim(full, n)
+        a, b = (target(mx.array([[3]]), cache=c)[0, -1] for c in (ours, full))
+        same = mx.allclose(a, b, atol=1e-4, rtol=1e-4).item()
+        assert same == (n in allowed), (n, mx.abs(a - b).max().item())
+    # 18 tokens held from position 8 on: back to position 8 is exact, to 7 needs key 0
+    assert allowed == list(range(11)) and refused == [11, 12]
+
+
+def test_a_batch_dependent_family_still_decodes_plainly_and_is_refused_at_load(tmp_path):
+    """plamo3: plain decoding runs on mlx-lm's own caches and gives mlx-lm's tokens; a pair
+    with it is refused when it loads, naming the cache class, before any generation."""
+    target = build("plamo3", LAYERS, 0, SCALE)
+    greedy = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+    theirs = [int(t) for t, _ in generate_step(mx.array(LONG), target, max_tokens=MAX_TOKENS,
+                                               sampler=greedy)]  # fmt: skip
+    assert tokens(target, None, LONG, num_draft=0) == theirs
+    path = save_tiny(tmp_path / "p3", family_config("plamo3", 2), tiny_tokenizer(), seed=0)
+    toml = tmp_path / "models.toml"
+    toml.write_text(f'[models.p3]\nsource = "local:{path}"\n')
+    with pytest.raises(IncompatiblePair, match="target's BatchDependentRotatingKVCache"):
+        load_pair("p3", "p3", registry=load_registry([toml]), context=64)

@@ -4,6 +4,7 @@ pair checks and memory plans. Real-weight tests are marked slow."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import textwrap
 import zipfile
@@ -36,7 +37,7 @@ from specmlx.gguf import load_gguf, read_gguf_header
 from specmlx.gguf_tokenizer import gguf_tokenizer
 from specmlx.inspection import is_cached, safetensors_header
 from specmlx.loading import Loaded, check_pair, load_model, load_pair
-from specmlx.quantized import cached_quantized, quantized_dir
+from specmlx.quantized import cached_quantized, quantize_and_cache, quantized_dir
 from specmlx.registry import ModelSpec, Quantize, load_registry
 from specmlx.sources import fetch
 
@@ -208,6 +209,21 @@ def test_a_gguf_is_requantized_at_load_once(tiny_gguf, specmlx_home, monkeypatch
     assert second.tokenizer.encode(text) == first.tokenizer.encode(text)
     assert second.tokenizer.decode(second.tokenizer.encode(text)) == text
     assert second.tokenizer.eos_token_ids == first.tokenizer.eos_token_ids
+    # the tokenizer is the GGUF's own again, not transformers' idea of the family's
+    assert type(second.tokenizer._tokenizer) is type(first.tokenizer._tokenizer)
+
+    # the GGUF replaced at the same path (same bytes, a new time): quantized again
+    monkeypatch.undo()
+    assert load_model(gguf_spec(path)).identity != first.identity
+    made = []
+    monkeypatch.setattr(
+        loading, "quantize_and_cache", lambda *a: made.append(1) or quantize_and_cache(*a)
+    )
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert cached_quantized(spec) is None
+    assert load_model(spec).identity != first.identity and made == [1]
+    assert cached_quantized(spec) == quantized_dir(spec)
 
 
 def test_gguf_header_reader(tiny_gguf):
