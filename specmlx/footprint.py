@@ -126,7 +126,7 @@ def formula_bytes(config: dict, dtype_bytes: int, shards: int = 1) -> int:
 
 def layer_kinds(config: dict) -> list[str]:
     """Each layer's cache as mlx-lm makes it, read from the config: "full" (a KV cache that
-    grows with the context), "window" (a sliding window), "recurrent" (a fixed-size state),
+    grows with the context), "window" (a sliding window or Llama 4's chunk), "recurrent" (a fixed-size state),
     "both" (Falcon-H1: attention and an SSM in every layer) or "none" (an MLP-only layer)."""
     c = config.get("text_config", config)
     kind = config.get("model_type") or c.get("model_type", "")
@@ -135,7 +135,11 @@ def layer_kinds(config: dict) -> list[str]:
     n = c["num_hidden_layers"]
     if types := c.get("layer_types"):
         names = {"sliding_attention": "window", "full_attention": "full", "attention": "full"}
-        return [names.get(t, "recurrent") for t in types]
+        kinds = [names.get(t, "recurrent") for t in types]
+        shared = c.get("num_kv_shared_layers") or 0  # Gemma 3n: read an earlier layer's KV
+        return kinds[: n - shared] + ["none"] * shared
+    if kind == "llama4" and c.get("attention_chunk_size"):  # chunks on 3 layers of 4
+        return ["full" if (i + 1) % 4 == 0 else "window" for i in range(n)]
     if kind in ("mamba", "mamba2", "rwkv7"):
         return ["recurrent"] * n
     if kind == "falcon_h1":
@@ -203,7 +207,8 @@ def kv_bytes(config: dict, context: int, dtype_bytes: int) -> int:
         kv = c.get("num_key_value_heads") or heads
         hd = c.get("head_dim") or c["hidden_size"] // heads
         per_token = 2 * kv * hd * dtype_bytes
-    window = min(context, (c.get("sliding_window") or context) + ROLLBACK_SLACK + WINDOW_STEP)
+    span = c.get("sliding_window") or c.get("attention_chunk_size") or context  # a window or chunk
+    window = min(context, span + ROLLBACK_SLACK + WINDOW_STEP)
     total = 0
     for k in kinds:
         if k in ("full", "both"):

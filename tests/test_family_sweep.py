@@ -20,6 +20,7 @@ from specmlx import caches
 from specmlx.caches import cache_kinds, check_kinds, make_caches
 from specmlx.engine import generate_tokens
 from specmlx.errors import IncompatiblePair, RollbackError
+from specmlx.footprint import layer_kinds
 from specmlx.loading import load_pair
 from specmlx.registry import load_registry
 from specmlx.stats import Stats
@@ -181,3 +182,14 @@ def test_a_batch_dependent_family_still_decodes_plainly_and_is_refused_at_load(t
     toml.write_text(f'[models.p3]\nsource = "local:{path}"\n')
     with pytest.raises(IncompatiblePair, match="target's BatchDependentRotatingKVCache"):
         load_pair("p3", "p3", registry=load_registry([toml]), context=64)
+
+
+@pytest.mark.parametrize("family", ["llama4", "gemma3n"])
+def test_the_memory_plan_reads_chunked_and_kv_shared_layers(family):
+    """footprint.layer_kinds names each cache these make: Llama 4's chunks as windows, Gemma
+    3n's KV-shared layers as holding none of their own."""
+    names = {"KVCache": "full", "WindowKVCache": "window", "ChunkKVCache": "window"}
+    made = [names[type(c).__name__] for c in make_caches(build(family, LAYERS, 0, SCALE))]
+    kinds = layer_kinds(family_config(family, LAYERS))
+    assert [k for k in kinds if k != "none"] == made
+    assert "window" in made and ("none" in kinds) == (family == "gemma3n")
