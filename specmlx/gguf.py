@@ -5,9 +5,10 @@ hybrid granitehybrid), and weights (kept quantized or dequantized). Where llama.
 convert_hf_to_gguf.py changed a tensor on writing (Gemma's norm + 1; the hybrids' A stored as
 -exp(A_log), conv1d squeezed, Qwen3.5's V heads regrouped, Qwen3-Next's q/k/v/z regrouped;
 Mamba-2's A and D reshaped (H, 1), its norm (groups, d_inner / groups); Granite's q/k permuted
-and shared expert split), the load undoes it into mlx-lm's own layout; which layers are
-attention comes from the per-layer head_count_kv (0 on a recurrent layer). The tokenizer is
-rebuilt from the metadata in gguf_tokenizer.py.
+and shared expert split), the load undoes it into mlx-lm's own layout. Which layers are attention: every
+full_attention_interval-th for the gated-delta hybrids, else those with a per-layer
+head_count_kv above 0. A bundled MTP head's blocks (counted in block_count) are left out.
+The tokenizer is rebuilt from the metadata in gguf_tokenizer.py.
 
 Weights MLX reads itself (F32/F16/BF16, Q4_0/Q4_1/Q8_0 as MLX triples, Q2_K/Q4_K/Q6_K) go
 through mx.load; a file with any other type (a Q4_K_M mixes Q4_K, Q5_0, Q6_K and Q8_0) is
@@ -406,7 +407,9 @@ def gguf_config(meta: dict, tensors: dict, path: Path) -> dict:
     config = {
         "model_type": arch.model_type,
         "hidden_size": hidden,
-        "num_hidden_layers": get("block_count"),
+        # llama.cpp's converter counts a bundled MTP head's blocks in block_count (Qwen3.5's
+        # _Qwen35MtpMixin; GLM/DeepSeek nextn): the model has that many fewer
+        "num_hidden_layers": get("block_count") - get("nextn_predict_layers", 0),
         "intermediate_size": get("feed_forward_length", 0),
         "num_attention_heads": heads,
         "num_key_value_heads": max(_per_layer(get("attention.head_count_kv", heads))),
@@ -505,13 +508,13 @@ def _lfm2_config(get: Callable, tensors: dict, config: dict, path: Path) -> dict
         if get("expert_gating_func", 2) != 2:  # mlx-lm's lfm2_moe routes by sigmoid only
             raise ModelLoadError(f"{path}: LFM2-MoE gating other than sigmoid")
         # llama.cpp's LFM2 graph renormalizes the top-k weights (build_moe_ffn, norm_w)
-        # and scales them by expert_weights_scale where one is set
+        # and never scales them (scale_w false)
         out |= {
             "num_experts": get("expert_count"), "num_experts_per_tok": get("expert_used_count"),
             "moe_intermediate_size": get("expert_feed_forward_length"),
             "num_dense_layers": get("leading_dense_block_count", 0), "norm_topk_prob": True,
             "use_expert_bias": any(k.endswith("exp_probs_b.bias") for k in tensors),
-            "routed_scaling_factor": get("expert_weights_scale") or 1.0,
+            "routed_scaling_factor": 1.0,
         }  # fmt: skip
     return out
 
@@ -539,6 +542,10 @@ def _granite_hybrid_config(get: Callable, tensors: dict, config: dict, path: Pat
     kv = _per_layer(get("attention.head_count_kv", config["num_attention_heads"]))
     if len(kv) == 1:
         raise ModelLoadError(f"{path}: a Granite 4 GGUF needs head_count_kv per layer")
+    rope = bool(get("rope.scaling.finetuned"))
+    if rope and get("rope.dimension_count", config["head_dim"]) < config["head_dim"]:
+        # Bamba-style files rotate part of each head; mlx-lm's model rotates all of it
+        raise ModelLoadError(f"{path}: RoPE on part of each head is not supported for this model")
     out = {
         "layer_types": ["attention" if n else "mamba" for n in kv],
         "attention_bias": any(k.endswith("attn_q.bias") for k in tensors),
@@ -548,7 +555,7 @@ def _granite_hybrid_config(get: Callable, tensors: dict, config: dict, path: Pat
         "embedding_multiplier": get("embedding_scale") or 1.0,
         "residual_multiplier": get("residual_scale") or 1.0,
         "logits_scaling": get("logit_scale") or 1.0,
-        "position_embedding_type": "rope" if get("rope.scaling.finetuned") else "nope",
+        "position_embedding_type": "rope" if rope else "nope",
         **_mamba2_config(get, tensors, "mamba"),
     }  # fmt: skip
     if get("expert_count"):  # softmax over the top-k logits, as llama.cpp's norm_w gives
@@ -619,6 +626,11 @@ def load_gguf(path: Path, dtype: mx.Dtype, keep_quantized: bool):
     module = importlib.import_module(f"mlx_lm.models.{arch.model_type}")
     model = module.Model(module.ModelArgs.from_dict(config))
     shapes = {k: v.shape for k, v in tree_flatten(model.parameters())}
+    # a bundled MTP head's blocks (blk.N.* past the model's layers) are not the model's
+    n = config["num_hidden_layers"]
+    mtp = [k for k in raw if (m := re.match(r"blk\.(\d+)\.", k)) and int(m.group(1)) >= n]
+    for k in mtp:
+        del raw[k]
     weights = {_mlx_name(k, path, arch): v for k, v in raw.items()}
     quant = {}
     for name in [n for n in weights if n.endswith(".scales")]:
@@ -639,12 +651,15 @@ def load_gguf(path: Path, dtype: mx.Dtype, keep_quantized: bool):
         if base not in keep:
             w, s, b = (weights.pop(f"{base}.{k}") for k in ("weight", "scales", "biases"))
             weights[f"{base}.weight"] = mx.dequantize(w, s.astype(dtype), b.astype(dtype), **q)
-    # float16 scales are very slow on x86 CPUs: every float goes to dtype (float32 there).
+    # float16 scales are very slow on x86 CPUs: every float goes to dtype (float32 there),
+    # except what mlx-lm keeps in float32 (its cast_predicate: Qwen3.5's A_log, LFM2-MoE's
+    # expert bias); those are undone from float32 too
+    keep32 = getattr(model, "cast_predicate", None) or (lambda _: True)
     for k, v in weights.items():
         if mx.issubdtype(v.dtype, mx.floating):
-            weights[k] = v.astype(dtype)
             if arch.norm_shift and k.endswith("norm.weight"):
-                weights[k] = weights[k] - arch.norm_shift  # back to mlx-lm's (1 + w) form
+                v = v.astype(mx.float32) - arch.norm_shift  # back to mlx-lm's (1 + w) form
+            weights[k] = v.astype(dtype if keep32(k) else mx.float32)
     if arch.undo:
         weights = arch.undo(weights, config)
     if hasattr(model, "sanitize"):

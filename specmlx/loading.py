@@ -75,6 +75,19 @@ def _load_dir(path: Path, lazy: bool = False) -> tuple[nn.Module, TokenizerWrapp
     return model, tokenizer, config
 
 
+def _set_dtype(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast the floating parameters to dtype (packed weights stay uint32), except those the
+    model keeps in float32 (mlx-lm's cast_predicate: Qwen3.5's A_log, LFM2-MoE's expert
+    bias, which picks the experts)."""
+    keep = getattr(model, "cast_predicate", None)
+    if keep is None:
+        model.set_dtype(dtype)
+        return
+    cast = [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
+            if mx.issubdtype(v.dtype, mx.floating) and keep(k)]  # fmt: skip
+    model.load_weights(cast, strict=False)
+
+
 def _unreadable(path: Path) -> bool:
     try:
         mx.eval(list(mx.load(str(path)).values()))
@@ -128,7 +141,7 @@ def load_model(
             tokenizer = gguf_tokenizer(read_gguf_header(src)[0], src)
     if shards > 1:
         model.shard(group)  # before any weight is evaluated: each rank reads its share
-    model.set_dtype(dtype)  # floating parameters only: packed weights stay uint32
+    _set_dtype(model, dtype)
     mx.eval(model.parameters())
     nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     args = getattr(model, "args", None)

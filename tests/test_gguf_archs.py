@@ -18,8 +18,10 @@ from mlx.utils import tree_flatten
 
 import specmlx.gguf
 from specmlx.engine import generate_tokens
+from specmlx.errors import ModelLoadError
 from specmlx.footprint import kv_bytes, layer_kinds
-from specmlx.gguf import _TOP_NAMES, ARCHS, _undo_gated_delta, load_gguf
+from specmlx.gguf import _TOP_NAMES, ARCHS, _undo_gated_delta, gguf_config, load_gguf
+from specmlx.loading import _set_dtype
 
 Q = gguf.GGMLQuantizationType
 KINDS = [Q.Q8_0, Q.Q5_0, Q.Q4_1, Q.F16]  # 2-D tensors take these in turn; 1-D stay F32
@@ -112,17 +114,23 @@ def write_tiny(tmp_path, arch: str):
     return path, ref
 
 
+def _computes_as(model, ref, tokenizer) -> None:
+    """The loaded model's logits are the reference's past any window or conv, and greedy lookup
+    speculation on it is token-identical to plain decoding."""
+    x = mx.array([list(range(3, 3 + 3 * WINDOW))])
+    assert mx.allclose(model(x), ref(x), atol=1e-4)
+    ids = tokenizer.encode("def add(a, b):\n    return a + b\n" * 2)
+    plain = [e.token for e in generate_tokens(model, None, ids, num_draft=0, max_tokens=24)]
+    look = generate_tokens(model, None, ids, num_draft=4, lookup=True, max_tokens=24)
+    assert [e.token for e in look] == plain
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "qwen3moe", "starcoder2", "gemma3"])
 def test_each_gguf_architecture_loads_the_weights_it_was_written_with(tmp_path, arch):
     path, ref = write_tiny(tmp_path, arch)
     model, tokenizer, config = load_gguf(path, mx.float32, keep_quantized=False)
     assert config["model_type"] == ARCHS[arch].model_type
-    x = mx.array([list(range(3, 3 + 3 * WINDOW))])  # past the window (gemma3)
-    assert mx.allclose(model(x), ref(x), atol=1e-4), arch
-    ids = tokenizer.encode("def add(a, b):\n    return a + b\n" * 2)
-    plain = [e.token for e in generate_tokens(model, None, ids, num_draft=0, max_tokens=24)]
-    look = generate_tokens(model, None, ids, num_draft=4, lookup=True, max_tokens=24)
-    assert [e.token for e in look] == plain
+    _computes_as(model, ref, tokenizer)
 
 
 def test_a_gemma3_gguf_without_the_norm_shift_undone_differs(tmp_path, monkeypatch):
@@ -471,11 +479,17 @@ KINDS_OF |= {
 }
 
 
-def write_tiny_hybrid(tmp_path, arch: str):
-    """(path of the GGUF, the reference mlx-lm model holding the same rounded weights)."""
+def write_tiny_hybrid(tmp_path, arch: str, mtp: bool = False):
+    """(path of the GGUF, the reference mlx-lm model holding the same rounded weights); with
+    ``mtp`` an MTP block bundled as llama.cpp's converter does for Qwen3.5 (_Qwen35MtpMixin):
+    counted in block_count, nextn_predict_layers set, its tensors as the next blk.N.*."""
     tok = tiny_tokenizer()
     config_of, hf_of, converted = _WRITERS[arch]
     config, meta = config_of(arch, len(tok))
+    n = config["num_hidden_layers"]
+    if mtp:
+        meta[f"{arch}.block_count"] = n + 1
+        meta[gguf.Keys.LLM.NEXTN_PREDICT_LAYERS.format(arch=arch)] = 1
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(7)
     model = module.Model(module.ModelArgs.from_dict(config))
@@ -494,6 +508,10 @@ def write_tiny_hybrid(tmp_path, arch: str):
         x = np.ascontiguousarray(x, dtype=np.float32)
         writer.add_tensor(gname, gguf.quants.quantize(x, kind) if kind != Q.F32 else x,
                           raw_dtype=kind)  # fmt: skip
+    T, N = gguf.MODEL_TENSOR, gguf.TENSOR_NAMES
+    mtp_tensors = [(T.NEXTN_EH_PROJ, (64, 128)), (T.NEXTN_ENORM, (64,)), (T.ATTN_NORM, (64,))]
+    for t, shape in mtp_tensors if mtp else []:
+        writer.add_tensor(N[t].format(bid=n) + ".weight", np.ones(shape, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -512,12 +530,41 @@ def test_each_hybrid_gguf_loads_the_weights_it_was_written_with(tmp_path, arch):
     kinds = KINDS_OF.get(arch, ["recurrent", "full"] * 2)
     assert layer_kinds(config) == kinds  # the memory plan reads these
     assert kv_bytes(config, 64, 4) > 0
-    x = mx.array([list(range(3, 3 + 3 * WINDOW))])
-    assert mx.allclose(model(x), ref(x), atol=1e-4), arch
-    ids = tokenizer.encode("def add(a, b):\n    return a + b\n" * 2)
-    plain = [e.token for e in generate_tokens(model, None, ids, num_draft=0, max_tokens=24)]
-    look = generate_tokens(model, None, ids, num_draft=4, lookup=True, max_tokens=24)
-    assert [e.token for e in look] == plain
+    _computes_as(model, ref, tokenizer)
+
+
+def test_a_qwen35_gguf_with_its_mtp_block_bundled_loads_the_model_without_it(tmp_path):
+    """llama.cpp's converter bundles Qwen3.5's MTP head by default: its block is not a layer."""
+    path, ref = write_tiny_hybrid(tmp_path, "qwen35", mtp=True)
+    model, tokenizer, config = load_gguf(path, mx.float32, keep_quantized=False)
+    assert config["num_hidden_layers"] == 4
+    _computes_as(model, ref, tokenizer)
+
+
+def test_gguf_weights_mlx_lm_keeps_in_float32_stay_float32(tmp_path):
+    """Qwen3.5's A_log is undone from float32 and kept there at a bfloat16 load (mlx-lm's
+    cast_predicate), the rest cast."""
+    path, _ = write_tiny_hybrid(tmp_path, "qwen35")
+    model, _, _ = load_gguf(path, mx.bfloat16, keep_quantized=False)
+    dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
+    a_log = [k for k in dtypes if k.endswith("A_log")]
+    assert a_log and all(dtypes[k] == mx.float32 for k in a_log)
+    assert dtypes["language_model.model.embed_tokens.weight"] == mx.bfloat16
+    # and load_model's cast to the spec's dtype keeps them too
+    _set_dtype(model, mx.float16)
+    dtypes = {k: v.dtype for k, v in tree_flatten(model.parameters())}
+    assert all(dtypes[k] == mx.float32 for k in a_log)
+    assert dtypes["language_model.model.embed_tokens.weight"] == mx.float16
+
+
+def test_a_granite4_gguf_rotating_part_of_each_head_is_refused(tmp_path):
+    """Bamba-style files rotate rope.dimension_count < head_dim: mlx-lm's model cannot."""
+    _, meta = _WRITERS["granitehybrid"][0]("granitehybrid", 32)
+    meta = {**meta, "granitehybrid.rope.scaling.finetuned": True,
+            "granitehybrid.rope.dimension_count": 8}  # fmt: skip
+    tensors = {"token_embd.weight": ("F32", (32, 64))}
+    with pytest.raises(ModelLoadError, match="part of each head"):
+        gguf_config({"general.architecture": "granitehybrid", **meta}, tensors, tmp_path / "x")
 
 
 def test_a_qwen35_gguf_without_the_v_heads_regrouped_differs(tmp_path, monkeypatch):
