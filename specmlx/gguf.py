@@ -1,14 +1,15 @@
 """GGUF files: header reader, llama.cpp's tensor names -> mlx-lm's for each architecture
 specmlx loads (llama, qwen2, qwen3, qwen3moe, starcoder2, gemma3; the gated-delta hybrids
-qwen35, qwen35moe, qwen3next; LFM2's short-conv hybrids lfm2, lfm2moe; Granite 4's Mamba-2
-hybrid granitehybrid), and weights (kept quantized or dequantized). Where llama.cpp's
-convert_hf_to_gguf.py changed a tensor on writing (Gemma's norm + 1; the hybrids' A stored as
--exp(A_log), conv1d squeezed, Qwen3.5's V heads regrouped, Qwen3-Next's q/k/v/z regrouped;
-Mamba-2's A and D reshaped (H, 1), its norm (groups, d_inner / groups); Granite's q/k permuted
-and shared expert split), the load undoes it into mlx-lm's own layout. Which layers are attention: every
-full_attention_interval-th for the gated-delta hybrids, else those with a per-layer
-head_count_kv above 0. A bundled MTP head's blocks (counted in block_count) are left out.
-The tokenizer is rebuilt from the metadata in gguf_tokenizer.py.
+qwen35, qwen35moe, qwen3next; LFM2's short-conv hybrids lfm2, lfm2moe; the Mamba-2 models:
+mamba2, Granite 4's granitehybrid, nemotron_h), and weights (kept quantized or dequantized).
+Where llama.cpp's convert_hf_to_gguf.py changed a tensor on writing (Gemma's norm + 1; the
+hybrids' A stored as -exp(A_log), conv1d squeezed, Qwen3.5's V heads regrouped, Qwen3-Next's
+q/k/v/z regrouped; Mamba-2's A and D reshaped (H, 1), its norm (groups, d_inner / groups);
+Granite's and Nemotron-H's q/k permuted, Granite's shared expert split), the load undoes it
+into mlx-lm's own layout. Which layers are attention: every full_attention_interval-th for the
+gated-delta hybrids, else those with a per-layer head_count_kv above 0 (Nemotron-H's MLP-only
+layers: a per-layer feed_forward_length above 0). A bundled MTP head's blocks (counted in
+block_count) are left out. The tokenizer is rebuilt from the metadata in gguf_tokenizer.py.
 
 Weights MLX reads itself (F32/F16/BF16, Q4_0/Q4_1/Q8_0 as MLX triples, Q2_K/Q4_K/Q6_K) go
 through mx.load; a file with any other type (a Q4_K_M mixes Q4_K, Q5_0, Q6_K and Q8_0) is
@@ -277,6 +278,36 @@ _GRANITE_HYBRID_NAMES = {
     "ffn_gate_shexp": "shared_mlp.gate", "ffn_up_shexp": "shared_mlp.up",  # fused on load
     "ffn_down_shexp": "shared_mlp.output_linear",
 }  # fmt: skip
+# Mamba 2 and Nemotron-H keep their blocks as backbone.layers.N.{norm, mixer}: one norm before
+# whatever the layer's mixer is (Mamba-2, attention, or Nemotron-H's ReLU^2 MLP)
+_BACKBONE_TOP = {"token_embd": "backbone.embeddings", "output_norm": "backbone.norm_f",
+                 "output": "lm_head"}  # fmt: skip
+_MAMBA2_NAMES = {"attn_norm": "norm", **_mamba2_names("mixer")}
+_NEMOTRON_H_NAMES = {
+    **_MAMBA2_NAMES, "attn_q": "mixer.q_proj", "attn_k": "mixer.k_proj",
+    "attn_v": "mixer.v_proj", "attn_output": "mixer.o_proj", "ffn_up": "mixer.up_proj",
+    "ffn_down": "mixer.down_proj",
+}  # fmt: skip
+
+
+def _undo_mamba2_model(weights: dict, config: dict) -> dict:
+    """Mamba 2 (convert_hf_to_gguf.py, Mamba2Model.modify_tensors): its mixers' changes."""
+    return _undo_mamba2(weights, "mixer")
+
+
+def _undo_nemotron_h(weights: dict, config: dict) -> dict:
+    """Nemotron-H (convert_hf_to_gguf.py, NemotronHModel, a GraniteHybridModel): Mamba-2 layers
+    as Mamba2Model writes them; attention layers through LlamaModel.modify_tensors with the
+    inherited undo_permute, so q/k permuted though Nemotron-H has no RoPE (the scores are the
+    same either way: undone to HF's rows all the same); MLP layers as they were."""
+    weights = _undo_mamba2(weights, "mixer")
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    for k in list(weights):
+        if (proj := k.rpartition(".")[0].rpartition("mixer.")[2]) in heads:
+            weights[k] = _unpermute(weights[k], heads[proj])
+    return weights
+
+
 _GDN_TENSORS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_a",
                 "linear_attn.in_proj_b", "linear_attn.out_proj",
                 "switch_mlp.gate_up_proj")  # fmt: skip
@@ -317,6 +348,12 @@ ARCHS = {
     "granitehybrid": Arch("granitemoehybrid", _GRANITE_HYBRID_NAMES,
                           undo=_undo_granite_hybrid,
                           rearranged=("shared_mlp.gate", "shared_mlp.up")),
+    # Mamba 2: Mamba-2 layers only; Nemotron-H: Mamba-2, attention (no RoPE) where
+    # head_count_kv > 0, and ReLU^2 MLP-only layers where feed_forward_length > 0
+    "mamba2": Arch("mamba2", _MAMBA2_NAMES, top=_BACKBONE_TOP, layers="backbone.layers",
+                   undo=_undo_mamba2_model),
+    "nemotron_h": Arch("nemotron_h", _NEMOTRON_H_NAMES, top=_BACKBONE_TOP,
+                       layers="backbone.layers", undo=_undo_nemotron_h),
 }  # fmt: skip
 
 
@@ -403,7 +440,8 @@ def gguf_config(meta: dict, tensors: dict, path: Path) -> dict:
         return meta.get(f"{name}.{key}", default)
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
-    head_dim = get("attention.key_length", hidden // heads)
+    # Mamba 2 writes head_count 0 (Mamba2Model.set_gguf_parameters: "unused")
+    head_dim = get("attention.key_length", hidden // heads if heads else 0)
     config = {
         "model_type": arch.model_type,
         "hidden_size": hidden,
@@ -441,6 +479,10 @@ def gguf_config(meta: dict, tensors: dict, path: Path) -> dict:
         config.update(_lfm2_config(get, tensors, config, path))
     if name == "granitehybrid":
         config.update(_granite_hybrid_config(get, tensors, config, path))
+    if name == "mamba2":
+        config.update(_pure_mamba2_config(get, tensors, config, path))
+    if name == "nemotron_h":
+        config.update(_nemotron_h_config(get, tensors, config, path))
     return config
 
 
@@ -519,7 +561,7 @@ def _lfm2_config(get: Callable, tensors: dict, config: dict, path: Path) -> dict
     return out
 
 
-_MAMBA2 = ("granitehybrid",)
+_MAMBA2 = ("granitehybrid", "mamba2", "nemotron_h")
 
 
 def _mamba2_config(get: Callable, tensors: dict, mixer: str) -> dict:
@@ -565,6 +607,58 @@ def _granite_hybrid_config(get: Callable, tensors: dict, config: dict, path: Pat
             "shared_intermediate_size": get("expert_shared_feed_forward_length"),
         }  # fmt: skip
     return out
+
+
+def _pure_mamba2_config(get: Callable, tensors: dict, config: dict, path: Path) -> dict:
+    """Mamba 2's fields as mlx-lm's mamba2 names them, from the keys
+    Mamba2Model.set_gguf_parameters writes. llama.cpp normalizes the gated output per group
+    (ssm_norm {d_inner / n_group, n_group}), mlx-lm's mamba2 over all of d_inner: the two
+    agree only with one group."""
+    m = _mamba2_config(get, tensors, "mixer")
+    if (groups := m["mamba_n_groups"]) != 1:
+        raise ModelLoadError(f"{path}: a Mamba 2 GGUF with {groups} groups is not supported "
+                             "(mlx-lm's mamba2 normalizes over all groups at once)")  # fmt: skip
+    return {
+        "num_heads": m["mamba_n_heads"], "head_dim": m["mamba_d_head"],
+        "intermediate_size": get("ssm.inner_size"), "state_size": m["mamba_d_state"],
+        "conv_kernel": m["mamba_d_conv"], "n_groups": 1, "use_bias": m["mamba_proj_bias"],
+        "use_conv_bias": m["mamba_conv_bias"], "layer_norm_epsilon": config["rms_norm_eps"],
+        "time_step_rank": m["mamba_n_heads"],
+        "time_step_limit": (0.0, float("inf")),  # llama.cpp's ssm_scan clamps no dt
+    }  # fmt: skip
+
+
+def _nemotron_h_config(get: Callable, tensors: dict, config: dict, path: Path) -> dict:
+    """Nemotron-H's fields, from the keys NemotronHModel.set_gguf_parameters writes:
+    head_count_kv per layer (> 0 on attention), feed_forward_length per layer (> 0 on an MLP
+    layer), neither on a Mamba-2 one (llama.cpp's is_recr); mlx-lm's hybrid_override_pattern
+    rebuilt from them. mlx-lm's gated norm is per group (n_groups), as llama.cpp's."""
+    kv = _per_layer(get("attention.head_count_kv", 0))
+    ff = _per_layer(get("feed_forward_length", 0))
+    n = config["num_hidden_layers"]
+    if len(kv) != n or len(ff) != n:
+        raise ModelLoadError(f"{path}: a Nemotron-H GGUF needs head_count_kv and "
+                             "feed_forward_length per layer")  # fmt: skip
+    if get("expert_count"):
+        raise ModelLoadError(f"{path}: Nemotron-H with experts is not supported")
+    scale = get("attention.scale") or config["head_dim"] ** -0.5  # llama.cpp's kq_scale
+    if abs(scale - config["head_dim"] ** -0.5) > 1e-6:  # mlx-lm's is always 1/sqrt(head_dim)
+        raise ModelLoadError(f"{path}: Nemotron-H with attention.scale {scale} is not supported")
+    if "output.weight" not in tensors:  # mlx-lm's nemotron_h always has its own head
+        raise ModelLoadError(f"{path}: a Nemotron-H GGUF without output.weight (tied head)")
+    m = _mamba2_config(get, tensors, "mixer")
+    pattern = ["*" if k else "-" if f else "M" for k, f in zip(kv, ff, strict=True)]
+    return {
+        "hybrid_override_pattern": pattern,  # M Mamba-2, * attention, - MLP
+        "intermediate_size": max(ff), "layer_norm_epsilon": config["rms_norm_eps"],
+        "attention_bias": any(k.endswith("attn_q.bias") for k in tensors),
+        "mlp_bias": any(k.endswith("ffn_up.bias") for k in tensors),
+        "mamba_num_heads": m["mamba_n_heads"], "mamba_head_dim": m["mamba_d_head"],
+        "ssm_state_size": m["mamba_d_state"], "conv_kernel": m["mamba_d_conv"],
+        "n_groups": m["mamba_n_groups"], "mamba_proj_bias": m["mamba_proj_bias"],
+        "use_bias": m["mamba_proj_bias"], "use_conv_bias": m["mamba_conv_bias"],
+        "time_step_limit": (0.0, float("inf")),  # llama.cpp's ssm_scan clamps no dt
+    }  # fmt: skip
 
 
 def _mlx_name(name: str, path: Path, arch: Arch) -> str:

@@ -464,18 +464,108 @@ def _granite_converted(arch: str, hf: dict[str, np.ndarray]):
         yield tmap.get_name(name, (".weight", ".bias")), x, src
 
 
+# ------------------------------------------- Mamba 2, Nemotron-H (Mamba-2, attention, MLP)
+NEMOTRON_PATTERN = "M*-M"  # Mamba-2, attention, ReLU^2 MLP, Mamba-2
+
+
+def _backbone_config(arch: str, vocab: int) -> tuple[dict, dict]:
+    """(mlx-lm config as HF's, GGUF metadata as Mamba2Model/NemotronHModel
+    .set_gguf_parameters write it). Mamba 2: d_inner = 2 x hidden (the converter asserts it),
+    one group (mlx-lm's norm), a tied head. Nemotron-H: two groups so the per-group norm shows;
+    head_count_kv and feed_forward_length per layer (0 where the layer has none)."""
+    K = gguf.Keys
+    meta = {
+        K.LLM.EMBEDDING_LENGTH: 64, K.LLM.BLOCK_COUNT: 4, K.Attention.LAYERNORM_RMS_EPS: 1e-5,
+        K.SSM.CONV_KERNEL: 4, K.SSM.STATE_SIZE: DS, K.SSM.INNER_SIZE: 8 * 16,
+        K.SSM.TIME_STEP_RANK: 8, K.LLM.CONTEXT_LENGTH: 2**20,
+    }  # fmt: skip
+    if arch == "mamba2":
+        config = dict(model_type="mamba2", vocab_size=vocab, hidden_size=64,
+                      intermediate_size=128, num_heads=8, head_dim=16, state_size=DS,
+                      num_hidden_layers=4, layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1,
+                      use_bias=False, use_conv_bias=True, tie_word_embeddings=True,
+                      time_step_limit=(0.0, float("inf")), time_step_rank=8)  # fmt: skip
+        meta |= {K.LLM.FEED_FORWARD_LENGTH: 0, K.Attention.HEAD_COUNT: 0, K.SSM.GROUP_COUNT: 1}
+    else:
+        config = dict(model_type="nemotron_h", vocab_size=vocab, hidden_size=64,
+                      intermediate_size=96, num_hidden_layers=4, max_position_embeddings=512,
+                      num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, attention_bias=False,
+                      mamba_num_heads=8, mamba_head_dim=16, mamba_proj_bias=False,
+                      ssm_state_size=DS, conv_kernel=4, n_groups=NG, mlp_bias=False,
+                      layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True,
+                      hybrid_override_pattern=NEMOTRON_PATTERN)  # fmt: skip
+        meta |= {
+            K.Attention.HEAD_COUNT: 4, K.Attention.KEY_LENGTH: 16, K.Attention.VALUE_LENGTH: 16,
+            K.Attention.HEAD_COUNT_KV: [2 if t == "*" else 0 for t in NEMOTRON_PATTERN],
+            K.LLM.FEED_FORWARD_LENGTH: [96 if t == "-" else 0 for t in NEMOTRON_PATTERN],
+            K.SSM.GROUP_COUNT: NG, K.Rope.SCALING_FINETUNED: False,
+        }  # fmt: skip
+    return config, {k.format(arch=arch): v for k, v in meta.items()}
+
+
+def _backbone_hf(model, config: dict) -> dict[str, np.ndarray]:
+    """Mamba 2's and Nemotron-H's weights as HF ships them (mlx-lm's names, conv1d
+    (C, 1, K)); the 1-D weights mlx-lm starts as constants made random so each shows."""
+    rng = np.random.default_rng(5)
+    hf = {}
+    for name, w in tree_flatten(model.parameters()):
+        x = np.array(w, dtype=np.float32)
+        if x.ndim == 1 and not name.endswith("conv1d.bias"):
+            x = x + rng.normal(size=x.shape).astype(np.float32) * 0.3
+        if name.endswith("conv1d.weight"):
+            x = x.transpose(0, 2, 1)
+        hf[name] = x
+    return hf
+
+
+def _mamba2_tensor(new: str, name: str, x: np.ndarray, groups: int) -> np.ndarray:
+    """convert_hf_to_gguf.py, Mamba2Model.modify_tensors on one Mamba-2 tensor."""
+    if new.endswith("ssm_conv1d.weight"):
+        x = x.squeeze()
+    elif new.endswith(("ssm_a", "ssm_d")):
+        x = x.reshape(*x.shape, 1)
+    elif new.endswith("ssm_norm.weight"):
+        x = x.reshape(groups, -1)
+    return -np.exp(x) if name.endswith(".A_log") else x
+
+
+def _backbone_converted(arch: str, hf: dict[str, np.ndarray]):
+    """(GGUF name, tensor, HF name) as Mamba2Model / NemotronHModel write them: Nemotron-H's
+    Mamba-2 layers through Mamba2Model, its attention through LlamaModel (undo_permute, from
+    GraniteHybridModel), its MLP layers and the rest unchanged (ModelBase)."""
+    tmap = _tensor_map(arch)
+    pattern = NEMOTRON_PATTERN if arch == "nemotron_h" else "MMMM"
+    for name, x in hf.items():
+        src, bid = name, int(name.split(".")[2]) if name.startswith("backbone.layers.") else None
+        name = name.replace(".dt_bias", ".dt_proj.bias")  # Mamba2Model.filter_tensors
+        new = tmap.get_name(name, (".weight", ".bias"))
+        if bid is not None and pattern[bid] == "M":
+            x = _mamba2_tensor(new, name, x, NG if arch == "nemotron_h" else 1)
+        elif name.endswith(("q_proj.weight", "q_proj.bias")):
+            x = _permute(x, 4)
+        elif name.endswith(("k_proj.weight", "k_proj.bias")):
+            x = _permute(x, 2)
+        yield new, x, src
+
+
 # ------------------------------------------------------------ writing any hybrid's GGUF
 HYBRIDS |= {"lfm2": "lfm2", "lfm2moe": "lfm2_moe", "granitehybrid": "granitemoehybrid"}
+HYBRIDS |= {"mamba2": "mamba2", "nemotron_h": "nemotron_h"}
 _WRITERS = {  # arch -> (config and metadata, HF weights, the converter's changes)
     **dict.fromkeys(("qwen35", "qwen35moe", "qwen3next"),
                     (_hybrid_config, _hf_weights, _converted)),
     **dict.fromkeys(("lfm2", "lfm2moe"), (_lfm2_config, _lfm2_hf, _lfm2_converted)),
     "granitehybrid": (_granite_config, _granite_hf, _granite_converted),
+    **dict.fromkeys(("mamba2", "nemotron_h"),
+                    (_backbone_config, _backbone_hf, _backbone_converted)),
 }  # fmt: skip
 KINDS_OF = {"lfm2": ["recurrent", "recurrent", "full", "recurrent"]}
 KINDS_OF |= {
     "lfm2moe": KINDS_OF["lfm2"],
     "granitehybrid": ["recurrent", "full"] + ["recurrent"] * 2,
+    "mamba2": ["recurrent"] * 4,
+    "nemotron_h": ["recurrent", "full", "none", "recurrent"],  # M * - M
 }
 
 
@@ -584,3 +674,13 @@ def test_a_granite4_gguf_without_q_k_unpermuted_differs(tmp_path, monkeypatch):
     model, _, _ = load_gguf(path, mx.float32, keep_quantized=False)
     x = mx.array([[3, 4, 5, 6]])
     assert not mx.allclose(model(x), ref(x), atol=1e-2)
+
+
+def test_a_mamba2_gguf_with_several_groups_is_refused(tmp_path):
+    """llama.cpp normalizes Mamba 2's gated output per group, mlx-lm's mamba2 over all of it:
+    with more than one group they would compute differently."""
+    _, meta = _WRITERS["mamba2"][0]("mamba2", 32)
+    meta = {**meta, "mamba2.ssm.group_count": 8}
+    tensors = {"token_embd.weight": ("F32", (32, 64))}
+    with pytest.raises(ModelLoadError, match="8 groups"):
+        gguf_config({"general.architecture": "mamba2", **meta}, tensors, tmp_path / "x")
