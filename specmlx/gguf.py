@@ -68,6 +68,10 @@ class Arch:
     # tensors that undoing rearranges: those are dequantized first
     undo: Callable[[dict, dict], dict] | None = None
     rearranged: tuple[str, ...] = ()
+    # metadata keys the family needs besides the common ones, and its own config fields
+    # from them: configure(get, tensors, config so far, path) -> fields
+    needs: tuple[str, ...] = ()
+    configure: Callable[[Callable, dict, dict, Path], dict] | None = None
 
 
 _GEMMA3_NAMES = {
@@ -249,19 +253,26 @@ def _unpermute(w: mx.array, heads: int) -> mx.array:
     return mx.swapaxes(w, 1, 2).reshape(shape)
 
 
+def _unpermute_qk(weights: dict, config: dict, under: str) -> dict:
+    """LlamaModel.permute undone on every q_proj/k_proj tensor found after ``under`` (weight,
+    bias and any kept scales alike)."""
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    for k in list(weights):
+        if (proj := k.rpartition(".")[0].rpartition(under)[2]) in heads:
+            weights[k] = _unpermute(weights[k], heads[proj])
+    return weights
+
+
 def _undo_granite_hybrid(weights: dict, config: dict) -> dict:
     """Granite 4 (convert_hf_to_gguf.py, GraniteHybridModel.modify_tensors): Mamba-2 layers as
     Mamba2Model writes them; attention layers through LlamaModel.modify_tensors, which permutes
     q/k (undo_permute = True) though Granite 4 has no RoPE (undone all the same: rows of the
     weight, bias and any kept scales alike); GraniteMoeModel split HF's fused
     shared_mlp.input_linear into the shared expert's gate and up, mlx-lm's fused form here."""
-    weights = _undo_mamba2(weights, "mamba")
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    weights = _unpermute_qk(_undo_mamba2(weights, "mamba"), config, "self_attn.")
     for k in list(weights):
         base, _, leaf = k.rpartition(".")
-        if (proj := base.rpartition("self_attn.")[2]) in heads:
-            weights[k] = _unpermute(weights[k], heads[proj])
-        elif base.endswith("shared_mlp.gate"):
+        if base.endswith("shared_mlp.gate"):
             up = weights.pop(f"{base[: -len('gate')]}up.{leaf}")
             weights[f"{base[: -len('gate')]}input_linear.{leaf}"] = mx.concatenate(
                 [weights.pop(k), up]
@@ -300,190 +311,7 @@ def _undo_nemotron_h(weights: dict, config: dict) -> dict:
     as Mamba2Model writes them; attention layers through LlamaModel.modify_tensors with the
     inherited undo_permute, so q/k permuted though Nemotron-H has no RoPE (the scores are the
     same either way: undone to HF's rows all the same); MLP layers as they were."""
-    weights = _undo_mamba2(weights, "mixer")
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    for k in list(weights):
-        if (proj := k.rpartition(".")[0].rpartition("mixer.")[2]) in heads:
-            weights[k] = _unpermute(weights[k], heads[proj])
-    return weights
-
-
-_GDN_TENSORS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_a",
-                "linear_attn.in_proj_b", "linear_attn.out_proj",
-                "switch_mlp.gate_up_proj")  # fmt: skip
-_QWEN35_TOP = {k: f"language_model.{v}" for k, v in _TOP_NAMES.items()}
-ARCHS = {
-    "llama": Arch("llama", _BLOCK_NAMES, rope_traditional=True),
-    # Qwen3-MoE: the experts stacked (experts, out, in), as mlx-lm's SwitchGLU keeps them;
-    # llama.cpp renormalizes the top-k weights for this architecture
-    "qwen3moe": Arch("qwen3_moe", _MOE_NAMES,
-                     extra={"norm_topk_prob": True, "decoder_sparse_step": 1,
-                            "mlp_only_layers": []}),
-    "starcoder2": Arch("starcoder2", _STARCODER2_NAMES),
-    "qwen2": Arch("qwen2", _BLOCK_NAMES),
-    "qwen3": Arch("qwen3", _BLOCK_NAMES | _QK_NORMS),
-    # Gemma 3: RMSNorm is x * (1 + w) in HF and mlx-lm, and llama.cpp's converter stores
-    # w + 1 to use a plain RMSNorm (convert_hf_to_gguf.py, Gemma3Model.norm_shift); it hard-codes
-    # a sliding window on 5 of every 6 layers with a local RoPE base of 10000
-    "gemma3": Arch("gemma3_text", _GEMMA3_NAMES, norm_shift=1.0,
-                   extra={"sliding_window_pattern": 6, "rope_local_base_freq": 10000.0}),
-    # Qwen3.5 (dense and MoE) and Qwen3-Next: gated-delta layers, a full-attention one every
-    # full_attention_interval-th; mlx-lm's qwen3_5 keeps the text model under language_model.
-    # The norms come + 1 from the converter, which is mlx-lm's form already (see the undos).
-    "qwen35": Arch("qwen3_5", _GATED_DELTA_NAMES, top=_QWEN35_TOP,
-                   layers="language_model.model.layers", undo=_undo_qwen35,
-                   rearranged=_GDN_TENSORS),
-    "qwen35moe": Arch("qwen3_5_moe", _GATED_DELTA_NAMES, top=_QWEN35_TOP,
-                      layers="language_model.model.layers", undo=_undo_qwen35,
-                      rearranged=_GDN_TENSORS),
-    "qwen3next": Arch("qwen3_next", _GATED_DELTA_NAMES, undo=_undo_qwen3next,
-                      rearranged=("linear_attn.in_proj_qkv", "linear_attn.in_proj_z",
-                                  "switch_mlp.gate_up_proj")),
-    # LFM2 (dense and MoE): short-convolution layers, attention where head_count_kv > 0;
-    # LFM2-MoE's first leading_dense_block_count layers dense, the rest sigmoid-routed experts
-    "lfm2": Arch("lfm2", _LFM2_NAMES, top=_LFM2_TOP, undo=_undo_lfm2),
-    "lfm2moe": Arch("lfm2_moe", _LFM2MOE_NAMES, top=_LFM2_TOP, undo=_undo_lfm2),
-    # Granite 4 (dense and MoE with a shared expert): Mamba-2 layers, attention where
-    # head_count_kv > 0; Granite's embedding, residual, attention and logit scales
-    "granitehybrid": Arch("granitemoehybrid", _GRANITE_HYBRID_NAMES,
-                          undo=_undo_granite_hybrid,
-                          rearranged=("shared_mlp.gate", "shared_mlp.up")),
-    # Mamba 2: Mamba-2 layers only; Nemotron-H: Mamba-2, attention (no RoPE) where
-    # head_count_kv > 0, and ReLU^2 MLP-only layers where feed_forward_length > 0
-    "mamba2": Arch("mamba2", _MAMBA2_NAMES, top=_BACKBONE_TOP, layers="backbone.layers",
-                   undo=_undo_mamba2_model),
-    "nemotron_h": Arch("nemotron_h", _NEMOTRON_H_NAMES, top=_BACKBONE_TOP,
-                       layers="backbone.layers", undo=_undo_nemotron_h),
-}  # fmt: skip
-
-
-def read_gguf_header(path: Path) -> tuple[dict, dict[str, tuple[str, tuple[int, ...]]]]:
-    """A GGUF file's metadata and its tensors' (type name, shape), without reading tensor data."""
-    try:
-        with open(path, "rb") as f:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read {path}: {e}") from None
-    pos = 0
-
-    def take(fmt: str, n: int = 1):
-        nonlocal pos
-        vals = struct.unpack_from(f"<{n}{fmt}", buf, pos)
-        pos += struct.calcsize(f"<{n}{fmt}")
-        return vals[0] if n == 1 else list(vals)
-
-    def string() -> str:
-        nonlocal pos
-        n = take("Q")
-        if pos + n > len(buf):
-            raise struct.error("string past end of file")
-        pos += n
-        return buf[pos - n : pos].decode("utf-8", errors="replace")
-
-    def value(kind: int):
-        if kind == 8:
-            return string()
-        if kind == 9:
-            inner, n = take("I"), take("Q")
-            if inner in _GGUF_SCALARS:
-                return take(_GGUF_SCALARS[inner], n) if n else []
-            return [value(inner) for _ in range(n)]
-        return take(_GGUF_SCALARS[kind])
-
-    try:
-        if buf[:4] != b"GGUF":
-            raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes)")
-        pos = 4
-        version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
-        if version < 2:
-            raise ModelLoadError(f"{path} is GGUF version {version}; re-convert it with llama.cpp")
-        meta = {}
-        for _ in range(n_kv):
-            key = string()
-            meta[key] = value(take("I"))
-        tensors = {}
-        for _ in range(n_tensors):
-            name = string()
-            dims = take("Q", take("I"))
-            dims = tuple(dims) if isinstance(dims, list) else (dims,)
-            kind = take("I")
-            take("Q")  # data offset
-            tensors[name] = (GGML_TYPES.get(kind, f"type {kind}"), dims[::-1])
-    except (struct.error, KeyError, OverflowError, MemoryError):
-        raise ModelLoadError(f"{path} is truncated or corrupt: re-download it") from None
-    finally:
-        buf.close()
-    return meta, tensors
-
-
-def gguf_config(meta: dict, tensors: dict, path: Path) -> dict:
-    """An HF-style config.json for the mlx-lm model class, built from GGUF metadata."""
-    name = meta.get("general.architecture")
-    if name not in ARCHS:
-        raise ModelLoadError(
-            f"{path}: GGUF architecture '{name}' is not supported ({', '.join(ARCHS)})"
-        )
-    arch = ARCHS[name]
-    need = ["embedding_length", "block_count", "feed_forward_length", "attention.head_count"]
-    if f"{name}.expert_count" in meta:  # all-MoE files (Qwen3.5-MoE) may have no dense width
-        need.remove("feed_forward_length")
-    if name in (*_GATED_DELTA, *_MAMBA2):
-        need += [f"ssm.{k}" for k in ("conv_kernel", "state_size", "group_count",
-                                      "time_step_rank", "inner_size")]  # fmt: skip
-    if name in _LFM2:
-        need.append("shortconv.l_cache")
-    missing = [k for k in need if f"{name}.{k}" not in meta]
-    if missing or "token_embd.weight" not in tensors:
-        raise ModelLoadError(f"{path}: GGUF lacks {name}.{(missing or ['token_embd'])[0]}")
-
-    def get(key, default=None):
-        return meta.get(f"{name}.{key}", default)
-
-    hidden, heads = get("embedding_length"), get("attention.head_count")
-    # Mamba 2 writes head_count 0 (Mamba2Model.set_gguf_parameters: "unused")
-    head_dim = get("attention.key_length", hidden // heads if heads else 0)
-    config = {
-        "model_type": arch.model_type,
-        "hidden_size": hidden,
-        # llama.cpp's converter counts a bundled MTP head's blocks in block_count (Qwen3.5's
-        # _Qwen35MtpMixin; GLM/DeepSeek nextn): the model has that many fewer
-        "num_hidden_layers": get("block_count") - get("nextn_predict_layers", 0),
-        "intermediate_size": get("feed_forward_length", 0),
-        "num_attention_heads": heads,
-        "num_key_value_heads": max(_per_layer(get("attention.head_count_kv", heads))),
-        "head_dim": head_dim,
-        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
-        "rope_theta": get("rope.freq_base", 10000.0),
-        "max_position_embeddings": get("context_length"),
-        "vocab_size": tensors["token_embd.weight"][1][0],
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "rope_traditional": arch.rope_traditional,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        **arch.extra,
-    }
-    if get("rope.scaling.type") == "linear":
-        config["rope_scaling"] = {"type": "linear", "factor": get("rope.scaling.factor")}
-    if name == "qwen3moe":
-        config["num_experts"] = get("expert_count")
-        config["num_experts_per_tok"] = get("expert_used_count")
-        config["moe_intermediate_size"] = get("expert_feed_forward_length")
-    if name == "starcoder2":  # LayerNorm with biases, its own epsilon key
-        config["norm_epsilon"] = get("attention.layer_norm_epsilon", 1e-5)
-    if name == "gemma3":
-        config["sliding_window"] = get("attention.sliding_window", 512)
-        config["query_pre_attn_scalar"] = head_dim  # llama.cpp scales by 1/sqrt(head_dim)
-    if name in _GATED_DELTA:
-        config.update(_gated_delta_config(get, tensors, config))
-    if name in _LFM2:
-        config.update(_lfm2_config(get, tensors, config, path))
-    if name == "granitehybrid":
-        config.update(_granite_hybrid_config(get, tensors, config, path))
-    if name == "mamba2":
-        config.update(_pure_mamba2_config(get, tensors, config, path))
-    if name == "nemotron_h":
-        config.update(_nemotron_h_config(get, tensors, config, path))
-    return config
+    return _unpermute_qk(_undo_mamba2(weights, "mixer"), config, "mixer.")
 
 
 def _per_layer(value: int | list[int]) -> list[int]:
@@ -491,10 +319,7 @@ def _per_layer(value: int | list[int]) -> list[int]:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-_GATED_DELTA = ("qwen35", "qwen35moe", "qwen3next")
-
-
-def _gated_delta_config(get: Callable, tensors: dict, config: dict) -> dict:
+def _gated_delta_config(get: Callable, tensors: dict, config: dict, path: Path) -> dict:
     """The gated-delta fields, from the keys Qwen3NextModel.set_gguf_parameters writes:
     ssm.state_size is the key head dim, ssm.group_count the key heads, ssm.time_step_rank the
     value heads, ssm.inner_size value heads x value head dim; rope.dimension_count the rotated
@@ -522,9 +347,6 @@ def _gated_delta_config(get: Callable, tensors: dict, config: dict) -> dict:
                                 if f"blk.{i}.ffn_gate_inp.weight" not in tensors],
         }  # fmt: skip
     return out
-
-
-_LFM2 = ("lfm2", "lfm2moe")
 
 
 def _lfm2_config(get: Callable, tensors: dict, config: dict, path: Path) -> dict:
@@ -559,9 +381,6 @@ def _lfm2_config(get: Callable, tensors: dict, config: dict, path: Path) -> dict
             "routed_scaling_factor": 1.0,
         }  # fmt: skip
     return out
-
-
-_MAMBA2 = ("granitehybrid", "mamba2", "nemotron_h")
 
 
 def _mamba2_config(get: Callable, tensors: dict, mixer: str) -> dict:
@@ -659,6 +478,180 @@ def _nemotron_h_config(get: Callable, tensors: dict, config: dict, path: Path) -
         "use_bias": m["mamba_proj_bias"], "use_conv_bias": m["mamba_conv_bias"],
         "time_step_limit": (0.0, float("inf")),  # llama.cpp's ssm_scan clamps no dt
     }  # fmt: skip
+
+
+_SSM_KEYS = tuple(f"ssm.{k}" for k in ("conv_kernel", "state_size", "group_count",
+                                         "time_step_rank", "inner_size"))  # fmt: skip
+_GDN_TENSORS = ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_a",
+                "linear_attn.in_proj_b", "linear_attn.out_proj",
+                "switch_mlp.gate_up_proj")  # fmt: skip
+_QWEN35_TOP = {k: f"language_model.{v}" for k, v in _TOP_NAMES.items()}
+ARCHS = {
+    "llama": Arch("llama", _BLOCK_NAMES, rope_traditional=True),
+    # Qwen3-MoE: the experts stacked (experts, out, in), as mlx-lm's SwitchGLU keeps them;
+    # llama.cpp renormalizes the top-k weights for this architecture
+    "qwen3moe": Arch("qwen3_moe", _MOE_NAMES,
+                     extra={"norm_topk_prob": True, "decoder_sparse_step": 1,
+                            "mlp_only_layers": []}),
+    "starcoder2": Arch("starcoder2", _STARCODER2_NAMES),
+    "qwen2": Arch("qwen2", _BLOCK_NAMES),
+    "qwen3": Arch("qwen3", _BLOCK_NAMES | _QK_NORMS),
+    # Gemma 3: RMSNorm is x * (1 + w) in HF and mlx-lm, and llama.cpp's converter stores
+    # w + 1 to use a plain RMSNorm (convert_hf_to_gguf.py, Gemma3Model.norm_shift); it hard-codes
+    # a sliding window on 5 of every 6 layers with a local RoPE base of 10000
+    "gemma3": Arch("gemma3_text", _GEMMA3_NAMES, norm_shift=1.0,
+                   extra={"sliding_window_pattern": 6, "rope_local_base_freq": 10000.0}),
+    # Qwen3.5 (dense and MoE) and Qwen3-Next: gated-delta layers, a full-attention one every
+    # full_attention_interval-th; mlx-lm's qwen3_5 keeps the text model under language_model.
+    # The norms come + 1 from the converter, which is mlx-lm's form already (see the undos).
+    "qwen35": Arch("qwen3_5", _GATED_DELTA_NAMES, top=_QWEN35_TOP,
+                   layers="language_model.model.layers", undo=_undo_qwen35,
+                   rearranged=_GDN_TENSORS, needs=_SSM_KEYS, configure=_gated_delta_config),
+    "qwen35moe": Arch("qwen3_5_moe", _GATED_DELTA_NAMES, top=_QWEN35_TOP,
+                      layers="language_model.model.layers", undo=_undo_qwen35,
+                      rearranged=_GDN_TENSORS, needs=_SSM_KEYS,
+                      configure=_gated_delta_config),
+    "qwen3next": Arch("qwen3_next", _GATED_DELTA_NAMES, undo=_undo_qwen3next,
+                      rearranged=("linear_attn.in_proj_qkv", "linear_attn.in_proj_z",
+                                  "switch_mlp.gate_up_proj"),
+                      needs=_SSM_KEYS, configure=_gated_delta_config),
+    # LFM2 (dense and MoE): short-convolution layers, attention where head_count_kv > 0;
+    # LFM2-MoE's first leading_dense_block_count layers dense, the rest sigmoid-routed experts
+    "lfm2": Arch("lfm2", _LFM2_NAMES, top=_LFM2_TOP, undo=_undo_lfm2,
+                 needs=("shortconv.l_cache",), configure=_lfm2_config),
+    "lfm2moe": Arch("lfm2_moe", _LFM2MOE_NAMES, top=_LFM2_TOP, undo=_undo_lfm2,
+                    needs=("shortconv.l_cache",), configure=_lfm2_config),
+    # Granite 4 (dense and MoE with a shared expert): Mamba-2 layers, attention where
+    # head_count_kv > 0; Granite's embedding, residual, attention and logit scales
+    "granitehybrid": Arch("granitemoehybrid", _GRANITE_HYBRID_NAMES,
+                          undo=_undo_granite_hybrid,
+                          rearranged=("shared_mlp.gate", "shared_mlp.up"),
+                          needs=_SSM_KEYS, configure=_granite_hybrid_config),
+    # Mamba 2: Mamba-2 layers only; Nemotron-H: Mamba-2, attention (no RoPE) where
+    # head_count_kv > 0, and ReLU^2 MLP-only layers where feed_forward_length > 0
+    "mamba2": Arch("mamba2", _MAMBA2_NAMES, top=_BACKBONE_TOP, layers="backbone.layers",
+                   undo=_undo_mamba2_model, needs=_SSM_KEYS, configure=_pure_mamba2_config),
+    "nemotron_h": Arch("nemotron_h", _NEMOTRON_H_NAMES, top=_BACKBONE_TOP,
+                       layers="backbone.layers", undo=_undo_nemotron_h, needs=_SSM_KEYS,
+                       configure=_nemotron_h_config),
+}  # fmt: skip
+
+
+def read_gguf_header(path: Path) -> tuple[dict, dict[str, tuple[str, tuple[int, ...]]]]:
+    """A GGUF file's metadata and its tensors' (type name, shape), without reading tensor data."""
+    try:
+        with open(path, "rb") as f:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
+    pos = 0
+
+    def take(fmt: str, n: int = 1):
+        nonlocal pos
+        vals = struct.unpack_from(f"<{n}{fmt}", buf, pos)
+        pos += struct.calcsize(f"<{n}{fmt}")
+        return vals[0] if n == 1 else list(vals)
+
+    def string() -> str:
+        nonlocal pos
+        n = take("Q")
+        if pos + n > len(buf):
+            raise struct.error("string past end of file")
+        pos += n
+        return buf[pos - n : pos].decode("utf-8", errors="replace")
+
+    def value(kind: int):
+        if kind == 8:
+            return string()
+        if kind == 9:
+            inner, n = take("I"), take("Q")
+            if inner in _GGUF_SCALARS:
+                return take(_GGUF_SCALARS[inner], n) if n else []
+            return [value(inner) for _ in range(n)]
+        return take(_GGUF_SCALARS[kind])
+
+    try:
+        if buf[:4] != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file (bad magic bytes)")
+        pos = 4
+        version, n_tensors, n_kv = take("I"), take("Q"), take("Q")
+        if version < 2:
+            raise ModelLoadError(f"{path} is GGUF version {version}; re-convert it with llama.cpp")
+        meta = {}
+        for _ in range(n_kv):
+            key = string()
+            meta[key] = value(take("I"))
+        tensors = {}
+        for _ in range(n_tensors):
+            name = string()
+            dims = take("Q", take("I"))
+            dims = tuple(dims) if isinstance(dims, list) else (dims,)
+            kind = take("I")
+            take("Q")  # data offset
+            tensors[name] = (GGML_TYPES.get(kind, f"type {kind}"), dims[::-1])
+    except (struct.error, KeyError, OverflowError, MemoryError):
+        raise ModelLoadError(f"{path} is truncated or corrupt: re-download it") from None
+    finally:
+        buf.close()
+    return meta, tensors
+
+
+def gguf_config(meta: dict, tensors: dict, path: Path) -> dict:
+    """An HF-style config.json for the mlx-lm model class, built from GGUF metadata."""
+    name = meta.get("general.architecture")
+    if name not in ARCHS:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture '{name}' is not supported ({', '.join(ARCHS)})"
+        )
+    arch = ARCHS[name]
+    need = ["embedding_length", "block_count", "feed_forward_length", "attention.head_count"]
+    if f"{name}.expert_count" in meta:  # all-MoE files (Qwen3.5-MoE) may have no dense width
+        need.remove("feed_forward_length")
+    need += arch.needs
+    missing = [k for k in need if f"{name}.{k}" not in meta]
+    if missing or "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{path}: GGUF lacks {name}.{(missing or ['token_embd'])[0]}")
+
+    def get(key, default=None):
+        return meta.get(f"{name}.{key}", default)
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    # Mamba 2 writes head_count 0 (Mamba2Model.set_gguf_parameters: "unused")
+    head_dim = get("attention.key_length", hidden // heads if heads else 0)
+    config = {
+        "model_type": arch.model_type,
+        "hidden_size": hidden,
+        # llama.cpp's converter counts a bundled MTP head's blocks in block_count (Qwen3.5's
+        # _Qwen35MtpMixin; GLM/DeepSeek nextn): the model has that many fewer
+        "num_hidden_layers": get("block_count") - get("nextn_predict_layers", 0),
+        "intermediate_size": get("feed_forward_length", 0),
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(_per_layer(get("attention.head_count_kv", heads))),
+        "head_dim": head_dim,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": get("rope.freq_base", 10000.0),
+        "max_position_embeddings": get("context_length"),
+        "vocab_size": tensors["token_embd.weight"][1][0],
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "rope_traditional": arch.rope_traditional,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        **arch.extra,
+    }
+    if get("rope.scaling.type") == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": get("rope.scaling.factor")}
+    if name == "qwen3moe":
+        config["num_experts"] = get("expert_count")
+        config["num_experts_per_tok"] = get("expert_used_count")
+        config["moe_intermediate_size"] = get("expert_feed_forward_length")
+    if name == "starcoder2":  # LayerNorm with biases, its own epsilon key
+        config["norm_epsilon"] = get("attention.layer_norm_epsilon", 1e-5)
+    if name == "gemma3":
+        config["sliding_window"] = get("attention.sliding_window", 512)
+        config["query_pre_attn_scalar"] = head_dim  # llama.cpp scales by 1/sqrt(head_dim)
+    if arch.configure:
+        config.update(arch.configure(get, tensors, config, path))
+    return config
 
 
 def _mlx_name(name: str, path: Path, arch: Arch) -> str:
