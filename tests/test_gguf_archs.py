@@ -16,11 +16,13 @@ import pytest
 from helpers import tiny_tokenizer, tokenizer_meta
 from mlx.utils import tree_flatten
 
-import specmlx.gguf
+import specmlx.gguf_hybrids
 from specmlx.engine import generate_tokens
 from specmlx.errors import ModelLoadError
 from specmlx.footprint import kv_bytes, layer_kinds
-from specmlx.gguf import _TOP_NAMES, ARCHS, _undo_gated_delta, gguf_config, load_gguf
+from specmlx.gguf import ARCHS, gguf_config, load_gguf
+from specmlx.gguf_archs import TOP_NAMES
+from specmlx.gguf_hybrids import _undo_gated_delta
 from specmlx.loading import _set_dtype
 
 Q = gguf.GGMLQuantizationType
@@ -57,7 +59,7 @@ def _config(arch: str, vocab: int) -> tuple[dict, dict]:
 
 def _gguf_name(name: str, arch: str) -> str:
     back = {v: k for k, v in ARCHS[arch].names.items()}
-    top = {v: k for k, v in _TOP_NAMES.items()}
+    top = {v: k for k, v in TOP_NAMES.items()}
     base, _, leaf = name.rpartition(".")
     if base in top:
         return f"{top[base]}.{leaf}"
@@ -670,7 +672,7 @@ def test_a_granite4_gguf_without_q_k_unpermuted_differs(tmp_path, monkeypatch):
     """The check sees LlamaModel.permute on Granite's q/k: left as stored, RoPE turns them
     differently and the logits past the first token differ."""
     path, ref = write_tiny_hybrid(tmp_path, "granitehybrid")
-    monkeypatch.setattr(specmlx.gguf, "_unpermute", lambda w, heads: w)
+    monkeypatch.setattr(specmlx.gguf_hybrids, "_unpermute", lambda w, heads: w)
     model, _, _ = load_gguf(path, mx.float32, keep_quantized=False)
     x = mx.array([[3, 4, 5, 6]])
     assert not mx.allclose(model(x), ref(x), atol=1e-2)
