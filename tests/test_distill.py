@@ -26,10 +26,10 @@ from typer.testing import CliRunner
 
 from specmlx.acceptance import RULES, block_outcome
 from specmlx.cli import app
-from specmlx.distill import (
+from specmlx.distill import distill
+from specmlx.distill_student import (
     PROMPT_LEN,
     DistillConfig,
-    distill,
     kl_loss,
     make_student,
     pick_blocks,
@@ -190,7 +190,7 @@ def test_a_resumed_run_has_the_weights_of_one_that_never_stopped(teacher, data, 
 
 
 def test_held_out_text_is_never_trained_on(teacher, data, tmp_path):
-    from specmlx.distill import read_data
+    from specmlx.distill_student import read_data
 
     rows, held = read_data(data, teacher.tokenizer, SMALL)
     train_text = {tuple(r) for r in rows}

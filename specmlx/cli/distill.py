@@ -124,8 +124,9 @@ def distill(
     """Train a draft for a target by distillation (DistillSpec): its embeddings and head,
     L of its blocks, trained on its own next-token distributions; writes an MLX model dir
     and a models.toml that pairs it with the target."""
-    from ..distill import DistillConfig, data_files, is_done, registry_entry
     from ..distill import distill as run_distill
+    from ..distill import is_done, registry_entry
+    from ..distill_student import DistillConfig, data_files
     from ..loading import load_model
     from ..paths import atomic_write
     from ..registry import load_registry
