@@ -21,7 +21,8 @@ from .footprint import plan_memory, require_fit
 from .gguf import load_gguf, read_gguf_header
 from .gguf_tokenizer import gguf_tokenizer
 from .inspection import peek, read_config, resolve_dtype
-from .mtp import check_family, load_mtp
+from .mlx_lm_api import model_classes
+from .mtp import check_family, load_mtp, without_head
 from .quantized import cached_quantized, quantize_and_cache
 from .registry import MTP, ModelSpec, Registry, load_registry
 from .sharding import check_shardable, shard_support
@@ -57,7 +58,7 @@ def _load_dir(path: Path, lazy: bool = False) -> tuple[nn.Module, TokenizerWrapp
         msg = f"no *.safetensors in {path}: weights missing (convert .bin ones with mlx_lm.convert)"
         raise ModelLoadError(msg)
     try:
-        model, config = mlx_load_model(path, lazy=lazy)
+        model, config = mlx_load_model(path, lazy=lazy, get_model_classes=_classes_without_head)
     except RuntimeError as e:  # mx.load: truncated or corrupt safetensors
         bad = next((f for f in files if _unreadable(f)), files[0])
         msg = str(e).splitlines()[0]
@@ -66,6 +67,7 @@ def _load_dir(path: Path, lazy: bool = False) -> tuple[nn.Module, TokenizerWrapp
         ) from None
     except (FileNotFoundError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot load the model in {path}: {e}") from None
+    vars(model).pop("sanitize", None)  # the family's own again (mtp.py calls it on the head)
     try:
         # Llama / Code Llama repos that ship only tokenizer.model are converted to a fast
         # tokenizer by transformers, which needs sentencepiece (and protobuf) for it
@@ -73,6 +75,30 @@ def _load_dir(path: Path, lazy: bool = False) -> tuple[nn.Module, TokenizerWrapp
     except (OSError, ValueError, KeyError, TypeError, ImportError) as e:
         raise ModelLoadError(f"cannot load the tokenizer in {path}: {e}") from None
     return model, tokenizer, config
+
+
+def _classes_without_head(config: dict) -> tuple:
+    """What mlx-lm's load_model builds the model with (its get_model_classes): the family's
+    classes, the model built so that its sanitize first leaves out the checkpoint's MTP
+    heads (mtp.without_head: mlx-lm keeps some and then refuses them as parameters not in
+    the model). The model is the family's own class, so code that tells families apart by
+    their module still does; _load_dir removes the wrapper after loading.
+
+    config: the checkpoint's config.json, as mlx-lm passes it."""
+    model_class, args_class = model_classes(config)
+
+    def build(args) -> nn.Module:
+        model = model_class(args)
+        own = getattr(model, "sanitize", None)
+
+        def sanitize(weights: dict) -> dict:
+            weights = without_head(model, config, weights)
+            return own(weights) if own is not None else weights
+
+        model.sanitize = sanitize  # on the instance: the class stays mlx-lm's
+        return model
+
+    return build, args_class
 
 
 def _set_dtype(model: nn.Module, dtype: mx.Dtype) -> None:

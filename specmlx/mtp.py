@@ -1,6 +1,7 @@
 """Multi-token-prediction heads shipped inside a checkpoint: kept, loaded and run as a drafter.
 
-mlx-lm's loaders drop a checkpoint's MTP weights (``mtp.*``, ``model.layers.{N}.*``). This
+mlx-lm's loaders drop a checkpoint's MTP weights (``mtp.*``, ``model.layers.{N}.*``) on some
+paths only; specmlx's load of the target leaves them all out (``without_head``). This
 module reads them from the same safetensors and builds the head from the family's own mlx-lm
 decoder layer (no model file is forked). One step of a head, for the pair (h_i, t_{i+1}) at
 position i:
@@ -83,7 +84,9 @@ class Family:
     """How one family's head is built, named and run.
 
     layer(args): the family's decoder layer for the head; args(model): the text model's
-    ModelArgs; prefix(args): what the head's tensor names start with in the checkpoint; names: the
+    ModelArgs; prefix(args): what the head's tensor names start with in the checkpoint (the
+    first head's, the one read); in_head(name, args): whether a checkpoint's tensor belongs
+    to any of its heads (what the target's load leaves out); names: the
     checkpoint's names (after the prefix) -> this module's (norm_e, norm_h, fc, layer, norm;
     others are not read); centred: a raw checkpoint stores the norms zero-centred (1 + w);
     zero_first: the embedding of the pair at position 0 is zeroed; mask(x, cache): the
@@ -94,6 +97,7 @@ class Family:
     layer: Callable[[object], nn.Module]
     args: Callable[[nn.Module], object]
     prefix: Callable[[object], str] = lambda args: "mtp."
+    in_head: Callable[[str, object], bool] = lambda name, args: _under(name, "mtp.")
     names: dict[str, str] = field(default_factory=lambda: _QWEN_NAMES)
     centred: bool = True
     zero_first: bool = False
@@ -130,6 +134,21 @@ def _nextn_prefix(args) -> str:
     return f"model.layers.{args.num_hidden_layers}."
 
 
+def _under(name: str, prefix: str) -> bool:
+    """``name`` starts with ``prefix`` at a dot: at the start or under a wrapper's prefix
+    ("model.language_model.", "language_model."), as _mtp_weights finds the head."""
+    return name.startswith(prefix) or f".{prefix}" in name
+
+
+_LAYER = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")
+
+
+def _past_the_layers(name: str, args) -> bool:
+    # every MTP layer, not only the first (the one read): they follow the main layers
+    m = _LAYER.search(name)
+    return m is not None and int(m.group(1)) >= args.num_hidden_layers
+
+
 def _as_main_layer(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, mx.array]:
     """The family's own ``Model.sanitize`` (mlx-lm's) on the head's tensors, posed as main
     layer 0's: FP8 blocks dequantized, per-expert weights stacked for SwitchGLU and, for
@@ -144,6 +163,7 @@ def _as_main_layer(model: nn.Module, weights: dict[str, mx.array]) -> dict[str, 
 _NEXTN = dict(
     args=lambda m: m.args,
     prefix=_nextn_prefix,
+    in_head=_past_the_layers,
     names=_NEXTN_NAMES,
     centred=False,
     zero_first=True,
@@ -243,6 +263,22 @@ def check_family(config: dict, where) -> None:
     """IncompatiblePair, before anything loads, for a family with no known MTP head."""
     if _family_of(config) not in FAMILIES:
         _no_head(config, where)
+
+
+def without_head(model: nn.Module, config: dict, weights: dict) -> dict:
+    """``weights`` less every tensor of the checkpoint's MTP heads, for the target's own load:
+    mlx-lm's sanitize drops them only on some paths (Qwen3-Next's only when it stacks
+    experts, DeepSeek-V3's only at layer 61) and refuses the rest as parameters not in the
+    model. The head is read from the same files by load_mtp. A family with no known head
+    gets ``weights`` back as they are.
+
+    model: the target as mlx-lm built it (its args say where the main layers end); config:
+    its config.json; weights: the checkpoint's tensors by name, as mlx-lm read them."""
+    fam = FAMILIES.get(_family_of(config))
+    if fam is None:
+        return weights
+    args = fam.args(model)
+    return {k: v for k, v in weights.items() if not fam.in_head(k, args)}
 
 
 def _mtp_weights(path: Path, prefix: str) -> dict[str, mx.array]:

@@ -184,8 +184,8 @@ def _raw_checkpoint(path, config: dict, fp8: bool, seed: int = 0):
     return model, head
 
 
-# mlx-lm's deepseek_v3 sanitize drops "model.layers.61" (DeepSeek-V3's own MTP index), not
-# model.layers.{N}: a loadable target needs 61 layers (dense but the last: still tiny)
+# 61 layers (dense but the last: still tiny), DeepSeek-V3's own MTP index, the one mlx-lm's
+# deepseek_v3 sanitize drops itself; other depths are left out by specmlx (test_mtp_dense.py)
 @pytest.mark.parametrize(
     "config, fp8",
     [(_deepseek_v3(61, dense=60), True), (_glm4_moe(2), False)],

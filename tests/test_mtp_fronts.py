@@ -190,9 +190,9 @@ def _family_checkpoint(family: str, path: Path) -> None:
     if family.startswith("qwen"):
         _raw_checkpoint(path, family=family)
     elif family == "deepseek_v3":
-        # mlx-lm's sanitize drops model.layers.61 only (test_mtp_deepseek loads that layout):
-        # two layers here, the head's tensors in a file of their own, which mlx-lm's loader
-        # does not read (model*.safetensors) and specmlx's does (every *.safetensors)
+        # two layers, the head's tensors in a file of their own, which mlx-lm's loader does
+        # not read (model*.safetensors) and specmlx's does (every *.safetensors); a head in
+        # the model's own file is left out of the target's load (test_mtp_dense.py)
         _nextn_checkpoint(path, _deepseek_v3(2), fp8=True)
         w = mx.load(str(path / "model.safetensors"))
         mx.eval(list(w.values()))  # read it all before the file is written over
