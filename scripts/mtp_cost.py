@@ -48,7 +48,8 @@ def main() -> None:
     mx.eval(head.parameters())
     ids = mx.random.randint(0, 1000, (1, 256)).astype(mx.uint32)
     tcache, hcache = make_caches(target), head.make_cache()
-    mx.eval(target(ids, cache=tcache))
+    with tap:
+        mx.eval(target(ids, cache=tcache))
     h = tap.final()
     mx.eval(head(h[:, :-1], ids[:, 1:], hcache))
     one, h1 = ids[:, :1], h[:, -1:]

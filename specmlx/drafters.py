@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
-import mlx.nn as nn
 
-from .caches import Snapshot, needs_replay, roll_back, snapshot, trim
+from .caches import trim
+from .cursor import Cursor, Hidden
 from .lookup import Lookup
 from .sampling import Processor, sample
 
@@ -58,15 +58,6 @@ class Proposal:
         return self.tokens.shape[0]
 
 
-@dataclass
-class Hidden:
-    """A target pass's hidden states: rows (L, H) at context positions start..start+L-1,
-    lazy (the round's one host sync computes them with everything else)."""
-
-    start: int
-    rows: mx.array
-
-
 class Drafter(Protocol):
     """What the engine's round sees of a drafter. One that reads the target's hidden states
     says where in ``reads_hidden`` (e.g. ("final",)) and gets them in ``settle``."""
@@ -92,19 +83,17 @@ class Drafter(Protocol):
 
 
 class ModelDrafter:
-    """A draft model with its own KV cache. The cache holds ctx[:held] for some held <=
+    """A draft model and its cursor. The cursor holds ctx[:held] for some held <=
     len(ctx) - 1 between rounds; it is fed ctx[held:] before it drafts, which covers the
     2-token catch-up after a fully accepted round and whatever lookup accepted meanwhile.
 
-    model, cache: the draft and its cache, which holds ``held`` tokens; vocab: how many ids
+    model, cache: the draft and its caches, which hold ``held`` tokens; vocab: how many ids
     it may propose; rows: ids it can embed (others are fed as SAFE_ID); process: the sampling
     processor (None: greedy); plan: per-token stopping (an AdaptiveK's draft_plan) or None."""
 
     def __init__(self, model, cache, held, vocab, rows, process, plan=None):
-        self.model, self.cache, self.held = model, cache, held
         self.vocab, self.rows, self.process, self.plan = vocab, rows, process, plan
-        self.recurrent = needs_replay(cache)
-        self.snaps: list[Snapshot] = []  # a recurrent draft's state after each step
+        self.cursor = Cursor(model, cache, held, own_ids=self.own_ids)
 
     def own_ids(self, ids: Sequence[int]) -> list[int]:
         return [t if t < self.rows else SAFE_ID for t in ids]
@@ -113,19 +102,15 @@ class ModelDrafter:
         if k <= 0:
             return Proposal()
         t0 = time.perf_counter()
-        self.snaps = []
-        pending = self.own_ids(ctx[self.held :])
-        x = mx.array(pending, dtype=mx.uint32)[None]  # (1, L)
+        cur = self.cursor
+        cur.forget_before(cur.held)  # this round gives back nothing it has not fed
+        x = mx.array(self.own_ids(ctx[cur.held :]), dtype=mx.uint32)[None]  # (1, L)
         more = None
         if self.plan is not None:  # per-token stopping: k is a go; the plan sizes the chunks
             k = max(1, min(self.plan([])[1], room))
             if key is not None:
                 key, more = mx.random.split(key)
-        d, q, conf = draft_model_propose(
-            self.model, self.cache, x, k, self.vocab, self.process, key,
-            self.keep_state(self.held + len(pending)),
-        )  # fmt: skip
-        self.held += len(pending) + k - 1  # the last draft is not fed
+        d, q, conf = draft_model_propose(cur.feed, x, k, self.vocab, self.process, key)
         if self.plan is not None:
             return self.stop_or_extend(d, q, conf, room, more, t0)
         if timed:
@@ -147,10 +132,9 @@ class ModelDrafter:
             if more <= 0:
                 break
             d2, q2, c2 = draft_model_propose(
-                self.model, self.cache, d[:, -1:], more, self.vocab, self.process,
-                None if keys is None else keys[ext], self.keep_state(self.held + 1),
+                self.cursor.feed, d[:, -1:], more, self.vocab, self.process,
+                None if keys is None else keys[ext],
             )  # fmt: skip
-            self.held += more  # the last draft is fed now, the newest one is not
             d = mx.concatenate([d, d2], axis=1)
             q = None if q is None else mx.concatenate([q, q2], axis=1)
             confs += c2[0].tolist()
@@ -164,18 +148,8 @@ class ModelDrafter:
             made=len(confs) if len(confs) > keep else None,
         )
 
-    def keep_state(self, base: int) -> Callable[[int], None] | None:
-        """For a recurrent draft, a drafting step's hook that keeps its state after step i,
-        when the cache holds base + i tokens: a rollback to any drafted length is then a
-        restore, no replay (MLX arrays are kept by reference: no copy, no sync)."""
-        if not self.recurrent:
-            return None
-        return lambda i: self.snaps.append(snapshot(self.cache, base + i))
-
     def settle(self, ctx, right, hidden=None) -> None:
-        keep = min(self.held, right)
-        roll_back(self.model, self.cache, self.held, keep, self.snaps, ctx, own_ids=self.own_ids)
-        self.held = keep
+        self.cursor.give_back(min(self.cursor.held, right), ctx)
 
     def close(self) -> None:
         pass
@@ -331,14 +305,12 @@ def head_propose(
 
 
 def draft_model_propose(
-    model: nn.Module,
-    cache: list,
+    feed: Callable[[mx.array], mx.array],
     pending: mx.array,
     k: int,
     vocab: int,
     process: Processor | None,
     key: mx.array | None,
-    after_step: Callable[[int], None] | None = None,
 ) -> tuple[mx.array, mx.array | None, mx.array]:
     """Feed the draft the tokens it has not seen yet, pending (B, L), then draft k tokens.
 
@@ -346,20 +318,19 @@ def draft_model_propose(
     the previous step's not-yet-read token.
     Returns d (B, k) uint32, q (B, k, vocab) float32 (None when greedy) and the draft's
     confidence in each token (B, k): its probability under q (greedy: under the softmax).
-    MLX is lazy: the confidence costs nothing unless someone reads it. The draft cache
-    grows by L + k - 1: the last drafted token is never fed, the engine accounts for that.
-    ``key``: randomness for sampling (unused, and may be None, when greedy).
-    ``vocab`` restricts proposals to ids the target has (Code Llama 7B has 16 more than 34B).
+    MLX is lazy: the confidence costs nothing unless someone reads it.
+
+    feed: runs the draft over (B, L) tokens and returns its logits (B, L, V) -- a Cursor's
+        ``feed``, which counts what the cache holds and keeps what a rollback needs; the
+        cache grows by L + k - 1 (the last drafted token is never fed).
+    key: randomness for sampling (unused, and may be None, when greedy).
+    vocab: restricts proposals to ids the target has (Code Llama 7B has 16 more than 34B).
     The engine uses B = 1; tests batch thousands of rounds through this same function.
-    ``after_step(i)``, if given, is called after step i's pass, when the cache has grown by
-    L + i (the engine keeps a recurrent draft's state there, to roll back to any of them).
     """
     keys = mx.random.split(key, k) if process is not None else None  # greedy draws nothing
     x, tokens, qs, confs = pending, [], [], []
     for i in range(k):
-        logits = model(x, cache=cache)[:, -1, :vocab]  # (B, vocab)
-        if after_step is not None:
-            after_step(i)
+        logits = feed(x)[:, -1, :vocab]  # (B, vocab)
         if process is None:
             t = mx.argmax(logits, axis=-1).astype(mx.uint32)
             confs.append(mx.softmax(logits, axis=-1).max(axis=-1))  # (B,)

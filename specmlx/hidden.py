@@ -2,10 +2,13 @@
 
 A drafter that reads the target's features (an MTP head today; an EAGLE-3 head or a DFlash
 block drafter later) needs the hidden state at every position a verify pass computed. The
-tap records them as the pass runs: the module that makes them gets a one-line subclass whose
-call keeps a reference to its output. Nothing extra is computed or read back (the arrays stay
-lazy until the round's one host sync), the model's parameter tree is unchanged (loading,
-quantization and sharding see the same model), and no family's forward is copied.
+tap records them as the pass runs: while a ``with tap:`` block is open, each module that
+makes them is, as that one instance, of a one-line subclass whose call keeps a reference to
+its output; the block's end gives the instance its own class back. Nothing else in the
+process changes (no class, no library function, no other model), nothing extra is computed
+or read back (the arrays stay lazy until the round's one host sync), the model's parameter
+tree is unchanged (loading, quantization and sharding see the same model), and no family's
+forward is copied.
 
 Where: "final" is the text model's output, after its final norm (what the LM head reads; the
 MTP references, vLLM's and SGLang's, feed this to the head). An int i is the output of
@@ -40,36 +43,21 @@ def text_model(model: nn.Module) -> nn.Module:
     return inner
 
 
-def _tapped(cls: type, slot: int) -> type:
-    """``cls`` whose call also stores its output in the module's tap, at ``slot``."""
-
-    def __call__(self, *args, **kwargs):
-        out = cls.__call__(self, *args, **kwargs)
-        self._specmlx_tap.last[slot] = out
-        return out
-
-    return type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
-
-
 class HiddenTap:
-    """The hidden states of a model's latest pass at the places in ``at`` ("final" or a
-    decoder layer index). After ``model(x, cache=...)``, ``last[i]`` is the (B, L, H) output
-    at ``at[i]``, lazy. One tap per model: asking again returns the one already there.
+    """The hidden states of a model's passes at the places in ``at`` ("final" or a decoder
+    layer index). After ``with tap: model(x, cache=...)``, ``last[i]`` is that pass's
+    (B, L, H) output at ``at[i]``, lazy. Outside the block the model runs as it always does.
 
     model: an mlx-lm model; at: where to read (default: the final hidden state)."""
 
-    def __new__(cls, model: nn.Module, at: Sequence[Where] = ("final",)):
-        at = tuple(at)
+    def __init__(self, model: nn.Module, at: Sequence[Where] = ("final",)):
+        self.at = tuple(at)
+        self.last: list[mx.array | None] = [None] * len(self.at)
         inner = text_model(model)
-        old = getattr(inner, "_specmlx_tap", None)
-        if old is not None and old.at == at:
-            return old
-        if old is not None:
-            raise BadInput(f"the model's hidden states are already read at {old.at}, not {at}")
-        tap = super().__new__(cls)
-        tap.at, tap.last = at, [None] * len(at)
         layers = getattr(inner, "layers", None)
-        for slot, where in enumerate(at):
+        # (the instance, its own class, the subclass it takes inside the block)
+        self._swaps: list[tuple[nn.Module, type, type]] = []
+        for slot, where in enumerate(self.at):
             if where == "final":
                 module = inner
             elif (
@@ -80,17 +68,35 @@ class HiddenTap:
                 module = layers[where]
             else:
                 raise BadInput(f"no hidden state at {where!r} in {type(model).__module__}")
-            if isinstance(getattr(module, "_specmlx_tap", None), HiddenTap):
+            if any(m is module for m, _, _ in self._swaps):
                 raise BadInput(f"{where!r} is tapped twice")
-            module.__class__ = _tapped(type(module), slot)
-            module._specmlx_tap = tap  # a plain attribute: not a parameter
-        return tap
+            self._swaps.append((module, type(module), self._tapped(type(module), slot)))
 
-    def __init__(self, model: nn.Module, at: Sequence[Where] = ("final",)):
-        pass  # set up in __new__ (one tap per model)
+    def _tapped(self, cls: type, slot: int) -> type:
+        """``cls`` whose call also keeps its output in ``last[slot]``."""
+        last = self.last
+
+        def __call__(module, *args, **kwargs):
+            out = cls.__call__(module, *args, **kwargs)
+            last[slot] = out
+            return out
+
+        return type(f"Tapped{cls.__name__}", (cls,), {"__call__": __call__})
+
+    def __enter__(self) -> HiddenTap:
+        for module, own, _ in self._swaps:
+            if type(module) is not own:  # another tap's block is open on the same module
+                raise BadInput(f"a {own.__name__}'s output is read by two taps at once")
+        for module, _, tapped in self._swaps:
+            module.__class__ = tapped
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, own, _ in self._swaps:
+            module.__class__ = own
 
     def final(self) -> mx.array:
         """The first tapped place's output of the latest pass, (B, L, H)."""
         if self.last[0] is None:
-            raise RuntimeError("the tapped model has not run yet")
+            raise RuntimeError("the tapped model has not run inside the tap yet")
         return self.last[0]

@@ -14,6 +14,11 @@ of mlx-lm's own code, and the state after m tokens is recomputed from what was r
   the recurrence runs again; no projection weight is read a second time.
 
 No math is copied from mlx-lm: its functions are called on slices of their own inputs.
+Nothing is patched for the process either: while ``recording`` is open, each of this model's
+Conv1d instances and mixer instances takes, as that one instance, a subclass that records (a
+mixer's methods that call the recurrence are the same code run over a copy of its module's
+globals in which the name is the recorder); the block's end gives each its own class back.
+Another model in the same process, or this one outside the block, runs mlx-lm's code as is.
 Layouts, per mlx-lm module defining the mixer (0.32; each has cache[0] = conv state and
 cache[1] = recurrent state, one Conv1d named conv1d and one recurrence call per layer):
 qwen3_next, qwen3_5 (gated delta); mamba2, nemotron_h, falcon_h1, granitemoehybrid (SSM).
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -65,51 +71,74 @@ class PassRecorder:
         self.calls: list[dict] = []  # each recurrence call's bound arguments
         mixers = [m for _, m in model.named_modules() if isinstance(getattr(m, "conv1d", None),
                                                                      nn.Conv1d)]  # fmt: skip
-        modules = {type(m).__module__ for m in mixers}
         self.supported = (
-            bool(mixers) and len(mixers) == len(layers) and all(n in LAYOUTS for n in modules)
+            bool(mixers)
+            and len(mixers) == len(layers)
+            and all(type(m).__module__ in LAYOUTS for m in mixers)
         )
-        self._convs = [m.conv1d for m in mixers]
-        self._modules = [sys.modules[n] for n in sorted(modules)] if self.supported else []
         self.fed = 0  # tokens the recorded pass fed
+        # (an instance, its own class, the recording subclass it takes while recording)
+        self._swaps: list[tuple[nn.Module, type, type]] = []
+        if self.supported:
+            made: dict[type, type] = {}
+            for m in mixers:
+                for inst in (m.conv1d, m):
+                    cls = type(inst)
+                    if cls not in made:
+                        made[cls] = (
+                            self._conv_class(cls) if inst is m.conv1d else self._mixer_class(cls)
+                        )
+                    self._swaps.append((inst, cls, made[cls]))
+
+    def _conv_class(self, cls: type) -> type:
+        """``cls`` (a Conv1d) whose call also records its input."""
+        convs = self.convs
+
+        def __call__(conv, x, *args, **kwargs):
+            convs.append(x)
+            return cls.__call__(conv, x, *args, **kwargs)
+
+        return type(f"Recorded{cls.__name__}", (cls,), {"__call__": __call__})
+
+    def _mixer_class(self, cls: type) -> type:
+        """``cls`` (a mixer) whose methods that call the recurrence call a recording one: the
+        same code objects over a copy of their module's globals, the name rebound there."""
+        module = sys.modules[cls.__module__]
+        name = LAYOUTS[cls.__module__]
+        fn = getattr(module, name)
+        signature = inspect.signature(fn)
+        calls = self.calls
+
+        def recorded(*args, **kwargs):
+            calls.append({"fn": fn, "args": dict(signature.bind(*args, **kwargs).arguments)})
+            return fn(*args, **kwargs)
+
+        scope = {**vars(module), name: recorded}
+        methods = {}
+        for owner in cls.__mro__:
+            for attr, f in vars(owner).items():
+                if attr in methods or not isinstance(f, types.FunctionType):
+                    continue
+                if name in f.__code__.co_names and f.__globals__ is vars(module):
+                    g = types.FunctionType(f.__code__, scope, f.__name__, f.__defaults__,
+                                           f.__closure__)  # fmt: skip
+                    g.__kwdefaults__ = f.__kwdefaults__
+                    methods[attr] = g
+        return type(f"Recorded{cls.__name__}", (cls,), methods)
 
     @contextmanager
     def recording(self, tokens: int) -> Iterator[None]:
         """Record the pass built inside the block (``tokens``: how many it feeds)."""
-        self.convs, self.calls, self.fed = [], [], tokens
-        if not self.supported:
-            yield
-            return
-        wrapped = {}
-        for module in self._modules:
-            name = LAYOUTS[module.__name__]
-            wrapped[module] = name, getattr(module, name)
-            setattr(module, name, self._recorder(wrapped[module][1]))
-        convs = set(map(id, self._convs))
-        conv_call = nn.Conv1d.__call__
-
-        def record_conv(conv, x, *a, **kw):
-            if id(conv) in convs:
-                self.convs.append(x)
-            return conv_call(conv, x, *a, **kw)
-
-        nn.Conv1d.__call__ = record_conv
+        self.convs.clear()
+        self.calls.clear()
+        self.fed = tokens
+        for inst, _, recorded in self._swaps:
+            inst.__class__ = recorded
         try:
             yield
         finally:
-            nn.Conv1d.__call__ = conv_call
-            for module, (name, fn) in wrapped.items():
-                setattr(module, name, fn)
-
-    def _recorder(self, fn):
-        signature = inspect.signature(fn)
-
-        def recorded(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            self.calls.append({"fn": fn, "args": dict(bound.arguments)})
-            return fn(*args, **kwargs)
-
-        return recorded
+            for inst, own, _ in self._swaps:
+                inst.__class__ = own
 
     def settle(self, m: int, states: list[list | None]) -> bool:
         """Set each recurrent layer to its state after the recorded pass's first m tokens,

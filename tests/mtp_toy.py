@@ -54,7 +54,8 @@ def toy_head(target: nn.Module, steps: int = 300) -> MTPHead:
 
     def batch(i):
         x = toy_language(32, 24, 10**6 + i)
-        labels = mx.argmax(target(x), -1)
+        with tap:
+            labels = mx.argmax(target(x), -1)
         return tap.final()[:, :-1], x[:, 1:], labels[:, 1:]
 
     def loss(m, h, x, y):

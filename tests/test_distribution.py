@@ -63,6 +63,11 @@ def _verify(target, tcache, last, d, q, process, key):
     return accept_sampled(process(logits), q, d, u, kr)
 
 
+def _feeder(model, cache):
+    """draft_model_propose's ``feed`` over a bare batched cache (no cursor: the test trims)."""
+    return lambda x: model(x, cache=cache)
+
+
 def speculative_first_two(target, draft, process, key, drafter="model", rule=accept_sampled):
     """Two batched rounds with uniform cache trims; rows that got only one token in round 1
     take their second token from round 2 (a draft-model round, with a 2-token catch-up when
@@ -72,7 +77,7 @@ def speculative_first_two(target, draft, process, key, drafter="model", rule=acc
     dcache = _prefilled(draft, N)
     last = mx.full((N, 1), PROMPT[-1], dtype=mx.uint32)
     if drafter == "model":
-        d, q, _ = draft_model_propose(draft, dcache, last, K, V, process, k1)
+        d, q, _ = draft_model_propose(_feeder(draft, dcache), last, K, V, process, k1)
         pending = None  # draft saw PROMPT[-1] and d1; rows needing round 2 trim back to PROMPT
     else:
         prop = lookup_propose(PROMPT, K)
@@ -90,7 +95,7 @@ def speculative_first_two(target, draft, process, key, drafter="model", rule=acc
         x = t1[:, None]
     else:
         x = mx.concatenate([pending, t1[:, None]], axis=1)
-    d2, q2, _ = draft_model_propose(draft, dcache, x, K, V, process, k3)
+    d2, q2, _ = draft_model_propose(_feeder(draft, dcache), x, K, V, process, k3)
     n2, nxt2 = rule(target, tcache, t1[:, None], d2, q2, process, k4)
     t2_round2 = mx.where(n2 >= 1, d2[:, 0], nxt2)
     t2 = mx.where(n >= 1, t2_round1, t2_round2)

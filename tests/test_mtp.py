@@ -26,6 +26,7 @@ from test_distribution import (
 )
 from typer.testing import CliRunner
 
+import specmlx.cursor as cursor
 import specmlx.drafters as drafters
 import specmlx.engine as engine
 from specmlx.acceptance import RULES, block_outcome
@@ -106,8 +107,8 @@ def test_the_prompt_cache_keeps_the_heads_state_exact(family_pair):
 def _offline_keys(target, head, ctx, fed):
     """The head's attention keys after feeding it the pairs (h_j, t_{j+1}), j < fed, with
     h from one fresh target pass over ctx: what an aligned plumbing must have built."""
-    tap = HiddenTap(target)
-    target(mx.array(ctx)[None])
+    with HiddenTap(target) as tap:
+        target(mx.array(ctx)[None])
     h = tap.final()
     cache = head.make_cache()
     head(h[:, :fed], mx.array(ctx[1 : fed + 1])[None], cache)
@@ -126,9 +127,9 @@ def test_the_head_is_fed_the_right_hidden_state_and_token(family, monkeypatch):
     got = kv.draft[0].state[0][..., :fed, :]
     assert mx.allclose(got, _offline_keys(target, head, ctx, fed), atol=1e-4).item()
     # the control: hidden states one position late are caught by the same comparison
-    shifted = engine.hidden_rows
+    shifted = cursor.hidden_rows
     monkeypatch.setattr(
-        engine, "hidden_rows", lambda tap: (lambda r: mx.concatenate([r[:1], r[:-1]]))(shifted(tap))
+        cursor, "hidden_rows", lambda tap: (lambda r: mx.concatenate([r[:1], r[:-1]]))(shifted(tap))
     )
     kv = KVState()
     out = tokens(target, head, PROMPT, num_draft=3, max_tokens=20, kv=kv)
@@ -158,12 +159,12 @@ def test_a_trained_head_drafts_and_misaligned_plumbing_collapses_it(monkeypatch)
     untrained = acceptance(toy_head(target, steps=0))
     head = toy_head(target)
     trained = acceptance(head)
-    late = engine.hidden_rows
+    late = cursor.hidden_rows
     monkeypatch.setattr(
-        engine, "hidden_rows", lambda tap: (lambda r: mx.concatenate([r[:1], r[:-1]]))(late(tap))
+        cursor, "hidden_rows", lambda tap: (lambda r: mx.concatenate([r[:1], r[:-1]]))(late(tap))
     )
     hidden_late = acceptance(head)
-    monkeypatch.setattr(engine, "hidden_rows", late)
+    monkeypatch.setattr(cursor, "hidden_rows", late)
     monkeypatch.setattr(drafters, "pair_tokens", _prev_token)
     monkeypatch.setattr(engine, "pair_tokens", _prev_token)
     previous_token = acceptance(head)
@@ -373,10 +374,13 @@ def test_the_tap_reads_a_decoder_layers_output():
     and the final hidden state from one pass, without a second one."""
     model = build("llama", 2, 0)
     tap = HiddenTap(model, (-1, "final"))
-    assert HiddenTap(model, (-1, "final")) is tap  # one tap per model
-    with pytest.raises(BadInput, match="already read"):
-        HiddenTap(model, ("final",))
-    logits = model(mx.array([[3, 1, 4, 1, 5]]))
+    with pytest.raises(BadInput, match="tapped twice"):
+        HiddenTap(model, ("final", "final"))
+    other = HiddenTap(model, ("final",))
+    with tap:
+        logits = model(mx.array([[3, 1, 4, 1, 5]]))
+        with pytest.raises(BadInput, match="two taps at once"), other:
+            pass
     layer, final = tap.last
     assert mx.allclose(model.model.norm(layer), final).item()
     assert mx.allclose(model.lm_head(final), logits).item()

@@ -91,8 +91,8 @@ def test_the_head_is_fed_the_right_hidden_state_and_token(family_pair):
     ctx = PROMPT + tokens(target, head, num_draft=3, max_tokens=16, kv=kv)
     fed = kv.draft_len
     assert fed >= len(PROMPT)
-    tap = HiddenTap(target)
-    target(mx.array(ctx)[None])
+    with HiddenTap(target) as tap:
+        target(mx.array(ctx)[None])
     cache = head.make_cache()
     head(tap.final()[:, :fed], mx.array(ctx[1 : fed + 1])[None], cache)
     want = cache[0].state[0][..., :fed, :]

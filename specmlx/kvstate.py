@@ -1,0 +1,118 @@
+"""What a generation leaves in the caches, and how much of it the next one can keep.
+
+``KVState`` is both models' caches and the tokens they hold between generations (a prompt
+cache hands one to the engine); ``reuse_prefix`` keeps their longest common prefix with a new
+prompt. A draft that reads the target's hidden states (an MTP head) rides along: its cache
+holds pairs (h_j, t_{j+1}) and ``hidden`` the confirmed states it has not been fed yet, so
+what it may keep depends on what the target keeps (``_head_keep``, ``_trim_head``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .caches import can_rollback, make_caches, trim
+
+__all__ = ["KVState", "reads_hidden", "reuse_prefix"]
+
+
+@dataclass
+class KVState:
+    """Both models' KV caches and the tokens they hold. Between generations the target cache
+    holds ``tokens`` and the draft cache tokens[:draft_len]. Pass one to generate_tokens to
+    reuse its longest common prefix with the prompt (a prompt cache), or to inspect it after.
+    ``target`` None means "make fresh caches"."""
+
+    target: list | None = None
+    draft: list | None = None
+    tokens: list[int] = field(default_factory=list)
+    draft_len: int = 0
+    # a draft that reads the target's hidden states (an MTP head): its cache holds draft_len
+    # pairs (h_j, t_{j+1}) and ``hidden`` (m, H) the confirmed hidden states at positions
+    # draft_len..draft_len+m-1 it has not been fed yet (drafters.HeadDrafter)
+    hidden: mx.array | None = None
+    reads_hidden: bool = False
+
+    def nbytes(self) -> int:
+        """Bytes the caches hold now."""
+        caches = (self.target or []) + (self.draft or [])
+        return sum(getattr(c, "nbytes", 0) for c in caches)
+
+    def drop(self) -> None:
+        """Forget everything: the next generation starts from fresh caches."""
+        self.target, self.draft, self.tokens, self.draft_len = None, None, [], 0
+        self.hidden, self.reads_hidden = None, False
+
+
+def reads_hidden(draft) -> bool:
+    """Whether the draft is a head over the target's hidden states (not a model)."""
+    return bool(getattr(draft, "reads_hidden", None))
+
+
+def reuse_prefix(kv: KVState, context: list[int], target: nn.Module, draft: nn.Module | None) -> int:
+    """Keep the longest common prefix of what ``kv`` holds and ``context`` (the prompt minus
+    its last token, which the first round feeds); returns its length. Caches that cannot be
+    trimmed are kept only when they hold a prefix of the context, else replaced."""
+    held = kv.tokens
+    m = 0
+    for a, b in zip(held, context, strict=False):
+        if a != b:
+            break
+        m += 1
+    keep = _head_keep(kv, m, reads_hidden(draft)) if kv.reads_hidden else m
+    if keep < len(held):
+        if can_rollback(kv.target, len(held) - keep):
+            trim(kv.target, len(held) - keep)
+        else:  # recurrent state, or a window that dropped what the shorter prefix needs
+            kv.target, keep = make_caches(target), 0
+    m = min(m, keep)
+    kv.tokens = held[:m]
+    if kv.reads_hidden and kv.draft is not None:
+        _trim_head(kv, m, keep, reads_hidden(draft))
+    elif kv.draft is not None:
+        keep = min(kv.draft_len, m)
+        if keep < kv.draft_len and can_rollback(kv.draft, kv.draft_len - keep):
+            trim(kv.draft, kv.draft_len - keep)
+        elif keep < kv.draft_len:
+            kv.draft, keep = (make_caches(draft) if draft is not None else None), 0
+        kv.draft_len = keep
+    return m
+
+
+def _head_keep(kv: KVState, m: int, using: bool) -> int:
+    """How many tokens the target cache keeps when a head's state rides along in ``kv``
+    and the new context shares m tokens with what the target holds. The head holds pairs
+    j < fed and waits on hidden states for positions fed..avail-1. A generation that uses
+    the head needs its pending rows to reach where the target resumes, so the target keeps
+    min(m, avail) when that leaves the head's pairs inside the shared prefix, else both go
+    back to m - 1 (the head's last pair reads token t_fed: it must be shared) and the target
+    recomputes from there. One that does not use the head keeps m."""
+    if not using:
+        return m
+    fed = kv.draft_len
+    avail = fed + (0 if kv.hidden is None else kv.hidden.shape[0])
+    if fed + 1 <= min(m, avail):
+        return min(m, avail)
+    return max(0, min(fed, m - 1))
+
+
+def _trim_head(kv: KVState, m: int, keep: int, using: bool) -> None:
+    """Bring a head's state to what is still right once the target keeps ``keep`` tokens
+    and the new context shares m with them: a pair j reads token t_{j+1}, so pairs stay
+    only where that token is shared; pending rows reach no further than the target resumes.
+    A generation using the head needs it exactly at the target's length or with rows up to
+    it (``_head_keep`` chose ``keep`` so)."""
+    fed = kv.draft_len
+    if using:
+        p = min(fed, keep)
+    else:
+        p = fed if m > fed else max(0, m - 1)
+    if p < fed:
+        trim(kv.draft, fed - p)
+        kv.draft_len, kv.hidden = p, None
+    elif kv.hidden is not None:
+        n = min(keep, m) - fed
+        kv.hidden = kv.hidden[:n] if n > 0 else None
