@@ -52,7 +52,9 @@ def reads_hidden(draft) -> bool:
     return bool(getattr(draft, "reads_hidden", None))
 
 
-def reuse_prefix(kv: KVState, context: list[int], target: nn.Module, draft: nn.Module | None) -> int:
+def reuse_prefix(
+    kv: KVState, context: list[int], target: nn.Module, draft: nn.Module | None
+) -> int:
     """Keep the longest common prefix of what ``kv`` holds and ``context`` (the prompt minus
     its last token, which the first round feeds); returns its length. Caches that cannot be
     trimmed are kept only when they hold a prefix of the context, else replaced."""
