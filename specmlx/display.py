@@ -1,4 +1,6 @@
-"""rich rendering for the CLI: the live line, the summary, model tables. stderr only."""
+"""rich rendering for the CLI: the live line, the summary, model tables. What a command was
+asked for (a listing, a table, a result) goes to stdout (out_console), progress, warnings and
+errors to stderr (err_console), so `specmlx models list | grep distill` finds its rows."""
 
 from __future__ import annotations
 
@@ -17,6 +19,21 @@ def err_console() -> Console:
     console = Console(stderr=True, highlight=False)
     if not console.is_terminal:
         console.width = 160
+    return console
+
+
+# stdout's width where it is not a terminal: no row of a table is cut or wrapped (grep, cut
+# and sort see each row as one whole line); tables and lines take only the width they need
+PIPE_WIDTH = 10_000
+
+
+def out_console() -> Console:
+    """stdout console, for what a command was asked for; rich drops colour codes by itself
+    when stdout is not a terminal, where nothing is wrapped either (PIPE_WIDTH). For tables
+    and lines: a rule or a panel would fill that width."""
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = PIPE_WIDTH
     return console
 
 
@@ -91,7 +108,7 @@ SAME_SHOWN = {
 def bench_table(result: dict) -> Table:
     """The benchmark rows: speed, speedup, acceptance, theory and whether greedy output was
     the target's ("identical", a "near-tie" rounding can flip, or "diverged")."""
-    t = Table(title="specmlx bench (decode tok/s, medians over repeats)", title_justify="left")
+    t = Table(title="specmlx bench (decode tok/s, medians over repeats)", title_justify="default")
     for col in (
         "system",
         "drafter",
@@ -163,7 +180,8 @@ def print_error(message: str) -> None:
 def models_table(registry) -> Table:
     """Aliases with their source, dtype/quantization, size when local ("?" when it cannot be
     told), and a label."""
-    t = Table(title="models (models.toml)", title_justify="left")
+    # "default": left, and not padded out to the table's width (no trailing blanks in a pipe)
+    t = Table(title="models (models.toml)", title_justify="default", caption_justify="default")
     for col in ("alias", "source", "dtype", "quant", "local", "size", "note"):
         t.add_column(col)
     for alias, spec in sorted(registry.models.items()):
@@ -175,8 +193,9 @@ def models_table(registry) -> Table:
             nbytes = model_size(spec)
             size = "?" if nbytes is None else gb(nbytes)
         t.add_row(alias, spec.source, spec.dtype, quant, "yes" if local else "no", size, spec.label)
-    pairs = ", ".join(
-        f"{p.name} = {p.target} + {p.draft} (k {p.k})" for p in registry.pairs.values()
+    # a pair a line, so grep finds a pair whole as it finds a model's row
+    pairs = "".join(
+        f"\n  {p.name} = {p.target} + {p.draft} (k {p.k})" for p in registry.pairs.values()
     )
-    t.caption = f"pairs: {pairs}"
+    t.caption = f"pairs:{pairs}"
     return t

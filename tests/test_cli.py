@@ -328,7 +328,11 @@ def test_bench_compares_token_and_block_side_by_side(registry, tmp_path):
     assert all(row["same_as_target"] == "identical" for row in greedy)  # on CPU: exactly
     assert all(row["same_as_target"] is None for row in rows if row["temperature"] > 0)
     assert "| verify |" in md.read_text() and "identical" in md.read_text()
-    assert "verify" in r.stderr  # the table's column
+    # the table is the result (stdout), loading and progress are not (stderr)
+    assert "specmlx bench (decode tok/s" in r.stdout and "verify" in r.stdout
+    assert "identical" in r.stdout and "pass cost" in r.stdout
+    assert "specmlx bench" not in r.stderr and "identical" not in r.stderr
+    assert "loading tiny-t" in r.stderr and "loading" not in r.stdout
 
 
 def test_bench_draft_stop_rows(registry, tmp_path):
@@ -420,7 +424,10 @@ def test_models_pull_fetches_without_loading(registry, monkeypatch):
 
     monkeypatch.setattr(loading, "load_model", boom)
     r = run("models", "pull", "tiny-t")
-    assert r.exit_code == 0 and "ready" in r.stderr, r.stderr
+    assert r.exit_code == 0, r.stderr
+    # what was pulled, and where, on stdout (path=$(...) works); nothing of it on stderr
+    assert r.stdout.startswith("ready: tiny-t (") and str(registry / "t") in r.stdout
+    assert "ready" not in r.stderr
 
 
 def test_models_pull_plans_memory_before_quantizing(registry, tmp_path, monkeypatch):
@@ -431,7 +438,8 @@ def test_models_pull_plans_memory_before_quantizing(registry, tmp_path, monkeypa
     one_line_error(run("models", "pull", "tq"), 1, "available")
     monkeypatch.delenv("SPECMLX_MEMORY_BUDGET")
     r = run("models", "pull", "tq")
-    assert r.exit_code == 0 and "quantized" in r.stderr, r.stderr
+    assert r.exit_code == 0 and "GB quantized" in r.stdout, r.stderr
+    assert "quantizing tq" in r.stderr and "quantized)" not in r.stderr  # progress apart
     assert list((registry / "specmlx-home" / "quantized").glob("tq-*/model.safetensors"))
 
 
@@ -455,7 +463,10 @@ def test_models_build_and_list(registry, monkeypatch):
 
     monkeypatch.setattr(standin, "build_demo", fake_build)
     r = run("models", "build", "cpu-demo-target")
-    assert r.exit_code == 0 and "ready: cpu-demo" in r.stderr and calls, r.stderr
+    assert r.exit_code == 0 and calls, r.stderr
+    # the built pair's facts and "ready" are the result: stdout
+    assert "ready: cpu-demo" in r.stdout and "check: max |dlogit|" in r.stdout
+    assert "target: /x/target" in r.stdout and "ready" not in r.stderr and "check" not in r.stderr
     one_line_error(run("models", "build", "nonsense"), 2, "cpu-demo")
     odd = registry / "odd"
     odd.mkdir()
@@ -465,7 +476,7 @@ def test_models_build_and_list(registry, monkeypatch):
     monkeypatch.setenv("SPECMLX_MODELS", str(extra))
     r = run("models", "list")
     assert r.exit_code == 0, r.stderr
-    row = next(ln for ln in r.stderr.splitlines() if ln.startswith("│ odd-model "))
+    row = next(ln for ln in r.stdout.splitlines() if ln.startswith("│ odd-model "))
     assert "│ ?" in row and "│ yes" in row, row
 
 
@@ -510,6 +521,9 @@ def test_bench_overhead_times_both_tools_on_the_same_tokens(specmlx_home, tmp_pa
     out = tmp_path / "o.json"
     result = run("bench", "--overhead", "-n", "12", "--repeats", "1", "--json", str(out))
     assert result.exit_code == 0, result.output
+    # the table and the BLAS it ran on are the result: stdout
+    assert "host overhead per token" in result.stdout and "BLAS: " in result.stdout
+    assert "host overhead" not in result.stderr and "BLAS" not in result.stderr
     rows = json.loads(out.read_text())
     assert [r["k"] for r in rows] == [0, 2, 4]
     for r in rows:
@@ -544,5 +558,55 @@ def test_models_list_sizes_a_cached_hub_model_without_the_network(registry, monk
     monkeypatch.setenv("SPECMLX_MODELS", str(extra))
     r = run("models", "list")
     assert r.exit_code == 0, r.stderr
-    row = next(ln for ln in r.stderr.splitlines() if ln.startswith("│ hub-tiny "))
+    row = next(ln for ln in r.stdout.splitlines() if ln.startswith("│ hub-tiny "))
     assert "│ yes" in row and re.search(r"│ \d+\.\d\d GB", row), row
+
+
+def test_models_list_is_on_stdout_a_whole_row_a_line(registry, monkeypatch):
+    """`specmlx models list | grep NAME` finds the model's row: the listing is on stdout
+    (it was on stderr), nothing of it on stderr, and in a pipe no row is wrapped or cut,
+    however long its source or label (rich wrapped them at 160 columns)."""
+    long_dir = registry / ("a-rather-long-directory-name-" * 4)
+    long_dir.mkdir()
+    label = "distilled: " + "a label far longer than any column rich would give it, " * 3
+    extra = registry / "long.toml"
+    extra.write_text(
+        (registry / "models.toml").read_text()
+        + f'[models.long-model]\nsource = "local:{long_dir}"\nlabel = "{label.strip()}"\n'
+    )
+    monkeypatch.setenv("SPECMLX_MODELS", str(extra))
+    r = run("models", "list")
+    assert r.exit_code == 0, r.stderr
+    assert r.stderr == ""
+    rows = [ln for ln in r.stdout.splitlines() if "long-model" in ln]  # what grep finds
+    assert len(rows) == 1 and str(long_dir) in rows[0] and label.strip() in rows[0], rows
+    assert "…" not in r.stdout  # no cell cut short
+    tiny = [ln for ln in r.stdout.splitlines() if "tiny-t" in ln]
+    assert tiny[0].startswith("│ tiny-t ") and tiny[-1] == "  tiny = tiny-t + tiny-d (k 3)"
+    assert not any(ln.endswith(" ") for ln in r.stdout.splitlines())  # no padding in a pipe
+
+
+def test_models_list_in_a_real_pipe(registry):
+    """The same through a shell pipe, as a user runs it (`specmlx models list | grep`)."""
+    cmd = " ".join(_cli("models", "list"))
+    p = subprocess.run(f"{cmd} | grep tiny-d16", shell=True, capture_output=True, text=True,
+                       env=dict(os.environ), timeout=120)  # fmt: skip
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert p.stdout.startswith("│ tiny-d16 ") and p.stdout.count("\n") == 1, p.stdout
+
+
+def test_distill_reports_on_stdout_and_progress_on_stderr(registry, tmp_path):
+    """`specmlx distill`: the finished run's facts, "ready" and how to run the draft on
+    stdout; the progress (labelling, steps, held-out estimates) on stderr."""
+    data = tmp_path / "data.txt"
+    data.write_text("def add(a, b):\n    return a + b\n" * 40)
+    out = tmp_path / "stud"
+    r = run("distill", "--target", "tiny-t", "--out", str(out), "--data", str(data),
+            "--layers", "1", "--steps", "2", "--batch", "2", "--seq-len", "16",
+            "--data-tokens", "64", "--heldout-tokens", "16", "--warmup", "0",
+            "--eval-every", "1")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "held-out: greedy agreement" in r.stdout and "student: 1 of 2 blocks" in r.stdout
+    assert f"ready: {out}" in r.stdout and "--draft stud" in r.stdout
+    assert "step 1/2" in r.stderr and "loading tiny-t" in r.stderr
+    assert "ready" not in r.stderr and "held-out:" not in r.stderr and "step 1" not in r.stdout

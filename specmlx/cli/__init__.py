@@ -1,5 +1,8 @@
-"""The specmlx command line: parse, call the library, render with rich on stderr. One module
-per command (run, serve, bench, models, distill); this one builds the typer app from them.
+"""The specmlx command line: parse, call the library, render with rich. What a command was
+asked for goes to stdout (run's text or --json, listings, bench's tables, what pull, build
+and distill made, --version), so it pipes; loading, progress, a server's log lines, warnings
+and errors go to stderr. One module per command (run, serve, bench, models, distill); this
+one builds the typer app from them.
 
 Commands import what only they need (loading, the engine, the server, the bench) when they
 run, so `--help`, `--version` and bad-usage errors answer without loading models, building

@@ -1,4 +1,5 @@
-"""`specmlx bench`: the side-by-side benchmark, or the host-overhead measurement."""
+"""`specmlx bench`: the side-by-side benchmark, or the host-overhead measurement. The result
+tables on stdout; loading, the progress bar and the timing status on stderr."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import typer
 
 from ..acceptance import DEFAULT_VERIFY
-from ..display import err_console, print_error
+from ..display import err_console, out_console, print_error
 from ..distributed import rank_prefix
 from ..errors import BadInput
 from ..registry import MTP
@@ -138,9 +139,9 @@ def bench(
     rev = bench_report.git_revision()  # the code that runs: the tree may move on meanwhile
     registry = load_registry()
     models = resolve_models(registry, target, draft, False, None)
-    console = err_console()
+    console, report = err_console(), out_console()
     if not world.leader:  # every rank runs the same sequence; rank 0 reports it
-        console.quiet = True
+        console.quiet = report.quiet = True
         json_out = md_out = plot_out = None
     tgt, drf, shared = load_pair(
         models.target,
@@ -199,7 +200,7 @@ def bench(
         "prompts": prompts or f"built-in ({kind})",
         "n_prompts": len(rows),
     }
-    console.print(bench_table(result))
+    report.print(bench_table(result))
     if json_out:
         Path(json_out).write_text(json.dumps(result, indent=1))
     if md_out:
@@ -215,11 +216,11 @@ def _overhead(max_tokens: int, repeats: int, json_out: str | None) -> None:
 
     if max_tokens <= 1 or repeats <= 0:
         raise BadInput("--overhead needs -n > 1 and --repeats > 0")
-    console = err_console()
-    with console.status("timing") as status:
+    with err_console().status("timing") as status:
         rows = measure(tokens=max_tokens, repeats=repeats, on_step=status.update)
-    console.print(overhead_table(rows))
-    console.print(f"BLAS: {blas_in_use()}", style="dim")
+    report = out_console()
+    report.print(overhead_table(rows))
+    report.print(f"BLAS: {blas_in_use()}", style="dim", markup=False)
     if json_out:
         Path(json_out).write_text(json.dumps([asdict(r) for r in rows], indent=1))
 

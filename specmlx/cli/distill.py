@@ -1,4 +1,5 @@
-"""`specmlx distill`, and how a distillation run is shown."""
+"""`specmlx distill`, and how a distillation run is shown: its progress on stderr, the
+finished run's facts and how to use the draft on stdout."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..display import err_console
+from ..display import err_console, out_console
 from ..errors import BadInput
 from .common import cli_errors
 
@@ -65,7 +66,8 @@ def distill_summary(out: Path, console: Console) -> None:
     """Print a finished run's facts from ``out``/distill.json: the student's size, the
     held-out agreement, alpha and KL before and after, the throughput.
 
-    out: the run's directory; console: where to print."""
+    out: the run's directory; console: where to print (stdout's: the facts are what the
+    command was run for)."""
     facts = json.loads((out / "distill.json").read_text())
     first, last = facts["evals"][0], facts["evals"][-1]
     console.print(
@@ -161,9 +163,10 @@ def distill(
     assert is_done(out)
     label = f"distilled from {spec.alias}: {config.layers} blocks, {config.steps} steps"
     atomic_write(out / "models.toml", registry_entry(alias, out, tname, source, label))
-    distill_summary(out, console)
-    console.print(f"[green]ready:[/green] {escape(str(out))}", soft_wrap=True)
-    console.print(
+    report = out_console()
+    distill_summary(out, report)
+    report.print(f"[green]ready:[/green] {escape(str(out))}", soft_wrap=True)
+    report.print(
         f"  SPECMLX_MODELS={out / 'models.toml'} specmlx run --target {tname} --draft {alias} "
         "'def fib(n):'",
         soft_wrap=True,

@@ -1,12 +1,14 @@
-"""`specmlx models list | pull | build`."""
+"""`specmlx models list | pull | build`: the listing, and what pull and build made ("ready:"
+and a built pair's facts), on stdout; the steps on the way on stderr."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import typer
+from rich.markup import escape
 
-from ..display import err_console
+from ..display import err_console, out_console
 from ..errors import BadInput
 from .common import cli_errors
 from .distill import distill_summary, show_distill
@@ -18,7 +20,7 @@ def models_list() -> None:
     from ..display import models_table
     from ..registry import load_registry
 
-    err_console().print(models_table(load_registry()))
+    out_console().print(models_table(load_registry()))
 
 
 @cli_errors
@@ -35,11 +37,12 @@ def models_pull(alias: str = typer.Argument(..., help="Alias to download or quan
     spec = load_registry().resolve(alias)
     if not spec.quantize:
         path = fetch(spec, progress=say)
-        console.print(f"[green]ready:[/green] {alias} ({path})")
+        out_console().print(f"[green]ready:[/green] {escape(alias)} ({escape(str(path))})")
         return
     require_fit(plan_memory(spec, None, 0, progress=say), spec, None)
     loaded = load_model(spec, progress=say)
-    console.print(f"[green]ready:[/green] {alias} ({loaded.nbytes / 1e9:.2f} GB quantized)")
+    shown = f"{escape(alias)} ({loaded.nbytes / 1e9:.2f} GB quantized)"
+    out_console().print(f"[green]ready:[/green] {shown}")
 
 
 @cli_errors
@@ -59,21 +62,25 @@ def models_build(
     builder = spec.build if spec is not None and spec.build else name
     if builder not in BUILDS:
         raise BadInput(f"nothing to build called {name!r}; known: {', '.join(BUILDS)}")
-    console = err_console()
+    console, out = err_console(), out_console()
     say = lambda m: console.print(m, style="dim", soft_wrap=True, markup=False)  # noqa: E731
     facts = build_demo(force=force and builder == "cpu-demo", progress=say)
     if not facts["built"]:
         say(f"already built: {Path(facts['target']).parent} (--force rebuilds)")
     for line in describe(facts):
-        console.print(line, soft_wrap=True, markup=False)
+        out.print(line, soft_wrap=True, markup=False)
     if builder == "cpu-distilled":
-        _build_distilled(registry, force, console, say)
-    console.print(f"[green]ready:[/green] {builder}")
+        _build_distilled(registry, force, console, out, say)
+    out.print(f"[green]ready:[/green] {builder}")
 
 
-def _build_distilled(registry, force: bool, console, say) -> None:
+def _build_distilled(registry, force: bool, console, report, say) -> None:
     """The distilled CPU pair's draft: SmolLM2-135M (the demo target's logits) as teacher,
-    CPU_DISTILLED's run on the standard library; an interrupted build resumes."""
+    CPU_DISTILLED's run on the standard library; an interrupted build resumes.
+
+    registry: where smollm2-135m resolves; force: train again even if it is done; console:
+    stderr's, for the run's progress; report: stdout's, for the finished run's facts; say:
+    a progress line."""
     import mlx.core as mx
 
     from ..distill import distill, is_done
@@ -83,7 +90,7 @@ def _build_distilled(registry, force: bool, console, say) -> None:
     out = distilled_dir()
     if is_done(out) and not force:
         say(f"already built: {out} (--force rebuilds)")
-        distill_summary(out, console)
+        distill_summary(out, report)
         return
     c = CPU_DISTILLED
     resume = (out / "checkpoint" / "state.json").is_file() and not force
@@ -96,4 +103,4 @@ def _build_distilled(registry, force: bool, console, say) -> None:
     teacher = load_model(registry.resolve("smollm2-135m"), progress=say)
     teacher.model.set_dtype(mx.float32)  # the demo target's weights, at its precision
     show_distill(distill(teacher, out, c, "stdlib", resume=resume, force=True), console)
-    distill_summary(out, console)
+    distill_summary(out, report)
