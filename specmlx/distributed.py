@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from .errors import BadInput, SpecmlxError
 from .stats import KChooser, RoundReport
@@ -118,6 +119,23 @@ def share(world: World, values: Sequence[int], n: int | None = None) -> list[int
     mine = [int(v) for v in values] if world.leader else [0] * n
     out = mx.distributed.all_sum(mx.array(mine, dtype=mx.int64), group=world.group)
     return [int(v) for v in out.tolist()]
+
+
+def share_bytes(world: World, data: bytes, n: int | None = None) -> bytes:
+    """Rank 0's ``data`` on every rank; the other ranks pass anything, with its length ``n``.
+
+    The bytes travel zero-padded as int64 words, 8 to a word, through the same all-sum as
+    ``share`` (the others add zeros, so every word arrives as rank 0 sent it): no other
+    dtype has to be summed by every backend. On the default stream, as ``share``."""
+    n = len(data) if n is None else n
+    words = -(-n // 8)
+    if words == 0:
+        return b""
+    mine = np.zeros(words, dtype="<i8")
+    if world.leader:
+        mine = np.frombuffer(data.ljust(words * 8, b"\0"), dtype="<i8")
+    out = mx.distributed.all_sum(mx.array(mine), group=world.group)
+    return np.array(out).astype("<i8").tobytes()[:n]
 
 
 def shared_seed(world: World, seed: int | None) -> int | None:

@@ -8,12 +8,16 @@ loop). A job that is cancelled (its client hung up) stops within one round and f
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
+from functools import cache
+from types import UnionType
+from typing import TypeVar, Union, get_args, get_origin, get_type_hints
 
 import mlx.core as mx
 
@@ -24,19 +28,19 @@ from .distributed import (
     RankFailure,
     Watchdog,
     World,
-    bits_float,
-    float_bits,
     lost_peer,
     share,
+    share_bytes,
 )
 from .errors import SpecmlxError
 from .loading import Loaded
 from .lookup import LookupMemory
 from .paths import Warn
 from .prompt_cache import PromptCache
-from .sampling import SamplingParams
 from .session import Pair, Request, Session
 from .stats import Stats
+
+T = TypeVar("T")
 
 
 class QueueFull(SpecmlxError):
@@ -374,47 +378,62 @@ def _said(e: BaseException) -> str:
 # this long for the followers; they spin a tenth of it)
 IDLE_TICK = 0.1
 IDLE = object()  # _receive's "nothing yet"
-_DRAFTERS = ("model", "lookup", "none")
-_VERIFIES = ("token", "block")
-_HEADER = 14  # ints: see _send
+_STOP, _REQUEST, _IDLE = 0, 1, 2  # what rank 0's first collective says comes next
 
 
 def _send(world: World, r) -> None:
-    """Rank 0: hand one request (None: stop following; IDLE: nothing yet) to the others."""
+    """Rank 0: hand one request (None: stop following; IDLE: nothing yet) to the others:
+    one collective says what comes and its size, a second (a request's) carries it packed."""
     if r is None or r is IDLE:
-        share(world, [0 if r is None else 2] + [0] * (_HEADER - 1))
+        share(world, [_STOP if r is None else _IDLE, 0])
         return
-    stops = "\0".join(r.stop).encode()
-    s = r.sampling
-    header = [
-        1, len(r.prompt_ids), r.max_tokens, r.seed, _DRAFTERS.index(r.drafter),
-        -1 if r.num_draft == "auto" else int(r.num_draft), len(r.extra_eos), len(stops),
-        float_bits(s.temperature), float_bits(s.top_p), s.top_k, float_bits(s.min_p),
-        _VERIFIES.index(r.verify), r.min_indent or 0,
-    ]  # fmt: skip
-    share(world, header)
-    share(world, [*r.prompt_ids, *r.extra_eos, *stops])
+    data = pack(r)
+    share(world, [_REQUEST, len(data)])
+    share_bytes(world, data)
 
 
 def _receive(world: World):
     """Other ranks: wait for rank 0's next request (None: stop; IDLE: nothing yet)."""
-    h = share(world, [], _HEADER)
-    if h[0] == 0:
+    kind, size = share(world, [], 2)
+    if kind == _STOP:
         return None
-    if h[0] == 2:
+    if kind == _IDLE:
         return IDLE
-    n_prompt, n_eos, n_stop = h[1], h[6], h[7]
-    payload = share(world, [], n_prompt + n_eos + n_stop)
-    stops = bytes(payload[n_prompt + n_eos :]).decode()
-    return GenRequest(
-        prompt_ids=payload[:n_prompt],
-        sampling=SamplingParams(bits_float(h[8]), bits_float(h[9]), h[10], bits_float(h[11])),
-        max_tokens=h[2],
-        seed=h[3],
-        stop=stops.split("\0") if stops else [],
-        drafter=_DRAFTERS[h[4]],
-        num_draft="auto" if h[5] < 0 else h[5],
-        extra_eos=tuple(payload[n_prompt : n_prompt + n_eos]),
-        verify=_VERIFIES[h[12]],
-        min_indent=h[13] or None,  # it cuts the text where rank 0's does (a time limit would not)
-    )
+    return unpack(GenRequest, share_bytes(world, b"", size))
+
+
+def pack(request: object) -> bytes:
+    """A dataclass (a GenRequest) as JSON bytes, every field of it (nested dataclasses as
+    objects): a field added to the class travels with no edit here. The worker then sets
+    use_draft, lookup, draft_stop and the time limit itself on every rank (see _generate)."""
+    return json.dumps(asdict(request), separators=(",", ":")).encode()
+
+
+def unpack(cls: type[T], data: bytes) -> T:
+    """``pack``'s bytes back as a ``cls`` equal to the one packed."""
+    return _revive(cls, json.loads(data))
+
+
+@cache
+def _hints(cls: type) -> dict:
+    return get_type_hints(cls)
+
+
+def _revive(kind, value):
+    """A JSON value as the type ``kind`` says: JSON has no dataclasses or tuples, so those
+    are rebuilt, and a float field rank 0 held as an int (temperature 0) comes back a float;
+    a union is tried member by member; anything else is as JSON gave it (a list, str, int,
+    bool or None)."""
+    if is_dataclass(kind) and isinstance(value, dict):
+        hints = _hints(kind)
+        return kind(**{k: _revive(hints[k], v) for k, v in value.items()})
+    if get_origin(kind) is tuple and isinstance(value, list):
+        return tuple(value)
+    if kind is float and type(value) is int:
+        return float(value)
+    if get_origin(kind) in (Union, UnionType):
+        for member in get_args(kind):
+            revived = _revive(member, value)
+            if revived is not value:
+                return revived
+    return value

@@ -10,7 +10,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
+from types import UnionType
+from typing import Union, get_args, get_origin, get_type_hints
 
 import pytest
 from helpers import Server, tiny_pair
@@ -23,7 +27,9 @@ from specmlx.distributed import (
     parse_hosts,
 )
 from specmlx.errors import BadInput
+from specmlx.sampling import SamplingParams
 from specmlx.sharding import check_shardable
+from specmlx.worker import GenRequest, pack, unpack
 
 TWO = ["--hosts", "localhost,localhost"]
 PROMPT = "def add(a, b):\n    return"
@@ -119,6 +125,62 @@ def test_one_rank_needs_no_collectives():
     inner = iter([3, 0, 2])
     shared = SharedK(lambda _last: next(inner), World(None, rank=0, size=1))
     assert [shared(None) for _ in range(3)] == [3, 0, 2]
+
+
+@dataclass
+class _Later(GenRequest):
+    """GenRequest with fields added later, of kinds JSON does not keep (a tuple, a float
+    that may hold an int, a nested dataclass): they travel with no edit to pack/unpack."""
+
+    budget_s: float | None = None
+    tags: tuple[str, ...] = ()
+    also: SamplingParams = field(default_factory=SamplingParams)
+
+
+def _off_default(kind, default, n: int):
+    """A value of type ``kind`` other than ``default`` that its class accepts (n varies
+    it): what a field added to the request may hold."""
+    if get_origin(kind) in (Union, UnionType):
+        kind = next(a for a in get_args(kind) if a is not type(None))
+    origin, args = get_origin(kind) or kind, get_args(kind)
+    if is_dataclass(kind):
+        return _every_field_off(kind, n)
+    if kind is bool:
+        return not default
+    if kind is int:
+        return (default if isinstance(default, int) else 0) + n + 1
+    if kind is float:
+        return default / 2 + 0.125 if isinstance(default, float) else 0.375  # (0, 1): valid
+    if kind is str:
+        return f"{default}-{n}\0é"
+    if origin in (tuple, list, Sequence):
+        items = [_off_default(args[0], None, n + i) for i in range(3)]
+        return tuple(items) if origin is tuple else items
+    raise AssertionError(f"no test value for a field of type {kind}: teach _off_default")
+
+
+def _every_field_off(cls, n: int = 0):
+    hints = get_type_hints(cls)
+    values = {}
+    for i, f in enumerate(fields(cls)):
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        values[f.name] = _off_default(hints[f.name], default, n + i)
+        assert values[f.name] != default, f.name
+    return cls(**values)
+
+
+@pytest.mark.parametrize("cls", [GenRequest, _Later])
+def test_a_request_travels_to_the_other_ranks_whole(cls):
+    """What rank 0 sends the other ranks is every field of the request, each set off its
+    default here: the one that comes back is equal, its tuples tuples, its floats floats."""
+    sent = _every_field_off(cls)
+    back = unpack(cls, pack(sent))
+    assert back == sent and type(back.extra_eos) is tuple
+    assert type(back.sampling.temperature) is float
+    # a float field holding an int, a seed past 32 bits, an empty stop list
+    odd = replace(sent, sampling=SamplingParams(0, 1, 0, 0), seed=2**47 + 3, stop=[])
+    back = unpack(cls, pack(odd))
+    assert back == odd and type(back.sampling.temperature) is float and back.stop == []
 
 
 # ------------------------------------------------------------------ two local ranks
@@ -443,6 +505,24 @@ def test_k_and_the_lockstep_hash_travel_in_one_collective_a_round(models, diverg
         else:  # round 5's tokens differ: round 6's k exchange compares them and stops
             assert len(out["ks"]) == diverge_at + 1, out
             assert "different tokens" in out["error"], out
+
+
+def test_the_worker_hands_a_request_to_the_other_rank_in_two_collectives(models):
+    """Over a real ring: rank 1 gets rank 0's request whole (its fields as JSON bytes, after
+    the collective that says what comes), then an idle tick and the stop in one each."""
+    script = Path(__file__).with_name("rank_sync.py")
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "mlx.launch"), "-n", "2", "--backend", "ring",
+         "--python", sys.executable, str(script), "request"],
+        env=models["env"] | {"PYTHONPATH": str(Path(__file__).parent.parent)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    lines = {x["rank"]: x for x in map(json.loads, done.stdout.splitlines()) if "rank" in x}
+    assert sorted(lines) == [0, 1], done.stdout + done.stderr
+    assert lines[1]["equal"] and lines[1]["got"] == lines[0]["sent"]
+    assert lines[1]["then"] == [True, None]
+    for out in lines.values():  # 2 for the request, 1 for the tick, 1 for the stop
+        assert out["calls"] == {"all_gather": 0, "all_sum": 4}, out
 
 
 def test_the_servers_stoppable_lockstep_keeps_its_own_check_each_round():
