@@ -356,7 +356,7 @@ def test_bench_runs_under_two_ranks(models, tmp_path):
     result = json.loads(out.read_text())
     assert result["environment"]["ranks"] == {"size": 2, "backend": "ring"}
     assert all(row["identical_to_target"] for row in result["rows"])
-    assert done.stderr.count("specmlx bench") == 1  # one table: rank 0's
+    assert done.stdout.count("specmlx bench") == 1  # one table (on stdout): rank 0's
 
 
 def test_serve_over_two_ranks(models):
