@@ -620,7 +620,7 @@ def test_sigterm_answers_the_queued_and_ends_the_running_stream_cleanly(root):
     queued request anyway (then a plain-text 500). Now: the queued one gets a 503
     shutting_down at once, the running stream ends with an error event and [DONE] before
     the grace runs out, and the server exits 0."""
-    s = Server(server_env(root, models_toml(root)), "--shutdown-grace", "3")
+    s = Server(server_env(root, models_toml(root)), "--shutdown-grace", "1")
     body = {"prompt": CODE, "max_tokens": 1900, "stream": True, "draft": "none"}
     lines: list[str] = []
     queued: list[httpx.Response] = []
