@@ -25,7 +25,7 @@ probe.py times the target for the curve's first shape: it runs models, nothing h
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .stats import RoundReport
 
@@ -137,11 +137,15 @@ class Acceptance:
             a += explore * (a * (1 - a) / (self.prior_weight + tries)) ** 0.5
         return min(1.0, a)
 
-    def lookup_later(self, match: int) -> float:
+    def lookup_later(self, match: int, explore: float = 0.0) -> float:
         """a_later for lookup after a ``match``-token n-gram: copied text tends to go on
-        being copied, more so after a long match."""
+        being copied, more so after a long match. Shrunk towards lookup_first(match,
+        ``explore``) while it has few trials: an untried match is as hopeful past its first
+        token as at it (issue 36: with the point estimate there, the later tokens of a
+        verbatim copy looked no better than 0.8 each, a near-linear pass-cost curve said
+        no, and a lookup never verified never learned otherwise)."""
         wins, tries = self.lookup.get(match, [0.0] * 4)[2:]
-        prior = self.lookup_first(match)
+        prior = self.lookup_first(match, explore)
         return (prior * self.prior_weight + wins) / (self.prior_weight + tries)
 
     def count(self, k: int, n: int) -> None:
@@ -435,21 +439,28 @@ class AdaptiveK:
         """How many of ``available`` lookup tokens (found by a ``match``-token n-gram) to
         verify this round: the length with the most expected tokens per second, or 0 when the
         alternative is worth more: drafting k tokens with the draft model (``draft``, k > 0),
-        else a plain step. Optimistic by ``explore`` standard errors, as for stopping."""
+        else a plain step. Optimistic by ``explore`` standard errors, at the first token and
+        the later ones, as for stopping: a match length never verified is tried wherever the
+        pass-cost curve is below one pass a token, and what it scores then decides.
+        Before anything is timed it is judged in units of a one-token pass: the choice
+        depends on the curve's shape only, as the rival scales with the same level."""
         lengths = range(1, min(available, self.lookup_max) + 1)
-        if not lengths or self.cost.level is None:  # nothing timed yet: try it, and time it
-            return len(lengths)
-        curve = self.pass_curve()
+        if not lengths:
+            return 0
+        # (untimed, verifying everything on offer cost a first round of a steep CPU curve
+        # 12 passes' time for one token when the match was wrong)
+        cost = self.cost if self.cost.level is not None else replace(self.cost, level=1.0)
+        curve = cost.curve(max(self.k_max, self.lookup_max))
         a = self.accept.lookup_first(match, self.explore)
-        later = self.accept.lookup_later(match)
+        later = self.accept.lookup_later(match, self.explore)
         best = max(lengths, key=lambda n: expected_tokens(a, n, later) / curve[n])
         value = expected_tokens(a, best, later) / curve[best]
         if draft and k > 0:
-            td = self.cost.t_draft or 0.0
+            td = cost.t_draft or 0.0
             a_draft, later_draft = self.accept.first_rate, self.accept.later_rate
             rival = expected_tokens(a_draft, k, later_draft) / (k * td + curve[k])
         else:
-            rival = 1.0 / self.cost.plain_seconds()
+            rival = 1.0 / cost.plain_seconds()
         return best if value > rival else 0
 
     def update(
