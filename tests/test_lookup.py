@@ -8,10 +8,12 @@ import multiprocessing
 import random
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import make_tiny
+from helpers import TableLM, make_tiny
 
+from specmlx.adaptive import AdaptiveK, CostCurve
 from specmlx.engine import generate_tokens
 from specmlx.lookup import (
     Lookup,
@@ -187,3 +189,42 @@ def test_the_engine_remembers_each_output(pair):
     first = [next(gen).token for _ in range(10)]
     gen.close()
     assert memory.docs[-1][:10] == first and len(memory.docs) == 2
+
+
+# the pass-cost curve the probe measured for the real Gemma 3 270M on a CPU without OpenBLAS
+NEAR_LINEAR = [
+    1.0, 2.026, 2.802, 3.556, 4.119, 4.758, 5.867, 6.248, 7.292, 7.991, 8.69, 9.389, 10.219,
+    11.049, 11.88, 12.71,
+]  # fmt: skip
+
+
+class _Successor(TableLM):
+    """A table model that always says the next id is this one plus 1 (mod V): a prompt
+    holding a run of consecutive ids is one its greedy output copies verbatim."""
+
+    def __init__(self, vocab: int = 64):
+        super().__init__(vocab, seed=0)
+        table = np.zeros((vocab, vocab, vocab), dtype=np.float32)
+        table[:, np.arange(vocab), (np.arange(vocab) + 1) % vocab] = 10.0
+        self.table = mx.array(table)
+
+
+def test_a_first_run_on_a_verbatim_repeat_pays_under_auto():
+    """Issue 36 end to end: a fresh adaptive chooser with a near-linear pass-cost curve (the
+    one probed for the real Gemma 3 270M on a CPU without OpenBLAS), on a prompt whose
+    continuation repeats a passage of it. Its first lookup offer is a 1-gram match that
+    misses (9 was followed by 3), so nothing about lookup is known when the copy starts.
+    Before the fix auto declined every later offer on priors alone (1.00 tokens per pass);
+    now it verifies them, and makes at least what a fixed k = 4 makes."""
+    target = _Successor()
+    prompt = [9, 3, *range(10, 62), 5, 9]  # the output is 10, 11, ...: the passage again
+    base = _run(target, None, prompt, max_tokens=48)
+    assert base == list(range(10, 58))
+    per_pass = {}
+    for name, k in (("auto", AdaptiveK(cost=CostCurve(pass_ratio=NEAR_LINEAR))), ("k4", 4)):
+        stats = Stats()
+        assert (
+            _run(target, None, prompt, lookup=True, num_draft=k, max_tokens=48, stats=stats) == base
+        )
+        per_pass[name] = stats.tokens_per_pass
+    assert per_pass["auto"] >= per_pass["k4"] and per_pass["auto"] > 3, per_pass
