@@ -323,7 +323,11 @@ class Watchdog:
 # ---------------------------------------------------------------- launching the ranks
 
 _RANK_REPORT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
-_RING_NOISE = re.compile(r"^\[ring\]")
+# the ring backend's own lines (C++ writes them to fd 2 before raising what we report)
+_RING_NOISE = re.compile(
+    r"^\[ring\]|^(Sending to|Receiving from) socket \d+ |^(Send|Recv) failed with errno"
+    r"|^Socket .*closed by the peer"
+)
 _RANK_ERROR = re.compile(r"^error: rank \d+: (.*)")  # see rank_prefix
 
 
