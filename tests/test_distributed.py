@@ -20,6 +20,7 @@ import pytest
 from helpers import Server, tiny_pair
 
 from specmlx.distributed import (
+    _RING_NOISE,
     Lockstep,
     SharedK,
     World,
@@ -537,8 +538,6 @@ def test_the_servers_stoppable_lockstep_keeps_its_own_check_each_round():
 
 def test_the_ring_backends_own_lines_are_filtered_and_ours_are_not():
     # MLX's ring writes these to fd 2 itself when a peer dies (seen in CI beside our error)
-    from specmlx.distributed import _RING_NOISE
-
     for noise in (
         "Sending to socket 4 failed with errno 32",
         "[ring] connection lost",
