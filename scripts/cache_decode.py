@@ -14,7 +14,7 @@ import time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from specmlx.caches import cache_kinds, make_caches
+from specmlx.core.caches import cache_kinds, make_caches
 from specmlx.machine import blas_in_use
 
 SHAPES = {

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from specmlx.distill_student import make_student, read_data
-from specmlx.loading import load_model
-from specmlx.registry import load_registry
+from specmlx.distill.student import make_student, read_data
+from specmlx.models.loading import load_model
+from specmlx.models.registry import load_registry
 from specmlx.standins.cpu_distilled import CPU_DISTILLED, distilled_dir
 
 

@@ -16,10 +16,10 @@ import mlx.core as mx
 from mlx_lm.models import qwen3_5
 from rollback_cost import best  # scripts/: the same timing rule
 
-from specmlx.caches import make_caches
-from specmlx.hidden import HiddenTap
+from specmlx.core.caches import make_caches
+from specmlx.core.hidden import HiddenTap
+from specmlx.drafting.mtp import MTPHead
 from specmlx.machine import blas_in_use
-from specmlx.mtp import MTPHead
 
 
 def shape(layers: int) -> dict:

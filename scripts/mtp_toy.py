@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from mtp_toy import toy_head, toy_language, toy_target  # noqa: E402
 
-from specmlx.adaptive import AdaptiveK  # noqa: E402
-from specmlx.engine import generate_tokens  # noqa: E402
-from specmlx.sampling import SamplingParams  # noqa: E402
-from specmlx.stats import Stats  # noqa: E402
+from specmlx.core.sampling import SamplingParams  # noqa: E402
+from specmlx.core.stats import Stats  # noqa: E402
+from specmlx.decoding.engine import generate_tokens  # noqa: E402
+from specmlx.drafting.adaptive import AdaptiveK  # noqa: E402
 
 
 def run(target, head, k, temp: float, prompts: int, n: int) -> Stats:

@@ -3,7 +3,7 @@ random-weight models at real layer shapes (mlx-lm's own classes; a few layers of
 
 For each model: prefill 256 tokens, then time (best of --reps) a verify pass over k + 1
 tokens, and the rollback that keeps m of them: a trim (attention, sliding window), the
-recurrence recomputed from the recorded pass (specmlx/recurrent.py), and the generic replay
+recurrence recomputed from the recorded pass (specmlx/core/recurrent.py), and the generic replay
 of the m tokens through the whole model (what other recurrent families get).
 
     .venv/bin/python scripts/rollback_cost.py [--k 4] [--keep 2] [--reps 5]
@@ -18,9 +18,9 @@ from contextlib import nullcontext
 
 import mlx.core as mx
 
-from specmlx.caches import make_caches, recurrent_layers, restore, snapshot, trim
+from specmlx.core.caches import make_caches, recurrent_layers, restore, snapshot, trim
+from specmlx.core.recurrent import PassRecorder
 from specmlx.machine import blas_in_use
-from specmlx.recurrent import PassRecorder
 
 # real layer shapes, fewer layers: per layer, the costs scale alike
 SHAPES = {

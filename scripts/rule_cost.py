@@ -15,8 +15,8 @@ import time
 
 import mlx.core as mx
 
-from specmlx.acceptance import accept_block, accept_sampled
-from specmlx.sampling import SamplingParams, make_processor
+from specmlx.core.acceptance import accept_block, accept_sampled
+from specmlx.core.sampling import SamplingParams, make_processor
 
 RUNS = 30
 

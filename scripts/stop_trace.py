@@ -24,11 +24,11 @@ import json
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from specmlx.drafters import draft_model_propose
-from specmlx.engine import generate_tokens
-from specmlx.loading import load_model
-from specmlx.registry import load_registry
-from specmlx.sampling import SamplingParams, make_processor
+from specmlx.core.sampling import SamplingParams, make_processor
+from specmlx.decoding.engine import generate_tokens
+from specmlx.drafting.drafters import draft_model_propose
+from specmlx.models.loading import load_model
+from specmlx.models.registry import load_registry
 
 
 def main() -> None:

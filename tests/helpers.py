@@ -22,8 +22,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from specmlx import gguf
-from specmlx.stats import RoundReport
+from specmlx.core.stats import RoundReport
+from specmlx.models import gguf
 
 
 def make_tiny(seed: int, vocab: int = 64, layers: int = 2, hidden: int = 32, sharpen: float = 1.0):

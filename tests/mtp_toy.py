@@ -11,8 +11,8 @@ import mlx.optimizers as optim
 import numpy as np
 from families import build
 
-from specmlx.hidden import HiddenTap
-from specmlx.mtp import MTPHead
+from specmlx.core.hidden import HiddenTap
+from specmlx.drafting.mtp import MTPHead
 
 SYMBOLS = 12  # the toy language's alphabet: ids 0..11 of the tiny model's 128
 

@@ -12,9 +12,9 @@ from dataclasses import asdict
 
 import mlx.core as mx
 
-from specmlx.distributed import Lockstep, LockstepError, SharedK, join
-from specmlx.sampling import SamplingParams
-from specmlx.worker import IDLE, GenRequest, _receive, _send
+from specmlx.core.sampling import SamplingParams
+from specmlx.distributed.ranks import Lockstep, LockstepError, SharedK, join
+from specmlx.serving.worker import IDLE, GenRequest, _receive, _send
 
 world = join()
 calls = {"all_gather": 0, "all_sum": 0}

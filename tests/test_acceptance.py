@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from specmlx.acceptance import (
+from specmlx.core.acceptance import (
     accept_block,
     accept_greedy,
     accept_sampled,
@@ -18,8 +18,8 @@ from specmlx.acceptance import (
     sampled_outcome,
     sampled_rule,
 )
+from specmlx.core.sampling import SamplingParams, make_processor
 from specmlx.errors import BadInput
-from specmlx.sampling import SamplingParams, make_processor
 
 P = [0.5, 0.3, 0.2, 0.0]
 Q = [0.1, 0.6, 0.1, 0.2]

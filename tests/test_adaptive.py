@@ -8,7 +8,9 @@ import statistics
 import pytest
 from helpers import Feed, make_tiny, steady
 
-from specmlx.adaptive import (
+from specmlx.core.stats import RoundReport, Stats
+from specmlx.decoding.engine import generate_tokens
+from specmlx.drafting.adaptive import (
     CONF_BINS,
     LOOKUP_MAX,
     STATE_VERSION,
@@ -18,9 +20,7 @@ from specmlx.adaptive import (
     best_k,
     expected_tokens,
 )
-from specmlx.engine import generate_tokens
-from specmlx.probe import curve_from, probe_pass_cost
-from specmlx.stats import RoundReport, Stats
+from specmlx.drafting.probe import curve_from, probe_pass_cost
 
 
 def test_expected_tokens():

@@ -10,9 +10,8 @@ import pytest
 from helpers import make_tiny
 from mlx_lm.sample_utils import make_sampler
 
-from specmlx.bench import _timed, like_for_like_sampler, systems
-from specmlx.bench_data import BenchSettings, Run, System, runs_at
-from specmlx.bench_report import (
+from specmlx.bench.data import BenchSettings, Run, System, runs_at
+from specmlx.bench.report import (
     classify_difference,
     first_difference,
     git_revision,
@@ -24,7 +23,8 @@ from specmlx.bench_report import (
     tie_tolerance,
     to_markdown,
 )
-from specmlx.sampling import SamplingParams, make_processor
+from specmlx.bench.suite import _timed, like_for_like_sampler, systems
+from specmlx.core.sampling import SamplingParams, make_processor
 
 
 def test_theoretical_speedup_formula():
@@ -118,7 +118,7 @@ def test_identity_recomputes_the_targets_logits_where_runs_differ():
 
 
 def generate(target, prompt, n):
-    from specmlx.engine import generate_tokens
+    from specmlx.decoding.engine import generate_tokens
 
     return [e.token for e in generate_tokens(target, None, prompt, max_tokens=n)]
 

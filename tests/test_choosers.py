@@ -9,12 +9,12 @@ import threading
 import pytest
 from helpers import Feed, make_tiny, steady
 
-from specmlx.adaptive import LOOKUP_MAX, STATE_VERSION, AdaptiveK
-from specmlx.choosers import ChooserStore, FixedK, make_chooser, sampling_key
+from specmlx.core.sampling import SamplingParams
+from specmlx.drafting.adaptive import LOOKUP_MAX, STATE_VERSION, AdaptiveK
+from specmlx.drafting.choosers import ChooserStore, FixedK, make_chooser, sampling_key
 from specmlx.errors import BadInput
+from specmlx.models.registry import load_registry
 from specmlx.paths import atomic_write, load_json, save_json
-from specmlx.registry import load_registry
-from specmlx.sampling import SamplingParams
 
 GREEDY, WARM = SamplingParams(), SamplingParams(0.8, 0.95)
 

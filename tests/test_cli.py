@@ -154,7 +154,7 @@ def test_serve_on_a_busy_port_is_one_line_before_loading(registry, monkeypatch):
     uvicorn's multi-line error and exit 3."""
     import socket
 
-    from specmlx import loading
+    from specmlx.models import loading
 
     loads = []
     monkeypatch.setattr(loading, "load_pair", lambda *a, **kw: loads.append(1))
@@ -220,7 +220,7 @@ def test_model_too_big_for_memory(registry, monkeypatch):
 def test_memory_is_planned_for_the_prompt_and_max_tokens(registry, monkeypatch):
     """The plan once ignored --max-tokens: it is for prompt + max tokens (within the context),
     so a budget that cannot hold the whole context can still hold a short run."""
-    from specmlx import loading
+    from specmlx.models import loading
 
     planned = []
     real = loading.plan_memory
@@ -417,7 +417,7 @@ def test_a_prompt_that_starts_with_a_dash(registry, prompt):
 
 def test_models_pull_fetches_without_loading(registry, monkeypatch):
     """Pull once loaded the whole model (68 GB for codellama-34b) just to download it."""
-    from specmlx import loading
+    from specmlx.models import loading
 
     def boom(*a, **kw):
         raise AssertionError("pull loaded weights")

@@ -14,11 +14,11 @@ import pytest
 from families import build, noisy_copy
 from mlx_lm.models import gated_delta, qwen3_next
 
-from specmlx.caches import make_caches, recurrent_layers, snapshot
-from specmlx.cursor import Cursor
-from specmlx.engine import KVState, generate_tokens
-from specmlx.hidden import HiddenTap
-from specmlx.recurrent import PassRecorder
+from specmlx.core.caches import make_caches, recurrent_layers, snapshot
+from specmlx.core.cursor import Cursor
+from specmlx.core.hidden import HiddenTap
+from specmlx.core.recurrent import PassRecorder
+from specmlx.decoding.engine import KVState, generate_tokens
 
 PROMPT = list(range(1, 30))
 

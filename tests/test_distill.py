@@ -24,10 +24,11 @@ from test_distribution import (
 )
 from typer.testing import CliRunner
 
-from specmlx.acceptance import RULES, block_outcome
 from specmlx.cli import app
-from specmlx.distill import distill
-from specmlx.distill_student import (
+from specmlx.core.acceptance import RULES, block_outcome
+from specmlx.core.sampling import make_processor
+from specmlx.decoding.engine import generate_tokens
+from specmlx.distill.student import (
     PROMPT_LEN,
     DistillConfig,
     kl_loss,
@@ -37,11 +38,10 @@ from specmlx.distill_student import (
     top_logprobs,
     tvd_loss,
 )
-from specmlx.engine import generate_tokens
+from specmlx.distill.train import distill
 from specmlx.errors import BadInput
-from specmlx.loading import Loaded, load_model
-from specmlx.registry import ModelSpec, load_registry
-from specmlx.sampling import make_processor
+from specmlx.models.loading import Loaded, load_model
+from specmlx.models.registry import ModelSpec, load_registry
 
 runner = CliRunner()
 TEXT = "def add(a, b):\n    return a + b\n\n" * 8 + "class Point:\n    x: int\n    y: int\n" * 8
@@ -190,7 +190,7 @@ def test_a_resumed_run_has_the_weights_of_one_that_never_stopped(teacher, data, 
 
 
 def test_held_out_text_is_never_trained_on(teacher, data, tmp_path):
-    from specmlx.distill_student import read_data
+    from specmlx.distill.student import read_data
 
     rows, held = read_data(data, teacher.tokenizer, SMALL)
     train_text = {tuple(r) for r in rows}
@@ -364,8 +364,8 @@ def test_models_build_cpu_distilled_says_what_it_costs_and_resumes(specmlx_home,
     one left alone. (The 20-minute run itself is BENCHMARKS.md's, not the suite's.)"""
     from test_cli import FACTS
 
-    from specmlx import distill as distill_mod
-    from specmlx import loading
+    from specmlx.distill import train as distill_mod
+    from specmlx.models import loading
     from specmlx.standins import cpu_demo as standin
     from specmlx.standins import cpu_distilled
 

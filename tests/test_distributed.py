@@ -19,7 +19,8 @@ from typing import Union, get_args, get_origin, get_type_hints
 import pytest
 from helpers import Server, tiny_pair
 
-from specmlx.distributed import (
+from specmlx.core.sampling import SamplingParams
+from specmlx.distributed.ranks import (
     _RING_NOISE,
     Lockstep,
     SharedK,
@@ -28,9 +29,8 @@ from specmlx.distributed import (
     parse_hosts,
 )
 from specmlx.errors import BadInput
-from specmlx.sampling import SamplingParams
-from specmlx.sharding import check_shardable
-from specmlx.worker import GenRequest, pack, unpack
+from specmlx.models.sharding import check_shardable
+from specmlx.serving.worker import GenRequest, pack, unpack
 
 TWO = ["--hosts", "localhost,localhost"]
 PROMPT = "def add(a, b):\n    return"
@@ -313,8 +313,8 @@ def wide_smollm2(tmp_path_factory):
     from mlx.utils import tree_flatten
 
     from specmlx.errors import SpecmlxError
-    from specmlx.loading import load_model
-    from specmlx.registry import load_registry
+    from specmlx.models.loading import load_model
+    from specmlx.models.registry import load_registry
     from specmlx.standins.cpu_demo import _save, widen
 
     try:

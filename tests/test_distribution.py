@@ -12,14 +12,20 @@ from helpers import RecurrentTableLM, TableLM, WindowTableLM, make_tiny
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from scipy.stats import chisquare
 
-from specmlx import caches
-from specmlx.acceptance import RULES, accept_sampled, block_outcome, point_mass, sampled_outcome
-from specmlx.drafters import draft_model_propose
-from specmlx.engine import generate_tokens
-from specmlx.lookup import lookup_propose
-from specmlx.recurrent import PassRecorder
-from specmlx.sampling import SamplingParams, make_processor, sample
-from specmlx.stats import Stats
+from specmlx.core import caches
+from specmlx.core.acceptance import (
+    RULES,
+    accept_sampled,
+    block_outcome,
+    point_mass,
+    sampled_outcome,
+)
+from specmlx.core.recurrent import PassRecorder
+from specmlx.core.sampling import SamplingParams, make_processor, sample
+from specmlx.core.stats import Stats
+from specmlx.decoding.engine import generate_tokens
+from specmlx.drafting.drafters import draft_model_propose
+from specmlx.drafting.lookup import lookup_propose
 
 V = 12
 N = 20_000
@@ -385,7 +391,7 @@ def test_the_kind_test_rejects_a_wrong_rollback(kind_pair, monkeypatch):
 
 
 # a real family: mlx-lm's Mamba 2, whose rollback recomputes the SSM state from the recorded
-# verify pass (specmlx/recurrent.py); ~8 ms a generation, so fewer than the table models
+# verify pass (specmlx/core/recurrent.py); ~8 ms a generation, so fewer than the table models
 MAMBA_PROMPT = [3, 5, 1, 3, 6, 2]
 N_MAMBA = 5_000
 N_MAMBA_WRONG = 2_000

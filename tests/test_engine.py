@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
-from specmlx.adaptive import DRAFT_CHUNKS, Acceptance, AdaptiveK, CostCurve, _chunk
-from specmlx.engine import TIME_DRAFT_EVERY, KVState, generate_tokens, prefill
+from specmlx.core.sampling import SamplingParams
+from specmlx.core.stats import RoundReport, Stats
+from specmlx.decoding.engine import TIME_DRAFT_EVERY, KVState, generate_tokens, prefill
+from specmlx.drafting.adaptive import DRAFT_CHUNKS, Acceptance, AdaptiveK, CostCurve, _chunk
 from specmlx.errors import BadInput
-from specmlx.sampling import SamplingParams
-from specmlx.stats import RoundReport, Stats
 
 PROMPTS = [[1, 5, 9, 3, 7], [2], [4, 4, 4, 8, 15, 16, 23, 42, 8, 15, 16]]
 
@@ -493,7 +493,7 @@ def test_a_narrow_draft_is_never_fed_ids_it_cannot_embed(pair):
 def test_stop_sequences_span_rounds_with_bounded_memory(pair):
     """Stop checking keeps only the last few tokens (it once rebuilt the whole output per
     token), and still finds a stop sequence that straddles two rounds."""
-    from specmlx.engine import _Stops
+    from specmlx.decoding.engine import _Stops
 
     stops = _Stops([], [[7, 8, 9]], 100_000)
     for i in range(20_000):

@@ -14,22 +14,22 @@ from helpers import count_host_syncs, save_tiny, tiny_tokenizer
 from mlx_lm.models import gemma3_text
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, make_prompt_cache
 
-from specmlx import caches
-from specmlx.caches import (
+from specmlx.core import caches
+from specmlx.core.caches import (
     ROLLBACK_SLACK,
     WindowKVCache,
     cache_kinds,
     make_caches,
     recurrent_layers,
 )
-from specmlx.engine import KVState, generate_tokens, prefill
+from specmlx.core.recurrent import PassRecorder
+from specmlx.core.sampling import SamplingParams
+from specmlx.core.stats import Stats
+from specmlx.decoding.engine import KVState, generate_tokens, prefill
 from specmlx.errors import RollbackError
-from specmlx.footprint import layer_kinds, recurrent_state_bytes
-from specmlx.loading import load_pair
-from specmlx.recurrent import PassRecorder
-from specmlx.registry import load_registry
-from specmlx.sampling import SamplingParams
-from specmlx.stats import Stats
+from specmlx.models.footprint import layer_kinds, recurrent_state_bytes
+from specmlx.models.loading import load_pair
+from specmlx.models.registry import load_registry
 
 SHORT = [5, 9, 2]  # inside every window
 LONG = list(range(1, 4 * WINDOW + 3))  # past every window several times over

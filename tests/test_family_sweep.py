@@ -16,14 +16,14 @@ from helpers import save_tiny, tiny_tokenizer
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from specmlx import caches
-from specmlx.caches import cache_kinds, check_kinds, make_caches
-from specmlx.engine import generate_tokens
+from specmlx.core import caches
+from specmlx.core.caches import cache_kinds, check_kinds, make_caches
+from specmlx.core.stats import Stats
+from specmlx.decoding.engine import generate_tokens
 from specmlx.errors import IncompatiblePair, RollbackError
-from specmlx.footprint import layer_kinds
-from specmlx.loading import load_pair
-from specmlx.registry import load_registry
-from specmlx.stats import Stats
+from specmlx.models.footprint import layer_kinds
+from specmlx.models.loading import load_pair
+from specmlx.models.registry import load_registry
 
 SHORT = [5, 9, 2]  # inside every window
 LONG = list(range(1, 4 * WINDOW + 3))  # past every window several times over

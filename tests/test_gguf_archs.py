@@ -16,14 +16,14 @@ import pytest
 from helpers import tiny_tokenizer, tokenizer_meta
 from mlx.utils import tree_flatten
 
-import specmlx.gguf_hybrids
-from specmlx.engine import generate_tokens
+import specmlx.models.gguf_hybrids
+from specmlx.decoding.engine import generate_tokens
 from specmlx.errors import ModelLoadError
-from specmlx.footprint import kv_bytes, layer_kinds
-from specmlx.gguf import ARCHS, gguf_config, load_gguf
-from specmlx.gguf_archs import TOP_NAMES
-from specmlx.gguf_hybrids import _undo_gated_delta
-from specmlx.loading import _set_dtype
+from specmlx.models.footprint import kv_bytes, layer_kinds
+from specmlx.models.gguf import ARCHS, gguf_config, load_gguf
+from specmlx.models.gguf_archs import TOP_NAMES
+from specmlx.models.gguf_hybrids import _undo_gated_delta
+from specmlx.models.loading import _set_dtype
 
 Q = gguf.GGMLQuantizationType
 KINDS = [Q.Q8_0, Q.Q5_0, Q.Q4_1, Q.F16]  # 2-D tensors take these in turn; 1-D stay F32
@@ -672,7 +672,7 @@ def test_a_granite4_gguf_without_q_k_unpermuted_differs(tmp_path, monkeypatch):
     """The check sees LlamaModel.permute on Granite's q/k: left as stored, RoPE turns them
     differently and the logits past the first token differ."""
     path, ref = write_tiny_hybrid(tmp_path, "granitehybrid")
-    monkeypatch.setattr(specmlx.gguf_hybrids, "_unpermute", lambda w, heads: w)
+    monkeypatch.setattr(specmlx.models.gguf_hybrids, "_unpermute", lambda w, heads: w)
     model, _, _ = load_gguf(path, mx.float32, keep_quantized=False)
     x = mx.array([[3, 4, 5, 6]])
     assert not mx.allclose(model(x), ref(x), atol=1e-2)

@@ -19,8 +19,8 @@ from tokenizers import decoders
 from vocab_files import VocabUnavailable, read_vectors, vocab_dir
 
 from specmlx.errors import ModelLoadError
-from specmlx.gguf import read_gguf_header
-from specmlx.gguf_tokenizer import gguf_tokenizer
+from specmlx.models.gguf import read_gguf_header
+from specmlx.models.gguf_tokenizer import gguf_tokenizer
 
 # Every vocabulary with test vectors that we claim, by the file's name (ggml-vocab-<name>.gguf).
 SUPPORTED = [

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specmlx"
-LEAVES = {"errors", "stats", "paths", "machine"}
+LEAVES = {"errors", "core.stats", "paths", "machine"}
 
 
 def _modules() -> dict[str, Path]:
@@ -78,18 +78,39 @@ def test_imports_form_no_cycle(depth):
 
 
 def test_leaf_modules_import_nothing_of_specmlx():
-    graph = imports()
+    graph = imports(2)
     for leaf in LEAVES:
         assert graph[leaf] <= {"__init__"}, (leaf, graph[leaf])
 
 
-def test_the_engine_knows_nothing_of_the_layers_above():
+# the folders from the ground up: each imports only what stands below it (the drawing in
+# the README's layout table)
+LAYERS = [
+    {"errors", "paths", "machine", "data"},
+    {"core"},  # sampling, acceptance, caches, cursors, stats
+    {"drafting"},  # drafters, lookup, heads, adaptive k
+    {"models", "distributed"},  # loading, GGUF, registry; ranks
+    {"decoding"},  # the round loop, the session, text
+    {"serving", "bench", "distill"},
+    {"standins"},  # built demo models (distill makes one)
+    {"cli"},
+    {"entry", "__main__"},
+]
+
+
+def test_each_folder_imports_only_the_layers_below_it():
     graph = imports()
-    above = {"cli", "display", "bench", "loading", "registry", "sources", "footprint", "stream"}
-    above |= {"session", "worker", "serve", "client", "overhead"}
-    above |= {"api_errors", "api_schemas", "api_shapes", "guard", "metrics"}  # serve's parts
-    above |= {"inspection", "quantized", "sharding"}  # loading's parts
-    assert not graph["engine"] & above, graph["engine"]
+    floor = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+    assert set(graph) - {"__init__"} == set(floor), set(graph) ^ set(floor)
+    for m, deps in graph.items():
+        for d in deps - {"__init__"}:
+            assert floor[d] < floor[m] or (floor[d] == floor[m] and d == m), (m, "imports", d)
+
+
+def test_the_engine_knows_nothing_of_the_layers_above():
+    graph = imports(2)
+    assert {d.split(".")[0] for d in graph["decoding.engine"]} <= {"core", "drafting", "errors"}
+    assert not {"decoding.session", "decoding.stream"} & graph["decoding.engine"]
 
 
 def test_only_the_models_build_command_imports_the_standins():

@@ -18,7 +18,6 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from specmlx import loading, sources
 from specmlx.errors import (
     DoesNotFit,
     IncompatiblePair,
@@ -26,20 +25,21 @@ from specmlx.errors import (
     OfflineError,
     UnknownModel,
 )
-from specmlx.footprint import (
+from specmlx.models import loading, sources
+from specmlx.models.footprint import (
     formula_bytes,
     model_size,
     parse_size,
     plan_memory,
     require_fit,
 )
-from specmlx.gguf import load_gguf, read_gguf_header
-from specmlx.gguf_tokenizer import gguf_tokenizer
-from specmlx.inspection import is_cached, safetensors_header
-from specmlx.loading import Loaded, check_pair, load_model, load_pair
-from specmlx.quantized import cached_quantized, quantize_and_cache, quantized_dir
-from specmlx.registry import ModelSpec, Quantize, load_registry
-from specmlx.sources import fetch
+from specmlx.models.gguf import load_gguf, read_gguf_header
+from specmlx.models.gguf_tokenizer import gguf_tokenizer
+from specmlx.models.inspection import is_cached, safetensors_header
+from specmlx.models.loading import Loaded, check_pair, load_model, load_pair
+from specmlx.models.quantized import cached_quantized, quantize_and_cache, quantized_dir
+from specmlx.models.registry import ModelSpec, Quantize, load_registry
+from specmlx.models.sources import fetch
 
 
 def local(path: Path, **kw) -> ModelSpec:
@@ -594,8 +594,8 @@ def test_qwen_coder_pair_with_different_logit_widths(tmp_path, specmlx_home):
     on the real Qwen2 vocabulary (llama.cpp's ggml-vocab-qwen2.gguf)."""
     from vocab_files import vocab_file_or_skip
 
-    from specmlx.engine import generate_tokens
-    from specmlx.gguf import read_gguf_header
+    from specmlx.decoding.engine import generate_tokens
+    from specmlx.models.gguf import read_gguf_header
 
     vocab = vocab_file_or_skip("qwen2")
     tok = gguf_tokenizer(read_gguf_header(vocab)[0], vocab)

@@ -13,16 +13,16 @@ import numpy as np
 import pytest
 from helpers import TableLM, make_tiny
 
-from specmlx.adaptive import AdaptiveK, CostCurve
-from specmlx.engine import generate_tokens
-from specmlx.lookup import (
+from specmlx.core.stats import Stats
+from specmlx.decoding.engine import generate_tokens
+from specmlx.drafting.adaptive import AdaptiveK, CostCurve
+from specmlx.drafting.lookup import (
     Lookup,
     LookupMemory,
     NgramIndex,
     lookup_propose,
     tokenizer_fingerprint,
 )
-from specmlx.stats import Stats
 
 
 def brute_force(history: list[int], k: int, max_ngram: int = 4) -> list[int]:

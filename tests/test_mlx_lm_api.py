@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from specmlx import mlx_lm_api
-from specmlx.recurrent import LAYOUTS, RECURRENCES
+from specmlx.core import mlx_lm_api
+from specmlx.core.recurrent import LAYOUTS, RECURRENCES
 
 try:
     import tomllib

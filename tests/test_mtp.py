@@ -1,4 +1,4 @@
-"""The checkpoint's own drafter: MTP heads over the target's hidden states (specmlx/mtp.py,
+"""The checkpoint's own drafter: MTP heads over the target's hidden states (specmlx/drafting/mtp.py,
 hidden.py, drafters.HeadDrafter). Tiny random Qwen3-Next and Qwen3.5 targets from mlx-lm's
 own classes; exactness (greedy identical, the whole-sequence chi-square with its wrong-rule
 control), the plumbing (the head's cache is exactly what feeding it the right pairs gives;
@@ -26,19 +26,19 @@ from test_distribution import (
 )
 from typer.testing import CliRunner
 
-import specmlx.cursor as cursor
-import specmlx.drafters as drafters
-import specmlx.engine as engine
-from specmlx.acceptance import RULES, block_outcome
+import specmlx.core.cursor as cursor
+import specmlx.decoding.engine as engine
+import specmlx.drafting.drafters as drafters
 from specmlx.cli import app
-from specmlx.engine import KVState, generate_tokens
+from specmlx.core.acceptance import RULES, block_outcome
+from specmlx.core.hidden import HiddenTap
+from specmlx.core.sampling import SamplingParams, make_processor
+from specmlx.core.stats import Stats
+from specmlx.decoding.engine import KVState, generate_tokens
+from specmlx.drafting.mtp import MTPHead
 from specmlx.errors import BadInput, IncompatiblePair
-from specmlx.hidden import HiddenTap
-from specmlx.loading import _load_dir, load_pair
-from specmlx.mtp import MTPHead
-from specmlx.registry import load_registry
-from specmlx.sampling import SamplingParams, make_processor
-from specmlx.stats import Stats
+from specmlx.models.loading import _load_dir, load_pair
+from specmlx.models.registry import load_registry
 
 FAMILIES = ["qwen3_next", "qwen3_5"]
 PROMPT = list(range(1, 20))

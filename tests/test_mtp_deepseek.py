@@ -1,4 +1,4 @@
-"""DeepSeek-V3 and GLM-4.5 MTP heads (specmlx/mtp.py's ``model.layers.{N}`` families): tiny
+"""DeepSeek-V3 and GLM-4.5 MTP heads (specmlx/drafting/mtp.py's ``model.layers.{N}`` families): tiny
 random targets from mlx-lm's own deepseek_v3 and glm4_moe classes, greedy decoding with a
 random head token-identical to plain decoding, the head's cache what an offline feed of the
 right pairs builds, the embedding of the pair at position 0 zeroed, and loading from a
@@ -15,11 +15,11 @@ from helpers import save_tiny, tiny_tokenizer
 from mlx.utils import tree_flatten, tree_map
 from test_mtp import check_greedy, random_head, tokens
 
-from specmlx.engine import KVState
+from specmlx.core.hidden import HiddenTap
+from specmlx.decoding.engine import KVState
+from specmlx.drafting.mtp import MTPHead
 from specmlx.errors import IncompatiblePair
-from specmlx.hidden import HiddenTap
-from specmlx.loading import _load_dir, load_pair
-from specmlx.mtp import MTPHead
+from specmlx.models.loading import _load_dir, load_pair
 
 PROMPT = list(range(1, 20))
 

@@ -19,8 +19,8 @@ from test_mtp_deepseek import _deepseek_v3, _glm4_moe, _hf_layout
 from typer.testing import CliRunner
 
 from specmlx.cli import app
-from specmlx.loading import _load_dir, load_pair
-from specmlx.mtp import FAMILIES, without_head
+from specmlx.drafting.mtp import FAMILIES, without_head
+from specmlx.models.loading import _load_dir, load_pair
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 

@@ -9,12 +9,12 @@ import mlx.core as mx
 import pytest
 from helpers import tiny_tokenizer
 
-from specmlx import distributed
-from specmlx.distributed import Cancelled, Lockstep, LockstepError, World
-from specmlx.engine import KVState
-from specmlx.fim import FAMILIES, encode_infill, fim_template
-from specmlx.prompt_cache import PromptCache
-from specmlx.worker import GenRequest, ShuttingDown, Worker
+from specmlx.decoding.engine import KVState
+from specmlx.decoding.fim import FAMILIES, encode_infill, fim_template
+from specmlx.distributed import ranks as distributed
+from specmlx.distributed.ranks import Cancelled, Lockstep, LockstepError, World
+from specmlx.serving.prompt_cache import PromptCache
+from specmlx.serving.worker import GenRequest, ShuttingDown, Worker
 
 # ------------------------------------------------------------------ the prompt cache
 

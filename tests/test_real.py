@@ -15,15 +15,15 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from typer.testing import CliRunner
 
-from specmlx.bench_data import load_prompts
+from specmlx.bench.data import load_prompts
 from specmlx.cli import app
-from specmlx.engine import generate_tokens
+from specmlx.core.stats import Stats
+from specmlx.decoding.engine import generate_tokens
+from specmlx.decoding.stream import encode_prompt
 from specmlx.errors import ModelLoadError, OfflineError
-from specmlx.loading import load_model
-from specmlx.registry import load_registry
+from specmlx.models.loading import load_model
+from specmlx.models.registry import load_registry
 from specmlx.standins.cpu_demo import quantize_dequantize
-from specmlx.stats import Stats
-from specmlx.stream import encode_prompt
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +137,7 @@ def test_a_student_distilled_from_smollm2_learns_and_stays_exact(real, tmp_path)
     """`specmlx distill`'s library on the real teacher, briefly: 4 of its 30 blocks on the
     standard library's source. The held-out KL falls, and speculation with the student as
     draft is token-identical to the target's greedy output."""
-    from specmlx.distill import DistillConfig, distill
+    from specmlx.distill.train import DistillConfig, distill
 
     target, _ = real
     config = DistillConfig(
@@ -183,7 +183,7 @@ def test_a_first_run_copying_the_prompt_pays_under_auto_lookup(real):
     tokens); greedy SmolLM2 writes the function out again. A fresh chooser with a near-linear
     pass-cost curve used to decline every lookup offer after its first round (1.00 tokens per
     pass, against 4.36 at k = 4); it now verifies the copy, at least as well as k = 4."""
-    from specmlx.adaptive import AdaptiveK, CostCurve
+    from specmlx.drafting.adaptive import AdaptiveK, CostCurve
 
     target, _ = real
     text = "".join(f"# copy {i}\n{_FUNCTION}\n" for i in range(1, 7)) + "# copy 7\n"

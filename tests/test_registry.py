@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from specmlx.errors import RegistryError, UnknownModel
-from specmlx.registry import (
+from specmlx.models.registry import (
     ModelSpec,
     PairSpec,
     Quantize,

@@ -25,9 +25,9 @@ from typer.testing import CliRunner
 from specmlx.cli import app
 from specmlx.cli.serve import allowed_hosts
 from specmlx.errors import BadInput
-from specmlx.footprint import parse_size
-from specmlx.guard import Guard, host_name
-from specmlx.worker import QueueFull, Worker
+from specmlx.models.footprint import parse_size
+from specmlx.serving.guard import Guard, host_name
+from specmlx.serving.worker import QueueFull, Worker
 
 KEY = "sk-test-key"
 CHAT = (
@@ -515,8 +515,8 @@ def test_run_through_the_server_closed_pipe_and_ctrl_c(root, server):
 @pytest.mark.slow
 def test_real_weights_through_the_server_equal_specmlx_run(tmp_path):
     from specmlx.errors import SpecmlxError
-    from specmlx.loading import load_model
-    from specmlx.registry import load_registry
+    from specmlx.models.loading import load_model
+    from specmlx.models.registry import load_registry
 
     try:
         load_model(load_registry().resolve("smollm2-135m"))  # fetched once, cached
@@ -608,7 +608,7 @@ def test_the_bearer_scheme_is_case_insensitive_and_the_key_exact(server):
 
 
 def test_a_500_names_no_exception_text(capsys):
-    from specmlx.api_errors import as_api_error
+    from specmlx.serving.api_errors import as_api_error
 
     err = as_api_error(RuntimeError("cannot open /home/someone/secret.safetensors"))
     assert err.status == 500 and "secret" not in err.message and "logged" in err.message
@@ -784,7 +784,7 @@ def test_headers_that_never_finish_get_a_408_and_the_connection_closes():
 
     import uvicorn
 
-    from specmlx.guard import HeaderDeadline
+    from specmlx.serving.guard import HeaderDeadline
 
     async def app(scope, receive, send):
         if scope["type"] != "http":

@@ -11,13 +11,13 @@ import pytest
 from helpers import make_tiny, tiny_tokenizer
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from specmlx.adaptive import AdaptiveK
-from specmlx.choosers import ChooserStore
-from specmlx.engine import generate_tokens
-from specmlx.sampling import SamplingParams
-from specmlx.session import Pair, Request, Session
-from specmlx.stats import Stats, TokenEvent
-from specmlx.stream import _held_back, editor_limits, stream_text
+from specmlx.core.sampling import SamplingParams
+from specmlx.core.stats import Stats, TokenEvent
+from specmlx.decoding.engine import generate_tokens
+from specmlx.decoding.session import Pair, Request, Session
+from specmlx.decoding.stream import _held_back, editor_limits, stream_text
+from specmlx.drafting.adaptive import AdaptiveK
+from specmlx.drafting.choosers import ChooserStore
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specmlx"
 TEXT = "import os\nfor i in range(10):\n    print(i, os.getcwd())\n"

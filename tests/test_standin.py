@@ -72,8 +72,8 @@ def test_quantize_dequantize_changes_weights_only_in_blocks() -> None:
 def test_real_pair_keeps_logits_and_draft_differs(tmp_path) -> None:
     try:
         from specmlx.errors import SpecmlxError
-        from specmlx.loading import load_model
-        from specmlx.registry import load_registry
+        from specmlx.models.loading import load_model
+        from specmlx.models.registry import load_registry
 
         base = load_model(load_registry().resolve("smollm2-135m"))
     except (ImportError, SpecmlxError) as e:

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import typer
 
-from ..acceptance import DEFAULT_VERIFY
-from ..display import err_console, out_console, print_error
-from ..distributed import rank_prefix
+from ..core.acceptance import DEFAULT_VERIFY
+from ..distributed.ranks import rank_prefix
 from ..errors import BadInput
-from ..registry import MTP
+from ..models.registry import MTP
 from .common import (
     DraftOpt,
     HostfileOpt,
@@ -24,6 +23,7 @@ from .common import (
     rank_timeout,
     resolve_models,
 )
+from .display import err_console, out_console, print_error
 from .ranks import check_split, launch_command
 
 
@@ -96,14 +96,15 @@ def bench(
         return
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .. import bench as b
-    from .. import bench_data, bench_report
-    from ..display import bench_table
-    from ..distributed import Watchdog, barrier, join, launched
-    from ..loading import load_head, load_pair
-    from ..registry import load_registry
-    from ..sampling import SamplingParams
-    from ..stream import encode_prompt
+    from ..bench import data as bench_data
+    from ..bench import report as bench_report
+    from ..bench import suite as b
+    from ..core.sampling import SamplingParams
+    from ..decoding.stream import encode_prompt
+    from ..distributed.ranks import Watchdog, barrier, join, launched
+    from ..models.loading import load_head, load_pair
+    from ..models.registry import load_registry
+    from .display import bench_table
 
     settings = bench_data.BenchSettings(
         ks=_split(ks, parse_k, "-k"),
@@ -210,9 +211,9 @@ def bench(
 
 
 def _overhead(max_tokens: int, repeats: int, json_out: str | None) -> None:
-    from ..display import overhead_table
+    from ..bench.overhead import measure
     from ..machine import blas_in_use
-    from ..overhead import measure
+    from .display import overhead_table
 
     if max_tokens <= 1 or repeats <= 0:
         raise BadInput("--overhead needs -n > 1 and --repeats > 0")
@@ -227,7 +228,7 @@ def _overhead(max_tokens: int, repeats: int, json_out: str | None) -> None:
 
 def _rule_name(name: str) -> str:
     """A --verify value, checked where the engine checks it."""
-    from ..acceptance import sampled_rule
+    from ..core.acceptance import sampled_rule
 
     sampled_rule(name)
     return name

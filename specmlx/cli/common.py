@@ -13,10 +13,10 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand
 
-from ..display import err_console, print_error
-from ..distributed import rank_prefix
+from ..distributed.ranks import rank_prefix
 from ..errors import BadInput, SpecmlxError
-from ..registry import MTP
+from ..models.registry import MTP
+from .display import err_console, print_error
 
 # options that run, serve and bench share (each command keeps its own default and wording
 # where they differ)

@@ -11,9 +11,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from ..display import err_console, out_console
 from ..errors import BadInput
 from .common import cli_errors
+from .display import err_console, out_console
 
 
 def show_distill(events, console) -> dict:
@@ -126,12 +126,12 @@ def distill(
     """Train a draft for a target by distillation (DistillSpec): its embeddings and head,
     L of its blocks, trained on its own next-token distributions; writes an MLX model dir
     and a models.toml that pairs it with the target."""
-    from ..distill import distill as run_distill
-    from ..distill import is_done, registry_entry
-    from ..distill_student import DistillConfig, data_files
-    from ..loading import load_model
+    from ..distill.student import DistillConfig, data_files
+    from ..distill.train import distill as run_distill
+    from ..distill.train import is_done, registry_entry
+    from ..models.loading import load_model
+    from ..models.registry import load_registry
     from ..paths import atomic_write
-    from ..registry import load_registry
 
     config = DistillConfig(
         layers=layers, init=init, loss=loss, data_from=data_from, top_k=top_k,

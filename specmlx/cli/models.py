@@ -8,17 +8,17 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from ..display import err_console, out_console
 from ..errors import BadInput
 from .common import cli_errors
+from .display import err_console, out_console
 from .distill import distill_summary, show_distill
 
 
 @cli_errors
 def models_list() -> None:
     """Aliases, sources, sizes and whether each is present locally."""
-    from ..display import models_table
-    from ..registry import load_registry
+    from ..models.registry import load_registry
+    from .display import models_table
 
     out_console().print(models_table(load_registry()))
 
@@ -27,10 +27,10 @@ def models_list() -> None:
 def models_pull(alias: str = typer.Argument(..., help="Alias to download or quantize.")) -> None:
     """Download a model's files into the local cache; an alias with `quantize` is then loaded
     (after the memory check) to quantize it once and cache the result."""
-    from ..footprint import plan_memory, require_fit
-    from ..loading import load_model
-    from ..registry import load_registry
-    from ..sources import fetch
+    from ..models.footprint import plan_memory, require_fit
+    from ..models.loading import load_model
+    from ..models.registry import load_registry
+    from ..models.sources import fetch
 
     console = err_console()
     say = lambda m: console.print(m, style="dim", soft_wrap=True, markup=False)  # noqa: E731
@@ -54,7 +54,7 @@ def models_build(
 ) -> None:
     """Build a stand-in that specmlx makes itself from SmolLM2: the CPU demo pair, or the
     distilled CPU pair (the demo target and a 4-block student trained for it)."""
-    from ..registry import BUILDS, load_registry
+    from ..models.registry import BUILDS, load_registry
     from ..standins.cpu_demo import build_demo, describe
 
     registry = load_registry()
@@ -83,9 +83,14 @@ def _build_distilled(registry, force: bool, console, report, say) -> None:
     a progress line."""
     import mlx.core as mx
 
-    from ..distill import distill, is_done
-    from ..loading import load_model
-    from ..standins.cpu_distilled import CPU_DISTILLED, CPU_RATES, cost_seconds, distilled_dir
+    from ..distill.train import distill, is_done
+    from ..models.loading import load_model
+    from ..standins.cpu_distilled import (
+        CPU_DISTILLED,
+        CPU_RATES,
+        cost_seconds,
+        distilled_dir,
+    )
 
     out = distilled_dir()
     if is_done(out) and not force:

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.live import Live
 
-from ..display import live_line, summary
+from .display import live_line, summary
 
 
 class Render:

@@ -13,11 +13,10 @@ from pathlib import Path
 
 import typer
 
-from ..acceptance import DEFAULT_VERIFY
-from ..display import err_console, print_error, print_warning
-from ..distributed import rank_prefix
+from ..core.acceptance import DEFAULT_VERIFY
+from ..core.stats import Stats
+from ..distributed.ranks import rank_prefix
 from ..errors import BadInput
-from ..stats import Stats
 from .common import (
     ContextOpt,
     DraftOpt,
@@ -38,6 +37,7 @@ from .common import (
     rank_timeout,
     resolve_models,
 )
+from .display import err_console, print_error, print_warning
 from .ranks import check_split, launch_command
 from .render import Render
 
@@ -99,9 +99,9 @@ def run(
     hostfile: HostfileOpt = None,
 ) -> None:
     """Generate a completion: text on stdout, live stats and a summary on stderr."""
-    from ..acceptance import sampled_rule
-    from ..distributed import join, launched
-    from ..sampling import SamplingParams
+    from ..core.acceptance import sampled_rule
+    from ..core.sampling import SamplingParams
+    from ..distributed.ranks import join, launched
 
     params = SamplingParams(temp, top_p, top_k, min_p)  # validates before any loading
     if verify is not None:
@@ -168,14 +168,14 @@ def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
 
 
 def _run_local(job: RunInput, render, target, draft, lookup, k, context, quiet, world) -> None:
-    from ..choosers import ChooserStore
-    from ..distributed import Lockstep, Watchdog, barrier, lost_peer, shared_seed
-    from ..fim import encode_infill, require_fim
-    from ..loading import load_pair
-    from ..lookup import LookupMemory
-    from ..registry import load_registry
-    from ..session import Pair, Request, Session
-    from ..stream import encode_prompt
+    from ..decoding.fim import encode_infill, require_fim
+    from ..decoding.session import Pair, Request, Session
+    from ..decoding.stream import encode_prompt
+    from ..distributed.ranks import Lockstep, Watchdog, barrier, lost_peer, shared_seed
+    from ..drafting.choosers import ChooserStore
+    from ..drafting.lookup import LookupMemory
+    from ..models.loading import load_pair
+    from ..models.registry import load_registry
 
     registry = load_registry()
     models = resolve_models(registry, target, draft, lookup, k)
@@ -284,7 +284,7 @@ def _launch_ranks(ctx: typer.Context, job: RunInput, hosts, hostfile, target) ->
 
 
 def _run_remote(job: RunInput, render, url: str, api_key, draft, k) -> None:
-    from ..client import Remote, stream_remote
+    from ..serving.client import Remote, stream_remote
 
     body: dict = {
         "max_tokens": job.max_tokens,

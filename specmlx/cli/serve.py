@@ -7,9 +7,8 @@ import os
 
 import typer
 
-from ..acceptance import DEFAULT_VERIFY
-from ..display import err_console, print_error, print_warning
-from ..distributed import leave, rank_prefix
+from ..core.acceptance import DEFAULT_VERIFY
+from ..distributed.ranks import leave, rank_prefix
 from ..errors import BadInput, SpecmlxError
 from .common import (
     ContextOpt,
@@ -29,6 +28,7 @@ from .common import (
     rank_timeout,
     resolve_models,
 )
+from .display import err_console, print_error, print_warning
 from .ranks import check_split, launch_command, read_secret
 
 
@@ -111,14 +111,14 @@ def serve(
     import ipaddress
     import signal
 
-    from ..acceptance import sampled_rule
-    from ..distributed import Watchdog, barrier, join, launched
-    from ..footprint import parse_size
-    from ..loading import load_pair
-    from ..registry import load_registry
-    from ..sampling import SamplingParams
-    from ..serve import ServerSettings, create_app, run_server
-    from ..worker import Worker
+    from ..core.acceptance import sampled_rule
+    from ..core.sampling import SamplingParams
+    from ..distributed.ranks import Watchdog, barrier, join, launched
+    from ..models.footprint import parse_size
+    from ..models.loading import load_pair
+    from ..models.registry import load_registry
+    from ..serving.serve import ServerSettings, create_app, run_server
+    from ..serving.worker import Worker
 
     params = SamplingParams(temp, top_p, top_k, min_p)
     verify = verify or DEFAULT_VERIFY

@@ -20,10 +20,10 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.llama import Model, ModelArgs
 
 from ..errors import SpecmlxError
-from ..loading import load_model
+from ..models.loading import load_model
+from ..models.registry import load_registry
+from ..models.sources import Progress, say
 from ..paths import atomic_write, specmlx_home
-from ..registry import load_registry
-from ..sources import Progress, say
 
 Weights = dict[str, mx.array]
 TOLERANCE = 1e-3

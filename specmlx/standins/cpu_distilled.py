@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..distill import DistillConfig
+from ..distill.train import DistillConfig
 from ..paths import specmlx_home
 
 # `specmlx models build cpu-distilled`: a 4-block student of SmolLM2-135M on the standard

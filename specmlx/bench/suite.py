@@ -1,0 +1,369 @@
+"""The side-by-side benchmark: target-only, specmlx at each k (token-wise and, when asked,
+block verification), mlx-lm's own speculative loop.
+
+Every system runs in one process on the same loaded models, prompts, sampler settings and
+seeds, interleaved within each repeat so that a noisy machine's drift hits all of them alike.
+mlx-lm gets specmlx's own sampler (temperature first, then the filters), so every row samples
+the same target distribution.
+Decode speed counts the tokens after a system's first target pass (prefill and the first
+round excluded, the same rule for every system) over the wall time they took. Adaptive k
+keeps its estimates from one generation to the next, as `specmlx run` does on disk, and its
+warm-up feeds them: the rows measure auto once it has seen the pair, not its first rounds ever.
+
+Greedy rows are checked against target-only: "identical", "near-tie" (the first difference is
+where the target's two candidates score within a rounding tolerance, which another kernel
+shape on a GPU can flip) or "diverged". The target's logits there are recomputed after the
+runs, for the differing generations only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+
+from ..core.acceptance import sampled_rule
+from ..core.caches import mlx_lm_speculates
+from ..core.sampling import SamplingParams, make_processor, sample
+from ..decoding.session import Pair, Request, Session
+from ..distributed.ranks import World
+from ..drafting.adaptive import LOOKUP_MAX, AdaptiveK
+from ..drafting.choosers import ChooserStore
+from ..drafting.lookup import LookupMemory
+from ..drafting.probe import PROBE_SIZES, curve_from, head_step_seconds, pass_times
+from .data import MEMORY, STOP, BenchSettings, Run, System, code_of, edit_step, runs_at
+from .report import judge_greedy_runs, summarize
+
+
+def _timed(events: Iterable[tuple[int, bool]]) -> tuple[list[int], int, float]:
+    """Consume (token, from_draft) pairs; decode timing starts at the first target token.
+    A generation with none (an immediate EOS, or a short budget filled by accepted drafts
+    alone) has nothing to time: (tokens, 0, 0.0)."""
+    tokens, mark, at = [], None, 0
+    for tok, from_draft in events:
+        tokens.append(tok)
+        if mark is None and not from_draft:
+            mark, at = time.perf_counter(), len(tokens)
+    if mark is None:
+        return tokens, 0, 0.0
+    end = time.perf_counter()
+    return tokens, len(tokens) - at, end - mark
+
+
+def like_for_like_sampler(params: SamplingParams) -> Callable[[mx.array], mx.array]:
+    """A sampler for mlx-lm's generate_step and speculative_generate_step that samples what
+    specmlx samples: mlx-lm's own applies top-p/min-p/top-k to the untempered distribution
+    and the temperature at the draw, specmlx the temperature first (make_processor). It
+    draws from MLX's global generator, as mlx-lm's samplers do.
+
+    params: the sampling settings; greedy gives the argmax. The sampler takes log-probabilities
+    (B, V) and returns token ids (B,)."""
+    if params.greedy:
+        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+    process = make_processor(params)  # shift-invariant: log-probabilities are logits too
+    return lambda logprobs: sample(process(logprobs), None)
+
+
+def _mlx_lm_events(
+    target, draft, ids, k, params: SamplingParams, max_tokens, seed
+) -> Iterator[tuple[int, bool]]:
+    from mlx_lm.generate import generate_step, speculative_generate_step
+
+    mx.random.seed(seed)
+    sampler = like_for_like_sampler(params)
+    prompt = mx.array(ids, dtype=mx.uint32)
+    if draft is None:
+        for tok, _ in generate_step(prompt, target, max_tokens=max_tokens, sampler=sampler):
+            yield int(tok), False
+        return
+    for tok, _, from_draft in speculative_generate_step(
+        prompt, target, draft, num_draft_tokens=k, max_tokens=max_tokens, sampler=sampler
+    ):
+        yield int(tok), bool(from_draft)
+
+
+def run_one(
+    system: System,
+    target,
+    draft,
+    ids,
+    temp,
+    s: BenchSettings,
+    seed: int,
+    shared: int | None,
+    chooser: AdaptiveK | None = None,
+    world: World | None = None,
+    memory: LookupMemory | None = None,
+):
+    """Generate once with one system; returns (tokens, decoded, decode_s, drafted, accepted).
+    ``chooser`` is the system's adaptive-k state when k is "auto" (a fresh one if None);
+    ``world``: the ranks the target is split over (k decided on rank 0, tokens compared);
+    ``memory``: the lookup memory of a "+ memory" system (it remembers this output)."""
+    params = _sampling(temp, s)
+    if system.system == "mlx-lm":
+        flags: list[bool] = []
+
+        def events():
+            d = draft if system.drafter != "none" else None
+            for tok, fd in _mlx_lm_events(target, d, ids, system.k, params, s.max_tokens, seed):
+                flags.append(fd)
+                yield tok, fd
+
+        tokens, decoded, secs = _timed(events())
+        accepted = sum(flags)
+        rounds = len(flags) - accepted  # every mlx-lm round ends with one target token
+        return tokens, decoded, secs, rounds * int(system.k), accepted
+    use_draft = system.drafter.split(" + ")[0] not in ("none", "lookup")
+    request = Request(
+        sampling=params,
+        num_draft=(chooser or "auto") if system.k == "auto" else system.k,
+        max_tokens=s.max_tokens,
+        seed=seed,
+        use_draft=use_draft and draft is not None,
+        lookup="lookup" in system.drafter,
+        verify=system.verify,
+        draft_stop=system.drafter.endswith(STOP),
+    )
+    # no tokenizer: generations run to the budget, as mlx-lm's do (EOS is not theirs either)
+    session = Session(
+        Pair(target, draft, shared=shared),
+        memory=memory if system.drafter.endswith(MEMORY) else None,
+        world=world,
+    )
+    gen = session.start(ids, request)
+    tokens, decoded, secs = _timed((e.token, e.from_draft) for e in gen.tokens())
+    if gen.lockstep is not None:
+        gen.lockstep.check()
+    return tokens, decoded, secs, gen.stats.drafted, gen.stats.accepted
+
+
+def systems(draft_name: str | None, s: BenchSettings, head_name: str | None = None) -> list[System]:
+    """Every configuration to run, target-only first; specmlx rows once per verification rule
+    in ``s.verifies``, side by side (k = 0 drafts nothing: one row, under the first rule);
+    head_name: an MTP head's rows beside the draft's (specmlx only: mlx-lm cannot use one)."""
+
+    def rules(k: int | str) -> list[str]:
+        return s.verifies if k != 0 else s.verifies[:1]
+
+    def spec(drafter: str) -> list[System]:
+        return [System("specmlx", drafter, k, v) for k in s.ks for v in rules(k)]
+
+    out = [System("target-only", "none", 0)]
+    if s.compare_mlx_lm:
+        out.append(System("mlx-lm", "none", 0))  # mlx-lm's generate_step: our baseline's peer
+    if draft_name:
+        out += spec(draft_name)
+        if s.draft_stop and "auto" in s.ks:  # per-token stopping needs the adaptive chooser
+            out += [System("specmlx", draft_name + STOP, "auto", v) for v in rules("auto")]
+        if s.compare_mlx_lm:
+            out += [System("mlx-lm", draft_name, k) for k in s.ks if isinstance(k, int) and k > 0]
+    if s.lookup:
+        out += spec("lookup")
+        if s.memory:
+            out += spec("lookup" + MEMORY)
+        if draft_name:
+            out += spec(f"{draft_name} + lookup")
+            if s.memory:
+                out += spec(f"{draft_name} + lookup{MEMORY}")
+    if head_name:
+        out += spec(head_name)
+        if s.lookup:
+            out += spec(f"{head_name} + lookup")
+    return out
+
+
+@dataclass(frozen=True)
+class Benched:
+    """The models a benchmark runs.
+
+    target, draft: mlx-lm models (draft None: no draft rows); draft_name: the draft's alias
+    for the rows; shared: ids the draft may propose; world: the ranks the target is split
+    over (every rank runs the same sequence); head: (name, the target's MTP head) to bench
+    beside the draft."""
+
+    target: object
+    draft: object | None = None
+    draft_name: str | None = None
+    shared: int | None = None
+    world: World | None = None
+    head: tuple[str, object] | None = None
+
+
+def bench(
+    models: Benched,
+    prompts: list[dict],
+    encode: Callable[[dict], list[int]],
+    s: BenchSettings,
+    *,
+    on_run: Callable[[Run], None] | None = None,
+) -> dict:
+    """Run every system on every prompt and temperature, interleaved, ``s.repeats`` times.
+
+    models: what runs; prompts: rows with "id" and "prompt"; encode: a prompt row -> token
+    ids; s: what to sweep; on_run: called after each generation (progress). A "+ memory"
+    row's lookup memory starts empty in each repeat and remembers that repeat's outputs,
+    prompt after prompt. Returns {"rows", "runs",
+    "pass_curve", "draft_cost"}; the CLI adds the environment."""
+    encoded = [(p["id"], encode(p)) for p in prompts]
+    bed = _Testbed(models, encoded[0][1], s)
+    runs: list[Run] = []
+    for rep in range(s.repeats):
+        memories = bed.memories()
+        for pid, ids in encoded:
+            for temp in s.temps:
+                for system in bed.systems_at(temp):
+                    run = bed.run(system, ids, temp, rep, pid, memories.get((system, temp)))
+                    runs.append(run)
+                    if on_run:
+                        on_run(run)
+    judge_greedy_runs(runs, dict(encoded), models.target, bed.todo[0].label)
+    return bed.result(runs)
+
+
+def bench_sequences(
+    models: Benched,
+    sequences: list[dict],
+    encode: Callable[[dict], list[int]],
+    decode: Callable[[list[int]], str],
+    s: BenchSettings,
+    *,
+    on_run: Callable[[Run], None] | None = None,
+) -> dict:
+    """The editing sequences: each step asks for one more edit of the file the previous step
+    wrote (every system follows its own outputs; greedy rows write the same ones). A
+    "+ memory" row's lookup memory starts empty at each sequence and remembers its steps.
+
+    sequences: rows from load_sequences; decode: token ids -> text (the next step's file);
+    the rest as for ``bench``. Returns what ``bench`` returns; runs are named <id>-<step>."""
+    first = edit_step(sequences[0], 0, sequences[0]["file"])
+    bed = _Testbed(models, encode(first), s)
+    runs: list[Run] = []
+    prompts: dict[str, list[int]] = {}
+    for rep in range(s.repeats):
+        for seq in sequences:
+            memories = bed.memories()
+            for temp in s.temps:
+                files = {system: seq["file"] for system in bed.systems_at(temp)}
+                for step in range(len(seq["edits"])):
+                    for system in bed.systems_at(temp):
+                        row = edit_step(seq, step, files[system])
+                        ids = encode(row)
+                        memory = memories.get((system, temp))
+                        run = bed.run(system, ids, temp, rep, row["id"], memory)
+                        if system == bed.todo[0]:
+                            prompts.setdefault(row["id"], ids)
+                        files[system] = code_of(decode(run.tokens))
+                        runs.append(run)
+                        if on_run:
+                            on_run(run)
+    judge_greedy_runs(runs, prompts, models.target, bed.todo[0].label)
+    return bed.result(runs)
+
+
+class _Testbed:
+    """What every benchmark shares: the systems, the measured pass-cost curve and draft cost,
+    one adaptive-k state per auto system and temperature, and a warm-up."""
+
+    def __init__(self, models: Benched, ids: list[int], s: BenchSettings):
+        for verify in s.verifies:
+            sampled_rule(verify)
+        target, draft, head = models.target, models.draft, models.head
+        self.target, self.draft, self.s = target, draft, s
+        self.shared, self.world = models.shared, models.world
+        self.head = head  # (name, an MTP head) benched beside the draft, or None
+        self.todo = systems(models.draft_name, s, head[0] if head else None)
+        self.notes: list[str] = []
+        if getattr(draft, "reads_hidden", None):  # mlx-lm's loop takes a model, not a head
+            self.todo = [sy for sy in self.todo if sy.system != "mlx-lm" or sy.drafter == "none"]
+            self.notes.append("no mlx-lm speculative rows: its loop cannot use an MTP head")
+        elif not all(mlx_lm_speculates(m) for m in (target, draft) if m is not None):
+            # mlx-lm's speculative loop raises on a cache it cannot trim (recurrent state)
+            self.todo = [sy for sy in self.todo if sy.system != "mlx-lm" or sy.drafter == "none"]
+            self.notes.append("no mlx-lm speculative rows: it refuses recurrent caches")
+        ctx = ids + ids[: s.max_tokens // 2]
+        t = pass_times(target, ctx, list(PROBE_SIZES), reps=5)
+        self.curve = {n: t[n] / t[1] for n in t}
+        if getattr(draft, "reads_hidden", None):
+            self.cost = head_step_seconds(draft, reps=5) / t[1]
+        else:
+            self.cost = pass_times(draft, ctx, [1], reps=5)[1] / t[1] if draft is not None else None
+        self.head_cost = head_step_seconds(head[1], reps=5) / t[1] if head else None
+        # one adaptive-k state per auto system and temperature, kept across its generations as
+        # `specmlx run` keeps it on disk: what is measured is auto after its first few rounds.
+        # They start from this measured curve and live in memory only.
+        store = ChooserStore(persist=False, pass_ratio=curve_from(t, LOOKUP_MAX))
+        self.choosers = {
+            (sy, temp): store.get(target, "bench", sy.label, _sampling(temp, s), ids)
+            for sy in self.todo
+            if sy.k == "auto"
+            for temp in s.temps
+            if runs_at(sy, temp, s)
+        }
+        # warm-up: compile paths and fault in weights for every system once (auto: per
+        # temperature); lookup memories are left empty
+        warm = BenchSettings(**{**asdict(s), "max_tokens": 8})
+        for system in self.todo:
+            temps = [t for t in s.temps if runs_at(system, t, s)]
+            for temp in temps if system.k == "auto" else temps[:1]:
+                chooser = self.choosers.get((system, temp))
+                d = self.draft_of(system)
+                run_one(
+                    system, target, d, ids, temp, warm, s.seed, self.shared, chooser, self.world
+                )
+
+    def draft_of(self, system: System):
+        """The drafting model a system's rows use: the MTP head's rows the head, the rest
+        the draft."""
+        if self.head is not None and system.drafter.split(" + ")[0] == self.head[0]:
+            return self.head[1]
+        return self.draft
+
+    def systems_at(self, temp: float) -> list[System]:
+        return [sy for sy in self.todo if runs_at(sy, temp, self.s)]
+
+    def memories(self) -> dict:
+        """A fresh, empty in-memory lookup memory for each "+ memory" system and temperature."""
+        return {
+            (sy, temp): LookupMemory()
+            for sy in self.todo
+            if sy.drafter.endswith(MEMORY)
+            for temp in self.s.temps
+        }
+
+    def run(self, system, ids, temp, rep, pid, memory) -> Run:
+        tokens, decoded, secs, drafted, accepted = run_one(
+            system,
+            self.target,
+            self.draft_of(system),
+            ids,
+            temp,
+            self.s,
+            self.s.seed + rep,
+            self.shared,
+            self.choosers.get((system, temp)),
+            self.world,
+            memory,
+        )
+        return Run(system.label, pid, temp, rep, tokens, decoded, secs, drafted, accepted)
+
+    def result(self, runs: list[Run]) -> dict:
+        return {
+            "rows": summarize(
+                runs,
+                self.todo,
+                self.s,
+                self.cost,
+                (self.head[0], self.head_cost) if self.head else None,
+            ),  # fmt: skip
+            "runs": [asdict(r) for r in runs],
+            "pass_curve": self.curve,
+            "draft_cost": self.cost,
+            "head_cost": self.head_cost,
+            "notes": self.notes,
+        }
+
+
+def _sampling(temp: float, s: BenchSettings) -> SamplingParams:
+    return SamplingParams(temp, s.top_p if temp > 0 else 1.0)

@@ -1,0 +1,1 @@
+"""The built-in prompt sets (package data)."""

@@ -1,0 +1,1 @@
+"""The round loop (engine), the one place a request becomes a generation (session), token events to text (stream, FIM)."""

@@ -1,0 +1,462 @@
+"""The round loop: prefill, then rounds of propose -> verify -> accept -> keep -> settle;
+yields token events.
+
+Bookkeeping, in one place: ``ctx`` is every token so far (prompt + generated). Each model's
+position is its Cursor's (cursor.py): between rounds the target's holds ctx[:-1] (the last
+token is fed at the start of the next pass), or all of ctx when a plain round already
+queued the next plain pass; a draft model's cursor holds a prefix of ctx[:-1]. A drafter is
+anything with drafters.Drafter's three methods: the draft model, prompt lookup, a head over
+the target's hidden states, or a chain of them; the round sees only its Proposal. When
+generation ends, or the caller closes the generator early, the target holds ctx[:-1] and
+KVState says so.
+
+Plain rounds (k = 0) overlap like target-only decoding: when the chooser says the next round
+is plain too (``plain_next``), the next target pass is queued before this round is read back,
+so the host's work between rounds runs while the target computes.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..core.acceptance import DEFAULT_VERIFY, Rule, accept_greedy, sampled_rule
+from ..core.caches import cache_kinds, check_kinds, make_caches
+from ..core.cursor import Cursor
+from ..core.hidden import HiddenTap
+from ..core.kvstate import KVState, reads_hidden, reuse_prefix
+from ..core.mlx_lm_api import set_wired_limit
+from ..core.sampling import SamplingParams, make_processor, sample
+from ..core.stats import RoundReport, Stats, TokenEvent
+from ..drafting.choosers import KSetting, make_chooser
+from ..drafting.drafters import (
+    Chain,
+    Drafter,
+    HeadDrafter,
+    LookupDrafter,
+    ModelDrafter,
+    Proposal,
+    pair_tokens,
+)
+from ..drafting.lookup import Lookup, LookupMemory
+from ..errors import BadInput, RollbackError
+
+__all__ = ["KVState", "Stats", "TokenEvent", "TIME_DRAFT_EVERY", "generate_tokens", "prefill"]
+
+# MLX streams belong to a thread: the server generates on a worker thread of its own
+_STREAM = getattr(mx, "new_thread_local_stream", mx.new_stream)(mx.default_device())
+# drafting rounds: the first, the first after plain rounds (while drafting is rare, as when
+# adaptive k has stopped and probes now and then, one in 8 would leave the draft's time
+# unmeasured for a whole generation) and then one in 8 get a second host sync, to time the
+# draft apart
+TIME_DRAFT_EVERY = 8
+
+
+def generate_tokens(
+    target: nn.Module,
+    draft: nn.Module | None,
+    prompt_ids: Sequence[int],
+    *,
+    sampling: SamplingParams | None = None,
+    num_draft: KSetting = 4,
+    max_tokens: int = 256,
+    seed: int | None = None,
+    eos_ids: Sequence[int] = (),
+    stop_ids: Sequence[Sequence[int]] = (),
+    lookup: bool = False,
+    lookup_memory: LookupMemory | None = None,
+    vocab_size: int | None = None,
+    stats: Stats | None = None,
+    prefill_step: int = 512,
+    kv: KVState | None = None,
+    lockstep: Callable[[list[int]], None] | None = None,
+    verify: str = DEFAULT_VERIFY,
+    draft_stop: bool = False,
+) -> Iterator[TokenEvent]:
+    """Generate from ``target``, speculating with ``draft`` (a model), prompt lookup
+    (``lookup=True``), both (lookup first), or neither (plain target decoding).
+
+    Output is exactly the target's: token-identical when greedy, the same distribution when
+    sampling.
+
+    target, draft: mlx-lm models (draft None: no draft model); the draft may instead be a
+        head over the target's hidden states (mtp.MTPHead: anything with ``reads_hidden``).
+    prompt_ids: the prompt's token ids (at least one).
+    sampling: temperature, top-p, top-k, min-p (default greedy); the same processing makes
+        the target's p and the draft's q, which is what keeps sampling exact.
+    num_draft: k, the drafts per round: an int >= 0, "auto" (a fresh adaptive chooser) or a
+        stats.KChooser, such as one kept across generations by choosers.ChooserStore.
+    max_tokens: the most tokens to generate (> 0).
+    seed: seeds the sampling (None: random).
+    eos_ids: ids that end generation and are not emitted.
+    stop_ids: token sequences that end generation; they are emitted (stream.py strips text).
+    lookup: propose from earlier occurrences in the context first (prompt lookup).
+    lookup_memory: with lookup, also propose from these earlier outputs; this generation's
+        output is added to it at the end (lookup.LookupMemory; None: the context only).
+    vocab_size: how many ids the draft may propose (default: the smaller logit width).
+    stats: updated live (a fresh one if None).
+    prefill_step: prompt tokens per prefill chunk (bounds prefill memory).
+    kv: caches to reuse (their longest common prefix with the prompt is kept, the rest of the
+        prompt is prefilled) and that hold the context afterwards; fresh ones if None.
+    lockstep: called with each round's new tokens before they are yielded; it may raise to
+        stop (distributed.Lockstep compares the ranks' tokens this way, now or, carried by
+        the ranks' shared k, at the next round's start).
+    verify: how a sampled round checks the drafts: "block" (the default: the drafted block
+        jointly, Sun et al. 2024: the same distribution, never fewer tokens kept in
+        expectation) or "token" (token by token, Leviathan et al.). Greedy decoding is the
+        same under both.
+    draft_stop: per-token stopping, with an adaptive chooser (num_draft "auto" or an
+        AdaptiveK): a round the chooser gives k > 0 drafts in small chunks
+        (adaptive.DRAFT_CHUNKS: 1, 1, then 2 at a time, a host sync each, up to the chooser's
+        k_max) while its cost model says the next draft pays, and verifies the best prefix.
+    """
+    sampling = SamplingParams() if sampling is None else sampling
+    if not isinstance(sampling, SamplingParams):
+        raise BadInput(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise BadInput("the prompt is empty")
+    if max_tokens <= 0:
+        raise BadInput(f"max tokens must be > 0, got {max_tokens}")
+    head = reads_hidden(draft)
+    if draft_stop and head:
+        raise BadInput("per-token stopping needs a draft model: an MTP head drafts the chooser's k")
+    next_k = make_chooser(num_draft)
+    accept = sampled_rule(verify)
+    stats = stats if stats is not None else Stats()
+    kv = _ready(kv, target, draft, prompt, stats)
+    speculating = draft is not None or lookup
+    for what, c in (("target", kv.target), ("draft", kv.draft)) if speculating else ():
+        if c is not None:
+            check_kinds(c, what)  # a layer cache no rollback is known for: refused by name
+    stops = _Stops(eos_ids, stop_ids, max_tokens)
+    key = mx.random.key(seed if seed is not None else random.getrandbits(63))
+    mx.reset_peak_memory()
+
+    with mx.stream(_STREAM), _wired():
+        _fill(target, draft, prompt, kv, stats, prefill_step)
+        process = None if sampling.greedy else make_processor(sampling)
+        check = lockstep or (lambda _tokens: None)
+        if not speculating:
+            loop = _plain(target, kv, prompt, process, key, stops, stats, check)
+        else:
+            ctx = list(prompt)  # the context, grown each round (lookup indexes this list)
+            drafters: list[Drafter] = []
+            if lookup:
+                length = getattr(next_k, "lookup_length", None)
+                finder = Lookup(ctx, lookup_memory)
+                drafters.append(LookupDrafter(finder, length, fallback=draft is not None))
+            model_drafter = None
+            if head:
+                width = min(vocab_size or _logit_width(target), _logit_width(target))
+                model_drafter = HeadDrafter(
+                    draft, kv.draft, kv.draft_len, kv.hidden, width, process
+                )
+                drafters.append(model_drafter)
+            elif draft is not None:
+                rows, vocab = _draft_ids(target, draft, vocab_size)
+                plan = getattr(next_k, "draft_plan", None) if draft_stop else None
+                model_drafter = ModelDrafter(
+                    draft, kv.draft, kv.draft_len, vocab, rows, process, plan
+                )
+                drafters.append(model_drafter)
+            drafter = drafters[0] if len(drafters) == 1 else Chain(drafters)
+            tap = HiddenTap(target, draft.reads_hidden) if head else None
+            cursor = Cursor(target, kv.target, len(kv.tokens), record=True, tap=tap)
+            # a lookup match can turn up any round, and a head reads every pass: no queueing
+            overlap = not (isinstance(drafter, (LookupDrafter, Chain)) or head)
+            plain_next = getattr(next_k, "plain_next", None) if overlap else None
+            spec = _Speculation(cursor, drafter, process, accept, stats, plain_next)
+            loop = spec.run(
+                ctx, next_k, key, stops, check, lambda ok: _end(kv, ctx, model_drafter, ok)
+            )
+        try:
+            yield from loop
+        finally:
+            stats.peak_memory = mx.get_peak_memory()
+
+
+def prefill(
+    target: nn.Module,
+    draft: nn.Module | None,
+    prompt_ids: Sequence[int],
+    *,
+    kv: KVState,
+    stats: Stats | None = None,
+    prefill_step: int = 512,
+) -> None:
+    """Put a prompt into ``kv`` and generate nothing (an editor's warm-up request): ``kv``
+    then holds what generate_tokens would hold before its first round (the prompt minus its
+    last token, reusing the longest common prefix), so a later request that shares the
+    prompt prefills only what is new.
+
+    target, draft: the models (draft None: the target's cache only); prompt_ids: at least
+    one id; kv: the caches to fill (fresh ones are made where kv holds none); stats: gets
+    the prompt and prefill figures (a fresh one if None); prefill_step: tokens per chunk."""
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise BadInput("the prompt is empty")
+    stats = stats if stats is not None else Stats()
+    kv = _ready(kv, target, draft, prompt, stats)
+    with mx.stream(_STREAM), _wired():
+        _fill(target, draft, prompt, kv, stats, prefill_step)
+
+
+_WIDTHS: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _logit_width(model: nn.Module) -> int:
+    """The width of a model's logits, known from shapes alone: a graph on a dummy input is
+    built (never evaluated) once per model object, not once per generation."""
+    hit = _WIDTHS.get(id(model))
+    if hit is not None and hit[0]() is model:
+        return hit[1]
+    width = model(mx.array([[0]], dtype=mx.uint32)).shape[-1]
+    _WIDTHS[id(model)] = (weakref.ref(model), width)
+    return width
+
+
+def _draft_ids(target, draft, vocab_size: int | None) -> tuple[int, int]:
+    """(ids the draft can embed, ids it may propose): the second is the smaller logit width
+    unless ``vocab_size`` says fewer."""
+    width = _logit_width(draft)
+    rows = getattr(getattr(draft, "args", None), "vocab_size", None) or width
+    if vocab_size is None:
+        vocab_size = min(_logit_width(target), width)
+    return rows, min(vocab_size, rows)
+
+
+def _ready(kv: KVState | None, target, draft, prompt: list[int], stats: Stats) -> KVState:
+    """``kv`` (a fresh KVState if None) with caches for both models, and the prompt's
+    figures in ``stats``."""
+    stats.prompt_tokens = len(prompt)
+    kv = kv if kv is not None else KVState()
+    if kv.target is None:
+        kv.drop()
+        kv.target = make_caches(target)
+    head = reads_hidden(draft)
+    if draft is not None and (kv.draft is None or kv.reads_hidden != head):
+        kv.draft, kv.draft_len, kv.hidden, kv.reads_hidden = make_caches(draft), 0, None, head
+    stats.caches = {"target": cache_kinds(kv.target)}
+    if draft is not None:
+        stats.caches["draft"] = cache_kinds(kv.draft)
+    return kv
+
+
+def _fill(target, draft, prompt: list[int], kv: KVState, stats: Stats, step: int) -> None:
+    """Prefill both models with the prompt minus its last token, reusing what kv holds. A
+    head over the target's hidden states is fed each chunk's pairs as the target makes them,
+    all but the newest, which waits in kv.hidden for the first proposal."""
+    t0 = time.perf_counter()
+    stats.cached_tokens = reuse_prefix(kv, prompt[:-1], target, draft)
+    head = reads_hidden(draft)
+    tap = HiddenTap(target, draft.reads_hidden) if head else None
+    target_at = Cursor(target, kv.target, len(kv.tokens), tap=tap)
+    for _ in _prefill(target_at, prompt[len(kv.tokens) : -1], step):
+        if head:  # rows (c, H): the chunk's hidden states
+            rows = target_at.hidden.rows
+            rows = rows if kv.hidden is None else mx.concatenate([kv.hidden, rows])
+            n, fed = rows.shape[0] - 1, kv.draft_len
+            if n > 0:  # pairs (h_j, t_{j+1}) at positions fed..fed+n-1
+                draft(rows[None, :n], pair_tokens(prompt, fed, n), kv.draft)
+                mx.eval([c.state for c in kv.draft])
+            kv.hidden, kv.draft_len = rows[n:], fed + n
+    if draft is not None and not head:
+        list(_prefill(Cursor(draft, kv.draft, kv.draft_len), prompt[kv.draft_len : -1], step))
+        kv.draft_len = len(prompt) - 1
+    kv.tokens = prompt[:-1]
+    mx.clear_cache()  # prefill's temporaries: decoding needs the room
+    stats.prefill_s = time.perf_counter() - t0
+
+
+def _prefill(cursor: Cursor, tokens: list[int], step: int) -> Iterator[None]:
+    """Run the prompt through a cursor in chunks, evaluating each so memory stays bounded
+    (with a tap, its hidden states too); yields after each chunk."""
+    for i in range(0, len(tokens), step):
+        cursor.feed(mx.array(tokens[i : i + step], dtype=mx.uint32)[None], undoable=False)
+        rows = [] if cursor.hidden is None else [cursor.hidden.rows]
+        mx.eval([c.state for c in cursor.cache], *rows)
+        yield
+
+
+@contextmanager
+def _wired() -> Iterator[None]:
+    """Keep the weights wired (resident) on a Mac while generating, as mlx-lm's
+    generate does; its own helper prints a warning on stdout, which carries our text."""
+    old = set_wired_limit()  # None where the device reports no limit
+    try:
+        yield
+    finally:
+        if old is not None:
+            mx.synchronize(_STREAM)
+            mx.set_wired_limit(old)
+
+
+class _Stops:
+    """EOS ids, token-id stop sequences and the token budget. EOS is not emitted; a stop
+    sequence is emitted (the text layer strips stop strings). Only the last few tokens are
+    kept, so checking costs the same at the 10th token and the 10,000th."""
+
+    def __init__(self, eos: Sequence[int], seqs: Sequence[Sequence[int]], max_tokens: int):
+        self.eos, self.max_tokens = set(eos), max_tokens
+        self.seqs = [list(s) for s in seqs if s]
+        self.span = max((len(s) for s in self.seqs), default=0)
+        self.recent: list[int] = []  # the last ``span`` tokens emitted
+        self.count = 0  # tokens emitted
+
+    def cut(self, new: list[int]) -> tuple[list[int], str | None]:
+        """Keep the prefix of ``new`` up to the first stop; return it and the finish reason."""
+        for i, t in enumerate(new):
+            if t in self.eos:
+                return new[:i], "stop"
+            self.count += 1
+            if self.span:
+                self.recent = (self.recent + [t])[-self.span :]
+                if any(self.recent[-len(s) :] == s for s in self.seqs):
+                    return new[: i + 1], "stop"
+            if self.count >= self.max_tokens:
+                return new[: i + 1], "length"
+        return new, None
+
+
+def _plain(target, kv, prompt, process, key, stops, stats, check) -> Iterator[TokenEvent]:
+    """Target-only decoding, overlapping the next step with the host like mlx-lm's
+    generate_step: step i+1 is queued (async_eval) before token i is read back."""
+    cursor = Cursor(target, kv.target, len(kv.tokens))
+
+    def step(y: mx.array) -> mx.array:
+        nonlocal key
+        logits = cursor.feed(y.reshape(1, -1), undoable=False)[0, -1]  # (V,)
+        if process is None:
+            return mx.argmax(logits, axis=-1).astype(mx.uint32)
+        key, sub = mx.random.split(key)
+        return sample(process(logits), sub)
+
+    t0 = time.perf_counter()
+    y = step(mx.array(prompt[-1:], dtype=mx.uint32))
+    mx.async_eval(y)
+    ctx = list(prompt)
+    try:
+        while True:
+            if stops.count + 1 < stops.max_tokens:
+                nxt = step(y)
+                mx.async_eval(nxt)
+            new, reason = stops.cut([y.item()])
+            ctx += new
+            elapsed = time.perf_counter() - t0
+            stats.record(RoundReport(0, 0, elapsed), stops.count)
+            stats.finish_reason = reason
+            check(new)
+            if new:
+                yield TokenEvent(new[0], False)
+            if reason:
+                return
+            t0 = time.perf_counter()
+            y = nxt
+    finally:
+        # undo what queued steps fed past the kept context: the cache holds ctx[:-1]
+        try:
+            cursor.give_back(len(ctx) - 1, ctx)
+            kv.tokens = ctx[:-1]
+        except RollbackError:  # recurrent state cannot give tokens back: start afresh next time
+            kv.drop()
+
+
+def _end(kv: KVState, ctx: list[int], drafter, settled: bool) -> None:
+    """Write where the generation left both models into ``kv``, for the next one; after an
+    exception mid-round (not ``settled``) what the caches hold is unknown: forget them."""
+    if not settled:
+        kv.drop()
+        return
+    kv.tokens = ctx[:-1]
+    if isinstance(drafter, HeadDrafter):
+        kv.draft_len, kv.hidden = drafter.fed, drafter.rows
+    elif drafter is not None:
+        kv.draft_len = drafter.cursor.held
+
+
+class _Speculation:
+    """One speculative generation: the target's cursor, a drafter (which moves its own),
+    the sampling setup and the acceptance rule.
+
+    plain_next: the chooser's word that the next round is plain too (None: never queue)."""
+
+    def __init__(self, target: Cursor, drafter, process, accept: Rule, stats: Stats, plain_next):
+        self.target, self.drafter, self.stats = target, drafter, stats
+        self.process, self.accept = process, accept
+        self.plain_next: Callable[[], bool] = plain_next or (lambda: False)
+
+    def run(self, ctx, next_k, key, stops, check, end) -> Iterator[TokenEvent]:
+        """Rounds until a stop. ctx: the context, grown in place; next_k: the chooser;
+        key: the sampling key; stops: the _Stops; check: the lockstep (may raise); end:
+        called once at the end, with whether the caches match ctx."""
+        drafting, last, settled = 0, None, True  # settled: the caches match ctx
+        try:
+            while True:
+                t0 = time.perf_counter()
+                room = stops.max_tokens - stops.count - 1  # a round emits up to k + 1 tokens
+                k = max(0, min(next_k(last), room))
+                settled = False  # (a chooser that raises leaves the caches as they were)
+                drafting = 0 if last is not None and last.k == 0 else drafting  # time a probe
+                # a queued pass would be waited for inside the draft's timing: time the next
+                queued = self.target.queued is not None
+                timed = k > 0 and not queued and drafting % TIME_DRAFT_EVERY == 0
+                drafting += k > 0 and not queued
+                draft_key = u_key = draw_key = None  # greedy rounds draw nothing
+                if self.process is not None:  # one split a round: the draft's, u's, the draw's
+                    key, draft_key, u_key, draw_key = mx.random.split(key, 4)
+                # propose -> verify -> accept: one lazy graph
+                proposal = self.drafter.propose(ctx, k, room, draft_key, timed)
+                logits = self.target.verify(ctx[-1], proposal.tokens)  # (k+1, V_target)
+                n, nxt = self.accept_from(logits, proposal, u_key, draw_key)
+                out = mx.concatenate(
+                    [n.astype(mx.uint32).reshape(1), proposal.tokens, nxt.reshape(1)]
+                )
+                if proposal.k == 0 and room > 0 and self.plain_next():
+                    mx.async_eval(out)  # the next plain pass runs while the host reads this one
+                    self.target.queue(nxt)
+                n, *tokens = out.tolist()  # the round's one host sync
+                # keep the accepted drafts and the target's token, up to a stop; settle both
+                new, reason = stops.cut(tokens[:n] + [tokens[proposal.k]])
+                ctx += new
+                right = len(ctx) - 1  # what this round's pass confirmed
+                ahead = self.target.queued is not None and not reason  # a queued pass stays
+                self.stats.replayed += self.target.give_back(right + ahead, ctx)
+                self.drafter.settle(ctx, right, self.target.hidden)
+                settled = True
+                last = RoundReport(
+                    proposal.k, n, time.perf_counter() - t0, proposal.draft_s, proposal.match,
+                    proposal.confidences, proposal.made,
+                )  # fmt: skip
+                self.stats.record(last, stops.count)
+                self.stats.finish_reason = reason
+                check(new)
+                for i, t in enumerate(new):
+                    yield TokenEvent(t, i < n)
+                if reason:
+                    return
+        finally:
+            self.drafter.close()
+            if settled:  # closed early with a plain pass queued: give it back
+                self.stats.replayed += self.target.give_back(len(ctx) - 1, ctx)
+            end(settled)
+
+    def accept_from(
+        self, logits: mx.array, proposal: Proposal, u_key, draw_key
+    ) -> tuple[mx.array, mx.array]:
+        """(n accepted, the next token), lazy: greedy, a plain sample, or the sampled rule
+        (q None is a point mass: no one-hot rows; a narrower q needs no padding)."""
+        d = proposal.tokens
+        if self.process is None:
+            return accept_greedy(logits, d)
+        if proposal.k == 0:
+            return mx.array(0), sample(self.process(logits[0]), draw_key)
+        p = self.process(logits)  # (k+1, V_target)
+        u = mx.random.uniform(shape=(proposal.k,), key=u_key)
+        return self.accept(p, proposal.q, d, u, draw_key)

@@ -1,0 +1,1 @@
+"""Training a draft model on the target's outputs."""

@@ -1,0 +1,182 @@
+"""The one place that turns a k setting into a chooser, and the store of adaptive choosers.
+
+``num_draft`` is an int (a fixed k), "auto" (adaptive k) or a stats.KChooser. For "auto",
+``ChooserStore`` keeps one AdaptiveK per target, drafter, sampler and machine: in memory for a
+long-lived process (the server, the bench) and on disk under $SPECMLX_HOME/adaptive across
+runs, so each run starts from what the last one learned. Both files it writes (the chooser
+state and the target's probed pass-cost curve) are best effort: a read-only home costs one
+warning line and the run goes on.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..core.acceptance import DEFAULT_VERIFY
+from ..core.sampling import SamplingParams
+from ..core.stats import KChooser, RoundReport
+from ..errors import BadInput
+from ..machine import machine_id
+from ..paths import Warn, load_json, save_json, specmlx_home
+from .adaptive import LOOKUP_MAX, AdaptiveK, CostCurve
+from .probe import probe_pass_cost
+
+KSetting = int | str | KChooser
+PROBE_VERSION = "v3"  # bump when the probe's method changes: old curves are then ignored
+
+
+class FixedK:
+    """A fixed k, as a chooser."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def __call__(self, _last: RoundReport | None) -> int:
+        return self.k
+
+    def plain_next(self) -> bool:
+        """Whether the next round is plain whatever this one brings (see AdaptiveK)."""
+        return self.k == 0
+
+
+def make_chooser(num_draft: KSetting) -> KChooser:
+    """An int k >= 0 -> FixedK; "auto" -> a fresh AdaptiveK; a chooser -> itself.
+    BadInput for anything else."""
+    if callable(num_draft):
+        return num_draft
+    if num_draft == "auto":
+        return AdaptiveK()
+    if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 0:
+        raise BadInput(
+            f"k (number of draft tokens) must be an integer >= 0 or 'auto', got {num_draft!r}"
+        )
+    return FixedK(num_draft)
+
+
+def _state_path(kind: str, identity: str) -> Path:
+    """A file under $SPECMLX_HOME/kind for this machine, backend, BLAS, MLX and ``identity``."""
+    key = f"{machine_id(str(mx.default_device()))}|{identity}"
+    return specmlx_home() / kind / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+
+
+class ChooserStore:
+    """Adaptive-k choosers by (target identity, drafter identity, sampler, machine).
+
+    persist: read and write $SPECMLX_HOME (False: memory only, as the bench wants).
+    pass_ratio: a measured pass-cost curve for fresh choosers (default: probe the target once,
+    cached on disk by the target's identity). warn: gets one line when a write fails.
+    """
+
+    def __init__(
+        self,
+        *,
+        persist: bool = True,
+        pass_ratio: list[float] | None = None,
+        warn: Warn | None = None,
+    ):
+        self.persist, self.pass_ratio, self.warn = persist, pass_ratio, warn
+        self._live: dict[str, AdaptiveK] = {}
+        self._paths: dict[int, Path] = {}
+        self._warned = False
+
+    @staticmethod
+    def key(
+        target_id: str, drafter_id: str, sampling: SamplingParams, verify: str = DEFAULT_VERIFY
+    ) -> str:
+        """The identity a chooser's estimates belong to (the machine is added on disk).
+        Sampled block verification keeps more drafts, so it learns apart (greedy decoding is
+        the same under both rules); token-wise keys stay as they were before block
+        verification existed, so saved state still applies."""
+        rule = "" if verify == "token" or sampling.greedy else f"|verify={verify}"
+        return f"{target_id}|{drafter_id}|{sampling_key(sampling)}{rule}"
+
+    def get(
+        self,
+        target: nn.Module,
+        target_id: str,
+        drafter_id: str,
+        sampling: SamplingParams,
+        prompt_ids: Sequence[int],
+        *,
+        verify: str = DEFAULT_VERIFY,
+    ) -> AdaptiveK:
+        """The chooser for this pair and sampler: live, else as the last run left it on disk,
+        else fresh and seeded with the target's pass-cost curve (probed over ``prompt_ids``).
+
+        target: the target model (probed only when no curve is known); target_id and
+        drafter_id: full model identities (registry.ModelSpec.identity; "lookup" or "none"
+        for drafters without a model); sampling: the sampler, since acceptance depends on it;
+        prompt_ids: what a probe runs over; verify: the acceptance rule ("token", "block").
+        """
+        key = self.key(target_id, drafter_id, sampling, verify)
+        if key in self._live:
+            return self._live[key]
+        path = _state_path("adaptive", key)
+        chooser = None
+        state = load_json(path) if self.persist else None
+        if state is not None:
+            chooser = _restored(state)
+            if chooser is None and self.warn is not None:
+                self.warn(f"ignoring {path}: it does not fit this version of specmlx")
+        if chooser is None:
+            ratio = self.pass_ratio or self.probe(target, target_id, list(prompt_ids))
+            chooser = AdaptiveK(cost=CostCurve(pass_ratio=ratio))
+        self._live[key] = chooser
+        self._paths[id(chooser)] = path
+        return chooser
+
+    def save(self, chooser: AdaptiveK) -> None:
+        """Keep what ``chooser`` learned for the next run (best effort)."""
+        path = self._paths.get(id(chooser))
+        if self.persist and path is not None:
+            self._save(path, {"state": chooser.state()})
+
+    def cached_probe(self, target_id: str, k_max: int = LOOKUP_MAX) -> list[float] | None:
+        """The target's pass-cost curve from an earlier probe on this machine, if any."""
+        path = _state_path("probes", f"{target_id}|{k_max}|{PROBE_VERSION}")
+        cached = load_json(path) if self.persist else None
+        ratio = cached.get("ratio") if cached is not None else None
+        return ratio if isinstance(ratio, list) else None
+
+    def probe(self, target: nn.Module, target_id: str, ids: list[int], k_max: int = LOOKUP_MAX):
+        """The target's pass-cost curve: cached on disk by identity, else probed and saved."""
+        ratio = self.cached_probe(target_id, k_max)
+        if ratio is None:
+            ratio = probe_pass_cost(target, ids, k_max)
+            if self.persist:
+                path = _state_path("probes", f"{target_id}|{k_max}|{PROBE_VERSION}")
+                self._save(path, {"identity": target_id, "ratio": ratio})
+        return ratio
+
+    def _save(self, path: Path, data: dict) -> None:
+        # one warning per store: a read-only home would otherwise repeat it every request
+        if not save_json(path, data, None if self._warned else self.warn):
+            self._warned = True
+
+
+def sampling_key(s: SamplingParams) -> str:
+    """The sampler's part of a chooser's key, field by field: a field added to SamplingParams
+    later does not change the keys of the samplers saved before it."""
+    return f"temp={s.temperature:g}|top_p={s.top_p:g}|top_k={s.top_k}|min_p={s.min_p:g}"
+
+
+def _restored(state: dict) -> AdaptiveK | None:
+    """The chooser a state file describes, or None when it cannot be one: from another
+    version, or valid JSON of the wrong shape (a list where a number belongs, ...), which
+    would otherwise fail later, on every request. A copy is put through a few rounds first."""
+    try:
+        chooser = AdaptiveK.resume(state["state"])
+        trial = copy.deepcopy(chooser)
+        for report in (None, RoundReport(2, 1, 0.1, 0.02), RoundReport(0, 0, 0.05)):
+            int(trial(report))
+        trial.draft_plan([0.5], drafted=1)
+        trial.lookup_length(2, 3, 2, True)
+    except Exception:  # noqa: BLE001 - whatever is wrong with it, a fresh chooser will do
+        return None
+    return chooser

@@ -1,0 +1,346 @@
+"""Drafters: what proposes the tokens a target pass verifies. One protocol for all of them.
+
+A drafter gets the context and the chooser's k and returns a Proposal: the tokens, the
+distribution q each was drawn from (None: a point mass, as for prompt lookup and for any
+greedy drafter) and how they were drafted. When the round is settled it is told how much of
+what it has seen is still right and brings its own state (a KV cache, an index) there.
+Verification, acceptance and the target's rollback are the same for every drafter, which is
+what keeps all of them lossless: a drafter can only change how many tokens a target pass
+yields. Here: the draft model, prompt lookup, a chain (lookup first, then the model), and a
+head that reads the target's hidden states (a checkpoint's MTP head, mtp.py).
+
+A drafter whose ``reads_hidden`` names places in the target (hidden.HiddenTap's "final" or
+layer indices) is handed each verify pass's hidden states at those places in ``settle``
+(lazy: no host sync, no second pass). An EAGLE-3 head would read three layers, a DFlash
+block drafter several, through the same seam; neither is built yet.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import mlx.core as mx
+
+from ..core.caches import trim
+from ..core.cursor import Cursor, Hidden
+from ..core.sampling import Processor, sample
+from .lookup import Lookup
+
+# fed to the draft in place of an id its embedding table lacks (a padding row of a wider
+# target's logits): the draft's guesses get worse for a while, the output stays exact
+SAFE_ID = 0
+# per-token stopping: the most extensions a round may draft (each one host sync)
+DRAFT_MORE_MAX = 8
+# a head's waiting hidden states past which they are fed without a proposal (see catch_up)
+FEED_AFTER = 16
+_NONE = mx.array([], dtype=mx.uint32)
+
+
+@dataclass
+class Proposal:
+    """A round's drafts. tokens (k,) uint32, maybe still lazy; q (k, V_q) the distribution
+    each was drawn from (V_q may be narrower than the target's logits: ids past it have
+    q = 0), None for a point mass; source "model", "lookup" or "none" (nothing proposed)."""
+
+    tokens: mx.array = _NONE
+    q: mx.array | None = None
+    source: str = "none"
+    match: int = 0  # lookup: the length of the n-gram match the tokens follow
+    draft_s: float | None = None  # seconds of drafting, when timed apart (one host sync)
+    confidences: tuple[float, ...] = ()  # per-token stopping: the draft's q of each kept draft
+    made: int | None = None  # per-token stopping: drafts made, when more than were kept
+
+    @property
+    def k(self) -> int:
+        return self.tokens.shape[0]
+
+
+class Drafter(Protocol):
+    """What the engine's round sees of a drafter. One that reads the target's hidden states
+    says where in ``reads_hidden`` (e.g. ("final",)) and gets them in ``settle``."""
+
+    def propose(
+        self, ctx: list[int], k: int, room: int, key: mx.array | None, timed: bool
+    ) -> Proposal:
+        """Up to k tokens to follow ``ctx`` (an adaptive chooser may let lookup verify up to
+        ``room``); key: randomness for sampling (None when greedy); timed: time the
+        drafting apart (one host sync), for the statistics and adaptive k."""
+        ...
+
+    def settle(self, ctx: list[int], right: int, hidden: Hidden | None = None) -> None:
+        """The round is over: ``ctx`` is the whole context now, and its first ``right``
+        tokens are what this round's target pass confirmed; anything the drafter has seen
+        past them is wrong and is given back. ``hidden``: the pass's hidden states, for a
+        drafter that reads them (rows past ``right`` - 1 saw unconfirmed tokens)."""
+        ...
+
+    def close(self) -> None:
+        """The generation ended (or stopped early)."""
+        ...
+
+
+class ModelDrafter:
+    """A draft model and its cursor. The cursor holds ctx[:held] for some held <=
+    len(ctx) - 1 between rounds; it is fed ctx[held:] before it drafts, which covers the
+    2-token catch-up after a fully accepted round and whatever lookup accepted meanwhile.
+
+    model, cache: the draft and its caches, which hold ``held`` tokens; vocab: how many ids
+    it may propose; rows: ids it can embed (others are fed as SAFE_ID); process: the sampling
+    processor (None: greedy); plan: per-token stopping (an AdaptiveK's draft_plan) or None."""
+
+    def __init__(self, model, cache, held, vocab, rows, process, plan=None):
+        self.vocab, self.rows, self.process, self.plan = vocab, rows, process, plan
+        self.cursor = Cursor(model, cache, held, own_ids=self.own_ids)
+
+    def own_ids(self, ids: Sequence[int]) -> list[int]:
+        return [t if t < self.rows else SAFE_ID for t in ids]
+
+    def propose(self, ctx, k, room, key, timed) -> Proposal:
+        if k <= 0:
+            return Proposal()
+        t0 = time.perf_counter()
+        cur = self.cursor
+        cur.forget_before(cur.held)  # this round gives back nothing it has not fed
+        x = mx.array(self.own_ids(ctx[cur.held :]), dtype=mx.uint32)[None]  # (1, L)
+        more = None
+        if self.plan is not None:  # per-token stopping: k is a go; the plan sizes the chunks
+            k = max(1, min(self.plan([])[1], room))
+            if key is not None:
+                key, more = mx.random.split(key)
+        d, q, conf = draft_model_propose(cur.feed, x, k, self.vocab, self.process, key)
+        if self.plan is not None:
+            return self.stop_or_extend(d, q, conf, room, more, t0)
+        if timed:
+            mx.eval(d if q is None else [d, q])
+        seconds = time.perf_counter() - t0 if timed else None
+        return Proposal(d[0], None if q is None else q[0], "model", draft_s=seconds)
+
+    def stop_or_extend(self, d, q, conf, room: int, key: mx.array | None, t0: float) -> Proposal:
+        """Per-token stopping: read the draft's confidences (one host sync), draft more while
+        the plan says it pays (one sync per chunk: fewer than one per token), and keep the
+        prefix worth verifying. d (1, m), q (1, m, vocab) or None, conf (1, m). Always
+        timed: the confidences were read anyway."""
+        confs = conf[0].tolist()
+        first = len(confs)  # drafted before any confidence was read: sunk for the plan
+        keys = mx.random.split(key, DRAFT_MORE_MAX) if key is not None else None
+        for ext in range(DRAFT_MORE_MAX):
+            keep, more = self.plan(confs, drafted=first)
+            more = min(more, room - len(confs))
+            if more <= 0:
+                break
+            d2, q2, c2 = draft_model_propose(
+                self.cursor.feed, d[:, -1:], more, self.vocab, self.process,
+                None if keys is None else keys[ext],
+            )  # fmt: skip
+            d = mx.concatenate([d, d2], axis=1)
+            q = None if q is None else mx.concatenate([q, q2], axis=1)
+            confs += c2[0].tolist()
+        keep = max(1, min(keep, len(confs)))
+        return Proposal(
+            d[0, :keep],
+            None if q is None else q[0, :keep],
+            "model",
+            draft_s=time.perf_counter() - t0,
+            confidences=tuple(confs[:keep]),
+            made=len(confs) if len(confs) > keep else None,
+        )
+
+    def settle(self, ctx, right, hidden=None) -> None:
+        self.cursor.give_back(min(self.cursor.held, right), ctx)
+
+    def close(self) -> None:
+        pass
+
+
+class LookupDrafter:
+    """Prompt lookup (with memory): the continuation of an earlier occurrence of the
+    context's tail. ``lookup_length`` (an AdaptiveK's) weighs up to ``room`` lookup tokens
+    against k from a draft model (``fallback``: one follows in the chain) or a plain step;
+    without it lookup proposes up to k."""
+
+    def __init__(self, finder: Lookup, lookup_length=None, fallback: bool = False):
+        self.finder, self.lookup_length, self.fallback = finder, lookup_length, fallback
+
+    def propose(self, ctx, k, room, key, timed) -> Proposal:
+        if self.lookup_length is None:
+            match, found = self.finder.find(k)
+        else:
+            match, found = self.finder.find(room)
+            found = found[: self.lookup_length(match, len(found), k, self.fallback)]
+        if not found:
+            return Proposal()
+        return Proposal(mx.array(found, dtype=mx.uint32), None, "lookup", match=match)
+
+    def settle(self, ctx, right, hidden=None) -> None:
+        self.finder.sync()  # ctx is the index's own list: index what joined it
+
+    def close(self) -> None:
+        self.finder.remember()
+
+
+class Chain:
+    """Drafters tried in order each round: the first that proposes anything drafts it (the
+    hybrid: lookup first, the draft model when lookup finds nothing worth verifying)."""
+
+    def __init__(self, drafters: Sequence[Drafter]):
+        self.drafters = list(drafters)
+
+    def propose(self, ctx, k, room, key, timed) -> Proposal:
+        for d in self.drafters:
+            proposal = d.propose(ctx, k, room, key, timed)
+            if proposal.k:
+                return proposal
+        return Proposal()
+
+    @property
+    def reads_hidden(self) -> tuple:
+        return next((d.reads_hidden for d in self.drafters if getattr(d, "reads_hidden", ())), ())
+
+    def settle(self, ctx, right, hidden=None) -> None:
+        for d in self.drafters:
+            d.settle(ctx, right, hidden)
+
+    def close(self) -> None:
+        for d in self.drafters:
+            d.close()
+
+
+class HeadDrafter:
+    """A head over the target's hidden states (an MTP head: mtp.MTPHead): step one reads
+    the target's hidden state at the position before the newest token, each further step
+    the head's own output (chained to depth k, the same layer reused).
+
+    The head's cache holds ``fed`` pairs (h_j, t_{j+1}), j < fed; ``rows`` are the target's
+    hidden states at positions fed..fed+m-1 that are confirmed but not yet fed (they are
+    fed, with their tokens, at the next proposal: the last one's output is draft 1).
+
+    head: the head, called as head(hidden (B, L, H), tokens (B, L), cache) -> (g, logits);
+    cache: its caches; fed, rows: what it holds and what waits (a KVState's draft_len and
+    hidden); vocab: how many ids it may propose; process: the sampling processor (None:
+    greedy)."""
+
+    def __init__(self, head, cache, fed: int, rows: mx.array | None, vocab: int, process):
+        self.head, self.cache, self.fed, self.rows = head, cache, fed, rows
+        self.vocab, self.process = vocab, process
+        self.reads_hidden = head.reads_hidden
+        self.ahead = 0  # chained steps' entries in the cache (unconfirmed)
+
+    def propose(self, ctx, k, room, key, timed) -> Proposal:
+        if k <= 0 or self.rows is None:
+            return Proposal()  # (the first round of a one-token prompt: nothing to read)
+        t0 = time.perf_counter()
+        m = self.rows.shape[0]
+        pairs = pair_tokens(ctx, self.fed, m)  # (1, m)
+        d, q = head_propose(self.head, self.cache, self.rows[None], pairs, k, self.vocab,
+                            self.process, key)  # fmt: skip
+        self.fed, self.rows, self.ahead = self.fed + m, None, k - 1
+        if timed:
+            mx.eval(d if q is None else [d, q])
+        seconds = time.perf_counter() - t0 if timed else None
+        return Proposal(d[0], None if q is None else q[0], "model", draft_s=seconds)
+
+    def settle(self, ctx, right, hidden=None) -> None:
+        if self.ahead:
+            trim(self.cache, self.ahead)  # chained steps read drafts: never kept
+            self.ahead = 0
+        if hidden is None:
+            return
+        pending = self.fed + (0 if self.rows is None else self.rows.shape[0])
+        if hidden.start != pending:  # a pass the head did not see: it cannot go on exactly
+            raise RuntimeError(f"hidden states from {hidden.start}, the head waits at {pending}")
+        # a pair needs its hidden state confirmed (j < right) and its token in ctx
+        n = min(right, len(ctx) - 1) - hidden.start
+        if n > 0:
+            new = hidden.rows[:n]
+            self.rows = new if self.rows is None else mx.concatenate([self.rows, new])
+        if self.rows is not None and self.rows.shape[0] > FEED_AFTER:
+            self.catch_up(ctx)
+
+    def catch_up(self, ctx) -> None:
+        """Feed the head every waiting pair but the newest (rounds without proposals, as when
+        adaptive k has stopped drafting, would otherwise pile them up): queued, not waited
+        for, so the round keeps its one host sync."""
+        m = self.rows.shape[0] - 1
+        self.head(self.rows[None, :m], pair_tokens(ctx, self.fed, m), self.cache)
+        mx.async_eval([c.state for c in self.cache])
+        self.fed, self.rows = self.fed + m, self.rows[m:]
+
+    def close(self) -> None:
+        pass
+
+
+def pair_tokens(ctx: Sequence[int], start: int, m: int) -> mx.array:
+    """The tokens of a head's pairs at positions start..start+m-1, (1, m): the pair at j is
+    (h_j, t_{j+1}), the hidden state and the token that followed it."""
+    return mx.array(ctx[start + 1 : start + 1 + m], dtype=mx.uint32)[None]
+
+
+def head_propose(
+    head, cache: list, hidden: mx.array, tokens: mx.array, k: int, vocab: int,
+    process: Processor | None, key: mx.array | None,
+) -> tuple[mx.array, mx.array | None]:  # fmt: skip
+    """Feed a head the pairs (hidden (B, L, H), tokens (B, L)) and chain it k steps: step 1
+    is the last pair's output, step i + 1 reads step i's output and token. Nothing waits
+    (async_eval per step, like draft_model_propose). Returns d (B, k) uint32 and q (B, k,
+    vocab) (None when greedy); the cache grows by L + k - 1 (the last step is not fed)."""
+    keys = mx.random.split(key, k) if process is not None else None
+    tokens_out, qs = [], []
+    for i in range(k):
+        g, logits = head(hidden, tokens, cache)
+        logits = logits[:, -1, :vocab]  # (B, vocab)
+        if process is None:
+            t = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        else:
+            q = process(logits)
+            t = sample(q, keys[i])
+            qs.append(q)
+        tokens_out.append(t)
+        if i + 1 < k:
+            hidden, tokens = g[:, -1:], t[:, None]  # (B, 1, H), (B, 1)
+        mx.async_eval(t)
+    return mx.stack(tokens_out, axis=1), (mx.stack(qs, axis=1) if qs else None)
+
+
+def draft_model_propose(
+    feed: Callable[[mx.array], mx.array],
+    pending: mx.array,
+    k: int,
+    vocab: int,
+    process: Processor | None,
+    key: mx.array | None,
+) -> tuple[mx.array, mx.array | None, mx.array]:
+    """Feed the draft the tokens it has not seen yet, pending (B, L), then draft k tokens.
+
+    Nothing waits here: each step is queued with async_eval (the host never blocks) and feeds
+    the previous step's not-yet-read token.
+    Returns d (B, k) uint32, q (B, k, vocab) float32 (None when greedy) and the draft's
+    confidence in each token (B, k): its probability under q (greedy: under the softmax).
+    MLX is lazy: the confidence costs nothing unless someone reads it.
+
+    feed: runs the draft over (B, L) tokens and returns its logits (B, L, V) -- a Cursor's
+        ``feed``, which counts what the cache holds and keeps what a rollback needs; the
+        cache grows by L + k - 1 (the last drafted token is never fed).
+    key: randomness for sampling (unused, and may be None, when greedy).
+    vocab: restricts proposals to ids the target has (Code Llama 7B has 16 more than 34B).
+    The engine uses B = 1; tests batch thousands of rounds through this same function.
+    """
+    keys = mx.random.split(key, k) if process is not None else None  # greedy draws nothing
+    x, tokens, qs, confs = pending, [], [], []
+    for i in range(k):
+        logits = feed(x)[:, -1, :vocab]  # (B, vocab)
+        if process is None:
+            t = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            confs.append(mx.softmax(logits, axis=-1).max(axis=-1))  # (B,)
+        else:
+            q = process(logits)
+            t = sample(q, keys[i])
+            qs.append(q)
+            confs.append(mx.take_along_axis(q, t[:, None].astype(mx.int32), axis=-1)[:, 0])
+        tokens.append(t)
+        x = t[:, None]  # (B, 1)
+        mx.async_eval(t)  # start computing while the next step's graph is built: no host wait
+    d = mx.stack(tokens, axis=1)
+    return d, (mx.stack(qs, axis=1) if qs else None), mx.stack(confs, axis=1)

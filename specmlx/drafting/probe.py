@@ -1,0 +1,87 @@
+"""Timing probes: how long a model's forward pass takes over n tokens, and the target's pass-cost
+curve (a pass over k + 1 tokens against one) that seeds adaptive k's cost model.
+
+These run models; the estimates in adaptive.py never do, they only read the curve.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..core.caches import can_rollback, make_caches, trim
+from .adaptive import LOOKUP_MAX
+
+# token counts the pass-cost probe times; the curve between them is interpolated
+PROBE_SIZES = (*range(1, 10), 12, 16)
+
+
+def pass_times(model: nn.Module, ids: list[int], ns: list[int], reps: int = 3) -> dict[int, float]:
+    """Seconds of one forward pass over n tokens after a prefill of ``ids``, for each n in
+    ``ns``: the sizes take turns within each repetition, so drift hits them alike, and the
+    fastest repetition is kept, since on a shared machine noise only ever adds time.
+
+    model: the model to time; ids: the prefill (also what the timed passes repeat); ns: the
+    token counts to time; reps: timed repetitions, after one warm-up."""
+    cache = make_caches(model)
+    model(mx.array(ids, dtype=mx.uint32)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    best = dict.fromkeys(ns, float("inf"))
+    for rep in range(reps + 1):  # the first is a warm-up
+        for n in ns:
+            x = mx.array((ids * n)[:n], dtype=mx.uint32)[None]
+            t0 = time.perf_counter()
+            mx.eval(model(x, cache=cache))
+            if rep:
+                best[n] = min(best[n], time.perf_counter() - t0)
+            if can_rollback(cache, n):  # recurrent state just runs on: the timing is the same
+                trim(cache, n)
+    return best
+
+
+def head_step_seconds(head: nn.Module, reps: int = 3) -> float:
+    """Seconds of one step of a head over the target's hidden states (an MTP head: one pair
+    in, one token's logits out), the fastest of ``reps`` after a warm-up.
+
+    head: the head to time (an mtp.MTPHead); reps: timed repetitions, after one warm-up."""
+    cache = head.make_cache()
+    hidden = mx.zeros((1, 1, head.norm.weight.shape[0]))
+    token = mx.zeros((1, 1), dtype=mx.uint32)
+    best = float("inf")
+    for rep in range(reps + 1):
+        t0 = time.perf_counter()
+        mx.eval(head(hidden, token, cache))
+        if rep:
+            best = min(best, time.perf_counter() - t0)
+        trim(cache, 1)
+    return best
+
+
+def curve_from(times: dict[int, float], k_max: int) -> list[float]:
+    """t_verify(k) / t_verify(0) for k in 0..k_max from passes timed over some token counts:
+    linear between the counts timed, flat past the largest.
+
+    times: n tokens -> seconds, with n = 1 among them; k_max: the last k of the curve."""
+    ns = sorted(times)
+    out = []
+    for n in range(1, k_max + 2):
+        lo = max(m for m in ns if m <= n)
+        hi = min((m for m in ns if m >= n), default=lo)
+        w = 0.0 if hi == lo else (n - lo) / (hi - lo)
+        out.append(((1 - w) * times[lo] + w * times[hi]) / times[1])
+    return out
+
+
+def probe_pass_cost(
+    model: nn.Module, ids: list[int], k_max: int = LOOKUP_MAX, reps: int = 3
+) -> list[float]:
+    """t_verify(k) / t_verify(0) for k in 0..k_max: a target pass over k + 1 tokens against
+    one token, timed at PROBE_SIZES (and k_max + 1) and interpolated between. On Metal this
+    curve is known not to be flat; adaptive k needs it.
+
+    model: the target; ids: a prompt to prefill (its last 64 tokens are used); k_max: the
+    last k of the curve; reps: timed repetitions of each size."""
+    sizes = sorted({n for n in PROBE_SIZES if n <= k_max + 1} | {k_max + 1})
+    return curve_from(pass_times(model, ids[-64:] or [0], sizes, reps), k_max)

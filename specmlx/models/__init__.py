@@ -1,0 +1,1 @@
+"""Finding, planning, loading and sharding models: the registry, sources, GGUF, stand-ins."""

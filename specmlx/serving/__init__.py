@@ -1,0 +1,1 @@
+"""The HTTP server: OpenAI and editor endpoints, the generation worker, the prompt cache, the client."""

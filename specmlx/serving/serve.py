@@ -1,0 +1,549 @@
+"""`specmlx serve`: an OpenAI-compatible HTTP server over one loaded pair.
+
+FastAPI validates requests (api_schemas), which are tokenized here and handed to the worker
+thread (the only thread that runs MLX); text streams back as server-sent events in OpenAI's
+chunk format (api_shapes). Endpoints: /health, /v1/models, /v1/completions (with `suffix`
+for fill-in-the-middle), /v1/chat/completions, llama.cpp's /infill (editor plugins), and
+/metrics (Prometheus: metrics). Every error is OpenAI's {"error": {"message", "type",
+"code"}} with a 4xx status for bad input (api_errors), and the server keeps serving; the
+Host check, API key and body limits sit in front of every route (guard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from ..core.acceptance import DEFAULT_VERIFY, sampled_rule
+from ..core.sampling import SamplingParams
+from ..core.stats import Stats, TokenEvent
+from ..decoding.fim import encode_infill, require_fim
+from ..decoding.stream import encode_prompt
+from ..errors import BadInput
+from . import api_shapes as shapes
+from .api_errors import ApiError, as_api_error, error_body, install_error_handlers
+from .api_schemas import (
+    ChatBody,
+    CompletionBody,
+    InfillBody,
+    LlamaBody,
+    LlamaCompletionBody,
+    SamplingBody,
+)
+from .guard import HEADER_TIMEOUT_S, Guard, HeaderDeadline
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .worker import GenRequest, QueueFull, ShuttingDown, Worker
+
+MAX_CONNECTIONS = 64  # open connections uvicorn serves at once (then a 503): slow clients
+# that never finish their headers hold one each, and uvicorn has no header timeout
+
+
+# ---------------------------------------------------------------- the app
+
+
+@dataclass
+class ServerSettings:
+    """What requests default to, and the server's limits.
+
+    model_name: the id reported in responses; context: prompt + max_tokens must fit in it;
+    max_tokens: the default budget of a request; sampling: the default sampler; num_draft:
+    the default k; drafter: the default drafter ("model", "lookup" or "none"); api_key:
+    required as a Bearer token when set; max_body: the largest request body in bytes;
+    verify: the default acceptance rule of sampled rounds ("block" or "token"); hosts: the
+    Host header names requests may carry (None: any), so a web page that rebinds its own
+    DNS name to 127.0.0.1 cannot reach a keyless server on loopback."""
+
+    model_name: str
+    context: int
+    max_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+    num_draft: int | str = "auto"
+    drafter: str = "model"
+    api_key: str | None = None
+    max_body: int = 16 * 2**20
+    verify: str = DEFAULT_VERIFY
+    hosts: frozenset[str] | None = None
+
+
+def create_app(
+    worker: Worker, settings: ServerSettings, on_ready: Callable[[], None] | None = None
+) -> FastAPI:
+    """The ASGI app over a started or startable ``worker``; ``on_ready`` runs once serving."""
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        worker.start()
+        if on_ready is not None:
+            on_ready()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(worker.stop)
+
+    app = FastAPI(title="specmlx", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(
+        Guard, api_key=settings.api_key, max_body=settings.max_body, hosts=settings.hosts
+    )
+    prometheus = ServerMetrics(worker)
+    app.state.worker, app.state.settings, app.state.metrics = worker, settings, prometheus
+    install_error_handlers(app)
+    tok = worker.target.tokenizer
+    created = int(time.time())
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "busy": worker.busy, "queued": worker.queued}
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"id": settings.model_name, "object": "model", "created": created}
+        return {"object": "list", "data": [card | {"owned_by": "specmlx"}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        body.refuse_unsupported()
+        if body.echo or (body.best_of or 1) > 1:
+            raise ApiError(400, "echo and best_of are not supported", code="unsupported")
+        _bounded(settings, body.prompt, body.suffix or "")
+
+        def build() -> tuple[list[int], tuple[int, ...]]:
+            if body.suffix is not None:
+                template = require_fim(tok, _draft_tok(worker, body.draft, settings))
+                return encode_infill(tok, template, body.prompt, body.suffix), template.stops
+            return _encode(tok, body.prompt), ()
+
+        ids, extra = await _off_loop(build)
+        gen = _request(body, ids, extra, body.max_tokens, settings, worker)
+        return await _respond(request, worker, gen, body, "text_completion", settings)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody, request: Request):
+        body.refuse_unsupported()
+        if not getattr(tok, "chat_template", None):
+            raise ApiError(400, "this model has no chat template: use /v1/completions")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        _bounded(settings, *(m["content"] for m in messages))
+
+        def build() -> list[int]:
+            try:
+                ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+            except Exception as e:  # jinja raises for role orders a template forbids
+                raise ApiError(400, f"the chat template refused these messages: {e}") from None
+            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+        ids = await _off_loop(build)
+        budget = body.max_completion_tokens or body.max_tokens
+        gen = _request(body, ids, (), budget, settings, worker)
+        return await _respond(request, worker, gen, body, "chat.completion", settings)
+
+    @app.post("/infill")
+    async def infill(body: InfillBody, request: Request):
+        template = require_fim(tok, _draft_tok(worker, None, settings))
+        extra = [(c.filename, c.text) for c in body.input_extra]
+        texts = (body.input_prefix, body.input_suffix, body.prompt, *(t for _, t in extra))
+        _bounded(settings, *texts)
+        ids = await _off_loop(
+            lambda: encode_infill(
+                tok, template, body.input_prefix, body.input_suffix, extra=extra, middle=body.prompt
+            )
+        )
+        gen = _llama_request(body, ids, settings, worker, template.stops)
+        return await _respond_llama(request, worker, gen, body, settings)
+
+    @app.post("/completion")
+    async def completion(body: LlamaCompletionBody, request: Request):
+        if isinstance(body.prompt, str):
+            _bounded(settings, body.prompt)
+            ids = await _off_loop(lambda: _encode(tok, body.prompt))
+        else:
+            ids = list(body.prompt)
+            if not ids:
+                raise ApiError(400, "the prompt is empty")
+            if max(ids) >= len(tok):
+                raise ApiError(400, f"token id {max(ids)} is past the vocabulary")
+        gen = _llama_request(body, ids, settings, worker, ())
+        return await _respond_llama(request, worker, gen, body, settings)
+
+    @app.get("/props")
+    async def props():
+        # llama.cpp's: what llama.vscode reads for the context size (one slot: one at a time)
+        return {
+            "default_generation_settings": _generation_settings(settings, settings.max_tokens),
+            "total_slots": 1,
+            "model_path": settings.model_name,
+        }
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(prometheus.exposition(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+# no tokenizer averages more characters a token than this over a whole prompt (code and prose
+# run at 3-5; long runs of spaces at most 16 or so): text longer than the context times this
+# cannot fit, and is refused before any tokenizing
+MAX_CHARS_PER_TOKEN = 32
+
+
+def _bounded(settings: ServerSettings, *texts: str) -> None:
+    """A 400 before tokenizing when the request's text cannot fit the context."""
+    chars = sum(len(t) for t in texts)
+    if chars > settings.context * MAX_CHARS_PER_TOKEN:
+        raise ApiError(
+            400,
+            f"the prompt has {chars} characters: more than the context of {settings.context} "
+            f"tokens can hold (at most {MAX_CHARS_PER_TOKEN} characters a token)",
+            code="context_length_exceeded",
+        )
+
+
+async def _off_loop(fn):
+    """Run a prompt's tokenizing in a thread: a long prompt must not stall the event loop
+    (every other client's stream and /health) while it is encoded."""
+    return await asyncio.to_thread(fn)
+
+
+def _encode(tok, text: str) -> list[int]:
+    if not text:
+        raise ApiError(400, "the prompt is empty")
+    return encode_prompt(tok, text)
+
+
+def _draft_tok(worker: Worker, drafter: str | None, settings: ServerSettings):
+    """The draft's tokenizer when this request will draft with the model (its FIM ids must
+    agree with the target's), else None."""
+    use = _drafter(drafter, settings, worker)
+    return worker.draft.tokenizer if use == "model" and worker.draft is not None else None
+
+
+def _drafter(asked: str | None, settings: ServerSettings, worker: Worker) -> str:
+    drafter = asked or settings.drafter
+    if drafter == "model" and worker.draft is None:
+        if asked == "model":
+            raise ApiError(400, "this server has no draft model loaded: use draft lookup or none")
+        return "none"
+    return drafter
+
+
+def _sampling(body, settings: ServerSettings) -> SamplingParams:
+    d = settings.sampling
+    pick = lambda v, default: default if v is None else v  # noqa: E731
+    try:
+        return SamplingParams(
+            pick(body.temperature, d.temperature),
+            pick(body.top_p, d.top_p),
+            pick(body.top_k, d.top_k),
+            pick(body.min_p, d.min_p),
+        )
+    except BadInput as e:
+        raise ApiError(400, str(e)) from None
+
+
+def _budget(prompt_tokens: int, asked: int | None, settings: ServerSettings) -> int:
+    """The request's max tokens: as asked (it must fit the context with the prompt), else the
+    server's default cut to what the context leaves."""
+    room = settings.context - prompt_tokens
+    if asked is None:
+        if room <= 0:
+            raise ApiError(
+                400,
+                f"the prompt has {prompt_tokens} tokens, the context is {settings.context}",
+                code="context_length_exceeded",
+            )
+        return min(settings.max_tokens, room)
+    if asked > room:
+        raise ApiError(
+            400,
+            f"the prompt has {prompt_tokens} tokens and max_tokens asks for {asked} more: "
+            f"{prompt_tokens + asked} > the context of {settings.context}",
+            code="context_length_exceeded",
+        )
+    return asked
+
+
+def _request(body: SamplingBody, ids, extra_eos, asked, settings, worker) -> GenRequest:
+    return GenRequest(
+        prompt_ids=ids,
+        sampling=_sampling(body, settings),
+        max_tokens=_budget(len(ids), asked, settings),
+        seed=None if body.seed is None or body.seed < 0 else body.seed,
+        stop=body.stops(),
+        drafter=_drafter(body.draft, settings, worker),
+        num_draft=settings.num_draft if body.num_draft is None else body.num_draft,
+        extra_eos=tuple(extra_eos),
+        verify=_verify(body.verify, settings),
+    )
+
+
+def _verify(asked: str | None, settings: ServerSettings) -> str:
+    verify = settings.verify if asked is None else asked
+    try:
+        sampled_rule(verify)
+    except BadInput as e:
+        raise ApiError(400, str(e)) from None
+    return verify
+
+
+def _llama_request(
+    body, ids: list[int], settings: ServerSettings, worker: Worker, eos
+) -> GenRequest:
+    """A llama.cpp-shaped body (/completion, /infill) as one generation of ``ids``."""
+    sampling = _sampling(body, settings)
+    budget = body.n_predict if body.n_predict > 0 else None
+    max_tokens = _budget(len(ids), budget, settings)  # (also: the prompt fits the context)
+    if body.n_predict == 0:  # llama.vim's warm-up: fill the prompt cache, predict nothing
+        max_tokens = 0
+    return GenRequest(
+        prompt_ids=ids, sampling=sampling, max_tokens=max_tokens,
+        seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s],
+        drafter=_drafter(None, settings, worker), num_draft=settings.num_draft,
+        extra_eos=tuple(eos), verify=settings.verify,
+        time_limit_s=body.t_max_predict_ms / 1000 if body.t_max_predict_ms > 0 else None,
+        min_indent=body.n_indent if body.n_indent > 0 else None,
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------- running a job
+
+
+class _Events:
+    """The worker's events for one job, delivered into this event loop."""
+
+    def __init__(self, worker: Worker, gen: GenRequest):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(kind: str, value: object) -> None:
+            loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+
+        try:
+            self.job = worker.submit(gen, emit)
+        except QueueFull as e:
+            raise ApiError(503, str(e), "server_error", "overloaded") from None
+        except ShuttingDown as e:
+            raise ApiError(503, str(e), "server_error", "shutting_down") from None
+
+        self.checked = time.monotonic()
+        self.held: tuple | None = None
+
+    async def started(self, request: Request) -> None:
+        """Wait for the job's first event before a stream's headers go out: a request that
+        fails before its first token (refused while queued at shutdown, say) gets its real
+        status instead of a 200 carrying an error event. ClientGone if the client left."""
+        self.held = await self.next(request)
+        if self.held[0] == "error":
+            raise as_api_error(self.held[1])
+
+    async def next(self, request: Request | None = None):
+        """The next event. With ``request`` (a response not streamed yet), a client that hung
+        up cancels the job (looked at every quarter second) and raises ClientGone."""
+        if self.held is not None:
+            held, self.held = self.held, None
+            return held
+        while True:
+            if request is not None and time.monotonic() - self.checked > 0.25:
+                self.checked = time.monotonic()
+                if await request.is_disconnected():
+                    self.job.cancel()
+                    raise ClientGone
+            try:
+                return await asyncio.wait_for(self.queue.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                continue
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+async def _respond(
+    request: Request, worker: Worker, gen: GenRequest, body: SamplingBody, kind: str, settings
+):
+    """OpenAI's answer to a completion or chat completion: whole, or streamed as chunks."""
+    events = _Events(worker, gen)
+    rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    base = {"id": rid, "created": int(time.time()), "model": settings.model_name}
+    chat = kind == "chat.completion"
+    if body.stream:
+        usage = bool((body.stream_options or {}).get("include_usage"))
+        try:
+            await events.started(request)
+        except ClientGone:
+            return Response(status_code=499)
+        stream = _stream(events, base, chat, usage, body.return_tokens)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    text, tokens = [], []
+    try:
+        while True:
+            what, value = await events.next(request)
+            if what == "piece":
+                text.append(value.text)
+                tokens += [value.token] if value.token is not None else []
+            elif what == "error":
+                raise as_api_error(value)
+            else:
+                stats = value
+                break
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads this
+    shown = tokens if body.return_tokens else None
+    return shapes.completion(base, chat, "".join(text), stats, events.job, shown)
+
+
+async def _stream(events: _Events, base: dict, chat: bool, usage: bool, with_tokens: bool):
+    """OpenAI's chunks as server-sent events, ending with data: [DONE]. If the client goes
+    away, Starlette cancels this generator and the job is cancelled with it."""
+    sse = shapes.sse
+    try:
+        if chat:
+            yield sse(shapes.role_chunk(base))
+        while True:
+            what, value = await events.next()
+            if what == "piece":
+                piece: TokenEvent = value
+                if piece.text or (with_tokens and piece.token is not None):
+                    shown = piece if with_tokens else None
+                    yield sse(shapes.chunk(base, chat, piece.text, None, shown))
+            elif what == "error":
+                err = as_api_error(value)
+                yield sse(error_body(err.message, err.kind, err.code))
+                break
+            else:
+                stats: Stats = value
+                last = shapes.chunk(base, chat, None if chat else "", stats.finish_reason or "stop")
+                last["specmlx"] = shapes.job_stats(stats, events.job)
+                yield sse(last)
+                if usage:
+                    yield sse(shapes.usage_chunk(base, chat, stats))
+                break
+        yield sse("[DONE]")
+    finally:
+        events.job.cancel()  # no-op when it finished; frees the slot when the client left
+
+
+async def _respond_llama(request, worker, gen: GenRequest, body: LlamaBody, settings):
+    """llama.cpp's response (or, for n_cmpl > 1, a list of them: each completion a seed
+    further, so sampled ones differ; greedy ones are the same)."""
+    shown = _generation_settings(settings, gen.max_tokens)
+    if body.n_cmpl == 1:
+        return await _respond_infill(request, worker, gen, body.stream, body.response_fields, shown)
+    if body.stream:
+        raise ApiError(400, "n_cmpl > 1 cannot stream", code="unsupported")
+    seed = gen.seed if gen.seed is not None else random.getrandbits(63)
+    out = []
+    for i in range(body.n_cmpl):
+        one = replace(gen, seed=(seed + i) % 2**64)
+        got = await _respond_infill(request, worker, one, False, body.response_fields, shown)
+        if isinstance(got, Response):  # the client left
+            return got
+        out.append(got)
+    return out
+
+
+def _generation_settings(settings: ServerSettings, max_tokens: int) -> dict:
+    return shapes.generation_settings(settings.model_name, settings.context, max_tokens)
+
+
+async def _respond_infill(
+    request: Request,
+    worker: Worker,
+    gen: GenRequest,
+    stream: bool,
+    fields: list[str] | None = None,
+    generation_settings: dict | None = None,
+):
+    """llama.cpp's /completion response shape: content, stop, tokens, timings (just
+    ``fields`` when given)."""
+    events = _Events(worker, gen)
+
+    def final(content: str, stats: Stats) -> dict:
+        out = shapes.llama_completion(content, stats, events.job, generation_settings)
+        return out if fields is None else shapes.pick_fields(out, fields)
+
+    if stream:
+
+        async def chunks() -> AsyncIterator[str]:
+            try:
+                while True:
+                    what, value = await events.next()
+                    if what == "piece" and value.text:
+                        yield shapes.sse({"content": value.text, "stop": False})
+                    elif what == "error":
+                        err = as_api_error(value)
+                        yield shapes.sse(error_body(err.message, err.kind, err.code))
+                        return
+                    elif what == "done":
+                        yield shapes.sse(final("", value))
+                        return
+            finally:
+                events.job.cancel()
+
+        try:
+            await events.started(request)
+        except ClientGone:
+            return Response(status_code=499)
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+    text = []
+    try:
+        while True:
+            what, value = await events.next(request)
+            if what == "piece":
+                text.append(value.text)
+            elif what == "error":
+                raise as_api_error(value)
+            else:
+                return final("".join(text), value)
+    except ClientGone:
+        return Response(status_code=499)
+
+
+# ---------------------------------------------------------------- serving
+
+
+def run_server(
+    app: FastAPI,
+    host: str,
+    port: int,
+    *,
+    grace_s: float = 10.0,
+    header_timeout_s: float = HEADER_TIMEOUT_S,
+) -> None:
+    """Serve ``app`` until SIGINT or SIGTERM, then stop cleanly: no new connections; queued
+    requests are answered at once with a 503 shutting_down; the running one gets most of
+    ``grace_s`` seconds to finish, and is then ended with a final error event (a stream) or a
+    503; this returns normally (the command exits 0).
+
+    app: from create_app; host, port: where to listen; grace_s: as above;
+    header_timeout_s: the longest a request's line and headers may take (then a 408)."""
+    worker: Worker = app.state.worker
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            # a requested stop is a clean one: do not re-raise the signal afterwards
+            getattr(self, "_captured_signals", []).clear()
+            if first:
+                worker.drain()
+                # before uvicorn's own grace runs out and cuts the connection mid-stream
+                end = threading.Timer(max(grace_s - 1.0, grace_s * 0.8), worker.interrupt)
+                end.daemon = True
+                end.start()
+
+    protocol = type("Deadline", (HeaderDeadline,), {"header_timeout_s": header_timeout_s})
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace_s,
+        limit_concurrency=MAX_CONNECTIONS, http=protocol,
+    )  # fmt: skip
+    Server(config).run()

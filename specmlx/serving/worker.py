@@ -1,0 +1,439 @@
+"""The server's generation thread: the one thread that runs MLX, one generation at a time,
+from a bounded FIFO queue, with the prompt cache and the adaptive-k choosers.
+
+It knows nothing of HTTP: a job comes in as a GenRequest with an ``emit`` callback, and its
+text, its end and any error go out through that callback (the server hands them to its event
+loop). A job that is cancelled (its client hung up) stops within one round and frees the slot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
+from functools import cache
+from types import UnionType
+from typing import TypeVar, Union, get_args, get_origin, get_type_hints
+
+import mlx.core as mx
+
+from ..core.stats import Stats
+from ..decoding.session import Pair, Request, Session
+from ..distributed.ranks import (
+    Cancelled,
+    Lockstep,
+    RankFailure,
+    Watchdog,
+    World,
+    lost_peer,
+    share,
+    share_bytes,
+)
+from ..drafting.choosers import ChooserStore
+from ..drafting.lookup import LookupMemory
+from ..errors import SpecmlxError
+from ..models.loading import Loaded
+from ..paths import Warn
+from .prompt_cache import PromptCache
+
+T = TypeVar("T")
+
+
+class QueueFull(SpecmlxError):
+    """The queue holds --max-queue requests already (HTTP 503, with Retry-After)."""
+
+
+class ShuttingDown(SpecmlxError):
+    """The server is stopping; queued requests are not started."""
+
+
+@dataclass
+class GenRequest(Request):
+    """One generation, fully resolved: a session.Request (sampler, budget, stops, k, rule)
+    with its tokens and the drafter asked for; the worker sets use_draft and lookup from
+    ``drafter``, and draft_stop from its own setting."""
+
+    prompt_ids: list[int] = field(default_factory=list)
+    drafter: str = "model"  # "model" (the loaded draft), "lookup" or "none"
+
+
+# ("piece", TokenEvent with its text) | ("done", Stats) | ("error", exc)
+Emit = Callable[[str, object], None]
+
+
+@dataclass
+class Job:
+    request: GenRequest
+    emit: Emit
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    stats: Stats = field(default_factory=Stats)
+    k_label: str = ""  # the k setting, for the response
+    drafter_name: str = ""  # the draft's alias, "lookup" or "none"
+
+    def cancel(self) -> None:
+        """Stop generating (within one round) or, if still queued, never start."""
+        self.cancelled.set()
+
+
+@dataclass
+class Totals:
+    """Counters since the server started, for /metrics (written by the worker thread)."""
+
+    requests: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    rejected: int = 0  # 503: the queue was full
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rounds: int = 0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+    cache_hits: int = 0
+    # the prompt cache's size after the last job (the cache itself is the worker thread's
+    # alone: PromptCache is not thread-safe, so /metrics reads these instead)
+    cache_bytes: int = 0
+    cache_entries: int = 0
+
+
+class Worker:
+    """Owns the loaded pair and the MLX thread.
+
+    target, draft: the loaded models (draft None: target alone); shared: ids the draft may
+    propose; max_queue: requests that may wait while one runs; cache_budget: bytes of KV
+    caches the prompt cache may keep; persist: keep adaptive-k state under $SPECMLX_HOME;
+    warn: gets one line when state cannot be saved; world: the ranks the target is split
+    over: rank 0 serves and sends each request to the others, which ``follow``;
+    lookup_memory: lookup requests also search the outputs of earlier ones (and, with
+    persist, of earlier runs: lookup.LookupMemory; never with ranks, whose stores differ);
+    draft_stop: auto-k requests with a draft model stop drafting per token (engine);
+    watchdog: with ranks, bounds a generation that makes no progress (a rank that hangs);
+    fatal: with ranks, called with one line when a generation failed after the ranks
+    started it (they may be out of step): it must end this rank (the CLI exits 1)."""
+
+    def __init__(
+        self,
+        target: Loaded,
+        draft: Loaded | None,
+        shared: int,
+        *,
+        max_queue: int = 16,
+        cache_budget: int = 0,
+        persist: bool = True,
+        warn: Warn | None = None,
+        world: World | None = None,
+        lookup_memory: bool = True,
+        draft_stop: bool = False,
+        watchdog: Watchdog | None = None,
+        fatal: Callable[[str], None] | None = None,
+    ):
+        self.watchdog, self.fatal = watchdog, fatal
+        self.target, self.draft, self.shared = target, draft, shared
+        self.draft_stop = draft_stop
+        self.max_queue = max_queue
+        self.world = world or World(None)
+        self.cache = PromptCache(cache_budget)
+        self.choosers = ChooserStore(persist=persist and self.world.leader, warn=warn)
+        self.memory = None
+        if lookup_memory and not self.world.distributed:
+            where = LookupMemory.directory_for(target.tokenizer) if persist else None
+            self.memory = LookupMemory(where, vocab_size=target.vocab_size, warn=warn)
+        pair = Pair.of(target, draft, shared)
+        self.session = Session(pair, choosers=self.choosers, memory=self.memory, world=self.world)
+        self.totals = Totals()
+        self.last: Stats | None = None
+        self.busy = False
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._current: Job | None = None
+        self._thread = threading.Thread(target=self._run, name="specmlx-mlx", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting (the running one excluded)."""
+        return self._queue.qsize()
+
+    def submit(self, request: GenRequest, emit: Emit) -> Job:
+        """Queue a generation; QueueFull past max_queue, ShuttingDown once stopping."""
+        job = Job(request, emit)
+        with self._lock:
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            # --max-queue 0: no waiting, so served when idle and refused while busy
+            waiting = self._queue.qsize()
+            if waiting >= self.max_queue and (self.busy or waiting > 0):
+                self.totals.rejected += 1
+                raise QueueFull(f"{self.max_queue} requests are already waiting; retry shortly")
+            self._queue.put(job)
+        return job
+
+    def drain(self) -> None:
+        """Refuse new jobs and answer the queued ones with ShuttingDown; the running one goes
+        on (a server stopping lets it finish within its grace)."""
+        with self._lock:
+            self._stopping = True
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job.cancel()
+                    job.emit("error", ShuttingDown("the server is shutting down"))
+
+    def interrupt(self) -> None:
+        """End the running job now: its client gets ShuttingDown (a final error event)."""
+        job = self._current
+        if job is not None:
+            job.emit("error", ShuttingDown("the server is shutting down"))
+            job.cancel()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new jobs, cancel the queued and running ones, and wait for the thread."""
+        self.drain()
+        if self._current is not None:
+            self._current.cancel()
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------ the MLX thread
+
+    def follow(self) -> None:
+        """On ranks other than 0: run the generations rank 0 sends, in step, until it says
+        stop. Nothing is emitted; rank 0 answers the clients. RankFailure when rank 0 went
+        away or a generation failed here: this rank's caches and collectives may no longer
+        match rank 0's, so it stops (and rank 0, whose collectives then fail, stops too)."""
+        while True:
+            try:
+                request = _receive(self.world)
+            except RuntimeError as e:
+                raise RankFailure(f"lost rank 0 ({lost_peer(e) or e})") from None
+            if request is None:
+                return
+            if request is IDLE:  # rank 0 has nothing yet: wait asleep, not in a collective
+                time.sleep(IDLE_TICK * 0.9)
+                continue
+            try:
+                self._generate(Job(request, lambda _kind, _value: None))
+            except Exception as e:  # noqa: BLE001 - whatever it was, the ranks are apart now
+                self.totals.failed += 1
+                raise RankFailure(f"a generation failed on this rank: {_said(e)}") from None
+            finally:
+                if self.watchdog is not None:
+                    self.watchdog.idle()
+
+    def fail(self, message: str) -> None:
+        """Answer the running request with ``message`` (a 503) and give the answer a moment
+        to go out: the watchdog calls this before it ends the process."""
+        job = self._current
+        if job is not None:
+            job.emit("error", RankFailure(message))
+            time.sleep(1.0)
+
+    def _run(self) -> None:
+        while True:
+            job = self._next()
+            if job is None:
+                if self.world.distributed:
+                    _send(self.world, None)  # the other ranks stop following
+                return
+            if job.cancelled.is_set():
+                self.totals.cancelled += 1
+                continue
+            if self._stopping:  # taken off the queue just as the server began to stop
+                job.emit("error", ShuttingDown("the server is shutting down"))
+                continue
+            self._current, self.busy = job, True
+            try:
+                self._generate(job)
+            except Exception as e:  # noqa: BLE001 - the job's client gets it; serving goes on
+                self.totals.failed += 1
+                if not self.world.distributed:
+                    job.emit("error", e)
+                    continue
+                # the other ranks ran part of it: they may be out of step now, so stop all
+                failure = RankFailure(f"the ranks stopped: {_said(e)}")
+                job.emit("error", failure)
+                if self.fatal is not None:
+                    time.sleep(1.0)  # the answer goes out first
+                    self.fatal(str(failure))
+                return
+            finally:
+                self._current, self.busy = None, False
+                t = self.totals  # after every job, failed ones too: this thread's cache
+                t.cache_bytes, t.cache_entries = self.cache.nbytes, len(self.cache.entries)
+                if self.watchdog is not None:
+                    self.watchdog.idle()
+
+    def _next(self) -> Job | None:
+        """The next job. With ranks, while none comes, rank 0 sends an idle tick every
+        IDLE_TICK seconds: a follower waiting inside a collective spins a core, so it waits
+        for each tick asleep instead, and enters the collective just before it is due (a
+        request then waits at most one tick for the followers)."""
+        if not self.world.distributed:
+            return self._queue.get()
+        while True:
+            try:
+                return self._queue.get(timeout=IDLE_TICK)
+            except queue.Empty:
+                if self.watchdog is not None:  # a follower that hangs while idle: bounded
+                    self.watchdog.beat("waiting for the other ranks")
+                _send(self.world, IDLE)
+                if self.watchdog is not None:
+                    self.watchdog.idle()
+
+    def _generate(self, job: Job) -> None:
+        r, stats, world = job.request, job.stats, self.world
+        if world.distributed and world.leader:
+            r.seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(6), "little")
+            _send(world, r)
+        use_draft = r.drafter == "model" and self.draft is not None
+        lockstep = None
+        if world.distributed:  # every round: the tokens compared, rank 0's cancel shared
+            stop = job.cancelled.is_set if world.leader else None
+            beat = None
+            if self.watchdog is not None:
+                self.watchdog.beat("generating")
+                beat = self.watchdog.beat
+            lockstep = Lockstep(world, stoppable=True, cancelled=stop, beat=beat)
+        job.k_label = str(r.num_draft)
+        job.drafter_name = self.draft.spec.alias if use_draft else r.drafter
+        # a time limit would stop the ranks at different tokens: with ranks it is not applied
+        time_limit = None if world.distributed else r.time_limit_s
+        request = replace(
+            r, use_draft=use_draft, lookup=r.drafter == "lookup", draft_stop=self.draft_stop,
+            time_limit_s=time_limit,
+        )  # fmt: skip
+        kv = self.cache.take(r.prompt_ids)
+        gen = self.session.start(r.prompt_ids, request, kv=kv, stats=stats, lockstep=lockstep)
+        if r.max_tokens == 0:  # a warm-up (llama.vim's n_predict 0): the prompt cache only
+            try:
+                gen.prefill()
+            finally:
+                self.cache.put(kv, len(r.prompt_ids))
+            stats.finish_reason = "length"
+            self._count(stats, False)
+            self.last = stats
+            job.emit("done", stats)
+            return
+        events = gen.text()
+        cancelled = False
+        try:
+            for event in events:
+                # with ranks, the cancel travels with the next round's lockstep check
+                if job.cancelled.is_set() and not world.distributed:
+                    cancelled = True
+                    break
+                job.emit("piece", event)
+        except Cancelled:
+            cancelled = True
+        finally:
+            events.close()  # the engine leaves kv holding exactly what it says
+            self.cache.put(kv, len(r.prompt_ids))
+        gen.finish()
+        self._count(stats, cancelled)
+        if cancelled:
+            return
+        self.last = stats
+        job.emit("done", stats)
+
+    def _count(self, stats: Stats, cancelled: bool) -> None:
+        t = self.totals
+        t.requests += 1
+        t.cancelled += cancelled
+        t.prompt_tokens += stats.prompt_tokens
+        t.cached_tokens += stats.cached_tokens
+        t.cache_hits += stats.cached_tokens > 0
+        t.generated += stats.generated
+        t.drafted += stats.drafted
+        t.accepted += stats.accepted
+        t.rounds += stats.rounds
+        t.decode_s += stats.decode_s
+        t.prefill_s += stats.prefill_s
+        mx.clear_cache()  # between requests: give the allocator's free blocks back
+
+
+def _said(e: BaseException) -> str:
+    """One line for an error on a rank: a lost peer as such, else its type and message."""
+    lost = lost_peer(e)
+    if lost is not None:
+        return str(lost)
+    return str(e) if isinstance(e, SpecmlxError) else f"{type(e).__name__}: {e}"
+
+
+# ---------------------------------------------------------------- requests between ranks
+
+# with ranks, between requests: seconds between rank 0's idle ticks (a request waits at most
+# this long for the followers; they spin a tenth of it)
+IDLE_TICK = 0.1
+IDLE = object()  # _receive's "nothing yet"
+_STOP, _REQUEST, _IDLE = 0, 1, 2  # what rank 0's first collective says comes next
+
+
+def _send(world: World, r) -> None:
+    """Rank 0: hand one request (None: stop following; IDLE: nothing yet) to the others:
+    one collective says what comes and its size, a second (a request's) carries it packed."""
+    if r is None or r is IDLE:
+        share(world, [_STOP if r is None else _IDLE, 0])
+        return
+    data = pack(r)
+    share(world, [_REQUEST, len(data)])
+    share_bytes(world, data)
+
+
+def _receive(world: World):
+    """Other ranks: wait for rank 0's next request (None: stop; IDLE: nothing yet)."""
+    kind, size = share(world, [], 2)
+    if kind == _STOP:
+        return None
+    if kind == _IDLE:
+        return IDLE
+    return unpack(GenRequest, share_bytes(world, b"", size))
+
+
+def pack(request: object) -> bytes:
+    """A dataclass (a GenRequest) as JSON bytes, every field of it (nested dataclasses as
+    objects): a field added to the class travels with no edit here. The worker then sets
+    use_draft, lookup, draft_stop and the time limit itself on every rank (see _generate)."""
+    return json.dumps(asdict(request), separators=(",", ":")).encode()
+
+
+def unpack(cls: type[T], data: bytes) -> T:
+    """``pack``'s bytes back as a ``cls`` equal to the one packed."""
+    return _revive(cls, json.loads(data))
+
+
+@cache
+def _hints(cls: type) -> dict:
+    return get_type_hints(cls)
+
+
+def _revive(kind, value):
+    """A JSON value as the type ``kind`` says: JSON has no dataclasses or tuples, so those
+    are rebuilt, and a float field rank 0 held as an int (temperature 0) comes back a float;
+    a union is tried member by member; anything else is as JSON gave it (a list, str, int,
+    bool or None)."""
+    if is_dataclass(kind) and isinstance(value, dict):
+        hints = _hints(kind)
+        return kind(**{k: _revive(hints[k], v) for k, v in value.items()})
+    if get_origin(kind) is tuple and isinstance(value, list):
+        return tuple(value)
+    if kind is float and type(value) is int:
+        return float(value)
+    if get_origin(kind) in (Union, UnionType):
+        for member in get_args(kind):
+            revived = _revive(member, value)
+            if revived is not value:
+                return revived
+    return value
