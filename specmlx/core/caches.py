@@ -189,6 +189,12 @@ class ChunkKVCache(ChunkedKVCache):
         super().__init__(chunk_size)
         self.slack = int(slack)
 
+    def can_trim(self, n: int) -> bool:
+        """Whether giving back n tokens keeps what the next query needs: at position
+        offset - n, it sees keys from its chunk's start on, which must still be held."""
+        keep = self.offset - min(n, self.offset)
+        return self.start_position <= keep - keep % self.chunk_size
+
     def maybe_trim_front(self) -> None:
         if self.keys is None:
             return
@@ -274,8 +280,7 @@ _KNOWN = (
     QuantizedKVCache,
     WindowKVCache,
     RotatingKVCache,
-    ChunkedKVCache,
-    ChunkKVCache,
+    ChunkKVCache,  # (mlx-lm's own ChunkedKVCache is always replaced: make_caches)
     ArraysCache,
 )
 
@@ -305,19 +310,12 @@ def needs_replay(cache: Sequence) -> bool:
 
 
 def _trimmable(c, n: int) -> bool:
-    if isinstance(c, WindowKVCache):
-        return c.can_trim(n)
-    if isinstance(c, (KVCache, QuantizedKVCache)):
-        return True
-    if isinstance(c, RotatingKVCache):
-        # exact only while nothing has been dropped yet: asked now, not when it was empty
-        return c.is_trimmable()
-    if isinstance(c, ChunkedKVCache):
-        # the next query (at position keep) sees keys from its chunk's start on: they must
-        # still be held
-        keep = c.offset - min(n, c.offset)
-        return c.start_position <= keep - keep % c.chunk_size
-    return False
+    """Asked of the layer's cache, now (check_kinds lets in only kinds whose answer is
+    known true): specmlx's own kinds say whether these n tokens can go (``can_trim``);
+    mlx-lm's say whether any can (``is_trimmable``: always for its full caches, for its
+    rotating cache only until it first drops a key, never for recurrent state)."""
+    can_trim = getattr(c, "can_trim", None)
+    return can_trim(n) if can_trim is not None else c.is_trimmable()
 
 
 def can_rollback(cache: Sequence, n: int) -> bool:
