@@ -20,7 +20,8 @@ from mtp_toy import toy_head, toy_language, toy_target  # noqa: E402
 
 from specmlx.core.sampling import SamplingParams  # noqa: E402
 from specmlx.core.stats import Stats  # noqa: E402
-from specmlx.decoding.engine import generate_tokens  # noqa: E402
+from specmlx.decoding.engine import Decode, Parts, generate_tokens  # noqa: E402
+from specmlx.drafting.choosers import K  # noqa: E402
 from specmlx.drafting.adaptive import AdaptiveK  # noqa: E402
 
 
@@ -31,8 +32,8 @@ def run(target, head, k, temp: float, prompts: int, n: int) -> Stats:
         stats = Stats()
         prompt = toy_language(1, 6, 9000 + p)[0].tolist()
         sampling = SamplingParams(temperature=temp)
-        list(generate_tokens(target, head, prompt, num_draft=k, max_tokens=n, seed=p,
-                             sampling=sampling, stats=stats))  # fmt: skip
+        decode = Decode(sampling=sampling, k=K(k), max_tokens=n, seed=p)
+        list(generate_tokens(target, head, prompt, decode, Parts(stats=stats)))
         total.generated += stats.generated
         total.rounds += stats.rounds
         total.drafted += stats.drafted

@@ -25,7 +25,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from specmlx.core.sampling import SamplingParams, make_processor
-from specmlx.decoding.engine import generate_tokens
+from specmlx.decoding.engine import Decode, generate_tokens
 from specmlx.drafting.drafters import draft_model_propose
 from specmlx.models.loading import load_model
 from specmlx.models.registry import load_registry
@@ -54,7 +54,7 @@ def main() -> None:
         row = json.loads(line)
         prompt = target.tokenizer.encode(row["prompt"])
         gen = generate_tokens(
-            target.model, None, prompt, sampling=params, max_tokens=a.n, seed=a.seed
+            target.model, None, prompt, Decode(sampling=params, max_tokens=a.n, seed=a.seed)
         )
         out = [e.token for e in gen]
         cache = make_prompt_cache(draft.model)

@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,7 +23,9 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from specmlx.core.stats import RoundReport
+from specmlx.core.stats import KChooser, RoundReport
+from specmlx.decoding.engine import Decode, Parts, generate_tokens
+from specmlx.drafting.choosers import AUTO, K
 from specmlx.models import gguf
 
 
@@ -419,3 +422,35 @@ class Server:
         self.proc.send_signal(sig)
         _, err = self.proc.communicate(timeout=60)
         return self.proc.returncode, err.decode()
+
+
+class Script(KChooser):
+    """A test's k schedule as a chooser: ``fn(last) -> k``; its ``plain_next`` attribute,
+    when it has one, is the chooser's."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, last):
+        return self.fn(last)
+
+    def plain_next(self) -> bool:
+        return getattr(self.fn, "plain_next", lambda: False)()
+
+
+_DECODE = {f.name for f in fields(Decode)}
+_PARTS = {f.name for f in fields(Parts)}
+
+
+def generate(target, draft, prompt, *, k=4, **settings):
+    """generate_tokens with its settings as keywords, by the names of Decode's and Parts'
+    fields; ``k`` is a k setting (an int, "auto", a K) or a chooser (a bare function is
+    taken as a Script)."""
+    chooser = None
+    if not isinstance(k, (int, str, K)):
+        chooser, k = (k if isinstance(k, KChooser) else Script(k)), AUTO
+    unknown = set(settings) - _DECODE - _PARTS
+    assert not unknown, unknown
+    decode = Decode(k=k, **{n: v for n, v in settings.items() if n in _DECODE})
+    parts = Parts(chooser=chooser, **{n: v for n, v in settings.items() if n in _PARTS})
+    return generate_tokens(target, draft, prompt, decode, parts)

@@ -11,6 +11,7 @@ import sys
 from dataclasses import asdict
 
 import mlx.core as mx
+from helpers import Script
 
 from specmlx.core.sampling import SamplingParams
 from specmlx.distributed.ranks import Lockstep, LockstepError, SharedK, join
@@ -33,7 +34,9 @@ def lockstep(diverge_at: int, ends: bool) -> dict:
     then stops (its last token an EOS, say) and checks."""
     lock = Lockstep(world)
     ks = iter([3, 1, 4, 1, 5, 9, 2, 6])
-    shared = SharedK(lambda _last: next(ks) + 10 * world.rank, world, lock)  # rank 0's decides
+    shared = SharedK(
+        Script(lambda _last: next(ks) + 10 * world.rank), world, lock
+    )  # rank 0's decides
     got, error = [], None
     try:
         for r in range(8):
@@ -49,7 +52,7 @@ def lockstep(diverge_at: int, ends: bool) -> dict:
 
 def request() -> dict:
     sent = GenRequest(
-        sampling=SamplingParams(0.7, 0.9, 40, 0.05), num_draft=5, max_tokens=17,
+        sampling=SamplingParams(0.7, 0.9, 40, 0.05), k=5, max_tokens=17,
         seed=2**47 + 3, stop=["\n\n", "é\0x"], use_draft=False, lookup=True, extra_eos=(7, 9),
         verify="token", draft_stop=True, time_limit_s=1.5, min_indent=4,
         prompt_ids=list(range(1000, 1300)), drafter="lookup",

@@ -6,10 +6,9 @@ import random
 import statistics
 
 import pytest
-from helpers import Feed, make_tiny, steady
+from helpers import Feed, generate, make_tiny, steady
 
 from specmlx.core.stats import RoundReport, Stats
-from specmlx.decoding.engine import generate_tokens
 from specmlx.drafting.adaptive import (
     CONF_BINS,
     LOOKUP_MAX,
@@ -157,9 +156,9 @@ def test_useless_draft_settles_at_zero():
         ks.append(chooser(last))
         return ks[-1]
 
-    gen = generate_tokens(target, draft, [1, 2, 3], num_draft=record, max_tokens=40)
+    gen = generate(target, draft, [1, 2, 3], k=record, max_tokens=40)
     out = [e.token for e in gen]
-    assert out == [e.token for e in generate_tokens(target, None, [1, 2, 3], max_tokens=40)]
+    assert out == [e.token for e in generate(target, None, [1, 2, 3], max_tokens=40)]
     assert ks[6:].count(0) >= len(ks[6:]) - 2, ks  # settled, except an occasional re-probe
 
 

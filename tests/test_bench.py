@@ -7,7 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import make_tiny
+from helpers import generate, make_tiny
 from mlx_lm.sample_utils import make_sampler
 
 from specmlx.bench.data import BenchSettings, Run, System, runs_at
@@ -106,7 +106,7 @@ def test_a_difference_is_a_near_tie_only_between_two_tokens_at_the_top():
 def test_identity_recomputes_the_targets_logits_where_runs_differ():
     target = make_tiny(0)
     prompt = [1, 5, 9]
-    ref = generate(target, prompt, 6)
+    ref = plain_tokens(target, prompt, 6)
     assert greedy_verdict(target, prompt, ref, ref) == "identical"
     logits = np.array(target_logits_after(target, prompt + ref[:3]))
     assert int(logits.argmax()) == ref[3]  # the recomputed position is the one that differs
@@ -117,15 +117,13 @@ def test_identity_recomputes_the_targets_logits_where_runs_differ():
     )  # ended early: no tie to judge
 
 
-def generate(target, prompt, n):
-    from specmlx.decoding.engine import generate_tokens
-
-    return [e.token for e in generate_tokens(target, None, prompt, max_tokens=n)]
+def plain_tokens(target, prompt, n):
+    return [e.token for e in generate(target, None, prompt, max_tokens=n)]
 
 
 def test_block_rows_sit_beside_token_rows_and_run_sampled_only():
     s = BenchSettings(ks=[0, 2, "auto"], temps=[0.0, 0.8], verifies=["token", "block"])
-    rows = [(sy.system, sy.k, sy.verify) for sy in systems("d", s)]
+    rows = [(sy.system, sy.k.value, sy.verify) for sy in systems("d", s)]
     spec = [(k, v) for system, k, v in rows if system == "specmlx"]
     assert spec == [(0, "token"), (2, "token"), (2, "block"), ("auto", "token"), ("auto", "block")]
     block, token = System("specmlx", "d", 2, "block"), System("specmlx", "d", 2, "token")

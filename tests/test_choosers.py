@@ -10,8 +10,9 @@ import pytest
 from helpers import Feed, make_tiny, steady
 
 from specmlx.core.sampling import SamplingParams
+from specmlx.core.stats import KChooser
 from specmlx.drafting.adaptive import LOOKUP_MAX, STATE_VERSION, AdaptiveK
-from specmlx.drafting.choosers import ChooserStore, FixedK, make_chooser, sampling_key
+from specmlx.drafting.choosers import AUTO, ChooserStore, FixedK, K, make_chooser, sampling_key
 from specmlx.errors import BadInput
 from specmlx.models.registry import load_registry
 from specmlx.paths import atomic_write, load_json, save_json
@@ -19,14 +20,27 @@ from specmlx.paths import atomic_write, load_json, save_json
 GREEDY, WARM = SamplingParams(), SamplingParams(0.8, 0.95)
 
 
-def test_make_chooser_resolves_every_setting():
-    assert isinstance(make_chooser(3), FixedK) and make_chooser(0).plain_next()
-    assert isinstance(make_chooser("auto"), AdaptiveK)
-    mine = AdaptiveK()
-    assert make_chooser(mine) is mine
-    for bad in (-1, "many", 2.5, True):
-        with pytest.raises(BadInput):
-            make_chooser(bad)
+def test_k_is_parsed_once_and_makes_its_chooser():
+    assert K.of(3) == K.of("3") == K(3) and K.of(K(3)) == K(3) and K.of("auto") == AUTO
+    assert str(K(3)) == "3" and str(AUTO) == "auto" and K(2).value == 2 and AUTO.value == "auto"
+    assert isinstance(make_chooser(K(3)), FixedK) and make_chooser(K(0)).plain_next()
+    assert isinstance(make_chooser(AUTO), AdaptiveK)
+    for bad in (-1, "many", 2.5, True, "-2", None):
+        with pytest.raises(BadInput, match="k must be an integer >= 0 or 'auto'"):
+            K.of(bad)
+
+
+def test_every_chooser_declares_the_abilities_the_engine_asks_for():
+    """plain_next, lookup_length and draft_plan are the protocol's, not found by getattr: a
+    fixed k verifies a lookup up to k and does not plan; adaptive k plans."""
+    fixed, auto = FixedK(3), AdaptiveK()
+    assert isinstance(fixed, KChooser) and isinstance(auto, KChooser)
+    assert (
+        fixed.lookup_length(2, 9, 3, draft=False) == 3 and fixed.lookup_length(2, 1, 3, True) == 1
+    )
+    assert not fixed.plans and auto.plans and not fixed.plain_next()
+    with pytest.raises(NotImplementedError):
+        fixed.draft_plan([0.9])
 
 
 def test_store_resumes_per_pair_and_sampler(specmlx_home):

@@ -189,6 +189,7 @@ def test_version():
         (["--top-p", "0", "x"], 2, ["top-p"]),
         (["-k", "-1", "x"], 2, ["-k"]),
         (["-k", "lots", "x"], 2, ["-k"]),
+        (["--hosts", "127.0.0.1,127.0.0.1", "--draft-stop", "x"], 2, ["--draft-stop", "ranks"]),
         (["-n", "0", "x"], 2, ["max-tokens"]),
         (["   "], 2, ["empty"]),
         (["word " * 600], 2, ["context of 512", "tokens and --max-tokens asks for 256"]),

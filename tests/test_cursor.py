@@ -12,13 +12,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from families import build, noisy_copy
+from helpers import generate
 from mlx_lm.models import gated_delta, qwen3_next
 
 from specmlx.core.caches import make_caches, recurrent_layers, snapshot
 from specmlx.core.cursor import Cursor
 from specmlx.core.hidden import HiddenTap
 from specmlx.core.recurrent import PassRecorder
-from specmlx.decoding.engine import KVState, generate_tokens
+from specmlx.decoding.engine import KVState
 
 PROMPT = list(range(1, 30))
 
@@ -90,7 +91,7 @@ def test_two_generations_interleaved_on_one_thread_match_their_solo_runs(family)
     other = build(family, 2, 3, 2.0)
 
     def run(model, drafter, k):
-        return generate_tokens(model, drafter, PROMPT, num_draft=k, max_tokens=20)
+        return generate(model, drafter, PROMPT, k=k, max_tokens=20)
 
     solo = [[e.token for e in run(target, draft, 3)], [e.token for e in run(other, None, 0)]]
     together: list[list[int]] = [[], []]

@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import make_tiny, make_tiny_model
+from helpers import generate, make_tiny, make_tiny_model
 from mlx.utils import tree_flatten
 from test_distribution import (
     JOINT_SAMPLING,
@@ -27,7 +27,6 @@ from typer.testing import CliRunner
 from specmlx.cli import app
 from specmlx.core.acceptance import RULES, block_outcome
 from specmlx.core.sampling import make_processor
-from specmlx.decoding.engine import generate_tokens
 from specmlx.distill.student import (
     PROMPT_LEN,
     DistillConfig,
@@ -244,9 +243,9 @@ def test_a_distilled_draft_is_greedy_identical(teacher, data, tmp_path):
     _run(teacher, tmp_path / "s", SMALL, data)
     draft = load_model(load_registry().resolve(str(tmp_path / "s")))
     prompt = teacher.tokenizer.encode("def add(a, b):\n")
-    plain = [e.token for e in generate_tokens(teacher.model, None, prompt, max_tokens=40)]
+    plain = [e.token for e in generate(teacher.model, None, prompt, max_tokens=40)]
     for k in (1, 3):
-        spec = generate_tokens(teacher.model, draft.model, prompt, num_draft=k, max_tokens=40)
+        spec = generate(teacher.model, draft.model, prompt, k=k, max_tokens=40)
         events = list(spec)
         assert [e.token for e in events] == plain
         assert any(e.from_draft for e in events)  # the draft's tokens were kept, not just run

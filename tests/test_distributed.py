@@ -17,7 +17,7 @@ from types import UnionType
 from typing import Union, get_args, get_origin, get_type_hints
 
 import pytest
-from helpers import Server, tiny_pair
+from helpers import Script, Server, tiny_pair
 
 from specmlx.core.sampling import SamplingParams
 from specmlx.distributed.ranks import (
@@ -124,7 +124,7 @@ def test_one_rank_needs_no_collectives():
     lock.check()  # nothing to compare with
     assert lock.hash != before and lock.tokens == 4
     inner = iter([3, 0, 2])
-    shared = SharedK(lambda _last: next(inner), World(None, rank=0, size=1))
+    shared = SharedK(Script(lambda _last: next(inner)), World(None, rank=0, size=1))
     assert [shared(None) for _ in range(3)] == [3, 0, 2]
 
 
@@ -531,9 +531,9 @@ def test_the_servers_stoppable_lockstep_keeps_its_own_check_each_round():
     0's cancel): its lockstep is not carried by the shared k; run's and bench's are."""
     two = World(None, rank=0, size=2)
     served = Lockstep(two, stoppable=True)
-    assert SharedK(lambda _last: 1, two, served).lockstep is None and not served.carried
+    assert SharedK(Script(lambda _last: 1), two, served).lockstep is None and not served.carried
     plain = Lockstep(two)
-    assert SharedK(lambda _last: 1, two, plain).lockstep is plain and plain.carried == 2
+    assert SharedK(Script(lambda _last: 1), two, plain).lockstep is plain and plain.carried == 2
 
 
 def test_the_ring_backends_own_lines_are_filtered_and_ours_are_not():

@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from families import build, noisy_copy
-from helpers import RecurrentTableLM, TableLM, WindowTableLM, make_tiny
+from helpers import RecurrentTableLM, TableLM, WindowTableLM, generate, make_tiny
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from scipy.stats import chisquare
 
@@ -22,8 +22,7 @@ from specmlx.core.acceptance import (
 )
 from specmlx.core.recurrent import PassRecorder
 from specmlx.core.sampling import SamplingParams, make_processor, sample
-from specmlx.core.stats import Stats
-from specmlx.decoding.engine import generate_tokens
+from specmlx.core.stats import KChooser, Stats
 from specmlx.drafting.drafters import draft_model_propose
 from specmlx.drafting.lookup import lookup_propose
 
@@ -186,11 +185,11 @@ def test_engine_first_token_distribution(pair):
     for seed in range(1500):
         ev = next(
             iter(
-                generate_tokens(
+                generate(
                     target,
                     draft,
                     PROMPT,
-                    num_draft=K,
+                    k=K,
                     lookup=True,
                     sampling=SamplingParams(1.0),
                     max_tokens=2,
@@ -252,10 +251,12 @@ def sequence_joint(target, process, prompt=JOINT_PROMPT) -> np.ndarray:
     return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
 
 
-class ConfidencePlan:
+class ConfidencePlan(KChooser):
     """A k chooser with per-token stopping by a fixed confidence threshold: start each round
     with one draft, draft on while the last draft's confidence is at least ``bar``. With
     ``own`` it also drops a draft for its own low confidence: the wrong way to stop."""
+
+    plans = True
 
     def __init__(self, bar: float, own: bool = False):
         self.bar, self.own = bar, own
@@ -271,7 +272,7 @@ class ConfidencePlan:
 
 
 def engine_sequences(
-    target, draft, verify: str, n: int, num_draft=2, draft_stop: bool = False, prompt=JOINT_PROMPT
+    target, draft, verify: str, n: int, k=2, draft_stop: bool = False, prompt=JOINT_PROMPT
 ) -> tuple[np.ndarray, np.ndarray]:
     """Counts of the three-token sequences from n seeded generations (k = 2, or a chooser
     object made afresh per generation), and how many rounds kept 0, 1 and 2 drafts."""
@@ -280,12 +281,12 @@ def engine_sequences(
         stats = Stats()
         out = [
             e.token
-            for e in generate_tokens(
+            for e in generate(
                 target,
                 draft,
                 prompt,
                 sampling=JOINT_SAMPLING,
-                num_draft=num_draft,
+                k=k,
                 max_tokens=3,
                 seed=seed,
                 vocab_size=JV,
@@ -337,7 +338,7 @@ def test_per_token_stopping_keeps_the_joint(small_pair):
     target, draft = small_pair
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
     counts, kept = engine_sequences(
-        target, draft, "token", N_JOINT, num_draft=ConfidencePlan(0.25), draft_stop=True
+        target, draft, "token", N_JOINT, k=ConfidencePlan(0.25), draft_stop=True
     )
     assert pooled_chi2(counts, joint) > 1e-3
     assert all(kept > 0.05 * kept.sum()), kept
@@ -347,7 +348,7 @@ def test_the_sequence_test_rejects_stopping_on_a_drafts_own_confidence(small_pai
     target, draft = small_pair
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
     plan = ConfidencePlan(0.25, own=True)
-    counts, _ = engine_sequences(target, draft, "token", N_WRONG, num_draft=plan, draft_stop=True)
+    counts, _ = engine_sequences(target, draft, "token", N_WRONG, k=plan, draft_stop=True)
     assert pooled_chi2(counts, joint) < 1e-6
 
 

@@ -10,22 +10,23 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import count_host_syncs, make_tiny
+from helpers import count_host_syncs, generate, make_tiny
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import RoundReport, Stats
-from specmlx.decoding.engine import TIME_DRAFT_EVERY, KVState, generate_tokens, prefill
+from specmlx.decoding.engine import TIME_DRAFT_EVERY, Decode, KVState, generate_tokens, prefill
 from specmlx.drafting.adaptive import DRAFT_CHUNKS, Acceptance, AdaptiveK, CostCurve, _chunk
+from specmlx.drafting.choosers import AUTO, K
 from specmlx.errors import BadInput
 
 PROMPTS = [[1, 5, 9, 3, 7], [2], [4, 4, 4, 8, 15, 16, 23, 42, 8, 15, 16]]
 
 
 def tokens(*args, **kwargs):
-    return [e.token for e in generate_tokens(*args, **kwargs)]
+    return [e.token for e in generate(*args, **kwargs)]
 
 
 class Scripted(nn.Module):
@@ -60,14 +61,14 @@ def test_greedy_equals_target_only(pair, k):
     for seed, prompt in itertools.product((1, 2), PROMPTS):
         draft = make_tiny(seed)
         base = tokens(target, None, prompt, max_tokens=24)
-        assert tokens(target, draft, prompt, num_draft=k, max_tokens=24) == base
+        assert tokens(target, draft, prompt, k=k, max_tokens=24) == base
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_draft_equal_to_target_accepts_everything(pair, k):
     target, _ = pair
     stats = Stats()
-    out = tokens(target, target, PROMPTS[0], num_draft=k, max_tokens=27, stats=stats)
+    out = tokens(target, target, PROMPTS[0], k=k, max_tokens=27, stats=stats)
     assert out == tokens(target, None, PROMPTS[0], max_tokens=27)
     assert stats.acceptance_rate == 1.0
     assert stats.rounds == -(-27 // (k + 1))  # every pass yields k + 1 tokens
@@ -76,9 +77,7 @@ def test_draft_equal_to_target_accepts_everything(pair, k):
 def test_adversarial_draft_rejects_everything(pair):
     target, _ = pair
     stats = Stats()
-    out = tokens(
-        target, Scripted(target, [False]), PROMPTS[0], num_draft=4, max_tokens=20, stats=stats
-    )
+    out = tokens(target, Scripted(target, [False]), PROMPTS[0], k=4, max_tokens=20, stats=stats)
     assert out == tokens(target, None, PROMPTS[0], max_tokens=20)
     assert stats.accepted == 0 and stats.rounds == 20 and stats.accept_hist == [20]
 
@@ -93,7 +92,7 @@ def test_vocab_size_mismatch_is_lossless(pair, draft_vocab):
             target,
             draft,
             PROMPTS[0],
-            num_draft=3,
+            k=3,
             max_tokens=30,
             sampling=SamplingParams(temp),
             seed=5,
@@ -107,8 +106,8 @@ def test_lookup_and_hybrid_are_lossless(pair):
     target, draft = pair
     for prompt in PROMPTS:
         base = tokens(target, None, prompt, max_tokens=30)
-        assert tokens(target, None, prompt, lookup=True, num_draft=4, max_tokens=30) == base
-        assert tokens(target, draft, prompt, lookup=True, num_draft=4, max_tokens=30) == base
+        assert tokens(target, None, prompt, lookup=True, k=4, max_tokens=30) == base
+        assert tokens(target, draft, prompt, lookup=True, k=4, max_tokens=30) == base
 
 
 def test_lookup_proposes_from_repeated_text(pair):
@@ -116,14 +115,14 @@ def test_lookup_proposes_from_repeated_text(pair):
     base = tokens(target, None, PROMPTS[0], max_tokens=40)
     prompt = PROMPTS[0] + base  # the continuation is in the prompt: lookup should find it
     stats = Stats()
-    out = tokens(target, None, prompt, lookup=True, num_draft=4, max_tokens=20, stats=stats)
+    out = tokens(target, None, prompt, lookup=True, k=4, max_tokens=20, stats=stats)
     assert out == tokens(target, None, prompt, max_tokens=20)
     assert stats.accepted > 0 and stats.rounds < 20
 
 
 def test_seeded_sampling_is_reproducible(pair):
     target, draft = pair
-    kw = dict(num_draft=3, max_tokens=25, sampling=SamplingParams(0.9, 0.9), seed=11)
+    kw = dict(k=3, max_tokens=25, sampling=SamplingParams(0.9, 0.9), seed=11)
     a = tokens(target, draft, PROMPTS[0], **kw)
     assert a == tokens(target, draft, PROMPTS[0], **kw)
     assert a != tokens(target, draft, PROMPTS[0], **{**kw, "seed": 12})
@@ -138,15 +137,15 @@ def test_block_verification_keeps_caches_exact_and_is_reproducible(pair):
     kw = dict(sampling=SamplingParams(1.0, top_p=0.9), max_tokens=30, seed=5, verify="block")
     for k in (1, 3, 6):
         kv, stats = KVState(), Stats()
-        out = tokens(target, draft, PROMPTS[0], num_draft=k, kv=kv, stats=stats, **kw)
+        out = tokens(target, draft, PROMPTS[0], k=k, kv=kv, stats=stats, **kw)
         assert len(out) == 30 and kv.tokens == (PROMPTS[0] + out)[:-1]
         _check_caches(target, draft, kv.target, kv.draft, PROMPTS[0] + out, False)
         assert stats.accepted <= stats.drafted and sum(stats.accept_hist) == stats.rounds
-        assert out == tokens(target, draft, PROMPTS[0], num_draft=k, **kw)
-    lookup = tokens(target, draft, PROMPTS[2], num_draft=3, lookup=True, **kw)
-    assert lookup == tokens(target, draft, PROMPTS[2], num_draft=3, lookup=True, **kw)
+        assert out == tokens(target, draft, PROMPTS[0], k=k, **kw)
+    lookup = tokens(target, draft, PROMPTS[2], k=3, lookup=True, **kw)
+    assert lookup == tokens(target, draft, PROMPTS[2], k=3, lookup=True, **kw)
     # greedy decoding is the same under both rules: the target's own tokens
-    greedy = tokens(target, draft, PROMPTS[0], num_draft=4, max_tokens=30, verify="block")
+    greedy = tokens(target, draft, PROMPTS[0], k=4, max_tokens=30, verify="block")
     assert greedy == tokens(target, None, PROMPTS[0], max_tokens=30)
 
 
@@ -213,11 +212,11 @@ def test_caches_hold_exactly_the_accepted_context(pair, script, ks, max_tokens, 
 
     choose.plain_next = lambda: upcoming[0] == 0  # the schedule keeps its word
     stats = Stats()
-    for e in generate_tokens(
+    for e in generate(
         target,
         draft,
         prompt,
-        num_draft=choose,
+        k=choose,
         max_tokens=max_tokens,
         eos_ids=eos,
         kv=kv,
@@ -237,15 +236,13 @@ def test_stops_truncate_exactly(pair):
     cut = base.index(eos)
     for k in (0, 2, 5):
         stats = Stats()
-        out = tokens(
-            target, draft, PROMPTS[0], num_draft=k, max_tokens=30, eos_ids=[eos], stats=stats
-        )
+        out = tokens(target, draft, PROMPTS[0], k=k, max_tokens=30, eos_ids=[eos], stats=stats)
         assert out == base[:cut] and stats.finish_reason == "stop"
         stop = base[10:12]
-        out = tokens(target, draft, PROMPTS[0], num_draft=k, max_tokens=30, stop_ids=[stop])
+        out = tokens(target, draft, PROMPTS[0], k=k, max_tokens=30, stop_ids=[stop])
         assert out[-2:] == stop and out == base[: len(out)]
         stats = Stats()
-        assert tokens(target, draft, PROMPTS[0], num_draft=k, max_tokens=7, stats=stats) == base[:7]
+        assert tokens(target, draft, PROMPTS[0], k=k, max_tokens=7, stats=stats) == base[:7]
         assert stats.finish_reason == "length" and stats.generated == 7
 
 
@@ -278,7 +275,7 @@ def test_plain_rounds_queue_the_next_pass(pair):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(mx.array, "tolist", logged_tolist)
         # (vocab_size given: no shape probe through the target to muddle the log)
-        out = tokens(Logged(), draft, PROMPTS[0], num_draft=0, max_tokens=12, vocab_size=64)
+        out = tokens(Logged(), draft, PROMPTS[0], k=0, max_tokens=12, vocab_size=64)
     assert out == base
     decode = log[log.index("pass") + 1 :]  # after the prefill pass
     assert decode[:3] == ["pass", "pass", "read"], log  # round 1 queued round 2's pass
@@ -286,7 +283,7 @@ def test_plain_rounds_queue_the_next_pass(pair):
     for k in (0, 3):
         eos = base[6]
         kv = KVState(make_prompt_cache(target))
-        out = tokens(target, draft, PROMPTS[0], num_draft=k, eos_ids=[eos], kv=kv)
+        out = tokens(target, draft, PROMPTS[0], k=k, eos_ids=[eos], kv=kv)
         assert out == base[: base.index(eos)]
         tcache = kv.target
         assert tcache[0].offset == len(PROMPTS[0]) + len(out) - 1
@@ -310,10 +307,10 @@ def test_a_chooser_that_breaks_its_word_stays_lossless(pair):
     for temp in (0.0, 1.0):
         kv = KVState()
         kw = dict(max_tokens=40, sampling=SamplingParams(temp), seed=3)
-        out = tokens(target, draft, PROMPTS[2], num_draft=chooser(True), kv=kv, **kw)
+        out = tokens(target, draft, PROMPTS[2], k=chooser(True), kv=kv, **kw)
         tcache = kv.target
         assert tcache[0].offset == len(PROMPTS[2]) + len(out) - 1
-        assert out == tokens(target, draft, PROMPTS[2], num_draft=chooser(False), **kw)
+        assert out == tokens(target, draft, PROMPTS[2], k=chooser(False), **kw)
         if temp == 0.0:
             assert out == tokens(target, None, PROMPTS[2], **kw)
 
@@ -355,11 +352,11 @@ def test_host_syncs_per_round(pair, monkeypatch):
 
     for temp, verify in ((0.0, "token"), (1.0, "token"), (1.0, "block")):
         counts.clear()
-        gen = generate_tokens(
+        gen = generate(
             target,
             draft,
             PROMPTS[0],
-            num_draft=choose,
+            k=choose,
             max_tokens=60,
             sampling=SamplingParams(temp),
             seed=0,
@@ -387,7 +384,7 @@ def test_a_probe_after_plain_rounds_is_timed(pair):
         seen.append(last)
         return next(script)
 
-    list(generate_tokens(target, draft, PROMPTS[0], num_draft=choose, max_tokens=60))
+    list(generate(target, draft, PROMPTS[0], k=choose, max_tokens=60))
     pairs = list(itertools.pairwise(r for r in seen if r is not None))
     probes = [r for prev, r in pairs if prev.k == 0 and r.k > 0]
     assert len(probes) >= 4 and all(r.draft_seconds is not None for r in probes)
@@ -417,7 +414,7 @@ def test_the_time_split_puts_each_models_time_on_its_side(pair):
     not leak into the draft's share."""
     target, draft = pair
     slow_draft = Stats()
-    gen = generate_tokens(target, _Slow(draft, 0.02), PROMPTS[0], num_draft=3, max_tokens=40,
+    gen = generate(target, _Slow(draft, 0.02), PROMPTS[0], k=3, max_tokens=40,
                           stats=slow_draft)  # fmt: skip
     list(gen)
     assert 1 <= slow_draft.timed_rounds <= 1 + slow_draft.rounds // TIME_DRAFT_EVERY
@@ -425,7 +422,7 @@ def test_the_time_split_puts_each_models_time_on_its_side(pair):
     slow_target = Stats()
     # 150 ms a pass: far above three tiny draft steps (~5 ms each on a quiet 2-core machine,
     # several times that under load: 60 ms was seen to fail there)
-    gen = generate_tokens(_Slow(target, 0.15), draft, PROMPTS[0], num_draft=3, max_tokens=40,
+    gen = generate(_Slow(target, 0.15), draft, PROMPTS[0], k=3, max_tokens=40,
                           stats=slow_target)  # fmt: skip
     list(gen)
     assert slow_target.target_s >= 0.15 * slow_target.rounds
@@ -434,20 +431,21 @@ def test_the_time_split_puts_each_models_time_on_its_side(pair):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [
-        {"prompt_ids": []},
-        {"max_tokens": 0},
-        {"num_draft": -1},
-        {"num_draft": "many"},
-        {"sampling": 0.5},
-        {"verify": "blocks"},
-    ],
+    [{"max_tokens": 0}, {"k": -1}, {"k": "many"}, {"sampling": 0.5}, {"verify": "blocks"}],
 )
-def test_bad_arguments(pair, kwargs):
-    target, draft = pair
-    args = {"prompt_ids": [1, 2], **kwargs}
+def test_bad_settings_are_refused_where_they_are_made(kwargs):
     with pytest.raises(BadInput):
-        list(generate_tokens(target, draft, **args))
+        Decode(**kwargs)
+
+
+def test_an_empty_prompt_and_per_token_stopping_without_a_plan_are_refused(pair):
+    target, draft = pair
+    with pytest.raises(BadInput, match="empty"):
+        list(generate_tokens(target, draft, []))
+    with pytest.raises(BadInput, match="per-token stopping"):  # a fixed k cannot plan
+        list(generate_tokens(target, draft, [1, 2], Decode(k=K(3), draft_stop=True)))
+    with pytest.raises(BadInput, match="per-token stopping"):  # nor can no draft model
+        list(generate_tokens(target, None, [1, 2], Decode(k=AUTO, draft_stop=True)))
 
 
 class Spy(nn.Module):
@@ -483,7 +481,7 @@ def test_a_narrow_draft_is_never_fed_ids_it_cannot_embed(pair):
     draft = Spy(make_tiny(6, vocab=56))
     for temp in (0.0, 1.0):
         kw = dict(max_tokens=30, sampling=SamplingParams(temp), seed=2)
-        out = tokens(target, draft, PROMPTS[0], num_draft=3, **kw)
+        out = tokens(target, draft, PROMPTS[0], k=3, **kw)
         assert any(t >= 56 for t in out), out  # the case under test happened
         assert max(draft.fed) < 56
         if temp == 0.0:
@@ -507,7 +505,7 @@ def test_stop_sequences_span_rounds_with_bounded_memory(pair):
         for start in range(3, 30, 4):  # wherever the stop falls relative to the rounds
             stop = base[start : start + 3]
             first = next(i for i in range(len(base)) if base[i : i + 3] == stop)
-            out = tokens(target, draft, PROMPTS[0], num_draft=k, max_tokens=40, stop_ids=[stop])
+            out = tokens(target, draft, PROMPTS[0], k=k, max_tokens=40, stop_ids=[stop])
             assert out == base[: first + 3]
 
 
@@ -522,7 +520,7 @@ def test_kv_state_reuses_the_common_prefix_exactly(pair, mode):
     first = PROMPTS[2]
     kv = KVState()
     for temp in (0.0, 0.9):
-        kw = dict(num_draft=k, lookup=use[1], max_tokens=12, sampling=SamplingParams(temp), seed=4)
+        kw = dict(k=k, lookup=use[1], max_tokens=12, sampling=SamplingParams(temp), seed=4)
         out1 = tokens(target, use[0], first, kv=kv, **kw)
         assert kv.tokens == (first + out1)[:-1]
         # the editor case: the prompt grows by what was generated and a little more
@@ -551,7 +549,7 @@ def test_closing_the_generator_early_leaves_the_kv_state_consistent(pair, k):
     base = tokens(target, None, PROMPTS[0], max_tokens=30)
     for stop_after in (1, 4, 9):
         kv = KVState()
-        gen = generate_tokens(target, draft, PROMPTS[0], num_draft=k, max_tokens=30, kv=kv)
+        gen = generate(target, draft, PROMPTS[0], k=k, max_tokens=30, kv=kv)
         got = [next(gen).token for _ in range(stop_after)]
         gen.close()
         assert got == base[:stop_after]
@@ -561,7 +559,7 @@ def test_closing_the_generator_early_leaves_the_kv_state_consistent(pair, k):
         _check_prefix(target, kv.target, kv.tokens)
         _check_prefix(draft, kv.draft, kv.tokens[: kv.draft_len])
         # and the next generation from it is right
-        out = tokens(target, draft, PROMPTS[0] + base[:3], num_draft=k, max_tokens=10, kv=kv)
+        out = tokens(target, draft, PROMPTS[0] + base[:3], k=k, max_tokens=10, kv=kv)
         assert out == base[3:13]
 
 
@@ -580,7 +578,7 @@ def test_hybrid_by_value_is_lossless_and_keeps_one_sync_a_round(pair, monkeypatc
     chooser = Watched(count, seen, cost=CostCurve(pass_ratio=ratio))
     for _ in range(3):  # the chooser learns across generations, as a store keeps it
         seen.clear()
-        out = tokens(target, draft, prompt, lookup=True, num_draft=chooser, max_tokens=40)
+        out = tokens(target, draft, prompt, lookup=True, k=chooser, max_tokens=40)
         assert out == want
     rounds = seen[2:]  # after prefill and the first round
     lookups = [n for n, last in rounds if last.lookup]
@@ -610,7 +608,7 @@ def test_per_token_stopping_is_lossless_and_syncs_per_extension_not_per_token(pa
     chooser = Watched(count, seen, cost=CostCurve(pass_ratio=ratio, t_draft=1e-4))
     for _ in range(3):
         seen.clear()
-        out = tokens(target, draft, PROMPTS[1], num_draft=chooser, max_tokens=50, draft_stop=True)
+        out = tokens(target, draft, PROMPTS[1], k=chooser, max_tokens=50, draft_stop=True)
         assert out == want
     rounds = [(n, last) for n, last in seen[2:] if last.k]
     assert rounds and all(len(last.confidences) == last.k for _, last in rounds)
@@ -626,7 +624,7 @@ def test_per_token_stopping_is_lossless_and_syncs_per_extension_not_per_token(pa
     assert sum(n for n, _ in rounds) < sum(last.k for _, last in rounds) + len(rounds)
     # a draft that disagrees; sampled too (its distribution: tests/test_distribution.py)
     for temp in (0.0, 1.0):
-        kw = dict(num_draft=AdaptiveK(), max_tokens=30, sampling=SamplingParams(temp), seed=3)
+        kw = dict(k=AdaptiveK(), max_tokens=30, sampling=SamplingParams(temp), seed=3)
         a = tokens(target, pair[1], PROMPTS[0], draft_stop=True, **kw)
         assert len(a) == 30 and all(0 <= t < 64 for t in a)
         if temp == 0:
@@ -655,7 +653,7 @@ def test_a_round_reports_the_drafts_it_made_but_did_not_verify(pair):
     target, _ = pair
     timed = CostCurve(t_draft=1e-4, level=1.0, t_plain=2.0)
     chooser, stats = MidChunkStop(accept=Acceptance(prior=0.9), cost=timed), Stats()
-    kw = dict(num_draft=chooser, max_tokens=40, draft_stop=True, stats=stats)
+    kw = dict(k=chooser, max_tokens=40, draft_stop=True, stats=stats)
     out = tokens(target, make_tiny(0), PROMPTS[1], **kw)
     assert out == tokens(target, None, PROMPTS[1], max_tokens=40)
     reports = [*chooser.seen, stats.last]  # the last round's report reaches no chooser
@@ -759,8 +757,8 @@ def test_prefill_alone_leaves_the_caches_a_generation_would_reuse(pair):
     assert kv.tokens == prompt[:-1] and kv.draft_len == len(prompt) - 1
     assert warm.prompt_tokens == len(prompt) and warm.generated == 0
     stats = Stats()
-    out = tokens(target, draft, prompt, num_draft=3, max_tokens=20, kv=kv, stats=stats)
+    out = tokens(target, draft, prompt, k=3, max_tokens=20, kv=kv, stats=stats)
     assert stats.cached_tokens == len(prompt) - 1
-    assert out == tokens(target, draft, prompt, num_draft=3, max_tokens=20)
+    assert out == tokens(target, draft, prompt, k=3, max_tokens=20)
     with pytest.raises(BadInput, match="empty"):
         prefill(target, None, [], kv=KVState())

@@ -10,7 +10,7 @@ each check is shown able to fail (the old rotating cache, a restore that forgets
 import mlx.core as mx
 import pytest
 from families import FAMILIES, WINDOW, build, family_config, noisy_copy
-from helpers import count_host_syncs, save_tiny, tiny_tokenizer
+from helpers import count_host_syncs, generate, save_tiny, tiny_tokenizer
 from mlx_lm.models import gemma3_text
 from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, make_prompt_cache
 
@@ -24,8 +24,8 @@ from specmlx.core.caches import (
 )
 from specmlx.core.recurrent import PassRecorder
 from specmlx.core.sampling import SamplingParams
-from specmlx.core.stats import Stats
-from specmlx.decoding.engine import KVState, generate_tokens, prefill
+from specmlx.core.stats import KChooser, Stats
+from specmlx.decoding.engine import KVState, prefill
 from specmlx.errors import RollbackError
 from specmlx.models.footprint import layer_kinds, recurrent_state_bytes
 from specmlx.models.loading import load_pair
@@ -52,7 +52,7 @@ def pair(family):
 
 
 def tokens(target, draft, prompt, stats=None, kv=None, **kw):
-    events = generate_tokens(target, draft, prompt, max_tokens=MAX_TOKENS, stats=stats, kv=kv, **kw)
+    events = generate(target, draft, prompt, max_tokens=MAX_TOKENS, stats=stats, kv=kv, **kw)
     return [e.token for e in events]
 
 
@@ -74,9 +74,9 @@ def test_greedy_speculation_is_exact_on_every_family(family, drafter, k):
     use = None if drafter == "lookup" else draft
     partial = 0  # rounds that kept some drafts and rejected others: the rollbacks that matter
     for prompt in (SHORT, LONG):
-        plain = tokens(target, None, prompt, num_draft=0)
+        plain = tokens(target, None, prompt, k=0)
         stats = Stats()
-        spec = tokens(target, use, prompt, stats, num_draft=k, lookup=drafter != "draft")
+        spec = tokens(target, use, prompt, stats, k=k, lookup=drafter != "draft")
         assert spec == plain, (family, drafter, k, prompt[:4])
         partial += sum(stats.accept_hist[1:k])
     if drafter == "draft" and k > 1:
@@ -137,12 +137,9 @@ def test_the_issues_gemma3_reproduction_is_exact():
 
     t, d = g3(0, 6), g3(1, 3)
     for prompt in (list(range(1, 13)), list(range(1, 40))):
-        plain = [e.token for e in generate_tokens(t, None, prompt, num_draft=0, max_tokens=60)]
-        spec = [e.token for e in generate_tokens(t, d, prompt, num_draft=4, max_tokens=60)]
-        look = [
-            e.token
-            for e in generate_tokens(t, None, prompt, num_draft=4, lookup=True, max_tokens=60)
-        ]
+        plain = [e.token for e in generate(t, None, prompt, k=0, max_tokens=60)]
+        spec = [e.token for e in generate(t, d, prompt, k=4, max_tokens=60)]
+        look = [e.token for e in generate(t, None, prompt, k=4, lookup=True, max_tokens=60)]
         assert spec == plain and look == plain
 
 
@@ -153,9 +150,9 @@ def test_mlx_lms_rotating_cache_is_never_trimmed_wrongly(family, monkeypatch):
     monkeypatch.setattr(caches, "_convert", lambda c, slack: c)
     target, draft = pair(family)
     assert "RotatingKVCache" in cache_kinds(make_caches(target))
-    plain = tokens(target, None, LONG, num_draft=0)
+    plain = tokens(target, None, LONG, k=0)
     with pytest.raises(RollbackError, match="RotatingKVCache cannot give back"):
-        assert tokens(target, draft, LONG, num_draft=3) == plain  # equal until it refuses
+        assert tokens(target, draft, LONG, k=3) == plain  # equal until it refuses
 
 
 RECORDED = ["qwen3_next", "qwen3_5", "mamba2", "nemotron_h", "falcon_h1", "granitemoehybrid"]
@@ -168,7 +165,7 @@ def test_each_recurrent_family_rolls_back_the_way_it_is_listed_with(family):
     pass (no token fed again); the others feed the kept tokens through the target again."""
     target, draft = pair(family)
     stats = Stats()
-    tokens(target, draft, LONG, stats, num_draft=3)
+    tokens(target, draft, LONG, stats, k=3)
     assert sum(stats.accept_hist[:3]) > 0  # some rounds rolled back
     assert (stats.replayed == 0) == (family in RECORDED), stats.replayed
 
@@ -183,10 +180,10 @@ def test_the_matrix_fails_when_recurrent_state_is_not_restored(family, monkeypat
         caches.trim(cache, offset - snap.offset, recurrent=False)
 
     target, draft = pair(family)
-    plain = tokens(target, None, LONG, num_draft=0)
+    plain = tokens(target, None, LONG, k=0)
     monkeypatch.setattr(caches, "restore", forgetful)
     monkeypatch.setattr(PassRecorder, "settle", lambda self, m, states: True)
-    assert tokens(target, draft, LONG, num_draft=3) != plain
+    assert tokens(target, draft, LONG, k=3) != plain
 
 
 @pytest.mark.parametrize(("target_family", "draft_family"), [("qwen3_5", "llama"),
@@ -197,10 +194,10 @@ def test_mixed_pairs_are_exact(target_family, draft_family):
     target, _ = pair(target_family)
     draft = build(draft_family, 2, 3, SCALE)
     for prompt in (SHORT, LONG):
-        plain = tokens(target, None, prompt, num_draft=0)
+        plain = tokens(target, None, prompt, k=0)
         for k in (1, 4):
-            assert tokens(target, draft, prompt, num_draft=k) == plain
-            assert tokens(target, draft, prompt, num_draft=k, lookup=True) == plain
+            assert tokens(target, draft, prompt, k=k) == plain
+            assert tokens(target, draft, prompt, k=k, lookup=True) == plain
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5", "mamba2"])
@@ -210,17 +207,15 @@ def test_the_prompt_cache_reuses_window_and_recurrent_caches_exactly(family):
     cannot give that much back. Both give the fresh caches' output."""
     target, draft = pair(family)
     kv = KVState()
-    first = tokens(target, draft, LONG, kv=kv, num_draft=3)
+    first = tokens(target, draft, LONG, kv=kv, k=3)
     longer = LONG + first + [7, 8]
     stats = Stats()
-    again = tokens(target, draft, longer, stats, kv=kv, num_draft=3)
-    assert again == tokens(target, None, longer, num_draft=0)
+    again = tokens(target, draft, longer, stats, kv=kv, k=3)
+    assert again == tokens(target, None, longer, k=0)
     assert stats.cached_tokens >= len(LONG) + len(first) - 1
     changed = [LONG[0] + 1] + longer[1:]
     stats = Stats()
-    assert tokens(target, draft, changed, stats, kv=kv, num_draft=3) == tokens(
-        target, None, changed, num_draft=0
-    )
+    assert tokens(target, draft, changed, stats, kv=kv, k=3) == tokens(target, None, changed, k=0)
     if FAMILIES[family][1] == "recurrent":
         assert stats.cached_tokens == 0
 
@@ -250,7 +245,7 @@ def test_a_cache_kind_without_a_known_rollback_is_refused_by_name():
 
     kv = KVState(target=[Odd(8) for _ in target.layers])
     with pytest.raises(Exception, match="Odd layer cache cannot be rolled back"):
-        tokens(target, draft, SHORT, kv=kv, num_draft=2)
+        tokens(target, draft, SHORT, kv=kv, k=2)
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "qwen3_5"])
@@ -268,7 +263,7 @@ def test_window_and_recurrent_rounds_keep_one_host_sync(family, monkeypatch):
     count_host_syncs(monkeypatch, count)
     for temp in (0.0, 1.0):
         per_round.clear()
-        list(generate_tokens(target, draft, LONG, num_draft=choose, max_tokens=40,
+        list(generate(target, draft, LONG, k=choose, max_tokens=40,
                              sampling=SamplingParams(temp), seed=0))  # fmt: skip
         rounds = per_round[1:]  # the first includes prefill
         assert len(rounds) >= 8 and all(n == (2 if t else 1) for n, t in rounds), rounds
@@ -325,14 +320,14 @@ def test_the_shipped_window_and_hybrid_pairs_load_through_tiny_stand_ins(
     target, draft, shared = load_pair("t", "d", registry=load_registry([toml]), context=256)
     ids = target.tokenizer.encode("def add(a, b):\n    return a + b\n" * 2)
     assert len(ids) > WINDOW
-    plain = tokens(target.model, None, ids, num_draft=0)
-    assert tokens(target.model, draft.model, ids, num_draft=3, vocab_size=shared) == plain
+    plain = tokens(target.model, None, ids, k=0)
+    assert tokens(target.model, draft.model, ids, k=3, vocab_size=shared) == plain
     reg = load_registry()
     pair = reg.pairs[pair_name]
     assert (reg.resolve(pair.target).ref, reg.resolve(pair.draft).ref) == want
 
 
-class AlwaysPlain:
+class AlwaysPlain(KChooser):
     """A chooser that never drafts and says so in advance, so the engine queues each next
     plain pass early (as auto k does once it has dropped the draft)."""
 
@@ -351,9 +346,9 @@ def test_a_queued_plain_pass_is_undone_exactly_on_recurrent_state(family, ending
     prefill's of the context (a stale recording once set a wrong conv state here, which the
     server's prompt cache would have reused)."""
     target, draft = pair(family)
-    plain = tokens(target, None, LONG, num_draft=0)
+    plain = tokens(target, None, LONG, k=0)
     kv = KVState()
-    gen = generate_tokens(target, draft, LONG, num_draft=AlwaysPlain(), max_tokens=MAX_TOKENS,
+    gen = generate(target, draft, LONG, k=AlwaysPlain(), max_tokens=MAX_TOKENS,
                           kv=kv, eos_ids=[plain[8]] if ending == "eos" else ())  # fmt: skip
     for i, _ in enumerate(gen):
         if ending == "closed" and i == 8:

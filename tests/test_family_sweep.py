@@ -12,14 +12,13 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from families import FAMILIES, OUTSIDE, WINDOW, build, family_config, noisy_copy
-from helpers import save_tiny, tiny_tokenizer
+from helpers import generate, save_tiny, tiny_tokenizer
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from specmlx.core import caches
 from specmlx.core.caches import cache_kinds, check_kinds, make_caches
 from specmlx.core.stats import Stats
-from specmlx.decoding.engine import generate_tokens
 from specmlx.errors import IncompatiblePair, RollbackError
 from specmlx.models.footprint import layer_kinds
 from specmlx.models.loading import load_pair
@@ -60,7 +59,7 @@ def pair(family):
 
 
 def tokens(target, draft, prompt, stats=None, **kw):
-    events = generate_tokens(target, draft, prompt, max_tokens=MAX_TOKENS, stats=stats, **kw)
+    events = generate(target, draft, prompt, max_tokens=MAX_TOKENS, stats=stats, **kw)
     return [e.token for e in events]
 
 
@@ -122,11 +121,11 @@ def test_each_outside_family_is_exact(family):
     # have filled (the recurrent and full families' rollbacks do not depend on k; time)
     wide = [(8, False)] if OUTSIDE[family][1] == "window" else []
     for prompt in (SHORT, LONG):
-        plain = tokens(target, None, prompt, num_draft=0)
+        plain = tokens(target, None, prompt, k=0)
         runs = [(3, False), (3, True)] + (wide if prompt is LONG else [])
         for k, lookup in runs:
             stats = Stats()
-            spec = tokens(target, draft, prompt, stats, num_draft=k, lookup=lookup)
+            spec = tokens(target, draft, prompt, stats, k=k, lookup=lookup)
             assert spec == plain, (k, lookup, prompt[:4])
             partial += sum(stats.accept_hist[1:k])
     assert partial > 0, "no round kept part of its drafts: the test would not see a bad trim"
@@ -136,7 +135,7 @@ def test_each_outside_family_is_exact(family):
 def test_a_refused_outside_family_is_refused_by_its_cache_class(family):
     target, draft = pair(family)
     with pytest.raises(IncompatiblePair, match=f"target's {REFUSED[family]} layer cache"):
-        tokens(target, draft, SHORT, num_draft=3)
+        tokens(target, draft, SHORT, k=3)
 
 
 def test_a_chunk_cache_gives_back_what_the_next_chunk_needs_and_refuses_more():
@@ -176,7 +175,7 @@ def test_a_batch_dependent_family_still_decodes_plainly_and_is_refused_at_load(t
     greedy = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
     theirs = [int(t) for t, _ in generate_step(mx.array(LONG), target, max_tokens=MAX_TOKENS,
                                                sampler=greedy)]  # fmt: skip
-    assert tokens(target, None, LONG, num_draft=0) == theirs
+    assert tokens(target, None, LONG, k=0) == theirs
     path = save_tiny(tmp_path / "p3", family_config("plamo3", 2), tiny_tokenizer(), seed=0)
     toml = tmp_path / "models.toml"
     toml.write_text(f'[models.p3]\nsource = "local:{path}"\n')

@@ -13,11 +13,10 @@ import gguf
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import tiny_tokenizer, tokenizer_meta
+from helpers import generate, tiny_tokenizer, tokenizer_meta
 from mlx.utils import tree_flatten
 
 import specmlx.models.gguf_hybrids
-from specmlx.decoding.engine import generate_tokens
 from specmlx.errors import ModelLoadError
 from specmlx.models.footprint import kv_bytes, layer_kinds
 from specmlx.models.gguf import ARCHS, gguf_config, load_gguf
@@ -122,8 +121,8 @@ def _computes_as(model, ref, tokenizer) -> None:
     x = mx.array([list(range(3, 3 + 3 * WINDOW))])
     assert mx.allclose(model(x), ref(x), atol=1e-4)
     ids = tokenizer.encode("def add(a, b):\n    return a + b\n" * 2)
-    plain = [e.token for e in generate_tokens(model, None, ids, num_draft=0, max_tokens=24)]
-    look = generate_tokens(model, None, ids, num_draft=4, lookup=True, max_tokens=24)
+    plain = [e.token for e in generate(model, None, ids, k=0, max_tokens=24)]
+    look = generate(model, None, ids, k=4, lookup=True, max_tokens=24)
     assert [e.token for e in look] == plain
 
 

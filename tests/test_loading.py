@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from helpers import save_tiny, tiny_config, tiny_tokenizer, write_gguf
+from helpers import generate, save_tiny, tiny_config, tiny_tokenizer, write_gguf
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -594,7 +594,6 @@ def test_qwen_coder_pair_with_different_logit_widths(tmp_path, specmlx_home):
     on the real Qwen2 vocabulary (llama.cpp's ggml-vocab-qwen2.gguf)."""
     from vocab_files import vocab_file_or_skip
 
-    from specmlx.decoding.engine import generate_tokens
     from specmlx.models.gguf import read_gguf_header
 
     vocab = vocab_file_or_skip("qwen2")
@@ -608,8 +607,8 @@ def test_qwen_coder_pair_with_different_logit_widths(tmp_path, specmlx_home):
     target, draft, shared = load_pair("qt", "qd", registry=load_registry([extra]), context=64)
     assert (target.vocab_size, draft.vocab_size, shared) == (152064, 151936, 151936)
     ids = target.tokenizer.encode("def quicksort(xs):\n    ")
-    plain = [e.token for e in generate_tokens(target.model, None, ids, max_tokens=12)]
-    spec = generate_tokens(target.model, draft.model, ids, num_draft=3, max_tokens=12)
+    plain = [e.token for e in generate(target.model, None, ids, max_tokens=12)]
+    spec = generate(target.model, draft.model, ids, k=3, max_tokens=12)
     assert [e.token for e in spec] == plain
     reg = load_registry()  # and the shipped registry names the real pair
     pair = reg.pairs["qwen-coder"]

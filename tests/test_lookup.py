@@ -11,10 +11,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import TableLM, make_tiny
+from helpers import TableLM, generate, make_tiny
 
 from specmlx.core.stats import Stats
-from specmlx.decoding.engine import generate_tokens
 from specmlx.drafting.adaptive import AdaptiveK, CostCurve
 from specmlx.drafting.lookup import (
     Lookup,
@@ -150,7 +149,7 @@ def pair():
 
 
 def _run(target, draft, prompt, **kw) -> list[int]:
-    return [e.token for e in generate_tokens(target, draft, prompt, **kw)]
+    return [e.token for e in generate(target, draft, prompt, **kw)]
 
 
 @pytest.mark.parametrize("with_draft", [False, True])
@@ -172,7 +171,7 @@ def test_no_memory_changes_the_output(pair, with_draft):
     passes = {}
     for name, memory in (("junk", junk), ("stale", stale), ("helpful", helpful), ("none", None)):
         stats = Stats()
-        kw = dict(lookup=True, lookup_memory=memory, num_draft=6, max_tokens=40, stats=stats)
+        kw = dict(lookup=True, lookup_memory=memory, k=6, max_tokens=40, stats=stats)
         assert _run(target, draft, prompt, **kw) == base, name
         passes[name] = stats.rounds
     if not with_draft:
@@ -185,7 +184,7 @@ def test_the_engine_remembers_each_output(pair):
     out = _run(target, None, [1, 2, 3], lookup=True, lookup_memory=memory, max_tokens=20)
     assert memory.docs == [out]
     # stopped early by the caller: what was emitted is remembered all the same
-    gen = generate_tokens(target, None, [4, 5, 6], lookup=True, lookup_memory=memory, max_tokens=20)
+    gen = generate(target, None, [4, 5, 6], lookup=True, lookup_memory=memory, max_tokens=20)
     first = [next(gen).token for _ in range(10)]
     gen.close()
     assert memory.docs[-1][:10] == first and len(memory.docs) == 2
@@ -223,8 +222,6 @@ def test_a_first_run_on_a_verbatim_repeat_pays_under_auto():
     per_pass = {}
     for name, k in (("auto", AdaptiveK(cost=CostCurve(pass_ratio=NEAR_LINEAR))), ("k4", 4)):
         stats = Stats()
-        assert (
-            _run(target, None, prompt, lookup=True, num_draft=k, max_tokens=48, stats=stats) == base
-        )
+        assert _run(target, None, prompt, lookup=True, k=k, max_tokens=48, stats=stats) == base
         per_pass[name] = stats.tokens_per_pass
     assert per_pass["auto"] >= per_pass["k4"] and per_pass["auto"] > 3, per_pass

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from families import build, family_config
-from helpers import count_host_syncs, save_tiny, tiny_tokenizer
+from helpers import count_host_syncs, generate, save_tiny, tiny_tokenizer
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import qwen3_5_moe
 from mlx_lm.utils import quantize_model, save
@@ -34,7 +34,7 @@ from specmlx.core.acceptance import RULES, block_outcome
 from specmlx.core.hidden import HiddenTap
 from specmlx.core.sampling import SamplingParams, make_processor
 from specmlx.core.stats import Stats
-from specmlx.decoding.engine import KVState, generate_tokens
+from specmlx.decoding.engine import KVState
 from specmlx.drafting.mtp import MTPHead
 from specmlx.errors import BadInput, IncompatiblePair
 from specmlx.models.loading import _load_dir, load_pair
@@ -59,17 +59,17 @@ def family_pair(request):
 
 
 def tokens(target, draft, prompt=PROMPT, **kw):
-    return [e.token for e in generate_tokens(target, draft, prompt, **kw)]
+    return [e.token for e in generate(target, draft, prompt, **kw)]
 
 
 def check_greedy(target, head, k: int, n: int = 40) -> None:
     """Greedy speculation with the head at k, alone and with lookup first, is the target's
     plain decoding, and the head did draft (a random head's drafts are mostly rejected)."""
-    plain = tokens(target, None, num_draft=0, max_tokens=n)
+    plain = tokens(target, None, k=0, max_tokens=n)
     stats = Stats()
-    assert tokens(target, head, num_draft=k, max_tokens=n, stats=stats) == plain
+    assert tokens(target, head, k=k, max_tokens=n, stats=stats) == plain
     assert stats.drafted >= (n - 10) * k // 2
-    assert tokens(target, head, num_draft=k, max_tokens=n, lookup=True) == plain
+    assert tokens(target, head, k=k, max_tokens=n, lookup=True) == plain
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
@@ -80,8 +80,8 @@ def test_greedy_mtp_is_token_identical(family_pair, k):
 
 def test_a_one_token_prompt_and_auto_k(family_pair):
     _, target, head = family_pair
-    assert tokens(target, head, [5], num_draft="auto", max_tokens=24) == tokens(
-        target, None, [5], num_draft=0, max_tokens=24
+    assert tokens(target, head, [5], k="auto", max_tokens=24) == tokens(
+        target, None, [5], k=0, max_tokens=24
     )
 
 
@@ -91,16 +91,16 @@ def test_the_prompt_cache_keeps_the_heads_state_exact(family_pair):
     _, target, head = family_pair
     kv = KVState()
     engine.prefill(target, head, PROMPT, kv=kv)
-    first = tokens(target, head, PROMPT, num_draft=3, max_tokens=16, kv=kv)
-    assert first == tokens(target, None, PROMPT, num_draft=0, max_tokens=16)
+    first = tokens(target, head, PROMPT, k=3, max_tokens=16, kv=kv)
+    assert first == tokens(target, None, PROMPT, k=0, max_tokens=16)
     for prompt, use in (
         (PROMPT + first + [7, 8], head),
         (PROMPT[:10] + [9, 9, 9], None),  # a plain generation on the same caches
         (PROMPT[:10] + [9, 9, 9, 4], head),
         (PROMPT[:6], head),
     ):
-        got = tokens(target, use, prompt, num_draft=3, max_tokens=16, kv=kv)
-        assert got == tokens(target, None, prompt, num_draft=0, max_tokens=16), prompt
+        got = tokens(target, use, prompt, k=3, max_tokens=16, kv=kv)
+        assert got == tokens(target, None, prompt, k=0, max_tokens=16), prompt
         assert kv.draft_len + (0 if kv.hidden is None else kv.hidden.shape[0]) <= len(kv.tokens)
 
 
@@ -120,7 +120,7 @@ def test_the_head_is_fed_the_right_hidden_state_and_token(family, monkeypatch):
     target = build(family, 4, 0)
     head = random_head(target, family)
     kv = KVState()
-    out = tokens(target, head, PROMPT, num_draft=3, max_tokens=20, kv=kv)
+    out = tokens(target, head, PROMPT, k=3, max_tokens=20, kv=kv)
     ctx = PROMPT + out
     fed = kv.draft_len
     assert fed >= len(PROMPT)
@@ -132,7 +132,7 @@ def test_the_head_is_fed_the_right_hidden_state_and_token(family, monkeypatch):
         cursor, "hidden_rows", lambda tap: (lambda r: mx.concatenate([r[:1], r[:-1]]))(shifted(tap))
     )
     kv = KVState()
-    out = tokens(target, head, PROMPT, num_draft=3, max_tokens=20, kv=kv)
+    out = tokens(target, head, PROMPT, k=3, max_tokens=20, kv=kv)
     got = kv.draft[0].state[0][..., : kv.draft_len, :]
     assert not mx.allclose(got, _offline_keys(target, head, PROMPT + out, kv.draft_len), atol=1e-4)
 
@@ -153,7 +153,7 @@ def test_a_trained_head_drafts_and_misaligned_plumbing_collapses_it(monkeypatch)
         stats = Stats()
         for p in range(4):
             prompt = toy_language(1, 4, 5000 + p)[0].tolist()
-            tokens(target, head, prompt, num_draft=3, max_tokens=32, stats=stats)
+            tokens(target, head, prompt, k=3, max_tokens=32, stats=stats)
         return stats.accepted / stats.drafted
 
     untrained = acceptance(toy_head(target, steps=0))
@@ -299,7 +299,7 @@ def test_one_host_sync_a_round_with_a_head(family_pair, monkeypatch):
 
     for temp in (0.0, 1.0):
         counts.clear()
-        list(generate_tokens(target, head, PROMPT, num_draft=choose, max_tokens=40,
+        list(generate(target, head, PROMPT, k=choose, max_tokens=40,
                              sampling=SamplingParams(temp), seed=0))  # fmt: skip
         per_round = counts[1:]  # the first window includes prefill
         assert len(per_round) >= 8, per_round
@@ -309,7 +309,7 @@ def test_one_host_sync_a_round_with_a_head(family_pair, monkeypatch):
 def test_per_token_stopping_is_refused_with_a_head(family_pair, tmp_path, specmlx_home):
     _, target, head = family_pair
     with pytest.raises(BadInput, match="MTP head"):
-        tokens(target, head, num_draft="auto", draft_stop=True, max_tokens=4)
+        tokens(target, head, k="auto", draft_stop=True, max_tokens=4)
     _raw_checkpoint(tmp_path / "q")
     bad = CliRunner().invoke(app, ["run", "--target", str(tmp_path / "q"), "--draft", "mtp",
                                    "--draft-stop", "x"])  # fmt: skip
@@ -327,8 +327,8 @@ def test_a_target_quantized_at_load_gets_a_quantized_head(tmp_path, specmlx_home
         target, head, _ = load_pair("qq", "mtp", registry=load_registry([toml]))
         assert isinstance(head.model.fc, nn.QuantizedLinear)
         assert isinstance(target.model.language_model.lm_head, nn.QuantizedLinear)
-        got = tokens(target.model, head.model, [5, 6, 7, 8], num_draft=3, max_tokens=16)
-        assert got == tokens(target.model, None, [5, 6, 7, 8], num_draft=0, max_tokens=16)
+        got = tokens(target.model, head.model, [5, 6, 7, 8], k=3, max_tokens=16)
+        assert got == tokens(target.model, None, [5, 6, 7, 8], k=0, max_tokens=16)
 
 
 def test_a_head_quantized_on_disk_loads_as_it_is(tmp_path, specmlx_home):
@@ -364,9 +364,9 @@ def test_qwen3_5_moe_heads_are_exact():
     mx.eval(target.parameters())
     head = random_head(target, "qwen3_5_moe")
     assert hasattr(head.layer.mlp, "switch_mlp")
-    plain = tokens(target, None, num_draft=0, max_tokens=24)
+    plain = tokens(target, None, k=0, max_tokens=24)
     for k in (1, 2, 4):
-        assert tokens(target, head, num_draft=k, max_tokens=24) == plain
+        assert tokens(target, head, k=k, max_tokens=24) == plain
 
 
 def test_the_tap_reads_a_decoder_layers_output():
@@ -391,11 +391,11 @@ def test_plain_rounds_keep_the_heads_waiting_states_bounded(family_pair):
     the target goes (at most FEED_AFTER states wait), exactly, and can draft again after."""
     _, target, head = family_pair
     kv = KVState()
-    out = tokens(target, head, num_draft=0, max_tokens=60, kv=kv)
-    assert out == tokens(target, None, num_draft=0, max_tokens=60)
+    out = tokens(target, head, k=0, max_tokens=60, kv=kv)
+    assert out == tokens(target, None, k=0, max_tokens=60)
     assert kv.hidden is not None and kv.hidden.shape[0] <= drafters.FEED_AFTER + 1
     ctx = PROMPT + out
     got = kv.draft[0].state[0][..., : kv.draft_len, :]
     assert mx.allclose(got, _offline_keys(target, head, ctx, kv.draft_len), atol=1e-4).item()
-    more = tokens(target, head, ctx + [3], num_draft=3, max_tokens=12, kv=kv)
-    assert more == tokens(target, None, ctx + [3], num_draft=0, max_tokens=12)
+    more = tokens(target, head, ctx + [3], k=3, max_tokens=12, kv=kv)
+    assert more == tokens(target, None, ctx + [3], k=0, max_tokens=12)

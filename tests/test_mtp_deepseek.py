@@ -88,7 +88,7 @@ def test_the_head_is_fed_the_right_hidden_state_and_token(family_pair):
     offline, h from one fresh target pass, builds (MLA caches its latent as the keys)."""
     _, target, head = family_pair
     kv = KVState()
-    ctx = PROMPT + tokens(target, head, num_draft=3, max_tokens=16, kv=kv)
+    ctx = PROMPT + tokens(target, head, k=3, max_tokens=16, kv=kv)
     fed = kv.draft_len
     assert fed >= len(PROMPT)
     with HiddenTap(target) as tap:

@@ -101,14 +101,14 @@ def test_a_dense_checkpoint_with_heads_loads_and_decodes_as_without(tmp_path, sp
     assert "sanitize" not in vars(target.model)  # the family's own again after the load
     got = dict(tree_flatten(target.model.parameters()))
     assert got.keys() == dict(tree_flatten(want.model.parameters())).keys()
-    plain_tokens = tokens(want.model, None, PROMPT, num_draft=0, max_tokens=24)
-    assert tokens(target.model, None, PROMPT, num_draft=0, max_tokens=24) == plain_tokens
+    plain_tokens = tokens(want.model, None, PROMPT, k=0, max_tokens=24)
+    assert tokens(target.model, None, PROMPT, k=0, max_tokens=24) == plain_tokens
     # the head, from the same files, as a draft: exact, and greedy still the target's
     target, draft, _ = load_pair(str(headed), "mtp")
     loaded = dict(tree_flatten(draft.model.parameters()))
     for k, v in tree_flatten(head.parameters()):
         assert mx.allclose(loaded[k], v, atol=1e-6).item(), k
-    drafted = tokens(target.model, draft.model, PROMPT, num_draft=3, max_tokens=24)
+    drafted = tokens(target.model, draft.model, PROMPT, k=3, max_tokens=24)
     assert drafted == plain_tokens
 
 

@@ -9,8 +9,10 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+from helpers import generate
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from typer.testing import CliRunner
@@ -18,7 +20,6 @@ from typer.testing import CliRunner
 from specmlx.bench.data import load_prompts
 from specmlx.cli import app
 from specmlx.core.stats import Stats
-from specmlx.decoding.engine import generate_tokens
 from specmlx.decoding.stream import encode_prompt
 from specmlx.errors import ModelLoadError, OfflineError
 from specmlx.models.loading import load_model
@@ -50,7 +51,7 @@ def real():
 
 
 def _tokens(*args, **kw):
-    return [e.token for e in generate_tokens(*args, **kw)]
+    return [e.token for e in generate(*args, **kw)]
 
 
 def test_greedy_speculation_is_token_identical(real):
@@ -62,9 +63,7 @@ def test_greedy_speculation_is_token_identical(real):
         base = _tokens(target.model, None, ids, max_tokens=20, eos_ids=eos)
         for k in (2, 4, 8) if i < 2 else (4,):  # every k on two prompts, k = 4 on the rest
             stats = Stats()
-            out = _tokens(
-                target.model, draft, ids, num_draft=k, max_tokens=20, eos_ids=eos, stats=stats
-            )
+            out = _tokens(target.model, draft, ids, k=k, max_tokens=20, eos_ids=eos, stats=stats)
             assert out == base, (text, k)
             total.drafted += stats.drafted
             total.accepted += stats.accepted
@@ -78,19 +77,16 @@ def test_lookup_and_hybrid_on_an_edit_prompt(real):
     ids = encode_prompt(target.tokenizer, edit["prompt"], chat=True)
     base = _tokens(target.model, None, ids, max_tokens=32)
     stats = Stats()
-    assert (
-        _tokens(target.model, None, ids, lookup=True, num_draft=6, max_tokens=32, stats=stats)
-        == base
-    )
+    assert _tokens(target.model, None, ids, lookup=True, k=6, max_tokens=32, stats=stats) == base
     assert stats.accepted > 0  # the rewrite repeats the input: lookup finds it
-    assert _tokens(target.model, draft, ids, lookup=True, num_draft=4, max_tokens=32) == base
+    assert _tokens(target.model, draft, ids, lookup=True, k=4, max_tokens=32) == base
 
 
 def test_auto_k_is_lossless(real):
     target, draft = real
     ids = target.tokenizer.encode(PROMPTS[0])
     base = _tokens(target.model, None, ids, max_tokens=32)
-    assert _tokens(target.model, draft, ids, num_draft="auto", max_tokens=32) == base
+    assert _tokens(target.model, draft, ids, k="auto", max_tokens=32) == base
 
 
 def test_cli_json_adds_up(real):
@@ -153,7 +149,7 @@ def test_a_student_distilled_from_smollm2_learns_and_stays_exact(real, tmp_path)
     for text in PROMPTS[:2]:
         ids = target.tokenizer.encode(text)
         base = _tokens(target.model, None, ids, max_tokens=16, eos_ids=eos)
-        out = _tokens(target.model, student.model, ids, num_draft=3, max_tokens=16, eos_ids=eos)
+        out = _tokens(target.model, student.model, ids, k=3, max_tokens=16, eos_ids=eos)
         assert out == base, text
 
 
@@ -193,7 +189,21 @@ def test_a_first_run_copying_the_prompt_pays_under_auto_lookup(real):
     per_pass = {}
     for name, k in (("auto", AdaptiveK(cost=CostCurve(pass_ratio=_NEAR_LINEAR))), ("k4", 4)):
         stats = Stats()
-        out = _tokens(target.model, None, ids, lookup=True, num_draft=k, max_tokens=48, stats=stats)
+        out = _tokens(target.model, None, ids, lookup=True, k=k, max_tokens=48, stats=stats)
         assert out == base, name
         per_pass[name] = stats.tokens_per_pass
     assert per_pass["auto"] >= per_pass["k4"] and per_pass["auto"] > 3, per_pass
+
+
+def test_the_readmes_python_example_runs_as_written(capsys):
+    """The README's Python API block, executed: one line per token, then the figures."""
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = text.split("## Python API", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    try:
+        exec(compile(block, "README.md", "exec"), scope)
+    except (OfflineError, ModelLoadError) as e:
+        pytest.skip(f"demo GGUF unavailable: {e}")
+    stats = scope["parts"].stats
+    lines = capsys.readouterr().out.splitlines()
+    assert 0 < stats.generated == len(lines) - 1 and stats.rounds > 0

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from specmlx.drafting.choosers import AUTO, K
 from specmlx.errors import RegistryError, UnknownModel
 from specmlx.models.registry import (
     ModelSpec,
@@ -62,7 +63,7 @@ def test_shipped_registry_has_required_entries(specmlx_home):
         "smollm2-135m",
         "smollm2-135m-q4",
     )
-    assert reg.pairs["cpu-demo"].k == "auto"
+    assert reg.pairs["cpu-demo"].k == AUTO
     assert reg.default_pair(cpu=False).name == "smollm2"
     assert reg.default_pair(cpu=True).name == "cpu-demo"
     demo = reg.models["cpu-demo-target"]
@@ -103,7 +104,7 @@ pair = "mine"
     assert reg.models["smollm2-135m"].path == Path("~/models/mine").expanduser()
     assert reg.models["mine"].path == specmlx_home / "x.gguf"
     assert reg.models["codellama-34b"].kind == "hf"  # untouched entries survive the merge
-    assert reg.default_pair(cpu=False).k == 3
+    assert reg.default_pair(cpu=False).k == K(3)
     assert reg.default_pair(cpu=True).name == "cpu-demo"  # pair_cpu still from the shipped file
     assert reg.files[-1] == extra
 
@@ -235,7 +236,7 @@ def test_tables_parse_to_specs_and_given_defaults(tmp_path):
             alias="a", kind="hf", ref="a/b", revision="v2", dtype="bfloat16", quantize=Quantize(8)
         )
     }
-    assert pairs == {"p": PairSpec(name="p", target="a", draft="lookup", k=5)}
+    assert pairs == {"p": PairSpec(name="p", target="a", draft="lookup", k=K(5))}
     assert defaults == {"context": 8192}  # only the keys given: later files override per key
 
 
@@ -249,7 +250,7 @@ def test_k_zero_and_contexts(tmp_path, specmlx_home):
         "k = 0\n",
     )
     reg = load_registry([path])
-    assert reg.pairs["p"].k == 0
+    assert reg.pairs["p"].k == K(0)
     a, b, c = (reg.resolve(x) for x in "abc")
     assert reg.context_for(a) == 16384 and reg.context_for(a, b) == 8192
     assert reg.context_for(c) == reg.defaults.context == 4096

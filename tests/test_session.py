@@ -8,12 +8,11 @@ import ast
 from pathlib import Path
 
 import pytest
-from helpers import make_tiny, tiny_tokenizer
+from helpers import generate, make_tiny, tiny_tokenizer
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats, TokenEvent
-from specmlx.decoding.engine import generate_tokens
 from specmlx.decoding.session import Pair, Request, Session
 from specmlx.decoding.stream import _held_back, editor_limits, stream_text
 from specmlx.drafting.adaptive import AdaptiveK
@@ -82,11 +81,11 @@ def test_the_session_builds_what_the_engine_generates(tok, models):
     eos = tok.eos_token_ids
     for use_draft, lookup in ((True, False), (False, True), (True, True), (False, False)):
         session = Session(Pair(target, draft, tok))
-        req = Request(num_draft=3, max_tokens=24, use_draft=use_draft, lookup=lookup)
+        req = Request(k=3, max_tokens=24, use_draft=use_draft, lookup=lookup)
         gen = session.start(prompt, req)
         got = [(e.token, e.from_draft) for e in gen.tokens()]
-        direct = generate_tokens(
-            target, draft if use_draft else None, prompt, num_draft=3 if use_draft or lookup else 0,
+        direct = generate(
+            target, draft if use_draft else None, prompt, k=3 if use_draft or lookup else 0,
             max_tokens=24, lookup=lookup, eos_ids=sorted(eos),
         )  # fmt: skip
         assert got == [(e.token, e.from_draft) for e in direct]
@@ -96,9 +95,9 @@ def test_the_session_builds_what_the_engine_generates(tok, models):
 def test_extra_eos_ids_join_the_tokenizers(tok, models):
     target, draft = models
     prompt = tok.encode("def add(a, b):")
-    free = [e.token for e in Session(Pair(target, draft)).start(prompt, Request(num_draft=2,
+    free = [e.token for e in Session(Pair(target, draft)).start(prompt, Request(k=2,
             max_tokens=12)).tokens()]  # fmt: skip
-    cut = Request(num_draft=2, max_tokens=12, extra_eos=(free[5],))
+    cut = Request(k=2, max_tokens=12, extra_eos=(free[5],))
     gen = Session(Pair(target, draft, tok)).start(prompt, cut)
     got = [e.token for e in gen.tokens()]
     assert got == free[: free.index(free[5])] and gen.stats.finish_reason == "stop"
@@ -107,7 +106,7 @@ def test_extra_eos_ids_join_the_tokenizers(tok, models):
 def test_text_joins_to_the_decoded_tokens(tok, models):
     target, draft = models
     gen = Session(Pair(target, draft, tok)).start(
-        tok.encode("class Point:"), Request(num_draft=2, max_tokens=30)
+        tok.encode("class Point:"), Request(k=2, max_tokens=30)
     )
     events = list(gen.text())
     ids = [e.token for e in events if e.token is not None]
@@ -119,7 +118,7 @@ def test_auto_k_resumes_from_the_store_and_is_saved(tok, models):
     store = ChooserStore(persist=False, pass_ratio=[1.0] + [1.0 + 0.1 * k for k in range(1, 17)])
     session = Session(Pair(target, draft, tok, "t", "d"), choosers=store)
     sampling = SamplingParams(temperature=0.8)
-    req = Request(sampling=sampling, num_draft="auto", max_tokens=40, seed=1)
+    req = Request(sampling=sampling, k="auto", max_tokens=40, seed=1)
     first = session.start(tok.encode("def add(a, b):"), req)
     list(first.tokens())
     first.finish()
@@ -134,7 +133,7 @@ def test_no_module_but_the_session_assembles_a_generation():
     none calls the engine's generate_tokens, the text stream or the ranks' shared k."""
     builders = {"generate_tokens", "stream_text", "SharedK"}
     paths = [*sorted((PACKAGE / "cli").glob("*.py"))]
-    paths += [PACKAGE / f"{name}.py" for name in ("worker", "bench", "serve")]
+    paths += [PACKAGE / f"{name}.py" for name in ("serving/worker", "bench/suite", "serving/serve")]
     assert len(paths) > 5
     for path in paths:
         tree = ast.parse(path.read_text())

@@ -10,6 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..core.acceptance import DEFAULT_VERIFY
+from ..drafting.choosers import AUTO, K
 from ..errors import BadInput
 
 MEMORY = " + memory"  # the drafter suffix of rows whose lookup also searches a lookup memory
@@ -23,8 +24,11 @@ class System:
 
     system: str  # "target-only", "specmlx", "mlx-lm"
     drafter: str  # "none", the draft alias, "lookup", "<draft> + lookup", "... + memory"
-    k: int | str
+    k: K  # (an int or "auto" is read by K.of)
     verify: str = DEFAULT_VERIFY  # specmlx's acceptance rule for sampled rounds
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "k", K.of(self.k))
 
     @property
     def label(self) -> str:
@@ -51,7 +55,7 @@ class Run:
 
 @dataclass
 class BenchSettings:
-    ks: list[int | str] = field(default_factory=lambda: [1, 2, 4, 8, "auto"])
+    ks: list[K] = field(default_factory=lambda: [K(1), K(2), K(4), K(8), AUTO])
     temps: list[float] = field(default_factory=lambda: [0.0, 0.8])
     top_p: float = 0.95
     max_tokens: int = 128
@@ -62,6 +66,9 @@ class BenchSettings:
     draft_stop: bool = False  # add auto rows whose draft model stops per token
     seed: int = 0
     verifies: list[str] = field(default_factory=lambda: [DEFAULT_VERIFY])  # rows per rule
+
+    def __post_init__(self) -> None:
+        self.ks = [K.of(k) for k in self.ks]
 
 
 def read_jsonl(path: str | None, builtin: str, what: str) -> Iterator[tuple[int, object]]:

@@ -20,7 +20,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models import llama
 
-from ..decoding.engine import generate_tokens
+from ..decoding.engine import Decode, generate_tokens
+from ..drafting.choosers import K
 
 VOCAB = 32000
 KS = (0, 2, 4)
@@ -57,7 +58,7 @@ def tiny_llama(seed: int = 0) -> llama.Model:
 
 
 def _specmlx(model, prompt: list[int], k: int, n: int) -> Iterator[int]:
-    for e in generate_tokens(model, model if k else None, prompt, num_draft=k, max_tokens=n):
+    for e in generate_tokens(model, model if k else None, prompt, Decode(k=K(k), max_tokens=n)):
         yield e.token
 
 

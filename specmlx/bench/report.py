@@ -132,18 +132,18 @@ def summarize(
             drafted = sum(r.drafted for r in mine)
             a = sum(r.accepted for r in mine) / drafted if drafted else 0.0
             k_mean = drafted / max(1, sum(_rounds(r) for r in mine)) if drafted else 0.0
-            k_theory = system.k if isinstance(system.k, int) else k_mean
+            k_theory = k_mean if system.k.auto else system.k.fixed
             cost = 0.0 if system.drafter.startswith("lookup") else (draft_cost or 0.0)
             if head is not None and system.drafter.split(" + ")[0] == head[0]:
                 cost = head[1]
-            theory = theoretical_speedup(a, k_theory, cost) if system.k != 0 else 1.0
+            theory = theoretical_speedup(a, k_theory, cost) if system.k.fixed != 0 else 1.0
             speedups = [x / b for x, b in zip(tps, base, strict=True)]
             speed = statistics.median(speedups)
             rows.append(
                 {
                     "system": system.system,
                     "drafter": system.drafter,
-                    "k": system.k,
+                    "k": system.k.value,
                     "verify": system.verify if system.system == "specmlx" else None,
                     "temperature": temp,
                     **_named("tokens_per_sec", tps),

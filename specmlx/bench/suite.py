@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import mlx.core as mx
 
@@ -30,7 +30,7 @@ from ..core.sampling import SamplingParams, make_processor, sample
 from ..decoding.session import Pair, Request, Session
 from ..distributed.ranks import World
 from ..drafting.adaptive import LOOKUP_MAX, AdaptiveK
-from ..drafting.choosers import ChooserStore
+from ..drafting.choosers import AUTO, ChooserStore, K
 from ..drafting.lookup import LookupMemory
 from ..drafting.probe import PROBE_SIZES, curve_from, head_step_seconds, pass_times
 from .data import MEMORY, STOP, BenchSettings, Run, System, code_of, edit_step, runs_at
@@ -107,18 +107,20 @@ def run_one(
 
         def events():
             d = draft if system.drafter != "none" else None
-            for tok, fd in _mlx_lm_events(target, d, ids, system.k, params, s.max_tokens, seed):
+            for tok, fd in _mlx_lm_events(
+                target, d, ids, system.k.fixed, params, s.max_tokens, seed
+            ):
                 flags.append(fd)
                 yield tok, fd
 
         tokens, decoded, secs = _timed(events())
         accepted = sum(flags)
         rounds = len(flags) - accepted  # every mlx-lm round ends with one target token
-        return tokens, decoded, secs, rounds * int(system.k), accepted
+        return tokens, decoded, secs, rounds * system.k.fixed, accepted
     use_draft = system.drafter.split(" + ")[0] not in ("none", "lookup")
     request = Request(
         sampling=params,
-        num_draft=(chooser or "auto") if system.k == "auto" else system.k,
+        k=system.k,
         max_tokens=s.max_tokens,
         seed=seed,
         use_draft=use_draft and draft is not None,
@@ -132,7 +134,7 @@ def run_one(
         memory=memory if system.drafter.endswith(MEMORY) else None,
         world=world,
     )
-    gen = session.start(ids, request)
+    gen = session.start(ids, request, chooser=chooser)
     tokens, decoded, secs = _timed((e.token, e.from_draft) for e in gen.tokens())
     if gen.lockstep is not None:
         gen.lockstep.check()
@@ -144,21 +146,21 @@ def systems(draft_name: str | None, s: BenchSettings, head_name: str | None = No
     in ``s.verifies``, side by side (k = 0 drafts nothing: one row, under the first rule);
     head_name: an MTP head's rows beside the draft's (specmlx only: mlx-lm cannot use one)."""
 
-    def rules(k: int | str) -> list[str]:
-        return s.verifies if k != 0 else s.verifies[:1]
+    def rules(k: K) -> list[str]:
+        return s.verifies if k.fixed != 0 else s.verifies[:1]
 
     def spec(drafter: str) -> list[System]:
         return [System("specmlx", drafter, k, v) for k in s.ks for v in rules(k)]
 
-    out = [System("target-only", "none", 0)]
+    out = [System("target-only", "none", K(0))]
     if s.compare_mlx_lm:
-        out.append(System("mlx-lm", "none", 0))  # mlx-lm's generate_step: our baseline's peer
+        out.append(System("mlx-lm", "none", K(0)))  # mlx-lm's generate_step: our baseline's peer
     if draft_name:
         out += spec(draft_name)
-        if s.draft_stop and "auto" in s.ks:  # per-token stopping needs the adaptive chooser
-            out += [System("specmlx", draft_name + STOP, "auto", v) for v in rules("auto")]
+        if s.draft_stop and AUTO in s.ks:  # per-token stopping needs the adaptive chooser
+            out += [System("specmlx", draft_name + STOP, AUTO, v) for v in rules(AUTO)]
         if s.compare_mlx_lm:
-            out += [System("mlx-lm", draft_name, k) for k in s.ks if isinstance(k, int) and k > 0]
+            out += [System("mlx-lm", draft_name, k) for k in s.ks if not k.auto and k.fixed > 0]
     if s.lookup:
         out += spec("lookup")
         if s.memory:
@@ -297,16 +299,16 @@ class _Testbed:
         self.choosers = {
             (sy, temp): store.get(target, "bench", sy.label, _sampling(temp, s), ids)
             for sy in self.todo
-            if sy.k == "auto"
+            if sy.k.auto
             for temp in s.temps
             if runs_at(sy, temp, s)
         }
         # warm-up: compile paths and fault in weights for every system once (auto: per
         # temperature); lookup memories are left empty
-        warm = BenchSettings(**{**asdict(s), "max_tokens": 8})
+        warm = replace(s, max_tokens=8)
         for system in self.todo:
             temps = [t for t in s.temps if runs_at(system, t, s)]
-            for temp in temps if system.k == "auto" else temps[:1]:
+            for temp in temps if system.k.auto else temps[:1]:
                 chooser = self.choosers.get((system, temp))
                 d = self.draft_of(system)
                 run_one(

@@ -11,6 +11,7 @@ import typer
 
 from ..core.acceptance import DEFAULT_VERIFY
 from ..distributed.ranks import rank_prefix
+from ..drafting.choosers import K
 from ..errors import BadInput
 from ..models.registry import MTP
 from .common import (
@@ -19,7 +20,6 @@ from .common import (
     HostsOpt,
     TargetOpt,
     cli_errors,
-    parse_k,
     rank_timeout,
     resolve_models,
 )
@@ -107,7 +107,7 @@ def bench(
     from .display import bench_table
 
     settings = bench_data.BenchSettings(
-        ks=_split(ks, parse_k, "-k"),
+        ks=_split(ks, K.of, "-k"),
         temps=_split(temps, float, "--temp"),
         top_p=top_p,
         max_tokens=max_tokens,
@@ -198,6 +198,7 @@ def bench(
     result["environment"]["ranks"] = {"size": world.size, "backend": world.backend}
     result["settings"] = {
         **asdict(settings),
+        "ks": [k.value for k in settings.ks],
         "prompts": prompts or f"built-in ({kind})",
         "n_prompts": len(rows),
     }

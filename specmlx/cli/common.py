@@ -14,6 +14,7 @@ import typer
 from typer.core import TyperCommand
 
 from ..distributed.ranks import rank_prefix
+from ..drafting.choosers import AUTO, K
 from ..errors import BadInput, SpecmlxError
 from ..models.registry import MTP
 from .display import err_console, print_error
@@ -105,19 +106,6 @@ class PromptCommand(TyperCommand):
             ctx.exit(2)
 
 
-def parse_k(text: str) -> int | str:
-    """'auto' or an integer >= 0."""
-    if text == "auto":
-        return text
-    try:
-        k = int(text)
-    except ValueError:
-        raise BadInput(f"-k must be an integer >= 0 or 'auto', got {text!r}") from None
-    if k < 0:
-        raise BadInput(f"-k must be >= 0, got {k}")
-    return k
-
-
 @dataclass
 class Models:
     """Which models run: target alias, draft alias (or None), lookup, k."""
@@ -125,7 +113,7 @@ class Models:
     target: str
     draft: str | None
     lookup: bool
-    k: int | str
+    k: K
 
 
 def resolve_models(registry, target: str | None, draft: str | None, lookup: bool, k: str | None):
@@ -142,7 +130,7 @@ def resolve_models(registry, target: str | None, draft: str | None, lookup: bool
         draft = pair.draft if pair else "none"
     if draft == "lookup":
         draft, lookup = "none", True
-    kk = parse_k(k) if k is not None else (pair.k if pair else "auto")
+    kk = K.of(k, "-k") if k is not None else (pair.k if pair else AUTO)
     return Models(target, None if draft == "none" else draft, lookup, kk)
 
 
@@ -162,9 +150,13 @@ def draft_spec(registry, models):
     return registry.resolve(models.draft) if models.draft not in (None, MTP) else None
 
 
-def check_draft_stop(models, draft_stop: bool) -> None:
-    """--draft-stop stops a draft model's drafting by the adaptive chooser's cost model."""
-    if draft_stop and not (models.draft and models.k == "auto"):
+def check_draft_stop(models, draft_stop: bool, ranks: bool = False) -> None:
+    """--draft-stop stops a draft model's drafting by the adaptive chooser's cost model
+    (ranks: the target is split over ranks, where the chooser is rank 0's)."""
+    if draft_stop and ranks:
+        # each chunk's go would be rank 0's timing, one more collective per chunk
+        raise BadInput("--draft-stop does not run over ranks (--hosts/--hostfile)")
+    if draft_stop and not (models.draft and models.k.auto):
         raise BadInput("--draft-stop needs a draft model and -k auto")
     if draft_stop and models.draft == MTP:
         raise BadInput("--draft-stop needs a draft model: an MTP head drafts the chooser's k")

@@ -16,6 +16,7 @@ import typer
 from ..core.acceptance import DEFAULT_VERIFY
 from ..core.stats import Stats
 from ..distributed.ranks import rank_prefix
+from ..drafting.choosers import K
 from ..errors import BadInput
 from .common import (
     ContextOpt,
@@ -33,7 +34,6 @@ from .common import (
     check_draft_stop,
     cli_errors,
     draft_spec,
-    parse_k,
     rank_timeout,
     resolve_models,
 )
@@ -124,6 +124,7 @@ def run(
     if (hosts or hostfile) and not launched():
         if server:
             raise BadInput("--hosts/--hostfile start ranks here; --server sends to a server")
+        check_draft_stop(None, draft_stop, ranks=True)
         raise typer.Exit(_launch_ranks(ctx, job, hosts, hostfile, target))
     if server:
         if target or (draft not in (None, "none", "lookup")) or context or lookup or draft_stop:
@@ -179,7 +180,7 @@ def _run_local(job: RunInput, render, target, draft, lookup, k, context, quiet, 
 
     registry = load_registry()
     models = resolve_models(registry, target, draft, lookup, k)
-    check_draft_stop(models, job.draft_stop)
+    check_draft_stop(models, job.draft_stop, world.distributed)
     render.k_label = str(models.k)
     console = render.console
     quiet = quiet or not world.leader
@@ -229,7 +230,7 @@ def _run_local(job: RunInput, render, target, draft, lookup, k, context, quiet, 
     session = Session(Pair.of(tgt, drf, shared), choosers=store, memory=memory, world=world)
     request = Request(
         sampling=job.params,
-        num_draft=models.k,
+        k=models.k,
         max_tokens=job.max_tokens,
         seed=job.seed,
         stop=job.stop,
@@ -260,7 +261,7 @@ def _run_local(job: RunInput, render, target, draft, lookup, k, context, quiet, 
     drafter_shown = " + ".join(parts) or "none"
     verify = job.verify or DEFAULT_VERIFY
     render.finish(stats, tgt.spec.alias, drafter_shown, where, interrupted)
-    render.json(stats, tgt.spec.alias, drafter_shown, models.k, job, verify, ranks)
+    render.json(stats, tgt.spec.alias, drafter_shown, models.k.value, job, verify, ranks)
     if interrupted:
         raise typer.Exit(130)
 
@@ -298,7 +299,7 @@ def _run_remote(job: RunInput, render, url: str, api_key, draft, k) -> None:
     if draft is not None:
         body["draft"] = draft
     if k is not None:
-        body["num_draft"] = parse_k(k)
+        body["num_draft"] = K.of(k, "-k").value
     if job.verify is not None:
         body["verify"] = job.verify
     if job.chat:

@@ -9,6 +9,7 @@ import typer
 
 from ..core.acceptance import DEFAULT_VERIFY
 from ..distributed.ranks import leave, rank_prefix
+from ..drafting.choosers import K
 from ..errors import BadInput, SpecmlxError
 from .common import (
     ContextOpt,
@@ -147,13 +148,14 @@ def serve(
     if not launched() or os.environ.get("MLX_RANK") in (None, "0"):
         check_port(host, port)  # before minutes of loading, not after
     if (hosts or hostfile) and not launched():
+        check_draft_stop(None, draft_stop, ranks=True)
         check_split(hosts, hostfile, target)
         tail = ["--api-key-stdin"] if api_key else []  # the key travels on stdin
         raise typer.Exit(launch_command(ctx, "serve", hosts, hostfile, tail, secret=api_key))
     world = join()
     registry = load_registry()
     models = resolve_models(registry, target, draft, False, k)
-    check_draft_stop(models, draft_stop)
+    check_draft_stop(models, draft_stop, world.distributed)
     console = err_console()
     quiet = quiet or not world.leader
     watchdog = fatal = None
@@ -196,7 +198,7 @@ def serve(
         context=limit,
         max_tokens=max_tokens,
         sampling=params,
-        num_draft=models.k if drafter != "none" else 0,
+        k=models.k if drafter != "none" else K(0),
         drafter=drafter,
         api_key=api_key,
         max_body=body_limit,
@@ -209,7 +211,7 @@ def serve(
     def ready() -> None:
         console.print(
             f"[green]specmlx serve[/green] listening on http://{shown}:{port}  "
-            f"({tgt.spec.alias} ← {draft_name}, k {settings.num_draft}, context {limit}"
+            f"({tgt.spec.alias} ← {draft_name}, k {settings.k}, context {limit}"
             + (f", {world.size} ranks" if world.distributed else "")
             + "); Ctrl-C stops",
             soft_wrap=True,

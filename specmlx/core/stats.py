@@ -4,6 +4,7 @@ choosers, the CLI, the bench and the server read)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -37,14 +38,35 @@ class RoundReport:
 
 @runtime_checkable
 class KChooser(Protocol):
-    """Picks the number of tokens to draft in the next round.
+    """Picks the number of tokens to draft in the next round, and may offer three abilities
+    the engine asks for by name (subclass this to inherit the defaults below):
 
-    Called with None when a generation starts and with the last round's report after each
-    round. A chooser may also offer ``plain_next() -> bool``: "the next call returns 0 whatever
-    this round brings", which lets the engine queue that plain pass early (see engine.py).
+    - ``plain_next``: the next round is plain whatever this one brings (the engine then queues
+      that pass before this round is read back);
+    - ``lookup_length``: how many of the tokens a lookup match offers to verify;
+    - ``draft_plan``: per-token stopping within a round, where ``plans`` is True.
+
+    Called with None when a generation starts and with the last round's report after each.
     """
 
+    plans: bool = False  # whether draft_plan may be asked (per-token stopping)
+
     def __call__(self, last: RoundReport | None) -> int: ...
+
+    def plain_next(self) -> bool:
+        """True when the next call returns 0 whatever the current round brings."""
+        return False
+
+    def lookup_length(self, match: int, available: int, k: int, draft: bool) -> int:
+        """How many of ``available`` lookup tokens (after a ``match``-token n-gram) to verify
+        this round, given the round's k and whether a draft model would draft instead
+        (``draft``); 0 declines them. By default up to k, as a fixed k drafts."""
+        return min(available, k)
+
+    def draft_plan(self, confidences: Sequence[float], drafted: int = 0) -> tuple[int, int]:
+        """Per-token stopping after drafting len(confidences) tokens: (keep, more) = keep the
+        first ``keep`` drafts, or draft ``more`` and ask again (see adaptive.AdaptiveK)."""
+        raise NotImplementedError(f"{type(self).__name__} does not plan drafts (plans=False)")
 
 
 @dataclass

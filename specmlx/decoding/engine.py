@@ -26,15 +26,15 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core.acceptance import DEFAULT_VERIFY, Rule, accept_greedy, sampled_rule
+from ..core.acceptance import Rule, accept_greedy, sampled_rule
 from ..core.caches import cache_kinds, check_kinds, make_caches
 from ..core.cursor import Cursor
 from ..core.hidden import HiddenTap
 from ..core.kvstate import KVState, reads_hidden, reuse_prefix
 from ..core.mlx_lm_api import set_wired_limit
-from ..core.sampling import SamplingParams, make_processor, sample
-from ..core.stats import RoundReport, Stats, TokenEvent
-from ..drafting.choosers import KSetting, make_chooser
+from ..core.sampling import make_processor, sample
+from ..core.stats import KChooser, RoundReport, Stats, TokenEvent
+from ..drafting.choosers import make_chooser
 from ..drafting.drafters import (
     Chain,
     Drafter,
@@ -44,10 +44,14 @@ from ..drafting.drafters import (
     Proposal,
     pair_tokens,
 )
-from ..drafting.lookup import Lookup, LookupMemory
+from ..drafting.lookup import Lookup
 from ..errors import BadInput, RollbackError
+from .request import Decode, Parts, token_ids
 
-__all__ = ["KVState", "Stats", "TokenEvent", "TIME_DRAFT_EVERY", "generate_tokens", "prefill"]
+__all__ = [
+    "Decode", "KVState", "Parts", "Stats", "TokenEvent", "TIME_DRAFT_EVERY", "generate_tokens",
+    "prefill",
+]  # fmt: skip
 
 # MLX streams belong to a thread: the server generates on a worker thread of its own
 _STREAM = getattr(mx, "new_thread_local_stream", mx.new_stream)(mx.default_device())
@@ -62,25 +66,11 @@ def generate_tokens(
     target: nn.Module,
     draft: nn.Module | None,
     prompt_ids: Sequence[int],
-    *,
-    sampling: SamplingParams | None = None,
-    num_draft: KSetting = 4,
-    max_tokens: int = 256,
-    seed: int | None = None,
-    eos_ids: Sequence[int] = (),
-    stop_ids: Sequence[Sequence[int]] = (),
-    lookup: bool = False,
-    lookup_memory: LookupMemory | None = None,
-    vocab_size: int | None = None,
-    stats: Stats | None = None,
-    prefill_step: int = 512,
-    kv: KVState | None = None,
-    lockstep: Callable[[list[int]], None] | None = None,
-    verify: str = DEFAULT_VERIFY,
-    draft_stop: bool = False,
+    decode: Decode | None = None,
+    parts: Parts | None = None,
 ) -> Iterator[TokenEvent]:
     """Generate from ``target``, speculating with ``draft`` (a model), prompt lookup
-    (``lookup=True``), both (lookup first), or neither (plain target decoding).
+    (``decode.lookup``), both (lookup first), or neither (plain target decoding).
 
     Output is exactly the target's: token-identical when greedy, the same distribution when
     sampling.
@@ -88,94 +78,66 @@ def generate_tokens(
     target, draft: mlx-lm models (draft None: no draft model); the draft may instead be a
         head over the target's hidden states (mtp.MTPHead: anything with ``reads_hidden``).
     prompt_ids: the prompt's token ids (at least one).
-    sampling: temperature, top-p, top-k, min-p (default greedy); the same processing makes
-        the target's p and the draft's q, which is what keeps sampling exact.
-    num_draft: k, the drafts per round: an int >= 0, "auto" (a fresh adaptive chooser) or a
-        stats.KChooser, such as one kept across generations by choosers.ChooserStore.
-    max_tokens: the most tokens to generate (> 0).
-    seed: seeds the sampling (None: random).
-    eos_ids: ids that end generation and are not emitted.
-    stop_ids: token sequences that end generation; they are emitted (stream.py strips text).
-    lookup: propose from earlier occurrences in the context first (prompt lookup).
-    lookup_memory: with lookup, also propose from these earlier outputs; this generation's
-        output is added to it at the end (lookup.LookupMemory; None: the context only).
-    vocab_size: how many ids the draft may propose (default: the smaller logit width).
-    stats: updated live (a fresh one if None).
-    prefill_step: prompt tokens per prefill chunk (bounds prefill memory).
-    kv: caches to reuse (their longest common prefix with the prompt is kept, the rest of the
-        prompt is prefilled) and that hold the context afterwards; fresh ones if None.
-    lockstep: called with each round's new tokens before they are yielded; it may raise to
-        stop (distributed.Lockstep compares the ranks' tokens this way, now or, carried by
-        the ranks' shared k, at the next round's start).
-    verify: how a sampled round checks the drafts: "block" (the default: the drafted block
-        jointly, Sun et al. 2024: the same distribution, never fewer tokens kept in
-        expectation) or "token" (token by token, Leviathan et al.). Greedy decoding is the
-        same under both.
-    draft_stop: per-token stopping, with an adaptive chooser (num_draft "auto" or an
-        AdaptiveK): a round the chooser gives k > 0 drafts in small chunks
-        (adaptive.DRAFT_CHUNKS: 1, 1, then 2 at a time, a host sync each, up to the chooser's
-        k_max) while its cost model says the next draft pays, and verifies the best prefix.
+    decode: what is asked for (request.Decode: sampler, k, budget, stops, lookup, rule);
+        default: greedy, k = 4, 256 tokens.
+    parts: what the caller lends (request.Parts: caches to reuse, stats, the k chooser, the
+        lookup memory, the ranks' lockstep check, the draft's vocabulary, the prefill chunk).
     """
-    sampling = SamplingParams() if sampling is None else sampling
-    if not isinstance(sampling, SamplingParams):
-        raise BadInput(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise BadInput("the prompt is empty")
-    if max_tokens <= 0:
-        raise BadInput(f"max tokens must be > 0, got {max_tokens}")
+    decode = decode if decode is not None else Decode()
+    parts = parts if parts is not None else Parts()
+    prompt = token_ids(prompt_ids)
     head = reads_hidden(draft)
-    if draft_stop and head:
-        raise BadInput("per-token stopping needs a draft model: an MTP head drafts the chooser's k")
-    next_k = make_chooser(num_draft)
-    accept = sampled_rule(verify)
-    stats = stats if stats is not None else Stats()
-    kv = _ready(kv, target, draft, prompt, stats)
-    speculating = draft is not None or lookup
+    next_k = parts.chooser if parts.chooser is not None else make_chooser(decode.k)
+    if decode.draft_stop and (head or draft is None or not next_k.plans):
+        raise BadInput(
+            "per-token stopping needs a draft model and adaptive k in one process"
+            + (": an MTP head drafts the chooser's k" if head else "")
+        )
+    accept = sampled_rule(decode.verify)
+    stats = parts.stats if parts.stats is not None else Stats()
+    kv = _ready(parts.kv, target, draft, prompt, stats)
+    speculating = draft is not None or decode.lookup
     for what, c in (("target", kv.target), ("draft", kv.draft)) if speculating else ():
         if c is not None:
             check_kinds(c, what)  # a layer cache no rollback is known for: refused by name
-    stops = _Stops(eos_ids, stop_ids, max_tokens)
-    key = mx.random.key(seed if seed is not None else random.getrandbits(63))
+    stops = _Stops(decode.eos_ids, decode.stop_ids, decode.max_tokens)
+    seed = decode.seed if decode.seed is not None else random.getrandbits(63)
+    key = mx.random.key(seed)
     mx.reset_peak_memory()
 
     with mx.stream(_STREAM), _wired():
-        _fill(target, draft, prompt, kv, stats, prefill_step)
-        process = None if sampling.greedy else make_processor(sampling)
-        check = lockstep or (lambda _tokens: None)
+        tap = HiddenTap(target, draft.reads_hidden) if head else None
+        _fill(target, draft, prompt, kv, stats, parts.prefill_step, tap)
+        process = None if decode.sampling.greedy else make_processor(decode.sampling)
+        check = parts.lockstep or (lambda _tokens: None)
         if not speculating:
             loop = _plain(target, kv, prompt, process, key, stops, stats, check)
         else:
             ctx = list(prompt)  # the context, grown each round (lookup indexes this list)
             drafters: list[Drafter] = []
-            if lookup:
-                length = getattr(next_k, "lookup_length", None)
-                finder = Lookup(ctx, lookup_memory)
-                drafters.append(LookupDrafter(finder, length, fallback=draft is not None))
+            if decode.lookup:
+                finder = Lookup(ctx, parts.lookup_memory)
+                drafters.append(LookupDrafter(finder, next_k, fallback=draft is not None))
             model_drafter = None
             if head:
-                width = min(vocab_size or _logit_width(target), _logit_width(target))
+                width = min(parts.vocab_size or _logit_width(target), _logit_width(target))
                 model_drafter = HeadDrafter(
                     draft, kv.draft, kv.draft_len, kv.hidden, width, process
                 )
                 drafters.append(model_drafter)
             elif draft is not None:
-                rows, vocab = _draft_ids(target, draft, vocab_size)
-                plan = getattr(next_k, "draft_plan", None) if draft_stop else None
+                rows, vocab = _draft_ids(target, draft, parts.vocab_size)
+                plan = next_k.draft_plan if decode.draft_stop else None
                 model_drafter = ModelDrafter(
                     draft, kv.draft, kv.draft_len, vocab, rows, process, plan
                 )
                 drafters.append(model_drafter)
             drafter = drafters[0] if len(drafters) == 1 else Chain(drafters)
-            tap = HiddenTap(target, draft.reads_hidden) if head else None
             cursor = Cursor(target, kv.target, len(kv.tokens), record=True, tap=tap)
             # a lookup match can turn up any round, and a head reads every pass: no queueing
             overlap = not (isinstance(drafter, (LookupDrafter, Chain)) or head)
-            plain_next = getattr(next_k, "plain_next", None) if overlap else None
-            spec = _Speculation(cursor, drafter, process, accept, stats, plain_next)
-            loop = spec.run(
-                ctx, next_k, key, stops, check, lambda ok: _end(kv, ctx, model_drafter, ok)
-            )
+            spec = _Speculation(cursor, drafter, process, accept, stats, next_k, overlap)
+            loop = spec.run(ctx, key, stops, check, lambda ok: _end(kv, ctx, model_drafter, ok))
         try:
             yield from loop
         finally:
@@ -199,13 +161,12 @@ def prefill(
     target, draft: the models (draft None: the target's cache only); prompt_ids: at least
     one id; kv: the caches to fill (fresh ones are made where kv holds none); stats: gets
     the prompt and prefill figures (a fresh one if None); prefill_step: tokens per chunk."""
-    prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise BadInput("the prompt is empty")
+    prompt = token_ids(prompt_ids)
     stats = stats if stats is not None else Stats()
     kv = _ready(kv, target, draft, prompt, stats)
+    tap = HiddenTap(target, draft.reads_hidden) if reads_hidden(draft) else None
     with mx.stream(_STREAM), _wired():
-        _fill(target, draft, prompt, kv, stats, prefill_step)
+        _fill(target, draft, prompt, kv, stats, prefill_step, tap)
 
 
 _WIDTHS: dict[int, tuple[weakref.ref, int]] = {}
@@ -249,14 +210,14 @@ def _ready(kv: KVState | None, target, draft, prompt: list[int], stats: Stats) -
     return kv
 
 
-def _fill(target, draft, prompt: list[int], kv: KVState, stats: Stats, step: int) -> None:
+def _fill(target, draft, prompt: list[int], kv: KVState, stats: Stats, step: int, tap) -> None:
     """Prefill both models with the prompt minus its last token, reusing what kv holds. A
-    head over the target's hidden states is fed each chunk's pairs as the target makes them,
-    all but the newest, which waits in kv.hidden for the first proposal."""
+    head over the target's hidden states (read through ``tap``, a HiddenTap) is fed each
+    chunk's pairs as the target makes them, all but the newest, which waits in kv.hidden for
+    the first proposal."""
     t0 = time.perf_counter()
     stats.cached_tokens = reuse_prefix(kv, prompt[:-1], target, draft)
-    head = reads_hidden(draft)
-    tap = HiddenTap(target, draft.reads_hidden) if head else None
+    head = tap is not None
     target_at = Cursor(target, kv.target, len(kv.tokens), tap=tap)
     for _ in _prefill(target_at, prompt[len(kv.tokens) : -1], step):
         if head:  # rows (c, H): the chunk's hidden states
@@ -383,25 +344,26 @@ def _end(kv: KVState, ctx: list[int], drafter, settled: bool) -> None:
 
 class _Speculation:
     """One speculative generation: the target's cursor, a drafter (which moves its own),
-    the sampling setup and the acceptance rule.
+    the sampling setup, the acceptance rule and the k chooser.
 
-    plain_next: the chooser's word that the next round is plain too (None: never queue)."""
+    overlap: queue the next plain pass early when the chooser says the next round is plain
+    too (its plain_next)."""
 
-    def __init__(self, target: Cursor, drafter, process, accept: Rule, stats: Stats, plain_next):
+    def __init__(self, target: Cursor, drafter, process, accept: Rule, stats: Stats,
+                 next_k: KChooser, overlap: bool):  # fmt: skip
         self.target, self.drafter, self.stats = target, drafter, stats
-        self.process, self.accept = process, accept
-        self.plain_next: Callable[[], bool] = plain_next or (lambda: False)
+        self.process, self.accept, self.next_k = process, accept, next_k
+        self.plain_next: Callable[[], bool] = next_k.plain_next if overlap else (lambda: False)
 
-    def run(self, ctx, next_k, key, stops, check, end) -> Iterator[TokenEvent]:
-        """Rounds until a stop. ctx: the context, grown in place; next_k: the chooser;
-        key: the sampling key; stops: the _Stops; check: the lockstep (may raise); end:
+    def run(self, ctx, key, stops, check, end) -> Iterator[TokenEvent]:
+        """Rounds until a stop. ctx: the context, grown in place; key: the sampling key; stops: the _Stops; check: the lockstep (may raise); end:
         called once at the end, with whether the caches match ctx."""
         drafting, last, settled = 0, None, True  # settled: the caches match ctx
         try:
             while True:
                 t0 = time.perf_counter()
                 room = stops.max_tokens - stops.count - 1  # a round emits up to k + 1 tokens
-                k = max(0, min(next_k(last), room))
+                k = max(0, min(self.next_k(last), room))
                 settled = False  # (a chooser that raises leaves the caches as they were)
                 drafting = 0 if last is not None and last.k == 0 else drafting  # time a probe
                 # a queued pass would be waited for inside the draft's timing: time the next

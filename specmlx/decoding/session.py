@@ -7,18 +7,19 @@ the bench call it; none of them assembles a generation itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import mlx.nn as nn
 
 from ..core.acceptance import DEFAULT_VERIFY
 from ..core.sampling import SamplingParams
-from ..core.stats import Stats, TokenEvent
+from ..core.stats import KChooser, Stats, TokenEvent
 from ..distributed.ranks import Lockstep, SharedK, World, shared_probe
-from ..drafting.choosers import ChooserStore, KSetting, make_chooser
+from ..drafting.choosers import AUTO, ChooserStore, K, make_chooser
 from ..drafting.lookup import LookupMemory
 from .engine import KVState, generate_tokens, prefill
+from .request import Decode, Parts
 from .stream import editor_limits, stream_text
 
 
@@ -55,8 +56,8 @@ class Pair:
 class Request:
     """One generation's settings.
 
-    sampling: temperature and filters; num_draft: k (an int, "auto" or a KChooser to use as
-    it is); max_tokens: the budget; seed: None for random; stop: stop strings (text only);
+    sampling: temperature and filters; k: drafts per round (a choosers.K, or what K.of
+    reads: an int >= 0, "auto"); max_tokens: the budget; seed: None for random; stop: stop strings (text only);
     use_draft: speculate with the pair's draft model; lookup: prompt lookup (first, when
     both); extra_eos: ids that end generation besides the tokenizer's (e.g. end of infill);
     verify: "block" or "token"; draft_stop: per-token stopping (auto k with a draft);
@@ -64,7 +65,7 @@ class Request:
     llama.cpp's t_max_predict_ms and n_indent; None: none)."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    num_draft: KSetting = "auto"
+    k: K = AUTO
     max_tokens: int = 256
     seed: int | None = None
     stop: Sequence[str] = ()
@@ -75,6 +76,9 @@ class Request:
     draft_stop: bool = False
     time_limit_s: float | None = None
     min_indent: int | None = None
+
+    def __post_init__(self) -> None:
+        self.k = K.of(self.k)  # (the rest is checked where the engine's Decode is made)
 
 
 class Session:
@@ -105,49 +109,56 @@ class Session:
         kv: KVState | None = None,
         stats: Stats | None = None,
         lockstep: Lockstep | None = None,
+        chooser: KChooser | None = None,
     ) -> Generation:
         """A generation of ``prompt_ids`` under ``req``, not yet running: iterate its
         ``tokens()`` or ``text()``. kv: caches to reuse (a prompt cache); stats: filled live
         (a fresh one if None); lockstep: the ranks' per-round check (default: a plain one
-        when distributed)."""
+        when distributed); chooser: the k chooser to use as it is, in place of the store's
+        or a fresh one for ``req.k`` (the bench keeps its own per system)."""
         pair, world, ids = self.pair, self.world, list(prompt_ids)
         draft = pair.draft if req.use_draft else None
-        num_draft: KSetting = req.num_draft if (draft is not None or req.lookup) else 0
-        saved = None
-        if num_draft == "auto" and self.choosers is not None:
+        k = req.k if (draft is not None or req.lookup) else K(0)
+        saved, chooser = None, chooser if k.auto else None  # (a fixed k is its own chooser)
+        if chooser is None and k.auto and self.choosers is not None:
             store = self.choosers
             if world.distributed and store.pass_ratio is None:  # one curve for all ranks
                 store.pass_ratio = shared_probe(world, store, pair.target, pair.target_id, ids)
             drafter = f"{pair.draft_id if draft is not None else 'none'}|lookup={req.lookup}"
-            num_draft = saved = store.get(
+            chooser = saved = store.get(
                 pair.target, pair.target_id, drafter, req.sampling, ids, verify=req.verify
             )
+        elif chooser is None:
+            chooser = make_chooser(k)
         if world.distributed and lockstep is None:
             lockstep = Lockstep(world)
-        if world.distributed and not isinstance(num_draft, int):
+        if world.distributed and k.auto:
             # rank 0 decides k for all (each rank's timings differ); the lockstep hash
             # travels in the same collective
-            num_draft = SharedK(make_chooser(num_draft), world, lockstep)
+            chooser = SharedK(chooser, world, lockstep)
         eos = set(req.extra_eos)
         if pair.tokenizer is not None:
             eos |= set(getattr(pair.tokenizer, "eos_token_ids", ()) or ())
-        memory = self.memory if req.lookup and not world.distributed else None
-        engine_kwargs = dict(
+        # (made when the tokens are asked for: a warm-up, max_tokens 0, only prefills)
+        decode = lambda: Decode(  # noqa: E731
             sampling=req.sampling,
-            num_draft=num_draft,
-            lookup=req.lookup,
-            lookup_memory=memory,
-            vocab_size=pair.shared if draft is not None else None,
+            k=k,
             max_tokens=req.max_tokens,
             seed=req.seed,
-            eos_ids=sorted(eos),
-            kv=kv,
-            lockstep=lockstep,
+            eos_ids=tuple(sorted(eos)),
+            lookup=req.lookup,
             verify=req.verify,
             draft_stop=req.draft_stop,
         )
-        stats = stats if stats is not None else Stats()
-        return Generation(self, ids, draft, req, stats, engine_kwargs, saved, lockstep)
+        parts = Parts(
+            kv=kv,
+            stats=stats if stats is not None else Stats(),
+            chooser=chooser,
+            lookup_memory=self.memory if req.lookup and not world.distributed else None,
+            lockstep=lockstep,
+            vocab_size=pair.shared if draft is not None else None,
+        )
+        return Generation(self, ids, draft, req, decode, parts, saved)
 
 
 class Generation:
@@ -156,15 +167,15 @@ class Generation:
     what the adaptive chooser learned. ``stats`` is filled live; ``lockstep`` is the ranks'
     check (None when not distributed)."""
 
-    def __init__(self, session, ids, draft, req, stats, engine_kwargs, saved, lockstep):
+    def __init__(self, session, ids, draft, req, decode: Callable[[], Decode], parts: Parts, saved):
         self.session, self.ids, self.draft, self.req = session, ids, draft, req
-        self.stats, self.lockstep = stats, lockstep
-        self._kwargs, self._saved = engine_kwargs, saved
+        self._decode, self.parts, self._saved = decode, parts, saved
+        self.stats, self.lockstep = parts.stats, parts.lockstep
 
     def tokens(self) -> Iterator[TokenEvent]:
         """The engine's token events (from_draft: the drafter proposed the token)."""
         pair = self.session.pair
-        return generate_tokens(pair.target, self.draft, self.ids, stats=self.stats, **self._kwargs)
+        return generate_tokens(pair.target, self.draft, self.ids, self._decode(), self.parts)
 
     def text(self) -> Iterator[TokenEvent]:
         """Token events with the text each completed (UTF-8 safe), ending at a stop string;
@@ -178,7 +189,7 @@ class Generation:
     def prefill(self) -> None:
         """Put the prompt into the caches and generate nothing (an editor's warm-up)."""
         pair = self.session.pair
-        prefill(pair.target, self.draft, self.ids, kv=self._kwargs["kv"], stats=self.stats)
+        prefill(pair.target, self.draft, self.ids, kv=self.parts.kv, stats=self.stats)
 
     def finish(self) -> None:
         """Save the adaptive chooser's estimates (rank 0, choosers from the store only)."""

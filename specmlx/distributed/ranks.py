@@ -158,13 +158,18 @@ def shared_probe(world: World, store, model, identity: str, ids: list[int]) -> l
     return [bits_float(b) for b in share(world, [float_bits(x) for x in cached or []], n)]
 
 
-class SharedK:
+class SharedK(KChooser):
     """A k chooser whose decisions are rank 0's: each rank times its own rounds, so adaptive
     choosers would drift apart, and ranks that draft different k run different passes. One
     small collective a round carries k and plain_next, and with a ``lockstep`` the ranks'
     token hash too: the check rides on the k exchange, no second collective a round. A
     stoppable lockstep (the server's) is not carried: it compares each round's tokens before
-    they reach a client, and carries rank 0's cancel, so it keeps its own collective."""
+    they reach a client, and carries rank 0's cancel, so it keeps its own collective.
+
+    Of the chooser's other abilities, a lookup verifies up to the shared k (the protocol's
+    default: an adaptive length from rank 0's timings would need a collective of its own
+    each round) and drafts are not planned token by token (``plans`` False: the engine
+    refuses per-token stopping over ranks by name)."""
 
     WIDTH = 2  # the integers a round's exchange carries: k and plain_next
 
@@ -177,8 +182,8 @@ class SharedK:
             self.lockstep.carried = self.WIDTH
 
     def __call__(self, last: RoundReport | None) -> int:
-        k = self.inner(last) if self.world.leader else 0
-        plain = getattr(self.inner, "plain_next", lambda: False)() if self.world.leader else 0
+        leader = self.world.leader
+        k, plain = (self.inner(last), int(self.inner.plain_next())) if leader else (0, 0)
         if self.lockstep is not None:  # (rank 0's row of the all-gather)
             k, plain = self.lockstep.exchange([k, plain])
         else:

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from ..core.stats import RoundReport
+from ..core.stats import KChooser, RoundReport
 
 CONF_BINS = 10  # per-token stopping: acceptance is learned per tenth of draft confidence
 # per-token stopping drafts one token, then one more, then two at a time (a host sync per
@@ -312,7 +312,7 @@ LEARNED = (
 
 
 @dataclass
-class AdaptiveK:
+class AdaptiveK(KChooser):
     """A k chooser (stats.KChooser): call it with each round's report, get the next k back.
     Keep one per pair and sampler (choosers.ChooserStore does): the estimates carry over from
     one generation to the next.
@@ -331,6 +331,7 @@ class AdaptiveK:
     doubling the wait while drafts score nothing.
     """
 
+    plans = True  # (not a field) draft_plan below: per-token stopping
     k_max: int = 8  # the most drafts from the draft model
     lookup_max: int = LOOKUP_MAX  # the longest lookup proposal
     explore: float = 1.0  # standard errors of optimism before giving up on the draft

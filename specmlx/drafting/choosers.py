@@ -1,6 +1,6 @@
 """The one place that turns a k setting into a chooser, and the store of adaptive choosers.
 
-``num_draft`` is an int (a fixed k), "auto" (adaptive k) or a stats.KChooser. For "auto",
+A k setting is parsed once into a ``K`` (a fixed count, or adaptive). For adaptive k,
 ``ChooserStore`` keeps one AdaptiveK per target, drafter, sampler and machine: in memory for a
 long-lived process (the server, the bench) and on disk under $SPECMLX_HOME/adaptive across
 runs, so each run starts from what the last one learned. Both files it writes (the chooser
@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -27,12 +28,53 @@ from ..paths import Warn, load_json, save_json, specmlx_home
 from .adaptive import LOOKUP_MAX, AdaptiveK, CostCurve
 from .probe import probe_pass_cost
 
-KSetting = int | str | KChooser
 PROBE_VERSION = "v3"  # bump when the probe's method changes: old curves are then ignored
 
 
-class FixedK:
-    """A fixed k, as a chooser."""
+@dataclass(frozen=True)
+class K:
+    """k as it was asked for, parsed once (``K.of``): ``fixed`` drafts a round, or adaptive
+    when ``fixed`` is None. Text, JSON and models.toml all come through ``of``."""
+
+    fixed: int | None = None
+
+    @classmethod
+    def of(cls, value: K | int | str, name: str = "k") -> K:
+        """'auto', an integer >= 0 (or its text), or a K as it is; BadInput otherwise,
+        naming the setting as ``name`` (the CLI's "-k"): the one place k is checked."""
+        if isinstance(value, K):
+            return value
+        if value == "auto":
+            return cls(None)
+        n = value
+        if isinstance(value, str):
+            try:
+                n = int(value)
+            except ValueError:
+                n = None
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise BadInput(f"{name} must be an integer >= 0 or 'auto', got {value!r}")
+        return cls(n)
+
+    @property
+    def auto(self) -> bool:
+        return self.fixed is None
+
+    def __str__(self) -> str:
+        return "auto" if self.fixed is None else str(self.fixed)
+
+    @property
+    def value(self) -> int | str:
+        """As JSON and models.toml write it: the int, or "auto"."""
+        return "auto" if self.fixed is None else self.fixed
+
+
+AUTO = K(None)
+
+
+class FixedK(KChooser):
+    """A fixed k, as a chooser: lookup verifies up to k (the protocol's default), and it
+    does not plan drafts."""
 
     def __init__(self, k: int):
         self.k = k
@@ -41,22 +83,13 @@ class FixedK:
         return self.k
 
     def plain_next(self) -> bool:
-        """Whether the next round is plain whatever this one brings (see AdaptiveK)."""
         return self.k == 0
 
 
-def make_chooser(num_draft: KSetting) -> KChooser:
-    """An int k >= 0 -> FixedK; "auto" -> a fresh AdaptiveK; a chooser -> itself.
-    BadInput for anything else."""
-    if callable(num_draft):
-        return num_draft
-    if num_draft == "auto":
-        return AdaptiveK()
-    if isinstance(num_draft, bool) or not isinstance(num_draft, int) or num_draft < 0:
-        raise BadInput(
-            f"k (number of draft tokens) must be an integer >= 0 or 'auto', got {num_draft!r}"
-        )
-    return FixedK(num_draft)
+def make_chooser(k: K) -> KChooser:
+    """A fresh chooser for ``k``: FixedK, or an AdaptiveK (ChooserStore.get gives one that
+    carries what earlier runs learned)."""
+    return AdaptiveK() if k.auto else FixedK(k.fixed)
 
 
 def _state_path(kind: str, identity: str) -> Path:

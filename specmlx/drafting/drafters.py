@@ -27,6 +27,7 @@ import mlx.core as mx
 from ..core.caches import trim
 from ..core.cursor import Cursor, Hidden
 from ..core.sampling import Processor, sample
+from ..core.stats import KChooser
 from .lookup import Lookup
 
 # fed to the draft in place of an id its embedding table lacks (a padding row of a wider
@@ -157,19 +158,16 @@ class ModelDrafter:
 
 class LookupDrafter:
     """Prompt lookup (with memory): the continuation of an earlier occurrence of the
-    context's tail. ``lookup_length`` (an AdaptiveK's) weighs up to ``room`` lookup tokens
-    against k from a draft model (``fallback``: one follows in the chain) or a plain step;
-    without it lookup proposes up to k."""
+    context's tail. The chooser's ``lookup_length`` (stats.KChooser) says how many of up to
+    ``room`` tokens to verify, weighed against k from a draft model (``fallback``: one
+    follows in the chain) or a plain step: a fixed k verifies up to k."""
 
-    def __init__(self, finder: Lookup, lookup_length=None, fallback: bool = False):
-        self.finder, self.lookup_length, self.fallback = finder, lookup_length, fallback
+    def __init__(self, finder: Lookup, chooser: KChooser, fallback: bool = False):
+        self.finder, self.chooser, self.fallback = finder, chooser, fallback
 
     def propose(self, ctx, k, room, key, timed) -> Proposal:
-        if self.lookup_length is None:
-            match, found = self.finder.find(k)
-        else:
-            match, found = self.finder.find(room)
-            found = found[: self.lookup_length(match, len(found), k, self.fallback)]
+        match, found = self.finder.find(room)
+        found = found[: self.chooser.lookup_length(match, len(found), k, self.fallback)]
         if not found:
             return Proposal()
         return Proposal(mx.array(found, dtype=mx.uint32), None, "lookup", match=match)

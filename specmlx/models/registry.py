@@ -30,7 +30,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from ..errors import RegistryError, UnknownModel
+from ..drafting.choosers import AUTO, K
+from ..errors import BadInput, RegistryError, UnknownModel
 from ..paths import expand_path
 
 DTYPES = ("float16", "bfloat16", "float32", "auto")
@@ -72,8 +73,10 @@ class _PairTable(_Table):  # [pairs.NAME]
     @field_validator("k")
     @classmethod
     def _k_or_auto(cls, k: int | str) -> int | str:
-        if k != "auto" and not (isinstance(k, int) and k >= 0):
-            raise ValueError('must be >= 0 or "auto"')
+        try:
+            K.of(k)  # (the one check of a k setting)
+        except BadInput:
+            raise ValueError('must be >= 0 or "auto"') from None
         return k
 
 
@@ -136,7 +139,7 @@ class PairSpec:
     name: str
     target: str
     draft: str
-    k: int | str = "auto"
+    k: K = AUTO
 
 
 @dataclass
@@ -360,7 +363,7 @@ def parse_file(path: Path) -> tuple[dict, dict, dict]:
             )
             raise _fail(where, table, "quantize", msg)
     pairs = {
-        name: PairSpec(name=name, target=raw.target, draft=raw.draft, k=raw.k)
+        name: PairSpec(name=name, target=raw.target, draft=raw.draft, k=K.of(raw.k))
         for name, raw in parsed.pairs.items()
     }
     return models, pairs, parsed.defaults.model_dump(exclude_unset=True)

@@ -29,6 +29,7 @@ from ..core.sampling import SamplingParams
 from ..core.stats import Stats, TokenEvent
 from ..decoding.fim import encode_infill, require_fim
 from ..decoding.stream import encode_prompt
+from ..drafting.choosers import AUTO, K
 from ..errors import BadInput
 from . import api_shapes as shapes
 from .api_errors import ApiError, as_api_error, error_body, install_error_handlers
@@ -56,7 +57,7 @@ class ServerSettings:
     """What requests default to, and the server's limits.
 
     model_name: the id reported in responses; context: prompt + max_tokens must fit in it;
-    max_tokens: the default budget of a request; sampling: the default sampler; num_draft:
+    max_tokens: the default budget of a request; sampling: the default sampler; k:
     the default k; drafter: the default drafter ("model", "lookup" or "none"); api_key:
     required as a Bearer token when set; max_body: the largest request body in bytes;
     verify: the default acceptance rule of sampled rounds ("block" or "token"); hosts: the
@@ -67,7 +68,7 @@ class ServerSettings:
     context: int
     max_tokens: int = 256
     sampling: SamplingParams = SamplingParams()
-    num_draft: int | str = "auto"
+    k: K = AUTO
     drafter: str = "model"
     api_key: str | None = None
     max_body: int = 16 * 2**20
@@ -280,7 +281,7 @@ def _request(body: SamplingBody, ids, extra_eos, asked, settings, worker) -> Gen
         seed=None if body.seed is None or body.seed < 0 else body.seed,
         stop=body.stops(),
         drafter=_drafter(body.draft, settings, worker),
-        num_draft=settings.num_draft if body.num_draft is None else body.num_draft,
+        k=settings.k if body.num_draft is None else K.of(body.num_draft),
         extra_eos=tuple(extra_eos),
         verify=_verify(body.verify, settings),
     )
@@ -307,7 +308,7 @@ def _llama_request(
     return GenRequest(
         prompt_ids=ids, sampling=sampling, max_tokens=max_tokens,
         seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s],
-        drafter=_drafter(None, settings, worker), num_draft=settings.num_draft,
+        drafter=_drafter(None, settings, worker), k=settings.k,
         extra_eos=tuple(eos), verify=settings.verify,
         time_limit_s=body.t_max_predict_ms / 1000 if body.t_max_predict_ms > 0 else None,
         min_indent=body.n_indent if body.n_indent > 0 else None,

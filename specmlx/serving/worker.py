@@ -307,7 +307,7 @@ class Worker:
                 self.watchdog.beat("generating")
                 beat = self.watchdog.beat
             lockstep = Lockstep(world, stoppable=True, cancelled=stop, beat=beat)
-        job.k_label = str(r.num_draft)
+        job.k_label = str(r.k)
         job.drafter_name = self.draft.spec.alias if use_draft else r.drafter
         # a time limit would stop the ranks at different tokens: with ranks it is not applied
         time_limit = None if world.distributed else r.time_limit_s

@@ -1,0 +1,96 @@
+"""What a generation is asked for (``Decode``, validated once, where it is made) and what it
+borrows from its caller (``Parts``): the two arguments of engine.generate_tokens besides the
+models and the prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ..core.acceptance import DEFAULT_VERIFY, sampled_rule
+from ..core.kvstate import KVState
+from ..core.sampling import SamplingParams
+from ..core.stats import KChooser, Stats
+from ..drafting.choosers import K
+from ..drafting.lookup import LookupMemory
+from ..errors import BadInput
+
+
+@dataclass(frozen=True)
+class Decode:
+    """One generation's settings, as the engine reads them.
+
+    sampling: temperature, top-p, top-k, min-p (default greedy); the same processing makes
+        the target's p and the draft's q, which is what keeps sampling exact.
+    k: the drafts per round: a choosers.K, or what K.of reads (an int >= 0, "auto").
+    max_tokens: the most tokens to generate (> 0).
+    seed: seeds the sampling (None: random).
+    eos_ids: ids that end generation and are not emitted.
+    stop_ids: token sequences that end generation; they are emitted (stream.py strips text).
+    lookup: propose from earlier occurrences in the context first (prompt lookup).
+    verify: how a sampled round checks the drafts: "block" (the default: the drafted block
+        jointly, Sun et al. 2024: the same distribution, never fewer tokens kept in
+        expectation) or "token" (token by token, Leviathan et al.). Greedy is the same under
+        both.
+    draft_stop: per-token stopping, with an adaptive chooser and a draft model: a round gives
+        k > 0 drafts in small chunks (adaptive.DRAFT_CHUNKS: 1, 1, then 2 at a time, a host
+        sync each, up to the chooser's k_max) while its cost model says the next draft pays,
+        and verifies the best prefix.
+    """
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    k: K = K(4)
+    max_tokens: int = 256
+    seed: int | None = None
+    eos_ids: tuple[int, ...] = ()
+    stop_ids: tuple[tuple[int, ...], ...] = ()
+    lookup: bool = False
+    verify: str = DEFAULT_VERIFY
+    draft_stop: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sampling, SamplingParams):
+            raise BadInput(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        if self.max_tokens <= 0:
+            raise BadInput(f"max tokens must be > 0, got {self.max_tokens}")
+        sampled_rule(self.verify)  # BadInput for an unknown rule
+        # (frozen: the parsed forms are set once, here)
+        object.__setattr__(self, "k", K.of(self.k))
+        object.__setattr__(self, "eos_ids", tuple(int(t) for t in self.eos_ids))
+        stops = tuple(tuple(int(t) for t in s) for s in self.stop_ids)
+        object.__setattr__(self, "stop_ids", stops)
+
+
+@dataclass
+class Parts:
+    """What a generation borrows from its caller (all optional).
+
+    kv: caches to reuse (their longest common prefix with the prompt is kept, the rest of the
+        prompt is prefilled) and that hold the context afterwards; fresh ones if None.
+    stats: updated live (a fresh one if None).
+    chooser: picks k each round (a stats.KChooser, such as one kept across generations by
+        choosers.ChooserStore); None: a fresh one for Decode.k (choosers.make_chooser).
+    lookup_memory: with lookup, also propose from these earlier outputs; this generation's
+        output is added to it at the end (lookup.LookupMemory; None: the context only).
+    lockstep: called with each round's new tokens before they are yielded; it may raise to
+        stop (distributed.Lockstep compares the ranks' tokens this way, now or, carried by
+        the ranks' shared k, at the next round's start).
+    vocab_size: how many ids the draft may propose (default: the smaller logit width).
+    prefill_step: prompt tokens per prefill chunk (bounds prefill memory).
+    """
+
+    kv: KVState | None = None
+    stats: Stats | None = None
+    chooser: KChooser | None = None
+    lookup_memory: LookupMemory | None = None
+    lockstep: Callable[[list[int]], None] | None = None
+    vocab_size: int | None = None
+    prefill_step: int = 512
+
+
+def token_ids(ids: Sequence[int]) -> list[int]:
+    """A prompt's ids as ints; BadInput when there are none."""
+    prompt = [int(t) for t in ids]
+    if not prompt:
+        raise BadInput("the prompt is empty")
+    return prompt
