@@ -74,7 +74,8 @@ def test_shipped_registry_has_required_entries(specmlx_home):
 def test_repo_root_models_toml_is_the_packaged_one():
     """The file at the root is a link to the packaged one, not a copy that could drift."""
     root = REPO / "models.toml"
-    assert root.is_symlink() and root.resolve() == (REPO / "specmlx" / "models.toml").resolve()
+    packaged = REPO / "specmlx" / "models" / "models.toml"
+    assert packaged.is_file() and root.is_symlink() and root.resolve() == packaged.resolve()
 
 
 def test_override_via_env_wins_per_alias(tmp_path, specmlx_home, monkeypatch):
