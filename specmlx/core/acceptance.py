@@ -202,3 +202,27 @@ def sampled_rule(verify: str) -> Rule:
     if verify not in RULES:
         raise BadInput(f"verify must be one of {', '.join(RULES)}, got {verify!r}")
     return RULES[verify]
+
+
+def accept_proposal(
+    logits: mx.array,
+    drafts: mx.array,
+    q: mx.array | None,
+    process: Callable[[mx.array], mx.array] | None,
+    rule: Rule,
+    u_key: mx.array | None,
+    draw_key: mx.array | None,
+) -> tuple[mx.array, mx.array]:
+    """One sequence's round, lazy: (n accepted, the next token) from the target's logits at
+    the k + 1 verified positions (k + 1, V), the k drafts (k,) and their q (k, V') or None
+    (a point mass: no one-hot rows; a narrower q needs no padding). process None is greedy;
+    with no drafts the next token is a plain sample; otherwise ``rule`` with uniforms drawn
+    from u_key and the next token from draw_key."""
+    if process is None:
+        return accept_greedy(logits, drafts)
+    k = drafts.shape[0]
+    if k == 0:
+        return mx.array(0), sample(process(logits[0]), draw_key)
+    p = process(logits)  # (k + 1, V)
+    u = mx.random.uniform(shape=(k,), key=u_key)
+    return rule(p, q, drafts, u, draw_key)

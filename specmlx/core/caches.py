@@ -256,19 +256,19 @@ def make_caches(model: nn.Module, slack: int = ROLLBACK_SLACK) -> list:
     return [_convert(c, slack) for c in made]
 
 
-def _layers(cache: Sequence) -> list:
+def layer_caches(cache: Sequence) -> list:
     """Every leaf layer cache, CacheList entries unpacked."""
     out = []
     for c in cache:
         if c is not None:  # (Gemma 4's KV-shared layers have no cache of their own)
-            out += _layers(c.caches) if isinstance(c, CacheList) else [c]
+            out += layer_caches(c.caches) if isinstance(c, CacheList) else [c]
     return out
 
 
 def cache_kinds(cache: Sequence) -> dict[str, int]:
     """Layer cache class name -> how many layers use it (for --json and errors)."""
     kinds: dict[str, int] = {}
-    for c in _layers(cache):
+    for c in layer_caches(cache):
         kinds[type(c).__name__] = kinds.get(type(c).__name__, 0) + 1
     return kinds
 
@@ -287,7 +287,7 @@ _KNOWN = (
 
 def check_kinds(cache: Sequence, what: str = "model") -> None:
     """Refuse, by name, a cache holding a layer kind no exact rollback is known for."""
-    for c in _layers(cache):
+    for c in layer_caches(cache):
         if isinstance(c, BatchDependentRotatingKVCache):
             raise IncompatiblePair(
                 f"the {what}'s {type(c).__name__} layer cache cannot speculate exactly: {c.why}"
@@ -301,12 +301,12 @@ def check_kinds(cache: Sequence, what: str = "model") -> None:
 
 def recurrent_layers(cache: Sequence) -> list[ArraysCache]:
     """The layers holding recurrent state, in layer order."""
-    return [c for c in _layers(cache) if isinstance(c, ArraysCache)]
+    return [c for c in layer_caches(cache) if isinstance(c, ArraysCache)]
 
 
 def needs_replay(cache: Sequence) -> bool:
     """Whether rolling back needs the kept tokens fed again (recurrent state)."""
-    return any(isinstance(c, ArraysCache) for c in _layers(cache))
+    return any(isinstance(c, ArraysCache) for c in layer_caches(cache))
 
 
 def _trimmable(c, n: int) -> bool:
@@ -320,7 +320,7 @@ def _trimmable(c, n: int) -> bool:
 
 def can_rollback(cache: Sequence, n: int) -> bool:
     """Whether ``trim(cache, n)`` can give back n tokens exactly, without a replay."""
-    return n == 0 or all(_trimmable(c, n) for c in _layers(cache))
+    return n == 0 or all(_trimmable(c, n) for c in layer_caches(cache))
 
 
 def trim(cache: Sequence, n: int, recurrent: bool = True) -> None:
@@ -329,7 +329,7 @@ def trim(cache: Sequence, n: int, recurrent: bool = True) -> None:
     ``recurrent=False`` to trim only the others (their state is set by other means)."""
     if n <= 0:
         return
-    layers = [c for c in _layers(cache) if recurrent or not isinstance(c, ArraysCache)]
+    layers = [c for c in layer_caches(cache) if recurrent or not isinstance(c, ArraysCache)]
     for c in layers:
         if not _trimmable(c, n):
             raise RollbackError(
@@ -357,14 +357,14 @@ def snapshot(cache: Sequence, offset: int) -> Snapshot:
     """Remember the recurrent state of ``cache``, which holds ``offset`` tokens. Costs no
     copy: the arrays are kept by reference (the mixers assign new arrays, never write)."""
     return Snapshot(
-        offset, [list(c.cache) if isinstance(c, ArraysCache) else None for c in _layers(cache)]
+        offset, [list(c.cache) if isinstance(c, ArraysCache) else None for c in layer_caches(cache)]
     )
 
 
 def restore(cache: Sequence, snap: Snapshot, offset: int) -> None:
     """Bring a cache now holding ``offset`` tokens back to ``snap``: attention layers trim
     offset - snap.offset tokens, recurrent layers take the snapshot's arrays back."""
-    layers = _layers(cache)
+    layers = layer_caches(cache)
     fed = offset - snap.offset
     for c, arrays in zip(layers, snap.arrays, strict=True):
         if arrays is None and not _trimmable(c, fed):

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core.acceptance import Rule, accept_greedy, sampled_rule
+from ..core.acceptance import Rule, accept_proposal, sampled_rule
 from ..core.caches import cache_kinds, check_kinds, make_caches
 from ..core.cursor import Cursor
 from ..core.hidden import HiddenTap
@@ -412,13 +412,7 @@ class _Speculation:
     def accept_from(
         self, logits: mx.array, proposal: Proposal, u_key, draw_key
     ) -> tuple[mx.array, mx.array]:
-        """(n accepted, the next token), lazy: greedy, a plain sample, or the sampled rule
-        (q None is a point mass: no one-hot rows; a narrower q needs no padding)."""
-        d = proposal.tokens
-        if self.process is None:
-            return accept_greedy(logits, d)
-        if proposal.k == 0:
-            return mx.array(0), sample(self.process(logits[0]), draw_key)
-        p = self.process(logits)  # (k+1, V_target)
-        u = mx.random.uniform(shape=(proposal.k,), key=u_key)
-        return self.accept(p, proposal.q, d, u, draw_key)
+        """(n accepted, the next token), lazy (acceptance.accept_proposal)."""
+        return accept_proposal(
+            logits, proposal.tokens, proposal.q, self.process, self.accept, u_key, draw_key
+        )

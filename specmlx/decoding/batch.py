@@ -1,0 +1,218 @@
+"""Speculation for many sequences at once: B rows decoded in one target pass a round.
+
+Each round the draft model drafts k tokens for every row (one catch-up pass over each row's
+unseen tokens, right-padded, then k - 1 one-token steps, all rows together), the target
+verifies every row's k + 1 positions in one pass, each row accepts by its own rule (its own
+sampler, its own seed) and keeps its own accepted prefix: the caches are core.rows'
+RowsKVCache, where a row's rollback is its own length. One lazy graph and one host sync a
+round, as for one sequence (engine.py). A row joins between rounds (its prompt prefilled
+alone, reusing a prompt cache's prefix) and leaves between rounds (its caches come back as a
+KVState, for the prompt cache).
+
+Exact per row: a row's greedy tokens are the target's for its context whatever else is in
+the batch, and a sampled row draws from the same keys, in the same order, as a solo
+generation with the same k would (engine.py splits its key the same way each round), so
+it follows the target's distribution through the same acceptance rules. Only models whose
+layers all keep full attention batch (rows.batchable): the rest are served one at a time.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..core.acceptance import accept_proposal, sampled_rule
+from ..core.kvstate import KVState
+from ..core.rows import RowsKVCache, batchable, rows_of, solo_of
+from ..core.sampling import Processor, make_processor, sample
+from ..core.stats import RoundReport, Stats, TokenEvent
+from ..drafting.drafters import SAFE_ID
+from ..errors import BadInput, IncompatiblePair
+from .engine import _logit_width, _Stops, prefill
+from .request import Decode, token_ids
+
+
+@dataclass
+class Row:
+    """One sequence of a batch: its context (prompt + generated), settings, stops, key
+    stream, sampler and statistics. ``done``: it reached a stop (it leaves next)."""
+
+    ctx: list[int]
+    decode: Decode
+    stops: _Stops
+    key: mx.array
+    process: Processor | None
+    stats: Stats = field(default_factory=Stats)
+    done: bool = False
+    draft_held: int = 0  # how much of ctx the draft's row holds (a prefix of ctx[:-1])
+
+
+class Batch:
+    """Rows that decode together: ``join`` a prompt, ``round(k)`` (every row one round, up to
+    k + 1 tokens each), ``leave`` a row.
+
+    target, draft: mlx-lm models (draft None: batched plain decoding); both must batch
+    (rows.batchable). vocab_size: how many ids the draft may propose (default: the smaller
+    logit width)."""
+
+    def __init__(self, target: nn.Module, draft: nn.Module | None, vocab_size: int | None = None):
+        for what, model in (("target", target), ("draft", draft)):
+            why = batchable(model) if model is not None else None
+            if why:
+                raise IncompatiblePair(f"the {what} cannot decode in a batch: {why}")
+        self.target, self.draft = target, draft
+        width = _logit_width(target)
+        self.draft_rows = 0
+        if draft is not None:
+            width = min(width, _logit_width(draft))
+            self.draft_rows = getattr(getattr(draft, "args", None), "vocab_size", None) or width
+        self.vocab = min(vocab_size or width, width)
+        self.rows: list[Row] = []
+        self.t_cache: list[RowsKVCache] | None = None
+        self.d_cache: list[RowsKVCache] | None = None
+
+    def join(self, prompt_ids: Sequence[int], decode: Decode, kv: KVState | None = None) -> Row:
+        """Prefill a prompt alone (keeping ``kv``'s common prefix: a prompt cache's caches)
+        and add it as the last row; its first tokens come at the next round."""
+        prompt = token_ids(prompt_ids)
+        if decode.lookup or decode.draft_stop:
+            raise BadInput("a batch drafts with the draft model only (no lookup, no stopping)")
+        kv = kv if kv is not None else KVState()
+        stats = Stats()
+        prefill(self.target, self.draft, prompt, kv=kv, stats=stats)
+        seed = decode.seed if decode.seed is not None else random.getrandbits(63)
+        process = None if decode.sampling.greedy else make_processor(decode.sampling)
+        stops = _Stops(decode.eos_ids, decode.stop_ids, decode.max_tokens)
+        row = Row(list(prompt), decode, stops, mx.random.key(seed), process, stats)
+        self.t_cache = rows_of(self.t_cache, kv.target)  # it holds prompt[:-1]
+        if self.draft is not None:
+            self.d_cache = rows_of(self.d_cache, kv.draft)
+            row.draft_held = kv.draft_len
+        self.rows.append(row)
+        return row
+
+    def leave(self, row: Row) -> KVState:
+        """Take ``row`` out; its caches back as a KVState that holds its ctx[:-1]."""
+        i = self.rows.index(row)
+        self.rows.pop(i)
+        kv = KVState()
+        kv.target, kv.tokens = solo_of(self.t_cache, i), row.ctx[:-1]
+        if self.draft is not None:
+            kv.draft, kv.draft_len = solo_of(self.d_cache, i), row.draft_held
+        if not self.rows:
+            self.t_cache = self.d_cache = None
+        return kv
+
+    def round(self, k: int) -> list[list[TokenEvent]]:
+        """One round for every row; each row's new token events, in row order (a row that
+        reached a stop is marked ``done`` and must leave before the next round). k: drafts
+        per row (0, or no draft model: one plain step each)."""
+        rows = self.rows
+        if any(r.done for r in rows):
+            raise RuntimeError("a finished row must leave before the next round")
+        if not rows:
+            return []
+        t0 = time.perf_counter()
+        k = k if self.draft is not None else 0
+        # a row near its budget verifies fewer (as a solo generation would: the same keys)
+        ks = [max(0, min(k, r.stops.max_tokens - r.stops.count - 1)) for r in rows]
+        keys = [_split(r) for r in rows]  # per row (draft, u, draw), all None when greedy
+        if k:
+            d, qs = self._propose(rows, k, ks, [kk[0] for kk in keys])
+        else:
+            d, qs = None, [None] * len(rows)
+        last = mx.array([[r.ctx[-1]] for r in rows], dtype=mx.uint32)  # (B, 1)
+        x = last if d is None else mx.concatenate([last, d], axis=1)  # (B, k + 1)
+        logits = self.target(x, cache=self.t_cache)  # (B, k + 1, V)
+        outs = []
+        for i, r in enumerate(rows):  # each row by its own rule, sampler, keys and k
+            ki = ks[i]
+            di = d[i, :ki] if d is not None else mx.zeros((0,), dtype=mx.uint32)
+            qi = qs[i][:ki] if qs[i] is not None else None
+            rule = sampled_rule(r.decode.verify)
+            n, nxt = accept_proposal(logits[i, : ki + 1], di, qi, r.process, rule, *keys[i][1:])
+            pad = mx.zeros((k - ki,), dtype=mx.uint32)
+            outs.append(mx.concatenate([n.astype(mx.uint32).reshape(1), di, nxt.reshape(1), pad]))
+        got = mx.stack(outs).tolist()  # the round's one host sync: (B, k + 2)
+        seconds = time.perf_counter() - t0
+        events = []
+        for r, ki, (n, *tokens) in zip(rows, ks, got, strict=True):
+            fed = len(r.ctx) - 1  # where this round's drafts start, in both models
+            new, reason = r.stops.cut(tokens[:n] + [tokens[ki]])
+            r.ctx += new
+            if k:  # the draft fed ctx and k - 1 drafts: it keeps what ctx confirms of them
+                r.draft_held = min(fed + 1 + min(n, k - 1), len(r.ctx) - 1)
+            r.stats.record(RoundReport(ki, n, seconds), r.stops.count)
+            r.stats.finish_reason, r.done = reason, bool(reason)
+            events.append([TokenEvent(t, j < n) for j, t in enumerate(new)])
+        # keep: a target row fed ctx[-1] and k drafts; it keeps what its new ctx[:-1] holds
+        for c in self.t_cache:
+            c.lens = [len(r.ctx) - 1 for r in rows]
+        if k:
+            for c in self.d_cache:
+                c.lens = [r.draft_held for r in rows]
+        return events
+
+    def _propose(self, rows: list[Row], k: int, ks: list[int], keys) -> tuple[mx.array, list]:
+        """k drafts per row: d (B, k) uint32 and each row's q (k, vocab), None when greedy.
+        Each draft row is fed its unseen tokens first, right-padded to the longest (a pad
+        sits after a row's real tokens, where causal attention keeps it from them, and is
+        given back before the chain), then k - 1 one-token steps: its cache grows by its
+        unseen tokens and k - 1. A sampled row splits its draft key into its own ks[i] keys,
+        as a solo draft of ks[i] tokens does (its drafts past ks[i] are never verified)."""
+        pending = [[t if t < self.draft_rows else SAFE_ID for t in r.ctx[r.draft_held :]]
+                   for r in rows]  # fmt: skip
+        width = max(len(p) for p in pending)
+        x = mx.array([p + [SAFE_ID] * (width - len(p)) for p in pending], dtype=mx.uint32)
+        logits = self.draft(x, cache=self.d_cache)  # (B, width, V)
+        at = mx.array([len(p) - 1 for p in pending])[:, None, None]  # each row's last real
+        logits = mx.take_along_axis(logits, at, axis=1)[:, 0, : self.vocab]  # (B, vocab)
+        for c in self.d_cache:
+            c.give_back([width - len(p) for p in pending])  # the pads
+        steps = [mx.random.split(kk, ki) if kk is not None and ki else None
+                 for kk, ki in zip(keys, ks, strict=True)]  # fmt: skip
+        tokens, qs = [], []
+        for j in range(k):
+            if j:
+                fed = mx.where(tokens[-1] < self.draft_rows, tokens[-1], SAFE_ID)
+                logits = self.draft(fed[:, None], cache=self.d_cache)[:, -1, : self.vocab]
+            step_keys = [s[j] if s is not None and j < s.shape[0] else None for s in steps]
+            t, q = _draw(rows, logits, step_keys)
+            tokens.append(t)
+            qs.append(q)
+            mx.async_eval(t)  # the host builds the next step while this one runs
+        d = mx.stack(tokens, axis=1)  # (B, k)
+        per_row = [None if r.process is None else mx.stack([q[i] for q in qs])
+                   for i, r in enumerate(rows)]  # fmt: skip
+        return d, per_row
+
+
+def _split(row: Row) -> tuple:
+    """A sampled row's keys for this round (draft, u, draw), split from its stream as a
+    solo generation splits its own; greedy rows draw nothing."""
+    if row.process is None:
+        return None, None, None
+    row.key, draft, u, draw = mx.random.split(row.key, 4)
+    return draft, u, draw
+
+
+def _draw(rows: list[Row], logits: mx.array, keys: list) -> tuple[mx.array, list]:
+    """One draft token per row from logits (B, vocab): argmax for greedy rows, a draw from
+    the row's processed q otherwise; (tokens (B,), each row's q (vocab,) or None)."""
+    if all(r.process is None for r in rows):
+        return mx.argmax(logits, axis=-1).astype(mx.uint32), [None] * len(rows)
+    tokens, qs = [], []
+    for i, r in enumerate(rows):
+        if r.process is None:
+            tokens.append(mx.argmax(logits[i], axis=-1).astype(mx.uint32))
+            qs.append(None)
+        else:
+            q = r.process(logits[i : i + 1])  # (1, vocab): drawn as a solo draft draws it
+            tokens.append(sample(q, keys[i])[0])
+            qs.append(q[0])
+    return mx.stack(tokens), qs

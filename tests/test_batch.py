@@ -1,0 +1,159 @@
+"""Batched speculation (decoding/batch.py over core/rows.py): every row exactly its solo
+generation, whoever else is in the batch and whoever joins or leaves; per-row rollback in
+O(1); one host sync a round; kinds that cannot batch refused by name."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import count_host_syncs, generate, make_tiny
+from mlx_lm.models import gemma3_text
+from mlx_lm.models.cache import KVCache
+
+from specmlx.core.rows import RowsKVCache, batchable
+from specmlx.core.sampling import SamplingParams
+from specmlx.core.stats import Stats
+from specmlx.decoding.batch import Batch
+from specmlx.decoding.request import Decode
+from specmlx.drafting.choosers import K
+from specmlx.errors import IncompatiblePair
+
+PROMPTS = [[1, 5, 9, 3, 7], [2], [4, 4, 4, 8, 15, 16, 23, 42, 8, 15, 16], [7, 7]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return make_tiny(0), make_tiny(1)
+
+
+def solo(target, draft, prompt, k, n, **kw):
+    return [e.token for e in generate(target, draft, prompt, k=k, max_tokens=n, **kw)]
+
+
+def drain(batch, k, rows, out, leave=True):
+    """Rounds until every row in ``rows`` is done; tokens into out[row]."""
+    while any(not r.done for r in rows):
+        for r, events in zip(list(batch.rows), batch.round(k), strict=True):
+            out.setdefault(id(r), []).extend(e.token for e in events)
+        for r in [r for r in batch.rows if r.done and leave]:
+            batch.leave(r)
+
+
+def test_rows_cache_writes_each_row_at_its_own_length_and_gives_back_per_row():
+    c = RowsKVCache([2, 0])
+    k = mx.arange(2 * 1 * 3 * 2, dtype=mx.float32).reshape(2, 1, 3, 2)  # (B, heads, L, dim)
+    keys, _ = c.update_and_fetch(k, k)
+    assert c.lens == [5, 3] and keys.shape[2] == 5
+    got = np.array(keys[:, 0, :, 0])
+    assert got[0, 2:5].tolist() == [0, 2, 4] and got[1, 0:3].tolist() == [6, 8, 10]
+    mask = np.array(c.make_mask(1))  # after giving back: a query sees its own row only
+    assert mask.shape == (2, 1, 1, 6) and mask[1, 0, 0].tolist() == [1, 1, 1, 1, 0, 0]
+    c.give_back([3, 1])
+    assert c.lens == [2, 2]
+    solo_row = KVCache()
+    solo_row.update_and_fetch(mx.ones((1, 1, 4, 2)), mx.ones((1, 1, 4, 2)))
+    c.join(solo_row)
+    assert c.lens == [2, 2, 4] and c.keys.shape[0] == 3
+    back = c.leave(1)
+    assert c.lens == [2, 4] and back.offset == 2 and c.keys.shape[0] == 2
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_greedy_rows_equal_their_solo_runs(pair, k):
+    target, draft = pair
+    want = [solo(target, None, p, 0, 24) for p in PROMPTS]
+    batch = Batch(target, draft)
+    rows = [batch.join(p, Decode(k=K(k), max_tokens=24)) for p in PROMPTS]
+    out: dict = {}
+    drain(batch, k, rows, out)
+    assert [out[id(r)] for r in rows] == want
+    if k:
+        assert sum(r.stats.accepted for r in rows) > 0  # the draft did propose and land
+
+
+def test_rows_joining_and_leaving_mid_generation_stay_exact(pair):
+    """Row budgets differ, so rows leave at different rounds; new rows join between rounds
+    while others are halfway; every row still equals its solo run."""
+    target, draft = pair
+    budgets = [30, 7, 18, 25]
+    want = [solo(target, None, p, 0, n) for p, n in zip(PROMPTS, budgets, strict=True)]
+    batch, out = Batch(target, draft), {}
+    first = batch.join(PROMPTS[0], Decode(k=K(3), max_tokens=budgets[0]))
+    second = batch.join(PROMPTS[1], Decode(k=K(3), max_tokens=budgets[1]))
+    for _ in range(3):
+        for r, events in zip(list(batch.rows), batch.round(3), strict=True):
+            out.setdefault(id(r), []).extend(e.token for e in events)
+        for r in [r for r in batch.rows if r.done]:
+            batch.leave(r)
+    third = batch.join(PROMPTS[2], Decode(k=K(3), max_tokens=budgets[2]))
+    batch.round(0)  # a plain round between: the draft falls behind and catches up
+    fourth = batch.join(PROMPTS[3], Decode(k=K(3), max_tokens=budgets[3]))
+    rows = [first, second, third, fourth]
+    # (the plain round's tokens: collected from the rows' contexts at the end)
+    drain(batch, 2, rows, out)
+    got = [r.ctx[len(p) :] for r, p in zip(rows, PROMPTS, strict=True)]
+    assert got == want
+
+
+def test_a_row_that_leaves_hands_back_caches_a_solo_generation_goes_on_from(pair):
+    target, draft = pair
+    batch = Batch(target, draft)
+    a = batch.join(PROMPTS[0], Decode(k=K(3), max_tokens=12))
+    batch.join(PROMPTS[2], Decode(k=K(3), max_tokens=40))
+    drain(batch, 3, [a], {}, leave=False)
+    kv = batch.leave(a)
+    assert kv.tokens == a.ctx[:-1] and kv.target[0].offset == len(a.ctx) - 1
+    stats = Stats()
+    more = solo(target, draft, a.ctx, 3, 10, kv=kv, stats=stats)
+    assert stats.cached_tokens == len(a.ctx) - 1  # the prefix came from the batch's caches
+    assert a.ctx[len(PROMPTS[0]) :] + more == solo(target, None, PROMPTS[0], 0, 22)
+
+
+@pytest.mark.parametrize("verify", ["token", "block"])
+def test_a_sampled_row_draws_what_its_solo_run_draws(pair, verify):
+    """Each row splits its own key as a solo generation does, so with the same k a sampled
+    row's tokens are its solo run's, next to greedy and other sampled rows."""
+    target, draft = pair
+    samplers = [SamplingParams(0.9), SamplingParams(), SamplingParams(1.0, top_k=8),
+                SamplingParams(0.7, 0.9)]  # fmt: skip
+    want = [
+        solo(target, draft, p, 3, 20, sampling=s, seed=11 + i, verify=verify)
+        for i, (p, s) in enumerate(zip(PROMPTS, samplers, strict=True))
+    ]
+    batch, out = Batch(target, draft), {}
+    rows = [
+        batch.join(p, Decode(s, K(3), 20, seed=11 + i, verify=verify))
+        for i, (p, s) in enumerate(zip(PROMPTS, samplers, strict=True))
+    ]
+    drain(batch, 3, rows, out)
+    assert [out[id(r)] for r in rows] == want
+    other = Batch(target, draft)
+    moved = other.join(PROMPTS[0], Decode(samplers[0], K(3), 20, seed=12, verify=verify))
+    drain(other, 3, [moved], out)
+    assert out[id(moved)] != want[0]  # the seed matters: the comparison means something
+
+
+def test_one_host_sync_a_round(pair, monkeypatch):
+    target, draft = pair
+    batch = Batch(target, draft)
+    for p in PROMPTS:
+        batch.join(p, Decode(k=K(3), max_tokens=40))
+    batch.round(3)
+    count = [0]
+    count_host_syncs(monkeypatch, count)
+    batch.round(3)
+    batch.round(3)
+    assert count[0] == 2  # one tolist a round, whatever B is
+
+
+def test_a_model_with_a_sliding_window_is_refused_by_name():
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64,
+        sliding_window=8, sliding_window_pattern=2,
+    )  # fmt: skip
+    model = gemma3_text.Model(args)
+    assert "RotatingKVCache" in batchable(model) or "Window" in batchable(model)
+    with pytest.raises(IncompatiblePair, match="cannot decode in a batch"):
+        Batch(model, None)
