@@ -379,11 +379,10 @@ def test_keys_routes_and_sizes(server):
 
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory):
-    """No FIM tokens, one request may wait, no prompt cache."""
+    """No FIM tokens, two requests decode together, one may wait, no prompt cache."""
     root = tmp_path_factory.mktemp("serve-small")
-    s = Server(
-        server_env(root, models_toml(root, fim=False)), "--max-queue", "1", "--prompt-cache", "0"
-    )
+    env = server_env(root, models_toml(root, fim=False))
+    s = Server(env, "--max-queue", "1", "--prompt-cache", "0", "--max-batch", "2")
     yield s
     code, err = s.stop(signal.SIGINT)  # Ctrl-C: exit 0 as well
     assert code == 0, err
@@ -394,7 +393,7 @@ def test_past_the_queue_limit_a_503_with_retry_after(small_server):
     with ThreadPoolExecutor(6) as pool:
         answers = list(pool.map(lambda _: post(small_server, "/v1/completions", body), range(6)))
     codes = sorted(a.status_code for a in answers)
-    assert codes.count(503) >= 3 and codes.count(200) >= 2, codes  # one runs, one waits
+    assert codes.count(503) >= 2 and codes.count(200) >= 3, codes  # two run, one waits
     busy = next(a for a in answers if a.status_code == 503)
     assert busy.headers["Retry-After"] and busy.json()["error"]["code"] == "overloaded"
 
@@ -620,7 +619,7 @@ def test_sigterm_answers_the_queued_and_ends_the_running_stream_cleanly(root):
     queued request anyway (then a plain-text 500). Now: the queued one gets a 503
     shutting_down at once, the running stream ends with an error event and [DONE] before
     the grace runs out, and the server exits 0."""
-    s = Server(server_env(root, models_toml(root)), "--shutdown-grace", "1")
+    s = Server(server_env(root, models_toml(root)), "--shutdown-grace", "1", "--max-batch", "1")
     body = {"prompt": CODE, "max_tokens": 1900, "stream": True, "draft": "none"}
     lines: list[str] = []
     queued: list[httpx.Response] = []
@@ -652,6 +651,33 @@ def test_sigterm_answers_the_queued_and_ends_the_running_stream_cleanly(root):
     last = json.loads(lines[-2][6:])
     assert last["error"]["code"] == "shutting_down", lines[-3:]
     assert sum(1 for ln in lines if '"text"' in ln) > 1  # it had streamed before
+
+
+def test_sigterm_ends_every_row_of_a_batch_with_an_error_event(root):
+    """Two streams decoding together: SIGTERM past the grace ends both with a final
+    shutting_down event and [DONE], and the server exits 0."""
+    s = Server(server_env(root, models_toml(root)), "--shutdown-grace", "1", "--max-batch", "2")
+    body = {"prompt": CODE, "max_tokens": 1900, "stream": True}
+    streams: list[list[str]] = [[], []]
+
+    def stream(i):
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            streams[i].extend(ln for ln in r.iter_lines() if ln)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while metrics(s).get("specmlx_batch_rows", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metrics(s)["specmlx_batch_rows"] == 2
+    code, err = s.stop()
+    for t in threads:
+        t.join(30)
+    assert code == 0, err
+    for lines in streams:
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        assert json.loads(lines[-2][6:])["error"]["code"] == "shutting_down", lines[-3:]
 
 
 def test_a_chunked_body_over_the_limit_is_a_413(server):
@@ -696,6 +722,17 @@ def test_a_malformed_size_is_a_usage_error(root):
     assert r.exit_code == 2 and r.output.strip().splitlines() == [
         "error: '1.2.3' is not a size: use bytes or a size like 8GB or 512MiB"
     ]
+
+
+def test_a_max_batch_below_one_or_past_the_memory_plan_is_a_usage_error(root):
+    env = server_env(root, models_toml(root))
+    r = CliRunner().invoke(app, ["serve", "--max-batch", "0"], env=env)
+    assert r.exit_code == 2 and r.output.strip() == "error: --max-batch must be >= 1, got 0"
+    tight = env | {"SPECMLX_MEMORY_BUDGET": "50MB"}  # the tiny pair's weights fit, 64 rows not
+    r = CliRunner().invoke(app, ["serve", "--max-batch", "64", "--port", "0"], env=tight)
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: --max-batch 64:")
+    assert "fit in 50.0 MB ($SPECMLX_MEMORY_BUDGET)" in lines[0], lines
 
 
 # what llama.vim (autoload/llama.vim) sends: its warm-up and its FIM request, field for field

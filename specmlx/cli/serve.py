@@ -44,6 +44,28 @@ def allowed_hosts(host: str, loopback: bool, extra: list[str]) -> frozenset[str]
     return names | {host.lower()} if names else None
 
 
+MAX_BATCH_DEFAULT = 8  # the most rows the default batch takes
+
+
+def batch_rows(target, draft, context: int, reserve: int, asked: int | None) -> tuple[int, int]:
+    """(rows the server may batch, bytes of KV caches one more row needs) from the memory
+    plan: each row may grow to ``context`` tokens. ``asked`` (--max-batch) past what fits is
+    refused by name; None takes what fits, up to MAX_BATCH_DEFAULT."""
+    from ..models.footprint import gb_text, plan_memory
+
+    plan = plan_memory(target, draft, context, reserve=reserve)
+    per_row = plan.kv_bytes - reserve
+    room = plan.available_bytes - plan.total_bytes
+    fit = 1 + room // per_row if per_row > 0 and room > 0 else 1
+    if asked is not None and asked > fit:
+        raise BadInput(
+            f"--max-batch {asked}: {asked} rows of {context} tokens need "
+            f"{gb_text(asked * per_row)} of KV caches beside the weights; {fit} fit in "
+            f"{gb_text(plan.available_bytes)} ({plan.available_from})"
+        )
+    return (asked if asked is not None else max(1, min(fit, MAX_BATCH_DEFAULT))), per_row
+
+
 def check_port(host: str, port: int) -> None:
     """BadInput when ``host``:``port`` cannot be listened on (in use, or no such address)."""
     import socket
@@ -104,6 +126,12 @@ def serve(
         help="Seconds the running request gets to finish on SIGTERM or Ctrl-C (queued ones "
         "get a 503 at once).",
     ),
+    max_batch: int | None = typer.Option(
+        None,
+        "--max-batch",
+        help="Requests decoded together, one target pass a round (default: what the memory "
+        "plan fits, up to 8; 1: one at a time).",
+    ),
     api_key_stdin: bool = typer.Option(False, "--api-key-stdin", hidden=True),
     hosts: HostsOpt = None,
     hostfile: HostfileOpt = None,
@@ -133,6 +161,8 @@ def serve(
         )
     if context is not None and context <= 0:
         raise BadInput(f"--context must be > 0, got {context}")
+    if max_batch is not None and max_batch < 1:
+        raise BadInput(f"--max-batch must be >= 1, got {max_batch}")
     loopback = host == "localhost"
     try:
         loopback = loopback or ipaddress.ip_address(host).is_loopback
@@ -169,18 +199,25 @@ def serve(
     say = None if quiet else (lambda m: console.print(m, style="dim", soft_wrap=True, markup=False))
     tspec = registry.resolve(models.target)
     limit = context or registry.context_for(tspec, draft_spec(registry, models))
+    rows, per_row = 1, 0
+    if not world.distributed:  # (ranks serve one request at a time)
+        rows, per_row = batch_rows(tspec, draft_spec(registry, models), limit, cache_budget,
+                                   max_batch)  # fmt: skip
     tgt, drf, shared = load_pair(
         models.target,
         models.draft,
         registry=registry,
         context=limit,
-        reserve=cache_budget,
+        reserve=cache_budget + (rows - 1) * per_row,  # the batch's other rows' KV caches
         group=world.group if world.distributed else None,
         progress=say,
     )
     worker = Worker(tgt, drf, shared, max_queue=max_queue, cache_budget=cache_budget,
                     warn=print_warning, world=world, lookup_memory=lookup_memory,
-                    draft_stop=draft_stop, watchdog=watchdog, fatal=fatal)  # fmt: skip
+                    draft_stop=draft_stop, watchdog=watchdog, fatal=fatal,
+                    max_batch=rows)  # fmt: skip
+    if worker.batch_refused and not quiet:
+        print_warning(f"one request at a time: {worker.batch_refused}")
     if world.distributed:
         watchdog.beat("loading the models on the other ranks")
         barrier(world)
@@ -213,6 +250,11 @@ def serve(
             f"[green]specmlx serve[/green] listening on http://{shown}:{port}  "
             f"({tgt.spec.alias} ← {draft_name}, k {settings.k}, context {limit}"
             + (f", {world.size} ranks" if world.distributed else "")
+            + (
+                f", batches of up to {rows}"
+                if worker.max_batch > 1 and not worker.batch_refused
+                else ""
+            )
             + "); Ctrl-C stops",
             soft_wrap=True,
         )

@@ -76,19 +76,29 @@ class Batch:
         self.t_cache: list[RowsKVCache] | None = None
         self.d_cache: list[RowsKVCache] | None = None
 
-    def join(self, prompt_ids: Sequence[int], decode: Decode, kv: KVState | None = None) -> Row:
-        """Prefill a prompt alone (keeping ``kv``'s common prefix: a prompt cache's caches)
-        and add it as the last row; its first tokens come at the next round."""
+    def join(
+        self,
+        prompt_ids: Sequence[int],
+        decode: Decode,
+        kv: KVState | None = None,
+        stats: Stats | None = None,
+        drafts: bool = True,
+    ) -> Row:
+        """Prefill a prompt alone and add it as the last row; its first tokens come at the
+        next round. kv: caches whose common prefix with the prompt is kept (a prompt
+        cache's); stats: filled live (a fresh one if None); drafts: False for a row that
+        asked for no draft (it takes plain steps in the batch's passes)."""
         prompt = token_ids(prompt_ids)
         if decode.lookup or decode.draft_stop:
             raise BadInput("a batch drafts with the draft model only (no lookup, no stopping)")
         kv = kv if kv is not None else KVState()
-        stats = Stats()
+        stats = stats if stats is not None else Stats()
         prefill(self.target, self.draft, prompt, kv=kv, stats=stats)
         seed = decode.seed if decode.seed is not None else random.getrandbits(63)
         process = None if decode.sampling.greedy else make_processor(decode.sampling)
         stops = _Stops(decode.eos_ids, decode.stop_ids, decode.max_tokens)
         row = Row(list(prompt), decode, stops, mx.random.key(seed), process, stats)
+        row.drafts = drafts
         self.t_cache = rows_of(self.t_cache, kv.target)  # it holds prompt[:-1]
         if self.draft is not None:
             self.d_cache = rows_of(self.d_cache, kv.draft)
@@ -120,7 +130,7 @@ class Batch:
         t0 = time.perf_counter()
         k = k if self.draft is not None else 0
         # a row near its budget verifies fewer (as a solo generation would: the same keys)
-        ks = [max(0, min(k, r.stops.max_tokens - r.stops.count - 1)) for r in rows]
+        ks = [max(0, min(k, r.stops.max_tokens - r.stops.count - 1)) * r.drafts for r in rows]
         keys = [_split(r) for r in rows]  # per row (draft, u, draw), all None when greedy
         if k:
             d, qs = self._propose(rows, k, ks, [kk[0] for kk in keys])

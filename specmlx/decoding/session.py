@@ -175,7 +175,11 @@ class Generation:
     def tokens(self) -> Iterator[TokenEvent]:
         """The engine's token events (from_draft: the drafter proposed the token)."""
         pair = self.session.pair
-        return generate_tokens(pair.target, self.draft, self.ids, self._decode(), self.parts)
+        return generate_tokens(pair.target, self.draft, self.ids, self.decode(), self.parts)
+
+    def decode(self) -> Decode:
+        """What the engine is asked for (request.Decode): a batch runs the same settings."""
+        return self._decode()
 
     def text(self) -> Iterator[TokenEvent]:
         """Token events with the text each completed (UTF-8 safe), ending at a stop string;

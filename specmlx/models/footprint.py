@@ -288,7 +288,7 @@ def plan_memory(
     return MemoryPlan(sizes[0], sizes[1], kv, context, total, available, source, fits, shards)
 
 
-def _gb(n: int) -> str:
+def gb_text(n: int) -> str:
     return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
@@ -297,12 +297,12 @@ def require_fit(plan: MemoryPlan, target: ModelSpec, draft: ModelSpec | None) ->
     if plan.fits:
         return
     share = f" (its share on each of {plan.shards} ranks)" if plan.shards > 1 else ""
-    parts = [f"target {target.alias}{share} {_gb(plan.target_bytes)}"]
+    parts = [f"target {target.alias}{share} {gb_text(plan.target_bytes)}"]
     if draft is not None:
-        parts.append(f"draft {draft.alias} {_gb(plan.draft_bytes)}")
-    parts.append(f"KV caches for {plan.context} tokens {_gb(plan.kv_bytes)}")
+        parts.append(f"draft {draft.alias} {gb_text(plan.draft_bytes)}")
+    parts.append(f"KV caches for {plan.context} tokens {gb_text(plan.kv_bytes)}")
     raise DoesNotFit(
-        f"{' + '.join(parts)} = {_gb(plan.total_bytes)}, but only {_gb(plan.available_bytes)} "
+        f"{' + '.join(parts)} = {gb_text(plan.total_bytes)}, but only {gb_text(plan.available_bytes)} "
         f"is available{' per rank' if plan.shards > 1 else ''} ({plan.available_from}); use "
         "a quantized target (a -q4 alias), more ranks, or a smaller --context or --max-tokens"
     )

@@ -49,6 +49,7 @@ class ServerMetrics:
             ("prompt_cache_hits_total", "counter", "requests that reused cached tokens", t.cache_hits),
             ("prompt_cache_bytes", "gauge", "bytes of KV caches kept", t.cache_bytes),
             ("prompt_cache_entries", "gauge", "sequences kept", t.cache_entries),
+            ("batch_rows", "gauge", "requests decoding together now", t.batch_rows),
             ("generated_tokens_total", "counter", "tokens generated", t.generated),
             ("drafted_tokens_total", "counter", "tokens drafted", t.drafted),
             ("accepted_tokens_total", "counter", "drafts accepted", t.accepted),

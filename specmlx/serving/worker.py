@@ -38,6 +38,7 @@ from ..drafting.lookup import LookupMemory
 from ..errors import SpecmlxError
 from ..models.loading import Loaded
 from ..paths import Warn
+from .batcher import Batcher, can_batch
 from .prompt_cache import PromptCache
 
 T = TypeVar("T")
@@ -100,6 +101,7 @@ class Totals:
     # alone: PromptCache is not thread-safe, so /metrics reads these instead)
     cache_bytes: int = 0
     cache_entries: int = 0
+    batch_rows: int = 0  # requests decoding together now (--max-batch > 1)
 
 
 class Worker:
@@ -115,7 +117,10 @@ class Worker:
     draft_stop: auto-k requests with a draft model stop drafting per token (engine);
     watchdog: with ranks, bounds a generation that makes no progress (a rank that hangs);
     fatal: with ranks, called with one line when a generation failed after the ranks
-    started it (they may be out of step): it must end this rank (the CLI exits 1)."""
+    started it (they may be out of step): it must end this rank (the CLI exits 1);
+    max_batch: up to this many requests decode together, one target pass a round
+    (batcher.py), where the pair can batch (``batch_refused`` says why not: then one at a
+    time)."""
 
     def __init__(
         self,
@@ -132,6 +137,7 @@ class Worker:
         draft_stop: bool = False,
         watchdog: Watchdog | None = None,
         fatal: Callable[[str], None] | None = None,
+        max_batch: int = 1,
     ):
         self.watchdog, self.fatal = watchdog, fatal
         self.target, self.draft, self.shared = target, draft, shared
@@ -153,7 +159,13 @@ class Worker:
         self._lock = threading.Lock()
         self._stopping = False
         self._current: Job | None = None
-        self._thread = threading.Thread(target=self._run, name="specmlx-mlx", daemon=True)
+        self.max_batch, self.batch_refused, self._batcher = max_batch, None, None
+        if max_batch > 1:
+            self.batch_refused = can_batch(self)
+            if self.batch_refused is None:
+                self._batcher = Batcher(self, max_batch)
+        loop = self._batcher.run if self._batcher is not None else self._run
+        self._thread = threading.Thread(target=loop, name="specmlx-mlx", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -191,18 +203,26 @@ class Worker:
                     job.cancel()
                     job.emit("error", ShuttingDown("the server is shutting down"))
 
+    def running(self) -> list[Job]:
+        """The jobs generating now (one, or a batch's rows)."""
+        jobs = self._batcher.jobs() if self._batcher is not None else []
+        return jobs + ([self._current] if self._current is not None else [])
+
     def interrupt(self) -> None:
-        """End the running job now: its client gets ShuttingDown (a final error event)."""
-        job = self._current
-        if job is not None:
+        """End the running jobs now: each client gets ShuttingDown (a final error event)."""
+        for job in self.running():
             job.emit("error", ShuttingDown("the server is shutting down"))
             job.cancel()
+
+    def refuse(self, job: Job) -> None:
+        """Answer a job taken off the queue as the server began to stop."""
+        job.emit("error", ShuttingDown("the server is shutting down"))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Refuse new jobs, cancel the queued and running ones, and wait for the thread."""
         self.drain()
-        if self._current is not None:
-            self._current.cancel()
+        for job in self.running():
+            job.cancel()
         self._queue.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -236,9 +256,9 @@ class Worker:
     def fail(self, message: str) -> None:
         """Answer the running request with ``message`` (a 503) and give the answer a moment
         to go out: the watchdog calls this before it ends the process."""
-        job = self._current
-        if job is not None:
+        for job in self.running():
             job.emit("error", RankFailure(message))
+        if self.running():
             time.sleep(1.0)
 
     def _run(self) -> None:
@@ -248,33 +268,39 @@ class Worker:
                 if self.world.distributed:
                     _send(self.world, None)  # the other ranks stop following
                 return
-            if job.cancelled.is_set():
-                self.totals.cancelled += 1
-                continue
-            if self._stopping:  # taken off the queue just as the server began to stop
-                job.emit("error", ShuttingDown("the server is shutting down"))
-                continue
-            self._current, self.busy = job, True
-            try:
-                self._generate(job)
-            except Exception as e:  # noqa: BLE001 - the job's client gets it; serving goes on
-                self.totals.failed += 1
-                if not self.world.distributed:
-                    job.emit("error", e)
-                    continue
-                # the other ranks ran part of it: they may be out of step now, so stop all
-                failure = RankFailure(f"the ranks stopped: {_said(e)}")
-                job.emit("error", failure)
-                if self.fatal is not None:
-                    time.sleep(1.0)  # the answer goes out first
-                    self.fatal(str(failure))
+            if self._serve_alone(job) is False:
                 return
-            finally:
-                self._current, self.busy = None, False
-                t = self.totals  # after every job, failed ones too: this thread's cache
-                t.cache_bytes, t.cache_entries = self.cache.nbytes, len(self.cache.entries)
-                if self.watchdog is not None:
-                    self.watchdog.idle()
+
+    def _serve_alone(self, job: Job) -> bool:
+        """Run one job by itself; False when serving must stop (ranks out of step)."""
+        if job.cancelled.is_set():
+            self.totals.cancelled += 1
+            return True
+        if self._stopping:  # taken off the queue just as the server began to stop
+            self.refuse(job)
+            return True
+        self._current, self.busy = job, True
+        try:
+            self._generate(job)
+        except Exception as e:  # noqa: BLE001 - the job's client gets it; serving goes on
+            self.totals.failed += 1
+            if not self.world.distributed:
+                job.emit("error", e)
+                return True
+            # the other ranks ran part of it: they may be out of step now, so stop all
+            failure = RankFailure(f"the ranks stopped: {_said(e)}")
+            job.emit("error", failure)
+            if self.fatal is not None:
+                time.sleep(1.0)  # the answer goes out first
+                self.fatal(str(failure))
+            return False
+        finally:
+            self._current, self.busy = None, False
+            t = self.totals  # after every job, failed ones too: this thread's cache
+            t.cache_bytes, t.cache_entries = self.cache.nbytes, len(self.cache.entries)
+            if self.watchdog is not None:
+                self.watchdog.idle()
+        return True
 
     def _next(self) -> Job | None:
         """The next job. With ranks, while none comes, rank 0 sends an idle tick every

@@ -1,0 +1,203 @@
+"""The worker's MLX loop when requests batch (``specmlx serve --max-batch N``, N > 1): the
+running requests are the rows of one decoding.batch.Batch, each round one target pass for
+all of them. A request joins at the next round (its prompt prefilled alone, from the prompt
+cache's prefix), leaves when it is done, cancelled or its client hung up (its caches go back
+to the prompt cache), and its text, stop strings and editor limits are its own.
+
+k per round is the batch's (BatchK): what rounds of each k made per second at this many
+rows, measured as they run, so that at a width where verifying costs more than it saves the
+batch backs off to k = 0. A request that cannot be a row (prompt lookup, per-token stopping,
+an editor's warm-up) runs alone between two rounds, as the serial worker runs it.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field, replace
+
+from ..core.kvstate import reads_hidden
+from ..core.rows import batchable
+from ..decoding.batch import Batch, Row
+from ..decoding.stream import EditorLimits, TextStream
+
+K_CHOICES = (0, 1, 2, 3, 4)  # what BatchK picks from
+
+
+class BatchK:
+    """k for a batch of B rows from tokens per second measured at each (B, k): an untried
+    k at this width is tried first, then the best mean, and every ``explore_every`` rounds
+    the least tried again (the text, and with it acceptance, changes as rows come and go).
+    ``ks``: the candidates; a fixed server -k gives one."""
+
+    def __init__(self, ks=K_CHOICES, explore_every: int = 16):
+        self.ks, self.explore_every = tuple(ks), explore_every
+        self.seen: dict[tuple[int, int], list[float]] = {}  # (B, k) -> [tokens, seconds, n]
+        self.rounds = 0
+
+    def __call__(self, rows: int) -> int:
+        stats = {k: self.seen.get((rows, k)) for k in self.ks}
+        untried = [k for k, s in stats.items() if s is None]
+        if untried:
+            return untried[0]
+        self.rounds += 1
+        if self.rounds % self.explore_every == 0:
+            return min(self.ks, key=lambda k: stats[k][2])
+        return max(self.ks, key=lambda k: stats[k][0] / max(stats[k][1], 1e-9))
+
+    def observe(self, rows: int, k: int, tokens: int, seconds: float) -> None:
+        s = self.seen.setdefault((rows, k), [0.0, 0.0, 0])
+        decay = 0.9 if s[2] >= 8 else 1.0  # recent rounds weigh more once a few are in
+        s[0], s[1], s[2] = s[0] * decay + tokens, s[1] * decay + seconds, s[2] + 1
+
+
+@dataclass
+class _Live:
+    """A running request: its job, row, text stream, editor limits and caches' length."""
+
+    job: object
+    row: Row
+    text: TextStream
+    limits: EditorLimits | None
+    prompt_len: int
+    gen: object
+    ended: bool = field(default=False)
+
+
+class Batcher:
+    """Runs a Worker's queue as batches of up to ``max_batch`` rows (see the module)."""
+
+    def __init__(self, worker, max_batch: int, k: BatchK | None = None):
+        pair = worker.session.pair
+        self.w, self.max_batch = worker, max_batch
+        self.batch = Batch(pair.target, pair.draft, pair.shared)
+        self.live: list[_Live] = []
+        self.k = k or BatchK()
+
+    def run(self) -> None:
+        w = self.w
+        while True:
+            job = False  # (nothing new: go on with the rows there are)
+            if not self.live:
+                job = w._queue.get()
+            elif len(self.live) < self.max_batch or w._stopping:
+                try:  # (past max_batch, requests wait in the queue, up to --max-queue)
+                    job = w._queue.get_nowait()
+                except queue.Empty:
+                    pass
+            if job is None:  # stop: the running requests were cancelled by Worker.stop
+                self._end_all(None)
+                return
+            if job is not False:
+                self._admit(job)
+                if len(self.live) < self.max_batch and not w._queue.empty():
+                    continue  # take what waits before the next round
+            if self.live:
+                self._round()
+            w.totals.batch_rows, w.busy = len(self.live), bool(self.live)
+
+    def _admit(self, job) -> None:
+        w, r = self.w, job.request
+        if job.cancelled.is_set():
+            w.totals.cancelled += 1
+            return
+        if w._stopping:
+            w.refuse(job)
+            return
+        if r.drafter == "lookup" or r.max_tokens == 0 or w.draft_stop:
+            w._serve_alone(job)  # (between two rounds: the rows wait for it)
+            return
+        if len(self.live) >= self.max_batch:  # (run() admits only while there is room)
+            raise RuntimeError("the batch is full")
+        use_draft = r.drafter == "model" and w.draft is not None
+        job.k_label = str(r.k)
+        job.drafter_name = w.draft.spec.alias if use_draft else r.drafter
+        request = replace(r, use_draft=use_draft, lookup=False, draft_stop=False)
+        kv = w.cache.take(r.prompt_ids)
+        try:
+            gen = w.session.start(r.prompt_ids, request, kv=kv, stats=job.stats)
+            row = self.batch.join(r.prompt_ids, gen.decode(), kv, job.stats, drafts=use_draft)
+        except Exception as e:  # noqa: BLE001 - this request's error; the batch goes on
+            w.totals.failed += 1
+            job.emit("error", e)
+            return
+        limits = None
+        if r.time_limit_s is not None or r.min_indent:
+            limits = EditorLimits(r.time_limit_s, r.min_indent, job.stats)
+        text = TextStream(w.session.pair.tokenizer, r.stop, job.stats)
+        self.live.append(_Live(job, row, text, limits, len(r.prompt_ids), gen))
+
+    def _round(self) -> None:
+        drafting = any(lv.row.drafts for lv in self.live)
+        fixed = {lv.row.decode.k.fixed for lv in self.live if lv.row.drafts}
+        if not drafting:
+            k = 0
+        elif None not in fixed:
+            k = min(fixed)  # every drafting row asked for a fixed k
+        else:
+            k = self.k(len(self.live))
+        t0 = time.perf_counter()
+        try:
+            events = self.batch.round(k)
+        except Exception as e:  # noqa: BLE001 - every row's client hears it; serving goes on
+            self._end_all(e)
+            return
+        rows = len(self.live)
+        self.k.observe(rows, k, sum(len(ev) for ev in events), time.perf_counter() - t0)
+        for lv, evs in zip(list(self.live), events, strict=True):
+            if lv.job.cancelled.is_set():
+                self._leave(lv, cancelled=True)
+                continue
+            for ev in evs:
+                out = lv.text.add(ev)
+                if lv.limits is not None and not lv.text.stopped:
+                    out = lv.limits.add(out)
+                lv.job.emit("piece", out)
+                if lv.text.stopped or (lv.limits is not None and lv.limits.stopped):
+                    lv.ended = True
+                    break
+            if lv.row.done or lv.ended:
+                tail = lv.text.end() if not lv.ended else None
+                if tail is not None:
+                    lv.job.emit("piece", tail)
+                self._leave(lv, cancelled=False)
+
+    def _leave(self, lv: _Live, cancelled: bool) -> None:
+        w = self.w
+        self.live.remove(lv)
+        kv = self.batch.leave(lv.row)
+        w.cache.put(kv, lv.prompt_len)
+        lv.gen.finish()
+        w._count(lv.job.stats, cancelled)
+        t = w.totals
+        t.cache_bytes, t.cache_entries = w.cache.nbytes, len(w.cache.entries)
+        if not cancelled:
+            w.last = lv.job.stats
+            lv.job.emit("done", lv.job.stats)
+
+    def _end_all(self, error: Exception | None) -> None:
+        """Every running request ends: with ``error`` (a failed round), or as cancelled."""
+        for lv in list(self.live):
+            if error is not None:
+                self.w.totals.failed += 1
+                lv.job.emit("error", error)
+            self.live.remove(lv)
+            self.batch.leave(lv.row)
+        self.batch = Batch(self.batch.target, self.batch.draft, self.batch.vocab)
+
+    def jobs(self) -> list:
+        return [lv.job for lv in self.live]
+
+
+def can_batch(worker) -> str | None:
+    """Why this worker's pair cannot run as a batch (None: it can)."""
+    pair = worker.session.pair
+    if worker.world.distributed:
+        return "the target is split over ranks"
+    if reads_hidden(pair.draft):
+        return "the draft is a head over the target's hidden states (it drafts per sequence)"
+    for what, model in (("target", pair.target), ("draft", pair.draft)):
+        why = batchable(model) if model is not None else None
+        if why:
+            return f"the {what} {why}"
+    return None
