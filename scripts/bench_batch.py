@@ -7,7 +7,8 @@ batching, side by side in one process (issue 38): B requests arriving together, 
 Rows, each over the same B prompts (the built-in prompt set's first B):
 - serial: today's one-at-a-time server: each request through the session (adaptive k, its
   state kept across requests as the server keeps it), one after another;
-- batch spec: decoding/batch.Batch with serving/batcher.BatchK choosing k per round;
+- batch spec: decoding/batch.Batch with serving/batcher.BatchK choosing k per round (one
+  per temperature, kept across the runs as the server keeps it);
 - batch k=0: the same batch, no drafts (batched plain decoding);
 - mlx-lm: mlx_lm.generate.batch_generate (its BatchGenerator; no draft: mlx-lm batches only
   without one), greedy only.
@@ -111,15 +112,17 @@ def main() -> None:
     results = []
     for temp in (0.0, 0.8):
         sampling = SamplingParams(temp, 0.95 if temp else 1.0)
-        # warm-up: compile paths, fault in weights, let serial's adaptive k learn
-        serial(session, all_ids[:2], sampling, 16, 0)
-        batched(pair, all_ids[:2], sampling, 8, 0, BatchK())
+        # warm-up: compile paths, fault in weights, let both adaptive choosers learn; each
+        # then lives across the B runs, as a server keeps its own
+        chooser = BatchK()
+        serial(session, all_ids[:2], sampling, 32, 0)
+        batched(pair, all_ids[:2], sampling, 32, 0, chooser)
         for b in [int(x) for x in a.batches.split(",")]:
             prompts = all_ids[:b]
             ref, ends = serial(session, prompts, sampling, a.n, 100)
             rows = [row("serial (today's server)", ref, ends)]
-            for name, chooser in (("batch spec", BatchK()), ("batch k=0", None)):
-                outs, ends = batched(pair, prompts, sampling, a.n, 100, chooser)
+            for name, k_of in (("batch spec", chooser), ("batch k=0", None)):
+                outs, ends = batched(pair, prompts, sampling, a.n, 100, k_of)
                 rows.append(row(name, outs, ends))
                 rows[-1]["same"] = outs == ref if temp == 0 else None
             if temp == 0:

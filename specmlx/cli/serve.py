@@ -216,8 +216,8 @@ def serve(
                     warn=print_warning, world=world, lookup_memory=lookup_memory,
                     draft_stop=draft_stop, watchdog=watchdog, fatal=fatal,
                     max_batch=rows)  # fmt: skip
-    if worker.batch_refused and not quiet:
-        print_warning(f"one request at a time: {worker.batch_refused}")
+    if worker.batch_refused and max_batch is not None and not quiet:  # (asked for, not had)
+        print_warning(f"--max-batch {max_batch}: one request at a time, {worker.batch_refused}")
     if world.distributed:
         watchdog.beat("loading the models on the other ranks")
         barrier(world)
