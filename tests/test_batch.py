@@ -18,6 +18,7 @@ from specmlx.decoding.batch import Batch
 from specmlx.decoding.request import Decode
 from specmlx.drafting.choosers import K
 from specmlx.errors import IncompatiblePair
+from specmlx.serving.batcher import BatchK
 
 PROMPTS = [[1, 5, 9, 3, 7], [2], [4, 4, 4, 8, 15, 16, 23, 42, 8, 15, 16], [7, 7]]
 
@@ -157,3 +158,22 @@ def test_a_model_with_a_sliding_window_is_refused_by_name():
     assert "RotatingKVCache" in batchable(model) or "Window" in batchable(model)
     with pytest.raises(IncompatiblePair, match="cannot decode in a batch"):
         Batch(model, None)
+
+
+def test_batch_k_tries_each_k_then_keeps_the_fastest_and_borrows_a_new_widths_figures():
+    chooser = BatchK(ks=(0, 2, 4), explore_every=5)
+    rate = {0: 10.0, 2: 25.0, 4: 15.0}  # tokens per second at 4 rows
+    tried = []
+    for _ in range(3):
+        k = chooser(4)
+        tried.append(k)
+        chooser.observe(4, k, rate[k], 1.0)
+    assert sorted(tried) == [0, 2, 4]
+    picks = [chooser(4) for _ in range(4)]
+    assert picks == [2, 2, 2, 2]
+    assert chooser(4) in (0, 2, 4)  # the fifth: an exploring round
+    # 8 rows: never run there, so 4 rows' figures decide, without trying every k again
+    assert chooser(8) == 2
+    chooser.observe(8, 2, 5.0, 1.0)  # at 8 rows drafting collapses: the plain step wins
+    chooser.observe(8, 0, 30.0, 1.0)
+    assert chooser(8) == 0

@@ -25,10 +25,12 @@ K_CHOICES = (0, 1, 2, 3, 4)  # what BatchK picks from
 
 
 class BatchK:
-    """k for a batch of B rows from tokens per second measured at each (B, k): an untried
-    k at this width is tried first, then the best mean, and every ``explore_every`` rounds
-    the least tried again (the text, and with it acceptance, changes as rows come and go).
-    ``ks``: the candidates; a fixed server -k gives one."""
+    """k for a batch of B rows from the tokens per second measured at each (B, k): each k
+    is judged on its mean at this width, or, until it has run here, at the nearest width
+    where it has (a width the batch has not had yet starts from its neighbours' figures
+    instead of trying every k again); a k never run at any width is tried first, and every
+    ``explore_every`` rounds the k least tried at this width runs (acceptance changes as
+    rows come and go). ``ks``: the candidates."""
 
     def __init__(self, ks=K_CHOICES, explore_every: int = 16):
         self.ks, self.explore_every = tuple(ks), explore_every
@@ -36,16 +38,22 @@ class BatchK:
         self.rounds = 0
 
     def __call__(self, rows: int) -> int:
-        stats = {k: self.seen.get((rows, k)) for k in self.ks}
-        untried = [k for k, s in stats.items() if s is None]
-        if untried:
-            return untried[0]
+        for k in self.ks:
+            if not any(key[1] == k for key in self.seen):
+                return k  # never run: measure it
         self.rounds += 1
         if self.rounds % self.explore_every == 0:
-            return min(self.ks, key=lambda k: stats[k][2])
-        return max(self.ks, key=lambda k: stats[k][0] / max(stats[k][1], 1e-9))
+            return min(self.ks, key=lambda k: self.seen.get((rows, k), (0, 0, 0))[2])
+        return max(self.ks, key=lambda k: self.rate(rows, k))
+
+    def rate(self, rows: int, k: int) -> float:
+        """Tokens per second of k at this width, or at the nearest width it ran at."""
+        widths = sorted((b for b, kk in self.seen if kk == k), key=lambda b: abs(b - rows))
+        tokens, seconds, _ = self.seen[(widths[0], k)]
+        return tokens / max(seconds, 1e-9)
 
     def observe(self, rows: int, k: int, tokens: int, seconds: float) -> None:
+        """Fold in a round of ``rows`` rows at ``k`` that made ``tokens`` in ``seconds``."""
         s = self.seen.setdefault((rows, k), [0.0, 0.0, 0])
         decay = 0.9 if s[2] >= 8 else 1.0  # recent rounds weigh more once a few are in
         s[0], s[1], s[2] = s[0] * decay + tokens, s[1] * decay + seconds, s[2] + 1
