@@ -43,15 +43,28 @@ class RowsKVCache:
         top = max(self.lens) + L
         if self.keys is None or top > self.keys.shape[2]:
             self._grow(top, keys, values)
-        pos = mx.array(self.lens, dtype=mx.int32)[:, None] + mx.arange(L)  # (B, L)
-        rows = mx.arange(B)[:, None]
-        self.keys[rows, :, pos] = keys.transpose(0, 2, 1, 3)  # (B, L, heads, dim) per slot
-        self.values[rows, :, pos] = values.transpose(0, 2, 1, 3)
+        if self.aligned():  # every row at one length (one row, always): a plain slice
+            at = self.lens[0]
+            self.keys[..., at : at + L, :] = keys
+            self.values[..., at : at + L, :] = values
+        else:
+            pos = mx.array(self.lens, dtype=mx.int32)[:, None] + mx.arange(L)  # (B, L)
+            rows = mx.arange(B)[:, None]
+            self.keys[rows, :, pos] = keys.transpose(0, 2, 1, 3)  # (B, L, heads, dim) a slot
+            self.values[rows, :, pos] = values.transpose(0, 2, 1, 3)
         self.lens = [n + L for n in self.lens]
         return self.keys[..., :top, :], self.values[..., :top, :]
 
-    def make_mask(self, N: int, return_array: bool = False, window_size=None) -> mx.array:
-        """(B, 1, N, max(lens) + N) booleans: query t of row i sees keys j <= lens[i] + t."""
+    def aligned(self) -> bool:
+        """Whether every row holds as many tokens (then a pass is a solo pass's shape)."""
+        return all(n == self.lens[0] for n in self.lens)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        """(B, 1, N, max(lens) + N) booleans: query t of row i sees keys j <= lens[i] + t;
+        with every row at one length, what mlx-lm's KVCache gives (None for one token, else
+        "causal"), so a batch of one computes exactly what a solo pass does."""
+        if self.aligned() and not return_array:
+            return None if N == 1 else "causal"
         start = mx.array(self.lens, dtype=mx.int32)[:, None, None, None]  # (B, 1, 1, 1)
         keys = mx.arange(max(self.lens) + N)[None, None, None]  # (1, 1, 1, S)
         queries = mx.arange(N)[None, None, :, None]  # (1, 1, N, 1)
