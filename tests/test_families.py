@@ -285,7 +285,7 @@ def test_the_memory_plan_reads_each_layers_cache_kind_and_state_size(family):
     ]
     assert [k for k in layer_kinds(conf) if k != "none"] == made
     target(mx.array([LONG]), cache=cache)
-    states = [c for c in caches._layers(cache) if isinstance(c, ArraysCache)]
+    states = [c for c in caches.layer_caches(cache) if isinstance(c, ArraysCache)]
     mx.eval([c.cache for c in states])
     assert all(c.nbytes == recurrent_state_bytes(conf, 4) for c in states)
 

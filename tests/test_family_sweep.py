@@ -157,7 +157,7 @@ def test_a_chunk_cache_gives_back_what_the_next_chunk_needs_and_refuses_more():
         else:
             with pytest.raises(RollbackError):
                 caches.trim(ours, n)
-            for c in caches._layers(ours):  # what a trim without the check would do
+            for c in caches.layer_caches(ours):  # what a trim without the check would do
                 c.trim(n)
             refused.append(n)
         caches.trim(full, n)
