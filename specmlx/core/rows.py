@@ -30,11 +30,27 @@ class RowsKVCache:
         self.lens = [int(n) for n in lens]
         self.keys, self.values = keys, values  # (B, heads, capacity, head_dim) or None
 
+    @property
+    def lens(self) -> list[int]:
+        """Each row's length (host ints); set it as a whole list."""
+        return self._lens
+
+    @lens.setter
+    def lens(self, value: list[int]) -> None:
+        # the device copy is made once per change, not at every read (RoPE reads it for
+        # queries and keys, the write and the mask too)
+        self._lens, self._at = value, None
+
+    def _positions(self) -> mx.array:
+        if self._at is None:
+            self._at = mx.array(self._lens, dtype=mx.int32)
+        return self._at
+
     # -- what mlx-lm's attention reads
     @property
     def offset(self) -> mx.array:
         """Each row's position (B,): RoPE's offset for the tokens fed next."""
-        return mx.array(self.lens, dtype=mx.int32)
+        return self._positions()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write keys, values (B, heads, L, dim) at each row's length; the keys a pass reads:
@@ -48,7 +64,7 @@ class RowsKVCache:
             self.keys[..., at : at + L, :] = keys
             self.values[..., at : at + L, :] = values
         else:
-            pos = mx.array(self.lens, dtype=mx.int32)[:, None] + mx.arange(L)  # (B, L)
+            pos = self._positions()[:, None] + mx.arange(L)  # (B, L)
             rows = mx.arange(B)[:, None]
             self.keys[rows, :, pos] = keys.transpose(0, 2, 1, 3)  # (B, L, heads, dim) a slot
             self.values[rows, :, pos] = values.transpose(0, 2, 1, 3)
@@ -65,7 +81,7 @@ class RowsKVCache:
         "causal"), so a batch of one computes exactly what a solo pass does."""
         if self.aligned() and not return_array:
             return None if N == 1 else "causal"
-        start = mx.array(self.lens, dtype=mx.int32)[:, None, None, None]  # (B, 1, 1, 1)
+        start = self._positions()[:, None, None, None]  # (B, 1, 1, 1)
         keys = mx.arange(max(self.lens) + N)[None, None, None]  # (1, 1, 1, S)
         queries = mx.arange(N)[None, None, :, None]  # (1, 1, N, 1)
         return keys <= start + queries
@@ -107,7 +123,7 @@ class RowsKVCache:
             if self.keys is not None:  # an empty row
                 self.keys = mx.concatenate([self.keys, mx.zeros_like(self.keys[:1])])
                 self.values = mx.concatenate([self.values, mx.zeros_like(self.values[:1])])
-            self.lens.append(0)
+            self.lens = [*self.lens, 0]
             return
         n = cache.offset
         k, v = cache.keys[..., :n, :], cache.values[..., :n, :]  # (1, heads, n, dim)
@@ -120,11 +136,12 @@ class RowsKVCache:
         self.keys, self.values = _widen(self.keys, cap), _widen(self.values, cap)
         self.keys = mx.concatenate([self.keys, _widen(k, cap)])
         self.values = mx.concatenate([self.values, _widen(v, cap)])
-        self.lens.append(n)
+        self.lens = [*self.lens, n]
 
     def leave(self, i: int) -> KVCache:
         """Take row i out; its keys and values as a one-row KVCache (for a prompt cache)."""
-        n = self.lens.pop(i)
+        n = self.lens[i]
+        self.lens = self.lens[:i] + self.lens[i + 1 :]
         out = KVCache()
         if self.keys is not None and n > 0:
             out.keys = mx.contiguous(self.keys[i : i + 1, :, :n])
