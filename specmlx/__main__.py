@@ -1,3 +1,3 @@
-from .cli import app
+from .cli import run_app
 
-app(prog_name="specmlx")
+run_app()

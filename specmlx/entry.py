@@ -17,6 +17,6 @@ def main() -> None:
         preload = " ".join(filter(None, [OPENBLAS, env.get("LD_PRELOAD")]))
         argv = [sys.executable, "-m", "specmlx", *sys.argv[1:]]
         os.execve(sys.executable, argv, {**env, "LD_PRELOAD": preload, "SPECMLX_NO_OPENBLAS": "1"})
-    from .cli import app  # only now: the heavy imports happen in the process that stays
+    from .cli import run_app  # only now: the heavy imports happen in the process that stays
 
-    app(prog_name="specmlx")
+    run_app()

@@ -550,17 +550,18 @@ def test_real_weights_through_the_server_equal_specmlx_run(tmp_path):
 
 
 def test_max_queue_zero_serves_when_idle_and_refuses_while_busy():
-    """--max-queue 0 means no waiting: it refused every request, idle or not."""
+    """--max-queue 0 means no waiting: a request is served while a row is free, refused
+    while the thread holds one (from the moment it takes it off the queue)."""
     target = SimpleNamespace(model=None, tokenizer=None, vocab_size=0, identity="t")
     worker = Worker(target, None, 0, max_queue=0, persist=False, lookup_memory=False)
     worker.submit(None, lambda *_: None)  # idle: taken (the thread would start it now)
     with pytest.raises(QueueFull):
         worker.submit(None, lambda *_: None)  # one is already there: it would wait
     worker._queue.get()
-    worker.busy = True  # the thread runs it
+    worker.holding = 1  # the thread took it (its prefill may not have begun)
     with pytest.raises(QueueFull):
         worker.submit(None, lambda *_: None)
-    worker.busy = False
+    worker.holding = 0
     worker.submit(None, lambda *_: None)  # idle again
 
 

@@ -11,6 +11,8 @@ the server or probing anything.
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
 from .. import __version__
@@ -50,3 +52,15 @@ app.command("bench")(bench.bench)
 models_app.command("list")(models.models_list)
 models_app.command("pull")(models.models_pull)
 models_app.command("build")(models.models_build)
+
+
+def run_app() -> None:
+    """Run the app; then, if the command used MLX, destroy this thread's MLX streams while
+    the interpreter is still whole (MLX asks this of every thread that used it: its own
+    cleanup at exit comes too late and can abort a finished command with signal 6)."""
+    try:
+        app(prog_name="specmlx")
+    finally:
+        mlx = sys.modules.get("mlx.core")  # (not imported here: --help never loads MLX)
+        if mlx is not None:
+            mlx.clear_streams()

@@ -97,12 +97,14 @@ class Batcher:
                 self._end_all(None)
                 return
             if job is not False:
+                w.holding = len(self.live) + 1
                 self._admit(job)
                 if len(self.live) < self.max_batch and not w._queue.empty():
                     continue  # take what waits before the next round
             if self.live:
                 self._round()
             w.totals.batch_rows, w.busy = len(self.live), bool(self.live)
+            w.holding = len(self.live)
 
     def _admit(self, job) -> None:
         w, r = self.w, job.request

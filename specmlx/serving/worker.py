@@ -108,7 +108,7 @@ class Worker:
     """Owns the loaded pair and the MLX thread.
 
     target, draft: the loaded models (draft None: target alone); shared: ids the draft may
-    propose; max_queue: requests that may wait while one runs; cache_budget: bytes of KV
+    propose; max_queue: requests that may wait while every row runs; cache_budget: bytes of KV
     caches the prompt cache may keep; persist: keep adaptive-k state under $SPECMLX_HOME;
     warn: gets one line when state cannot be saved; world: the ranks the target is split
     over: rank 0 serves and sends each request to the others, which ``follow``;
@@ -164,8 +164,12 @@ class Worker:
             self.batch_refused = can_batch(self)
             if self.batch_refused is None:
                 self._batcher = Batcher(self, max_batch)
-        loop = self._batcher.run if self._batcher is not None else self._run
-        self._thread = threading.Thread(target=loop, name="specmlx-mlx", daemon=True)
+        # requests that run at once, and how many the MLX thread holds now (taken off the queue,
+        # not yet ended)
+        self.slots = max_batch if self._batcher is not None else 1
+        self.holding = 0
+        self._loop = self._batcher.run if self._batcher is not None else self._run
+        self._thread = threading.Thread(target=self._mlx_thread, name="specmlx-mlx", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -181,9 +185,12 @@ class Worker:
         with self._lock:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
-            # --max-queue 0: no waiting, so served when idle and refused while busy
+            # up to max_queue wait beyond the rows free now (--max-queue 0: served while a
+            # row is free, refused while every row runs); ``holding`` counts from the moment
+            # the MLX thread takes a job, before its prefill, so none is counted twice or not
+            # at all
             waiting = self._queue.qsize()
-            if waiting >= self.max_queue and (self.busy or waiting > 0):
+            if waiting >= self.max_queue + max(0, self.slots - self.holding):
                 self.totals.rejected += 1
                 raise QueueFull(f"{self.max_queue} requests are already waiting; retry shortly")
             self._queue.put(job)
@@ -229,6 +236,15 @@ class Worker:
 
     # ------------------------------------------------------------ the MLX thread
 
+    def _mlx_thread(self) -> None:
+        try:
+            self._loop()
+        finally:
+            # MLX asks each thread that used it to destroy its streams before it ends: left to
+            # the thread's own teardown they can abort the process at exit ("terminate called
+            # without an active exception", signal 6, after a clean stop)
+            mx.clear_streams()
+
     def follow(self) -> None:
         """On ranks other than 0: run the generations rank 0 sends, in step, until it says
         stop. Nothing is emitted; rank 0 answers the clients. RankFailure when rank 0 went
@@ -268,8 +284,12 @@ class Worker:
                 if self.world.distributed:
                     _send(self.world, None)  # the other ranks stop following
                 return
-            if self._serve_alone(job) is False:
-                return
+            self.holding = 1
+            try:
+                if self._serve_alone(job) is False:
+                    return
+            finally:
+                self.holding = 0
 
     def _serve_alone(self, job: Job) -> bool:
         """Run one job by itself; False when serving must stop (ranks out of step)."""
