@@ -67,7 +67,7 @@ def main() -> None:
             x = mx.array(pending, dtype=mx.uint32)[None]
             key, sub = mx.random.split(key)
             d, q, conf = draft_model_propose(
-                lambda x: draft.model(x, cache=cache), x, a.K, vocab, process, sub
+                lambda x, cache=cache: draft.model(x, cache=cache), x, a.K, vocab, process, sub
             )
             trim_prompt_cache(cache, a.K - 1)  # keep prompt + out[:i]
             step = {"conf": [round(c, 5) for c in conf[0].tolist()], "left": len(out) - i}
