@@ -76,6 +76,26 @@ class TableLM(nn.Module):
         return self.table[before[:, -n:], seen[:, -n:]]  # (B, L, V)
 
 
+class RowsTableLM(TableLM):
+    """TableLM that reads each row at its own length, as a batch's rows are held (a
+    RowsKVCache, right-padded, row i's ids in [0, lens[i])); one row in a KVCache reads as
+    TableLM does. For the distribution of sequences generated in a batch."""
+
+    def __call__(self, x: mx.array, cache: list | None = None) -> mx.array:
+        if cache is None:
+            return super().__call__(x)
+        B, n = x.shape
+        at = mx.array(cache[0].offset).reshape(-1, 1)  # (B or 1, 1): where x's ids go
+        ids = x.astype(mx.float32)[:, None, :, None]
+        seen, _ = cache[0].update_and_fetch(ids, ids)  # (B, 1, T, 1), rows padded past lens
+        seen = seen[:, 0, :, 0].astype(mx.int32)
+        padded = mx.concatenate([mx.zeros_like(seen[:, :1]), seen], axis=1)  # id at p: p + 1
+        pos = mx.broadcast_to(at + mx.arange(n), (B, n))  # (B, n): x's own positions
+        now = mx.take_along_axis(padded, pos + 1, axis=1)
+        before = mx.take_along_axis(padded, pos, axis=1)
+        return self.table[before, now]  # (B, n, V)
+
+
 class WindowTableLM(TableLM):
     """TableLM whose context lives in a sliding-window cache of 2 (mlx-lm's RotatingKVCache,
     which specmlx turns into its WindowKVCache): all a second-order model needs, so a prompt

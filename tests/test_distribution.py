@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from families import build, noisy_copy
-from helpers import RecurrentTableLM, TableLM, WindowTableLM, generate, make_tiny
+from helpers import RecurrentTableLM, RowsTableLM, TableLM, WindowTableLM, generate, make_tiny
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from scipy.stats import chisquare
 
@@ -23,6 +23,9 @@ from specmlx.core.acceptance import (
 from specmlx.core.recurrent import PassRecorder
 from specmlx.core.sampling import SamplingParams, make_processor, sample
 from specmlx.core.stats import KChooser, Stats
+from specmlx.decoding.batch import Batch
+from specmlx.decoding.request import Decode
+from specmlx.drafting.choosers import K as KSetting
 from specmlx.drafting.drafters import draft_model_propose
 from specmlx.drafting.lookup import lookup_propose
 
@@ -349,6 +352,76 @@ def test_the_sequence_test_rejects_stopping_on_a_drafts_own_confidence(small_pai
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
     plan = ConfidencePlan(0.25, own=True)
     counts, _ = engine_sequences(target, draft, "token", N_WRONG, k=plan, draft_stop=True)
+    assert pooled_chi2(counts, joint) < 1e-6
+
+
+# ------------------------------------------------- whole sequences generated in a batch
+
+N_BATCH = 6_000  # counted sequences; each batch round serves up to BATCH_WIDTH rows at once
+BATCH_WIDTH = 6
+NEIGHBOURS = [SamplingParams(), SamplingParams(0.7), SamplingParams(1.3, top_k=3)]
+
+
+@pytest.fixture(scope="module")
+def rows_pair(small_pair):
+    """small_pair's tables in models that read each row of a batch at its own length."""
+    target, draft = RowsTableLM(JV, seed=0), RowsTableLM(JV, seed=0)
+    target.table, draft.table = small_pair[0].table, small_pair[1].table
+    return target, draft
+
+
+def batch_sequences(target, draft, verify: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts of the three-token sequences of n rows sampled with JOINT_SAMPLING, each its
+    own seed, decoded in one Batch that rows join and leave as they finish (continuous
+    admission): every fourth row to join is a neighbour with another sampler and budget (not
+    counted), and k goes 2, 1, 3 round by round. Also how many rounds kept 0, 1, 2 drafts."""
+    batch, counts, kept = Batch(target, draft, JV), np.zeros(JV**3), np.zeros(4)
+    joined = counted = rnd = 0
+    counting = set()
+    while counted < n:
+        while len(batch.rows) < BATCH_WIDTH and joined - len(counting) <= 2 * n:
+            if joined % 4 == 3:
+                s, budget = NEIGHBOURS[joined % len(NEIGHBOURS)], 5
+            else:
+                s, budget = JOINT_SAMPLING, 3
+            row = batch.join(
+                JOINT_PROMPT, Decode(s, KSetting(3), budget, seed=joined, verify=verify)
+            )
+            if s is JOINT_SAMPLING:
+                counting.add(id(row))
+            joined += 1
+        batch.round((2, 1, 3)[rnd % 3])
+        rnd += 1
+        for row in [r for r in batch.rows if r.done]:
+            batch.leave(row)
+            if id(row) in counting and counted < n:
+                a, b, c = row.ctx[len(JOINT_PROMPT) :]
+                counts[(a * JV + b) * JV + c] += 1
+                counted += 1
+                kept[: len(row.stats.accept_hist)] += row.stats.accept_hist
+            counting.discard(id(row))
+    return counts, kept
+
+
+@pytest.mark.parametrize("verify", ["token", "block"])
+def test_batch_sequences_follow_the_target_joint(rows_pair, verify):
+    """Rows sampled in a batch beside rows of other samplers, joining and leaving: each
+    request's whole sequence follows the target's joint (every accept path taken)."""
+    target, draft = rows_pair
+    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
+    counts, kept = batch_sequences(target, draft, verify, N_BATCH)
+    assert pooled_chi2(counts, joint) > 1e-3
+    assert all(kept[:3] > 0.05 * kept.sum()), kept
+
+
+@pytest.mark.parametrize("verify,outcome", [("token", sampled_outcome), ("block", block_outcome)])
+def test_the_batch_sequence_test_rejects_a_rule_that_skips_the_residual(
+    rows_pair, monkeypatch, verify, outcome
+):
+    target, draft = rows_pair
+    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
+    monkeypatch.setitem(RULES, verify, _skips_the_residual(outcome))
+    counts, _ = batch_sequences(target, draft, verify, N_WRONG)
     assert pooled_chi2(counts, joint) < 1e-6
 
 
