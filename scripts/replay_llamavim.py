@@ -9,11 +9,19 @@ arrives, a second FIM request for the position after accepting it (t_max_predict
 The suggestion latency is the first FIM request's wall time. A request not answered within
 --timeout seconds is abandoned (the editor has moved on) and counted as starved.
 
+With --beside, the second request is not waited for (llama.vim's speculative request for
+the next position runs while the user types on): the next pause's first request runs beside
+it, and the two servers are this checkout's, one request at a time (--max-batch 1) and
+batched (its default --max-batch): the suggestion latency then shows whether the first
+request waits for the second.
+
 The two servers run one after the other (one at a time: a 2-core machine cannot host both
 fairly), in one invocation, on the same session. The CPU demo pair cannot infill (SmolLM2
 has no FIM tokens): `--target fim-standin --draft none` builds a random-weight FIM model.
 
     . scripts/env.sh && .venv/bin/python scripts/replay_llamavim.py
+    . scripts/env.sh && .venv/bin/python scripts/replay_llamavim.py --beside \
+        --target fim-standin --draft none
 """
 
 from __future__ import annotations
@@ -111,11 +119,25 @@ def fim_standin(root: Path, text: str) -> Path:
     return root
 
 
-def start_server(python: list[str], env: dict, models: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(
+    python: list[str], env: dict, models: list[str], extra: list[str] = ()
+) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [*python, "-m", "specmlx", "serve", "-q", "--port", str(port), "-n", "128", *models]
+    cmd = [
+        *python,
+        "-m",
+        "specmlx",
+        "serve",
+        "-q",
+        "--port",
+        str(port),
+        "-n",
+        "128",
+        *models,
+        *extra,
+    ]
     server = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL, cwd="/tmp")
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -130,7 +152,9 @@ def start_server(python: list[str], env: dict, models: list[str]) -> tuple[subpr
     raise SystemExit("server did not start")
 
 
-def replay(url: str, pauses: list[dict], timeout: float, debounce: float) -> list[dict]:
+def replay(
+    url: str, pauses: list[dict], timeout: float, debounce: float, beside: bool = False
+) -> list[dict]:
     rows, background = [], []
     for p in pauses:
         if p["ring_changed"]:  # fire and forget, as the plugin's timer does
@@ -146,8 +170,19 @@ def replay(url: str, pauses: list[dict], timeout: float, debounce: float) -> lis
         if first is not None and "content" in first:
             row["predicted"] = first.get("timings/predicted_n")
             row["cached"] = first.get("tokens_cached")
-            second_s, second = post(url, fim(p, 1000, p["prompt"] + first["content"]), timeout)
-            row.update(second_s=second_s, second_starved=second is None)
+            body = fim(p, 1000, p["prompt"] + first["content"])
+            if beside:  # the next pause's first request will run beside it
+
+                def second_request(row=row, body=body):
+                    second_s, second = post(url, body, timeout)
+                    row.update(second_s=second_s, second_starved=second is None)
+
+                t = threading.Thread(target=second_request, daemon=True)
+                t.start()
+                background.append(t)
+            else:
+                second_s, second = post(url, body, timeout)
+                row.update(second_s=second_s, second_starved=second is None)
         rows.append(row)
     for t in background:
         t.join(timeout)
@@ -182,12 +217,16 @@ def main() -> int:
     a.add_argument("--target", default="cpu-demo-target")
     a.add_argument("--draft", default="cpu-demo-draft")
     a.add_argument("--json", dest="json_out")
+    a.add_argument("--beside", action="store_true",
+                   help="second requests run beside the next first; this checkout serial vs batched")  # fmt: skip
     args = a.parse_args()
     pauses = session(Path(args.file), Path(args.extra), args.pauses, args.start_line)
     if args.target == "fim-standin":
         text = Path(args.file).read_text() + Path(args.extra).read_text()
         args.target = str(fim_standin(Path("/tmp/specmlx-replay-standin"), text))
     models = ["--target", args.target, "--draft", args.draft]
+    if args.beside:
+        return beside(args, pauses, models)
     old_tree = Path("/tmp/specmlx-replay-old")
     if not old_tree.exists():
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old_tree),
@@ -228,6 +267,38 @@ def main() -> int:
     print(f"\np50 fixed / before: {ratio:.2f}x")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({n: r for n, r in results}, indent=1))
+    return 0
+
+
+def beside(args, pauses: list[dict], models: list[str]) -> int:
+    """--beside: this checkout's server one request at a time, then batched."""
+    env = {k: v for k, v in os.environ.items() if k != "SPECMLX_SERVER"}
+    env["PYTHONPATH"] = str(ROOT)
+    results = []
+    for name, extra in (("one at a time (--max-batch 1)", ["--max-batch", "1"]),
+                        ("batched (default --max-batch)", [])):  # fmt: skip
+        server, url = start_server([sys.executable], env, models, extra)
+        try:
+            rows = replay(url, pauses, args.timeout, args.debounce, beside=True)
+        finally:
+            server.terminate()
+            server.wait(60)
+        results.append((name, rows))
+        print(json.dumps(summary(name, rows, args.budget)), flush=True)
+    print(f"\n{args.pauses} pauses, second requests beside the next first; timeout "
+          f"{args.timeout:g} s, budget {args.budget:g} s\n")  # fmt: skip
+    print(
+        "| server | suggestion p50 | p95 | within budget | starved | refused | second request p50 |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for name, rows in results:
+        s = summary(name, rows, args.budget)
+        second = f"{s['second_p50_s']:.2f} s" if s["second_p50_s"] is not None else "-"
+        print(f"| {name} | {s['p50_s']:.2f} s | {s['p95_s']:.2f} s | {s['within_budget']:.0%} | "
+              f"{s['starved']} | {s['refused']} | {second} |")  # fmt: skip
+    (_, a_rows), (_, b_rows) = results
+    ratio = summary("", b_rows, args.budget)["p50_s"] / summary("", a_rows, args.budget)["p50_s"]
+    print(f"\np50 batched / one at a time: {ratio:.2f}x")
     return 0
 
 

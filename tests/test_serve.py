@@ -672,6 +672,9 @@ def test_sigterm_ends_every_row_of_a_batch_with_an_error_event(root):
     while metrics(s).get("specmlx_batch_rows", 0) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert metrics(s)["specmlx_batch_rows"] == 2
+    while metrics(s).get("specmlx_batch_rounds_total", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the batch's passes, counted once a round
+    assert metrics(s)["specmlx_batch_rounds_total"] >= 2
     code, err = s.stop()
     for t in threads:
         t.join(30)

@@ -48,9 +48,10 @@ class RowsKVCache:
 
     # -- what mlx-lm's attention reads
     @property
-    def offset(self) -> mx.array:
-        """Each row's position (B,): RoPE's offset for the tokens fed next."""
-        return self._positions()
+    def offset(self) -> mx.array | int:
+        """Each row's position (B,): RoPE's offset for the tokens fed next; one int when
+        every row is at one length (as KVCache's: RoPE then takes a solo pass's path)."""
+        return self.lens[0] if self.aligned() else self._positions()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Write keys, values (B, heads, L, dim) at each row's length; the keys a pass reads:

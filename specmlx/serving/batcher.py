@@ -153,6 +153,7 @@ class Batcher:
             self._end_all(e)
             return
         rows = len(self.live)
+        self.w.totals.batch_rounds += 1
         self.k.observe(rows, k, sum(len(ev) for ev in events), time.perf_counter() - t0)
         for lv, evs in zip(list(self.live), events, strict=True):
             if lv.job.cancelled.is_set():

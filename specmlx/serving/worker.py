@@ -102,6 +102,7 @@ class Totals:
     cache_bytes: int = 0
     cache_entries: int = 0
     batch_rows: int = 0  # requests decoding together now (--max-batch > 1)
+    batch_rounds: int = 0  # batched target passes (one a round, whatever the rows)
 
 
 class Worker:
