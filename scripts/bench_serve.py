@@ -110,7 +110,8 @@ def main() -> int:
     a = ap.parse_args()
     widths = [int(b) for b in a.clients.split(",")]
     temps = [float(t) for t in a.temps.split(",")]
-    prompts = [p for _, p in read_jsonl(None, "prompts.jsonl", "prompts")][: max(widths)]
+    texts = [p for _, p in read_jsonl(None, "prompts.jsonl", "prompts")][: max(widths)]
+    prompts = [t["prompt"] if isinstance(t, dict) else t for t in texts]
     target_dir = load_registry().resolve(a.target).path
     py = [sys.executable, "-m"]
     pair = ["--target", a.target]
