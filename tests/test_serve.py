@@ -167,6 +167,42 @@ def test_eight_concurrent_streams_each_complete_and_unmixed(client):
     assert together == [a.choices[0].text for a in alone]
 
 
+def test_requests_join_and_leave_a_running_batch_and_each_gets_its_solo_text(server, client):
+    """A long stream runs; a short request joins it mid-generation and leaves before it
+    ends; a third joins after. Each text is the one it gets alone, and the long stream was
+    still going when the short one had its answer (they did decode together)."""
+    asks = [(CODE * 2, 400), ("def g(y):\n", 6), ("class A:\n", 24)]
+    alone = [client.completions.create(model="tiny-t", prompt=p, max_tokens=n).choices[0].text
+             for p, n in asks]  # fmt: skip
+    got, after_short = [None] * 3, []
+    short_done = threading.Event()
+
+    def later(i: int) -> None:
+        p, n = asks[i]
+        got[i] = client.completions.create(model="tiny-t", prompt=p, max_tokens=n).choices[0].text
+        if i == 1:
+            short_done.set()
+
+    long = client.completions.create(model="tiny-t", prompt=asks[0][0], max_tokens=asks[0][1],
+                                     stream=True)  # fmt: skip
+    parts, joiners = [], []
+    for chunk in long:
+        parts.append(chunk.choices[0].text if chunk.choices else "")
+        if len(parts) == 2:  # the long one is decoding: the short one joins
+            joiners.append(threading.Thread(target=later, args=(1,)))
+            joiners[-1].start()
+        if short_done.is_set():
+            after_short.append(chunk)
+            if len(after_short) == 1:  # it left; a third joins
+                joiners.append(threading.Thread(target=later, args=(2,)))
+                joiners[-1].start()
+    for t in joiners:
+        t.join(60)
+    got[0] = "".join(parts)
+    assert got == alone
+    assert after_short, "the long stream ended before the short request was answered"
+
+
 def test_a_client_that_hangs_up_frees_the_slot(server, client):
     before = metrics(server)
     with httpx.stream(
