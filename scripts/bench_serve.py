@@ -12,7 +12,8 @@ the same pair:
 - mlx-lm: `python -m mlx_lm.server --model TARGET` (it batches only without a draft).
 
 At each width B, B clients (the official openai client, one thread each) send one completion
-each at once: the built-in prompt set's first B prompts, -n tokens, temperature T, seed i.
+each at once: the built-in prompt set's first B prompts, -n tokens, temperature T, seed i
+(none to mlx-lm: its server serves a request that has a seed alone, outside its batch).
 Aggregate tok/s is the completion tokens of all B over the wall time from the first send to
 the last answer; a request's latency is its own wall time. Every server first answers a
 warm-up request (loading, compiling and its adaptive state are not timed). Greedy rows say
@@ -74,8 +75,11 @@ def start(cmd: list[str], port: int) -> subprocess.Popen:
     raise SystemExit("server did not start")
 
 
-def wave(url: str, prompts: list[str], n: int, temp: float) -> tuple[float, list[dict]]:
-    """B requests at once; (wall seconds, one row per request: latency, tokens, text)."""
+def wave(
+    url: str, prompts: list[str], n: int, temp: float, no_seed: bool = False
+) -> tuple[float, list[dict]]:
+    """B requests at once; (wall seconds, one row per request: latency, tokens, text).
+    no_seed: send no seed (mlx-lm's server serves a request with a seed alone, unbatched)."""
     client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=900)
     rows: list[dict] = [{} for _ in prompts]
     go = threading.Barrier(len(prompts) + 1)
@@ -83,8 +87,9 @@ def wave(url: str, prompts: list[str], n: int, temp: float) -> tuple[float, list
     def one(i: int) -> None:
         go.wait()
         t = time.perf_counter()
+        seed = {} if no_seed else {"seed": 100 + i}
         got = client.completions.create(model="default_model", prompt=prompts[i],
-                                        max_tokens=n, temperature=temp, seed=100 + i)  # fmt: skip
+                                        max_tokens=n, temperature=temp, **seed)  # fmt: skip
         rows[i] = {"latency_s": time.perf_counter() - t, "text": got.choices[0].text,
                    "tokens": got.usage.completion_tokens}  # fmt: skip
 
@@ -106,8 +111,11 @@ def main() -> int:
     ap.add_argument("--clients", default="1,2,4,8")
     ap.add_argument("--temps", default="0,0.8")
     ap.add_argument("--systems", default="serial,batch spec,batch k=0,mlx-lm")
+    ap.add_argument("--warm-widths", default="",
+                    help="also warm up with one untimed wave of 16 tokens at each of these widths")  # fmt: skip
     ap.add_argument("--json", dest="json_out")
     a = ap.parse_args()
+    warm = [int(b) for b in a.warm_widths.split(",") if b]
     widths = [int(b) for b in a.clients.split(",")]
     temps = [float(t) for t in a.temps.split(",")]
     texts = [p for _, p in read_jsonl(None, "prompts.jsonl", "prompts")][: max(widths)]
@@ -128,9 +136,11 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}"
         try:
             wave(url, prompts[:1], 8, 0.0)  # the warm-up
+            for b in warm:  # the batch's k chooser measures each width once, untimed
+                wave(url, prompts[:b], 16, 0.0, no_seed=name == "mlx-lm")
             for temp in temps:
                 for b in widths:
-                    wall, rows = wave(url, prompts[:b], a.n, temp)
+                    wall, rows = wave(url, prompts[:b], a.n, temp, no_seed=name == "mlx-lm")
                     results.setdefault(name, {})[f"{temp:g}/{b}"] = {"wall_s": wall, "rows": rows}
                     tokens = sum(r["tokens"] for r in rows)
                     print(json.dumps({"system": name, "T": temp, "B": b,
