@@ -184,10 +184,12 @@ def test_requests_join_and_leave_a_running_batch_and_each_gets_its_solo_text(ser
             short_done.set()
 
     long = client.completions.create(model="tiny-t", prompt=asks[0][0], max_tokens=asks[0][1],
-                                     stream=True)  # fmt: skip
-    parts, joiners = [], []
+                                     stream=True, stream_options={"include_usage": True})  # fmt: skip
+    parts, joiners, usage, finish = [], [], None, None
     for chunk in long:
         parts.append(chunk.choices[0].text if chunk.choices else "")
+        usage = chunk.usage or usage
+        finish = chunk.choices[0].finish_reason if chunk.choices else finish
         if len(parts) == 2:  # the long one is decoding: the short one joins
             joiners.append(threading.Thread(target=later, args=(1,)))
             joiners[-1].start()
@@ -201,6 +203,10 @@ def test_requests_join_and_leave_a_running_batch_and_each_gets_its_solo_text(ser
     got[0] = "".join(parts)
     assert got == alone
     assert after_short, "the long stream ended before the short request was answered"
+    # it ran alone, then as a row: its count goes on across the move
+    assert finish != "length" or usage.completion_tokens == asks[0][1], (finish, usage)
+    fresh = client.completions.create(model="tiny-t", prompt=asks[0][0], max_tokens=1)
+    assert usage.prompt_tokens == fresh.usage.prompt_tokens  # its prompt's, not the move's
 
 
 def test_a_client_that_hangs_up_frees_the_slot(server, client):

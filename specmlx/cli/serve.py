@@ -101,7 +101,9 @@ def serve(
     public: bool = typer.Option(
         False, "--public-without-key", help="Allow a non-loopback --host without --api-key."
     ),
-    max_queue: int = typer.Option(16, "--max-queue", help="Requests that may wait while every batch row is taken (then 503)."),
+    max_queue: int = typer.Option(
+        16, "--max-queue", help="Requests that may wait while every batch row is taken (then 503)."
+    ),
     prompt_cache: str = typer.Option(
         "4GB", "--prompt-cache", help="Memory for KV caches kept across requests (0: off)."
     ),

@@ -50,6 +50,7 @@ class Row:
     stats: Stats = field(default_factory=Stats)
     done: bool = False
     draft_held: int = 0  # how much of ctx the draft's row holds (a prefix of ctx[:-1])
+    before: int = 0  # tokens the request made before it joined (it ran alone until then)
 
 
 class Batch:
@@ -83,22 +84,28 @@ class Batch:
         kv: KVState | None = None,
         stats: Stats | None = None,
         drafts: bool = True,
+        generated: int = 0,
     ) -> Row:
         """Prefill a prompt alone and add it as the last row; its first tokens come at the
         next round. kv: caches whose common prefix with the prompt is kept (a prompt
         cache's); stats: filled live (a fresh one if None); drafts: False for a row that
-        asked for no draft (it takes plain steps in the batch's passes)."""
+        asked for no draft (it takes plain steps in the batch's passes); generated: tokens
+        the request already made alone (their ids end ``prompt_ids``; ``decode.max_tokens``
+        is what is left): its stats go on counting from there and keep its prompt's figures."""
         prompt = token_ids(prompt_ids)
         if decode.lookup or decode.draft_stop:
             raise BadInput("a batch drafts with the draft model only (no lookup, no stopping)")
         kv = kv if kv is not None else KVState()
         stats = stats if stats is not None else Stats()
+        kept = (stats.prompt_tokens, stats.cached_tokens, stats.prefill_s)
         prefill(self.target, self.draft, prompt, kv=kv, stats=stats)
+        if generated:  # the caches held all but the last token: this was no prompt's prefill
+            stats.prompt_tokens, stats.cached_tokens, stats.prefill_s = kept
         seed = decode.seed if decode.seed is not None else random.getrandbits(63)
         process = None if decode.sampling.greedy else make_processor(decode.sampling)
         stops = _Stops(decode.eos_ids, decode.stop_ids, decode.max_tokens)
         row = Row(list(prompt), decode, stops, mx.random.key(seed), process, stats)
-        row.drafts = drafts
+        row.drafts, row.before = drafts, generated
         self.t_cache = rows_of(self.t_cache, kv.target)  # it holds prompt[:-1]
         if self.draft is not None:
             self.d_cache = rows_of(self.d_cache, kv.draft)
@@ -157,7 +164,7 @@ class Batch:
             r.ctx += new
             if k:  # the draft fed ctx and k - 1 drafts: it keeps what ctx confirms of them
                 r.draft_held = min(fed + 1 + min(n, k - 1), len(r.ctx) - 1)
-            r.stats.record(RoundReport(ki, n, seconds), r.stops.count)
+            r.stats.record(RoundReport(ki, n, seconds), r.before + r.stops.count)
             r.stats.finish_reason, r.done = reason, bool(reason)
             events.append([TokenEvent(t, j < n) for j, t in enumerate(new)])
         # keep: a target row fed ctx[-1] and k drafts; it keeps what its new ctx[:-1] holds

@@ -7,17 +7,23 @@ to the prompt cache), and its text, stop strings and editor limits are its own.
 k per round is the batch's (BatchK): what rounds of each k made per second at this many
 rows, measured as they run, so that at a width where verifying costs more than it saves the
 batch backs off to k = 0. A request that cannot be a row (prompt lookup, per-token stopping,
-an editor's warm-up) runs alone between two rounds, as the serial worker runs it.
+an editor's warm-up) runs alone between two rounds, as the serial worker runs it. A request
+that arrives to an empty batch runs alone too, through the engine as the serial worker runs
+it (a batch of one costs a little more a round, and k is then the request's own adaptive
+choice), until a second one arrives: then it joins the batch as a row, from the tokens it
+has emitted.
 """
 
 from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from ..core.kvstate import reads_hidden
+from ..core.kvstate import KVState, reads_hidden
 from ..core.rows import batchable
+from ..core.stats import TokenEvent
 from ..decoding.batch import Batch, Row
 from ..decoding.stream import EditorLimits, TextStream
 
@@ -61,15 +67,21 @@ class BatchK:
 
 @dataclass
 class _Live:
-    """A running request: its job, row, text stream, editor limits and caches' length."""
+    """A running request: its job, row, text stream, editor limits and prompt's length; while
+    it runs alone, the engine's token events in place of a row (``solo``), its caches and the
+    tokens emitted so far."""
 
     job: object
-    row: Row
+    row: Row | None
     text: TextStream
     limits: EditorLimits | None
     prompt_len: int
     gen: object
+    request: object = None
     ended: bool = field(default=False)
+    solo: Iterator[TokenEvent] | None = None
+    kv: KVState | None = None
+    made: list[int] = field(default_factory=list)
 
 
 class Batcher:
@@ -101,7 +113,9 @@ class Batcher:
                 self._admit(job)
                 if len(self.live) < self.max_batch and not w._queue.empty():
                     continue  # take what waits before the next round
-            if self.live:
+            if self.live and self.live[0].solo is not None:
+                self._step_alone(self.live[0])  # one token, then the queue is looked at
+            elif self.live:
                 self._round()
             w.totals.batch_rows, w.busy = len(self.live), bool(self.live)
             w.holding = len(self.live)
@@ -119,14 +133,21 @@ class Batcher:
             return
         if len(self.live) >= self.max_batch:  # (run() admits only while there is room)
             raise RuntimeError("the batch is full")
+        for lv in [lv for lv in self.live if lv.solo is not None]:
+            self._into_batch(lv)  # a second request: the one running alone becomes a row
         use_draft = r.drafter == "model" and w.draft is not None
         job.k_label = str(r.k)
         job.drafter_name = w.draft.spec.alias if use_draft else r.drafter
         request = replace(r, use_draft=use_draft, lookup=False, draft_stop=False)
         kv = w.cache.take(r.prompt_ids)
+        # a lone request runs as the serial worker runs it (the engine, its own adaptive k)
+        # until another arrives: a batch of one costs a little more a round
+        alone = not self.live and w._queue.empty()
         try:
             gen = w.session.start(r.prompt_ids, request, kv=kv, stats=job.stats)
-            row = self.batch.join(r.prompt_ids, gen.decode(), kv, job.stats, drafts=use_draft)
+            row = None
+            if not alone:
+                row = self.batch.join(r.prompt_ids, gen.decode(), kv, job.stats, drafts=use_draft)
         except Exception as e:  # noqa: BLE001 - this request's error; the batch goes on
             w.totals.failed += 1
             job.emit("error", e)
@@ -135,7 +156,57 @@ class Batcher:
         if r.time_limit_s is not None or r.min_indent:
             limits = EditorLimits(r.time_limit_s, r.min_indent, job.stats)
         text = TextStream(w.session.pair.tokenizer, r.stop, job.stats)
-        self.live.append(_Live(job, row, text, limits, len(r.prompt_ids), gen))
+        lv = _Live(job, row, text, limits, len(r.prompt_ids), gen, request)
+        if alone:
+            lv.solo, lv.kv = gen.tokens(), kv
+        self.live.append(lv)
+
+    def _step_alone(self, lv: _Live) -> None:
+        """The lone request's next token (the engine runs a round when it needs one)."""
+        if lv.job.cancelled.is_set():
+            self._leave(lv, cancelled=True)
+            return
+        try:
+            ev = next(lv.solo)
+        except StopIteration:
+            tail = lv.text.end()
+            if tail is not None:
+                lv.job.emit("piece", tail)
+            self._leave(lv, cancelled=False)
+            return
+        except Exception as e:  # noqa: BLE001 - this request's error; serving goes on
+            self.live.remove(lv)
+            lv.solo.close()
+            self.w.totals.failed += 1
+            lv.job.emit("error", e)
+            return
+        lv.made.append(ev.token)
+        if self._emit(lv, [ev]):
+            self._leave(lv, cancelled=False)
+
+    def _into_batch(self, lv: _Live) -> None:
+        """The lone request joins the batch as a row, from what it has emitted: its caches
+        hold that context (the engine's closed generator leaves them exact), so the join
+        prefills one token or a few. Its key stream is a fresh one, derived from its seed
+        and its length: its tokens so far were drawn from the first."""
+        decode = lv.gen.decode()
+        if decode.max_tokens <= len(lv.made):  # its budget is spent: it ends alone
+            while lv in self.live:
+                self._step_alone(lv)
+            return
+        lv.solo.close()
+        lv.solo = None
+        left = decode.max_tokens - len(lv.made)
+        seed = decode.seed
+        if seed is not None:
+            seed = (seed * 0x9E3779B97F4A7C15 + len(lv.made)) % 2**63
+        decode = replace(decode, max_tokens=left, seed=seed)
+        ids = list(lv.request.prompt_ids) + lv.made
+        lv.gen.finish()  # what its adaptive chooser learned alone is saved now
+        lv.gen = None
+        drafts = lv.request.use_draft
+        lv.row = self.batch.join(ids, decode, lv.kv, lv.job.stats, drafts, len(lv.made))
+        lv.kv = None
 
     def _round(self) -> None:
         drafting = any(lv.row.drafts for lv in self.live)
@@ -159,26 +230,36 @@ class Batcher:
             if lv.job.cancelled.is_set():
                 self._leave(lv, cancelled=True)
                 continue
-            for ev in evs:
-                out = lv.text.add(ev)
-                if lv.limits is not None and not lv.text.stopped:
-                    out = lv.limits.add(out)
-                lv.job.emit("piece", out)
-                if lv.text.stopped or (lv.limits is not None and lv.limits.stopped):
-                    lv.ended = True
-                    break
-            if lv.row.done or lv.ended:
+            if self._emit(lv, evs) or lv.row.done:
                 tail = lv.text.end() if not lv.ended else None
                 if tail is not None:
                     lv.job.emit("piece", tail)
                 self._leave(lv, cancelled=False)
 
+    def _emit(self, lv: _Live, evs: list[TokenEvent]) -> bool:
+        """Send a request's new tokens as text; True when its stop string or an editor limit
+        ended it (``ended``)."""
+        for ev in evs:
+            out = lv.text.add(ev)
+            if lv.limits is not None and not lv.text.stopped:
+                out = lv.limits.add(out)
+            lv.job.emit("piece", out)
+            if lv.text.stopped or (lv.limits is not None and lv.limits.stopped):
+                lv.ended = True
+                return True
+        return False
+
     def _leave(self, lv: _Live, cancelled: bool) -> None:
         w = self.w
         self.live.remove(lv)
-        kv = self.batch.leave(lv.row)
+        if lv.solo is not None:
+            lv.solo.close()  # (the engine leaves its caches holding what kv.tokens says)
+            kv = lv.kv
+        else:
+            kv = self.batch.leave(lv.row)
         w.cache.put(kv, lv.prompt_len)
-        lv.gen.finish()
+        if lv.gen is not None:
+            lv.gen.finish()
         w._count(lv.job.stats, cancelled)
         t = w.totals
         t.cache_bytes, t.cache_entries = w.cache.nbytes, len(w.cache.entries)
@@ -193,7 +274,10 @@ class Batcher:
                 self.w.totals.failed += 1
                 lv.job.emit("error", error)
             self.live.remove(lv)
-            self.batch.leave(lv.row)
+            if lv.solo is not None:
+                lv.solo.close()
+            else:
+                self.batch.leave(lv.row)
         self.batch = Batch(self.batch.target, self.batch.draft, self.batch.vocab)
 
     def jobs(self) -> list:
