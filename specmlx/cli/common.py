@@ -16,7 +16,7 @@ from typer.core import TyperCommand
 from ..distributed.ranks import rank_prefix
 from ..drafting.choosers import AUTO, K
 from ..errors import BadInput, SpecmlxError
-from ..models.registry import MTP
+from ..models.registry import head_of
 from .display import err_console, print_error
 
 # options that run, serve and bench share (each command keeps its own default and wording
@@ -146,8 +146,9 @@ HostfileOpt = Annotated[
 
 
 def draft_spec(registry, models):
-    """The draft model's spec (None: no draft model, or the target's own MTP head)."""
-    return registry.resolve(models.draft) if models.draft not in (None, MTP) else None
+    """The draft model's spec (None: no draft model, or a head over the target's hidden
+    states: its MTP head, an EAGLE-3 head)."""
+    return None if models.draft is None or head_of(models.draft) else registry.resolve(models.draft)
 
 
 def check_draft_stop(models, draft_stop: bool, ranks: bool = False) -> None:
@@ -158,8 +159,10 @@ def check_draft_stop(models, draft_stop: bool, ranks: bool = False) -> None:
         raise BadInput("--draft-stop does not run over ranks (--hosts/--hostfile)")
     if draft_stop and not (models.draft and models.k.auto):
         raise BadInput("--draft-stop needs a draft model and -k auto")
-    if draft_stop and models.draft == MTP:
-        raise BadInput("--draft-stop needs a draft model: an MTP head drafts the chooser's k")
+    if draft_stop and head_of(models.draft):
+        raise BadInput(
+            "--draft-stop needs a draft model: an MTP head or an EAGLE-3 head drafts the chooser's k"
+        )
 
 
 def rank_timeout() -> float:

@@ -40,9 +40,9 @@ class Hidden:
 
 
 def hidden_rows(tap: HiddenTap) -> mx.array:
-    """The latest tapped pass's hidden states (L, H) at the tap's first place: row i is
-    position start + i of the tokens that pass was fed."""
-    return tap.final()[0]
+    """The latest tapped pass's hidden states (L, W) at the tap's places side by side (W: their
+    widths summed): row i is position start + i of the tokens that pass was fed."""
+    return tap.features()[0]
 
 
 class Cursor:

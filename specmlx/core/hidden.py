@@ -14,8 +14,8 @@ Where: "final" is the text model's output, after its final norm (what the LM hea
 MTP references, vLLM's and SGLang's, feed this to the head). An int i is the output of
 decoder layer i, the residual stream: EAGLE-3 concatenates three of these (by default layers
 2, L/2 and L-3, taken before those layers run, so i - 1 here), DFlash several more, each then
-projected to the draft's width by its own fc. Those two are not built; their drafters would
-ask for ``HiddenTap(target, (1, L // 2 - 1, L - 4))`` and read ``last`` the same way.
+projected to the draft's width by its own fc. A drafter reading several places gets them
+side by side (``features``: concatenated on the last axis, in the order it asked).
 """
 
 from __future__ import annotations
@@ -94,6 +94,15 @@ class HiddenTap:
     def __exit__(self, *exc) -> None:
         for module, own, _ in self._swaps:
             module.__class__ = own
+
+    def features(self) -> mx.array:
+        """The latest pass's outputs at every tapped place, concatenated on the last axis in
+        the order of ``at``: (B, L, sum of their widths)."""
+        if any(x is None for x in self.last):
+            raise RuntimeError("the tapped model has not run inside the tap yet")
+        if len(self.last) == 1:
+            return self.last[0]
+        return mx.concatenate(self.last, axis=-1)
 
     def final(self) -> mx.array:
         """The first tapped place's output of the latest pass, (B, L, H)."""

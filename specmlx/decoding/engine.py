@@ -91,7 +91,7 @@ def generate_tokens(
     if decode.draft_stop and (head or draft is None or not next_k.plans):
         raise BadInput(
             "per-token stopping needs a draft model and adaptive k in one process"
-            + (": an MTP head drafts the chooser's k" if head else "")
+            + (": an MTP head or an EAGLE-3 head drafts the chooser's k" if head else "")
         )
     accept = sampled_rule(decode.verify)
     stats = parts.stats if parts.stats is not None else Stats()

@@ -17,6 +17,14 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..core.caches import check_kinds, make_caches
 from ..core.mlx_lm_api import model_classes
+from ..drafting.eagle3 import (
+    check_embedding,
+    head_config,
+    head_nbytes,
+    load_eagle3,
+    read_head_config,
+    tensor_names,
+)
 from ..drafting.mtp import check_family, load_mtp, without_head
 from ..errors import IncompatiblePair, ModelLoadError
 from .footprint import plan_memory, require_fit
@@ -24,7 +32,7 @@ from .gguf import load_gguf, read_gguf_header
 from .gguf_tokenizer import gguf_tokenizer
 from .inspection import peek, read_config, resolve_dtype
 from .quantized import cached_quantized, quantize_and_cache
-from .registry import MTP, ModelSpec, Registry, load_registry
+from .registry import MTP, ModelSpec, Registry, head_of, load_registry
 from .sharding import check_shardable, shard_support
 from .sources import Progress, fetch, file_facts, say
 
@@ -237,6 +245,35 @@ def load_head(target: Loaded, progress: Progress | None = None) -> Loaded:
     )  # fmt: skip
 
 
+def _eagle3_plan(target: ModelSpec, where: str, registry: Registry, progress) -> tuple:
+    """An EAGLE-3 head's directory, spec and the bytes it adds to the plan (its weights and
+    its one layer's KV cache at the context limit), after checking it fits the target:
+    nothing loads when it does not."""
+    spec = registry.resolve(where)
+    path = fetch(spec, progress=progress)
+    t_config = peek(target, progress=progress)[0]
+    where = f"the EAGLE-3 head {spec.alias}"
+    c = head_config(read_head_config(path), t_config, where)
+    check_embedding(c, tensor_names(path), t_config, where)
+    context = registry.context_for(target)
+    kv = 2 * c.kv_heads * c.head_dim * context * 4  # float32 at most
+    return path, spec, head_nbytes(path) + kv
+
+
+def _load_eagle3(target: Loaded, path: Path, spec: ModelSpec, progress) -> Loaded:
+    """The EAGLE-3 head in ``path`` over the loaded target, as a draft (replicated on every
+    rank, like an MTP head: the target's hidden states reach each rank whole)."""
+    start = time.perf_counter()
+    say(progress, f"loading the EAGLE-3 head {spec.alias} from {path}")
+    head = load_eagle3(target.model, target.config, path)
+    nbytes = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
+    return Loaded(
+        head, target.tokenizer, dataclasses.replace(spec, alias=f"eagle3:{spec.alias}"),
+        target.config, time.perf_counter() - start, nbytes, target.vocab_size,
+        f"{target.identity}|eagle3|{spec.identity}|{file_facts(path)}",
+    )  # fmt: skip
+
+
 def load_pair(
     target_name: str,
     draft_name: str | None = None,
@@ -250,7 +287,8 @@ def load_pair(
     """Resolve, plan memory, load both models and check them: (target, draft, shared ids).
 
     target_name, draft_name: aliases, paths or hub repos (draft None: the target alone;
-        "mtp": the target checkpoint's own multi-token-prediction head, mtp.py);
+        "mtp": the target checkpoint's own multi-token-prediction head, mtp.py;
+        "eagle3:PATH|ALIAS": an EAGLE-3 head over the target, eagle3.py);
     registry: where aliases resolve (default: the merged models.toml files); context: tokens
     to plan the KV caches for (default: the pair's context, registry.context_for); reserve:
     bytes of KV caches to plan beyond that (a server's prompt cache); group: ranks to split
@@ -266,6 +304,15 @@ def load_pair(
         require_fit(plan, target, None)
         t = load_model(target, progress=progress, group=group)
         return t, load_head(t, progress), t.vocab_size
+    head = head_of(draft_name)
+    if head is not None:  # an EAGLE-3 head: checked against the target before either loads
+        path, spec, extra = _eagle3_plan(target, head[1], registry, progress)
+        plan = plan_memory(target, None, context or registry.context_for(target),
+                           reserve=reserve + extra, shards=group.size() if group is not None else 1,
+                           progress=progress)  # fmt: skip
+        require_fit(plan, target, None)
+        t = load_model(target, progress=progress, group=group)
+        return t, _load_eagle3(t, path, spec, progress), t.vocab_size
     draft = registry.resolve(draft_name) if draft_name else None
     planned = context or registry.context_for(target, draft)
     shards = group.size() if group is not None else 1

@@ -39,9 +39,25 @@ KINDS = ("hf", "local", "gguf", "wheel")
 # drafts a pair may name that are not models: none, prompt lookup, the target's own MTP head
 MTP = "mtp"
 DRAFT_WORDS = ("none", "lookup", MTP)
+# heads over the target's hidden states named as kind:PATH|ALIAS (drafting.eagle3, ...)
+HEAD_KINDS = ("eagle3",)
 BUILDS = ("cpu-demo", "cpu-distilled")  # stand-ins that `specmlx models build` knows how to make
 _HF_REPO = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
 WHEEL_RE = re.compile(r"^([\w.-]+)==([\w.!+-]+)#(.+)$")
+
+
+def head_of(draft: str | None) -> tuple[str, str] | None:
+    """A draft that is a head over the target's hidden states, as (kind, where): ("mtp", "")
+    for the target's own MTP head, ("eagle3", PATH|ALIAS) for ``eagle3:PATH|ALIAS``; None for
+    a draft model or no draft. BadInput for ``eagle3:`` with nothing after it."""
+    if draft == MTP:
+        return MTP, ""
+    kind, colon, where = (draft or "").partition(":")
+    if not colon or kind not in HEAD_KINDS:
+        return None
+    if not where.strip():
+        raise BadInput(f"--draft {kind}: needs the head after the colon ({kind}:PATH or an alias)")
+    return kind, where.strip()
 
 
 class _Table(BaseModel):
@@ -395,7 +411,7 @@ def load_registry(extra_paths: list[Path | str] | None = None) -> Registry:
     for pair in reg.pairs.values():
         for role in ("target", "draft"):
             alias = getattr(pair, role)
-            if role == "draft" and alias in DRAFT_WORDS:
+            if role == "draft" and (alias in DRAFT_WORDS or head_of(alias)):
                 continue
             if alias not in reg.models:
                 files = ", ".join(str(f) for f in reg.files)
