@@ -279,7 +279,9 @@ class _Testbed:
         self.notes: list[str] = []
         if getattr(draft, "reads_hidden", None):  # mlx-lm's loop takes a model, not a head
             self.todo = [sy for sy in self.todo if sy.system != "mlx-lm" or sy.drafter == "none"]
-            self.notes.append("no mlx-lm speculative rows: its loop cannot use a head over the target's hidden states")
+            self.notes.append(
+                "no mlx-lm speculative rows: its loop cannot use a head over the target's hidden states"
+            )
         elif not all(mlx_lm_speculates(m) for m in (target, draft) if m is not None):
             # mlx-lm's speculative loop raises on a cache it cannot trim (recurrent state)
             self.todo = [sy for sy in self.todo if sy.system != "mlx-lm" or sy.drafter == "none"]
