@@ -26,7 +26,12 @@ TargetOpt = Annotated[
 ]
 DraftOpt = Annotated[
     str | None,
-    typer.Option("--draft", "-d", help="Draft alias/path, 'lookup' (prompt lookup), or 'none'."),
+    typer.Option(
+        "--draft",
+        "-d",
+        help="Draft alias/path, 'lookup' (prompt lookup), 'mtp' (the target's own MTP head), "
+        "'eagle3:PATH' (an EAGLE-3 head), or 'none'.",
+    ),
 ]
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy.")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1].")]
