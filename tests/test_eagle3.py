@@ -34,11 +34,13 @@ from test_distribution import (
 )
 from typer.testing import CliRunner
 
+import specmlx.core.cursor as cursor
 import specmlx.drafting.eagle3 as eagle3
 import specmlx.models.loading as loading
 from specmlx.cli import app
 from specmlx.core.acceptance import RULES, block_outcome
 from specmlx.core.hidden import HiddenTap
+from specmlx.core.kvstate import KVState
 from specmlx.core.sampling import make_processor
 from specmlx.core.stats import Stats
 from specmlx.drafting.eagle3 import load_eagle3
@@ -407,3 +409,42 @@ def test_serve_with_an_eagle3_head_equals_no_draft(tmp_path):
     finally:
         code, err = s.stop()
     assert code == 0 and "Traceback" not in err, err
+
+
+def _offline_keys(target, head, ctx, fed, at=None):
+    """The head's attention keys after feeding it the pairs (f_j, t_{j+1}), j < fed, with f
+    from one fresh target pass over ctx at the head's layers (or ``at``)."""
+    tap = HiddenTap(target, at or head.reads_hidden)
+    with tap:
+        target(mx.array(ctx)[None])
+    cache = head.make_cache()
+    head(tap.features()[:, :fed], mx.array(ctx[1 : fed + 1])[None], cache)
+    return cache[0].state[0][..., :fed, :]
+
+
+def test_the_head_is_fed_the_right_features_and_token(tmp_path, target, monkeypatch):
+    """After a generation (prompt cache included) the head's cache holds exactly what
+    feeding it the aligned pairs gives; features one position late, or its three layers in
+    another order, are caught by the same comparison."""
+    path, _, _ = _case(tmp_path, target, "specforge")
+    head = load_eagle3(target, target_config(target), path)
+    prompt = [5, 9, 2, 77, 31, 4, 8]
+    kv = KVState()
+    out = [e.token for e in generate(target, head, prompt, k=3, max_tokens=16, kv=kv)]
+    more = prompt + out + [11, 12]  # the next request extends the first: caches reused
+    out2 = [e.token for e in generate(target, head, more, k=3, max_tokens=8, kv=kv)]
+    ctx, fed = more + out2, kv.draft_len
+    assert fed >= len(more) - 1
+    got = kv.draft[0].state[0][..., :fed, :]
+    assert mx.allclose(got, _offline_keys(target, head, ctx, fed), atol=1e-4).item()
+    swapped = tuple(reversed(head.reads_hidden))
+    assert not mx.allclose(got, _offline_keys(target, head, ctx, fed, swapped), atol=1e-4).item()
+    late = cursor.hidden_rows
+    monkeypatch.setattr(
+        cursor, "hidden_rows", lambda tap: (lambda r: mx.concatenate([r[:1], r[:-1]]))(late(tap))
+    )
+    kv = KVState()
+    out = [e.token for e in generate(target, head, prompt, k=3, max_tokens=16, kv=kv)]
+    got = kv.draft[0].state[0][..., : kv.draft_len, :]
+    want = _offline_keys(target, head, prompt + out, kv.draft_len)
+    assert not mx.allclose(got, want, atol=1e-4).item()
