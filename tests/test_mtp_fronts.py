@@ -158,7 +158,9 @@ def test_bench_with_the_head(root, env, tmp_path):
     assert all(r["same_as_target"] == "identical" for r in result["rows"]), result["rows"]
     # k = 2 drafts every round and keeps some; auto may draft little behind a head this weak
     assert rows[("specmlx", "q:mtp", 2)]["acceptance_rate"] > 0
-    assert result["notes"] == ["no mlx-lm speculative rows: its loop cannot use an MTP head"]
+    assert result["notes"] == [
+        "no mlx-lm speculative rows: its loop cannot use a head over the target's hidden states"
+    ]
 
 
 # ------------------------------------------------------------------ two ranks
