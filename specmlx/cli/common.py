@@ -30,7 +30,7 @@ DraftOpt = Annotated[
         "--draft",
         "-d",
         help="Draft alias/path, 'lookup' (prompt lookup), 'mtp' (the target's own MTP head), "
-        "'eagle3:PATH' (an EAGLE-3 head), or 'none'.",
+        "'eagle3:PATH' (an EAGLE-3 head), 'dflash:PATH' (a DFlash block drafter), or 'none'.",
     ),
 ]
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy.")]
@@ -166,7 +166,7 @@ def check_draft_stop(models, draft_stop: bool, ranks: bool = False) -> None:
         raise BadInput("--draft-stop needs a draft model and -k auto")
     if draft_stop and head_of(models.draft):
         raise BadInput(
-            "--draft-stop needs a draft model: an MTP head or an EAGLE-3 head drafts the chooser's k"
+            "--draft-stop needs a draft model: a head (MTP, EAGLE-3, DFlash) drafts the chooser's k"
         )
 
 

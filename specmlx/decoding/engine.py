@@ -42,6 +42,7 @@ from ..drafting.drafters import (
     LookupDrafter,
     ModelDrafter,
     Proposal,
+    head_drafter,
     pair_tokens,
 )
 from ..drafting.lookup import Lookup
@@ -91,7 +92,7 @@ def generate_tokens(
     if decode.draft_stop and (head or draft is None or not next_k.plans):
         raise BadInput(
             "per-token stopping needs a draft model and adaptive k in one process"
-            + (": an MTP head or an EAGLE-3 head drafts the chooser's k" if head else "")
+            + (": a head (MTP, EAGLE-3, DFlash) drafts the chooser's k" if head else "")
         )
     accept = sampled_rule(decode.verify)
     stats = parts.stats if parts.stats is not None else Stats()
@@ -121,7 +122,7 @@ def generate_tokens(
             model_drafter = None
             if head:
                 width = min(parts.vocab_size or _logit_width(target), _logit_width(target))
-                model_drafter = HeadDrafter(
+                model_drafter = head_drafter(
                     draft, kv.draft, kv.draft_len, kv.hidden, width, process
                 )
                 drafters.append(model_drafter)

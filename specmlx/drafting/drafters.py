@@ -7,12 +7,13 @@ what it has seen is still right and brings its own state (a KV cache, an index) 
 Verification, acceptance and the target's rollback are the same for every drafter, which is
 what keeps all of them lossless: a drafter can only change how many tokens a target pass
 yields. Here: the draft model, prompt lookup, a chain (lookup first, then the model), and a
-head that reads the target's hidden states (a checkpoint's MTP head, mtp.py).
+head that reads the target's hidden states and chains (a checkpoint's MTP head, mtp.py; an
+EAGLE-3 head, eagle3.py), and one that drafts a whole block in one forward (DFlash, dflash.py).
 
 A drafter whose ``reads_hidden`` names places in the target (hidden.HiddenTap's "final" or
 layer indices) is handed each verify pass's hidden states at those places in ``settle``
-(lazy: no host sync, no second pass). An EAGLE-3 head would read three layers, a DFlash
-block drafter several, through the same seam; neither is built yet.
+(lazy: no host sync, no second pass): an MTP head reads the final one, an EAGLE-3 head three
+layers, a DFlash drafter several.
 """
 
 from __future__ import annotations
@@ -268,6 +269,51 @@ class HeadDrafter:
 
     def close(self) -> None:
         pass
+
+
+class BlockDrafter(HeadDrafter):
+    """A block drafter over the target's hidden states (a DFlash drafter: dflash.DFlashHead):
+    one forward drafts a whole block after the newest token, reading the context features
+    the head has been fed (its cache) and those waiting in ``rows``. The cache holds
+    context entries j < fed and only those: the block itself is never cached, so nothing is
+    given back after a round (``ahead`` stays 0). k is capped at the head's block_size - 1.
+
+    head: called as head.block(hidden, first, width, cache) -> logits and head(hidden,
+    tokens, cache) to feed context; the rest as for HeadDrafter."""
+
+    def propose(self, ctx, k, room, key, timed) -> Proposal:
+        k = min(k, self.head.block_size - 1)
+        if k <= 0:
+            return Proposal()
+        m = 0 if self.rows is None else self.rows.shape[0]
+        if self.fed + m != len(ctx) - 1:  # the block must follow the context it reads
+            raise RuntimeError(
+                f"context features up to {self.fed + m}, the block at {len(ctx) - 1}"
+            )
+        t0 = time.perf_counter()
+        first = mx.array(ctx[-1:], dtype=mx.uint32)  # (1,)
+        rows = None if self.rows is None else self.rows[None]  # (1, m, n*H)
+        logits = self.head.block(rows, first, k + 1, self.cache)[0, :, : self.vocab]  # (k, V)
+        if self.process is None:
+            d, q = mx.argmax(logits, axis=-1).astype(mx.uint32), None
+        else:  # each position has its own q, drawn independently (the block reads masks)
+            q = self.process(logits)
+            d = sample(q, key)
+        self.fed, self.rows = self.fed + m, None
+        if timed:
+            mx.eval(d if q is None else [d, q])
+        else:
+            mx.async_eval(d)
+        seconds = time.perf_counter() - t0 if timed else None
+        return Proposal(d, q, "model", draft_s=seconds)
+
+
+def head_drafter(head, cache, fed: int, rows: mx.array | None, vocab: int, process) -> HeadDrafter:
+    """The drafter for a head over the target's hidden states: a block drafter for a head
+    that drafts blocks (DFlash), a chained one otherwise (MTP, EAGLE-3); arguments as for
+    HeadDrafter."""
+    cls = BlockDrafter if getattr(head, "block_size", None) else HeadDrafter
+    return cls(head, cache, fed, rows, vocab, process)
 
 
 def pair_tokens(ctx: Sequence[int], start: int, m: int) -> mx.array:

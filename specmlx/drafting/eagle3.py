@@ -27,19 +27,18 @@ the target's (EAGLE's ``load_emb``).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..core.hidden import text_model
 from ..errors import BadInput, IncompatiblePair, ModelLoadError
+from .headfiles import head_weights, read_head_config, target_dtype
 
 KIND = "eagle3"
 # rope scalings mlx-lm's initialize_rope computes as the reference does
@@ -73,16 +72,6 @@ class Eagle3Config:
 
 def _text_config(config: dict) -> dict:
     return config.get("text_config") or config
-
-
-def read_head_config(path: Path) -> dict:
-    """A head directory's config.json (ModelLoadError naming what is wrong)."""
-    try:
-        return json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise ModelLoadError(f"{path} has no config.json (an EAGLE-3 head needs one)") from None
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
 
 
 def head_config(config: dict, target_config: dict, where) -> Eagle3Config:
@@ -158,19 +147,6 @@ def check_embedding(c: Eagle3Config, names: set[str], target_config: dict, where
             f"{where} is {c.hidden} wide and ships no embed_tokens; the target's embedding "
             f"is {t_hidden} wide"
         )
-
-
-def tensor_names(path: Path) -> set[str]:
-    """The tensor names in a directory's safetensors, from their headers (nothing loaded)."""
-    names: set[str] = set()
-    for f in sorted(path.glob("*.safetensors")):
-        try:
-            with open(f, "rb") as fh:
-                size = int.from_bytes(fh.read(8), "little")
-                names |= set(json.loads(fh.read(size))) - {"__metadata__"}
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot read {f}: {e}") from None
-    return names
 
 
 class _Attention(nn.Module):
@@ -296,36 +272,14 @@ class Eagle3Head(nn.Module):
         return [KVCache()]
 
 
-def _weights(path: Path) -> dict[str, mx.array]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        bins = [p.name for p in path.glob("*.bin")]
-        raise ModelLoadError(
-            f"{path} has no .safetensors"
-            + (f" (only {', '.join(bins)}: convert it to safetensors first)" if bins else "")
-        )
-    out: dict[str, mx.array] = {}
-    for f in files:
-        try:
-            out.update(mx.load(str(f)))
-        except (RuntimeError, ValueError) as e:
-            raise ModelLoadError(f"cannot read {f}: {str(e).splitlines()[0]}") from None
-    return out
-
-
-def head_nbytes(path: Path) -> int:
-    """Bytes of a head's tensors on disk (what the memory plan counts for it)."""
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
-
-
 def load_eagle3(model: nn.Module, target_config: dict, path: Path) -> Eagle3Head:
     """The EAGLE-3 head in ``path`` over ``model`` (its loaded target), in the target's dtype.
 
     model: the target as mlx-lm loaded it; target_config: its config.json; path: the head's
     directory (config.json and safetensors as published). ModelLoadError when its tensors do
     not fit its config."""
-    config = head_config(read_head_config(path), target_config, path)
-    weights = _weights(path)
+    config = head_config(read_head_config(path, "an EAGLE-3 head"), target_config, path)
+    weights = head_weights(path)
     check_embedding(config, set(weights), target_config, path)
     weights.pop("t2d", None)  # the inverse of d2t, which says everything it does
     d2t = weights.pop("d2t", None)
@@ -335,8 +289,6 @@ def load_eagle3(model: nn.Module, target_config: dict, path: Path) -> Eagle3Head
         head.map_vocabulary(d2t)
     except ValueError as e:
         raise ModelLoadError(f"the EAGLE-3 head in {path} does not fit its config: {e}") from None
-    leaves = tree_flatten(model.parameters())
-    dtype = next(v.dtype for _, v in leaves if mx.issubdtype(v.dtype, mx.floating))
-    head.set_dtype(dtype)
+    head.set_dtype(target_dtype(model))
     mx.eval(head.parameters(), head._held.to_target)
     return head

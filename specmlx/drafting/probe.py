@@ -42,21 +42,31 @@ def pass_times(model: nn.Module, ids: list[int], ns: list[int], reps: int = 3) -
 
 
 def head_step_seconds(head: nn.Module, reps: int = 3) -> float:
-    """Seconds of one step of a head over the target's hidden states (an MTP head: one pair
-    in, one token's logits out), the fastest of ``reps`` after a warm-up.
+    """Seconds of one step of a head over the target's hidden states, the fastest of
+    ``reps`` after a warm-up: a chained head's (an MTP or EAGLE-3 head: one pair in, one
+    token's logits out), or a block drafter's (DFlash: one context row in, a block of its
+    block_size out) divided by the block_size - 1 drafts it makes, so that k drafts cost k
+    steps as for the others (at the full block; a narrower one costs more per draft).
 
-    head: the head to time (an mtp.MTPHead); reps: timed repetitions, after one warm-up."""
+    head: the head to time; reps: timed repetitions, after one warm-up."""
     cache = head.make_cache()
-    hidden = mx.zeros((1, 1, head.norm.weight.shape[0]))
+    block = getattr(head, "block_size", None)
+    if block:  # one context row: the target's features at its layers, side by side
+        hidden = mx.zeros((1, 1, head.fc.weight.shape[1]))
+    else:  # a chained step's input: the head's own output, H wide
+        hidden = mx.zeros((1, 1, head.norm.weight.shape[0]))
     token = mx.zeros((1, 1), dtype=mx.uint32)
     best = float("inf")
     for rep in range(reps + 1):
         t0 = time.perf_counter()
-        mx.eval(head(hidden, token, cache))
+        if block:
+            mx.eval(head.block(hidden, token[0], block, cache))
+        else:
+            mx.eval(head(hidden, token, cache))
         if rep:
             best = min(best, time.perf_counter() - t0)
         trim(cache, 1)
-    return best
+    return best / (block - 1) if block else best
 
 
 def curve_from(times: dict[int, float], k_max: int) -> list[float]:

@@ -17,14 +17,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..core.caches import check_kinds, make_caches
 from ..core.mlx_lm_api import model_classes
-from ..drafting.eagle3 import (
-    check_embedding,
-    head_config,
-    head_nbytes,
-    load_eagle3,
-    read_head_config,
-    tensor_names,
-)
+from ..drafting import dflash, eagle3
+from ..drafting.headfiles import head_nbytes, read_head_config, tensor_names
 from ..drafting.mtp import check_family, load_mtp, without_head
 from ..errors import IncompatiblePair, ModelLoadError
 from .footprint import plan_memory, require_fit
@@ -245,32 +239,49 @@ def load_head(target: Loaded, progress: Progress | None = None) -> Loaded:
     )  # fmt: skip
 
 
-def _eagle3_plan(target: ModelSpec, where: str, registry: Registry, progress) -> tuple:
-    """An EAGLE-3 head's directory, spec and the bytes it adds to the plan (its weights and
-    its one layer's KV cache at the context limit), after checking it fits the target:
-    nothing loads when it does not."""
+def _check_eagle3(path: Path, t_config: dict, where: str, context: int) -> int:
+    c = eagle3.head_config(read_head_config(path, "an EAGLE-3 head"), t_config, where)
+    eagle3.check_embedding(c, tensor_names(path), t_config, where)
+    return 2 * c.kv_heads * c.head_dim * context * 4  # its one layer's cache, float32 at most
+
+
+def _check_dflash(path: Path, t_config: dict, where: str, context: int) -> int:
+    c = dflash.head_config(read_head_config(path, "a DFlash drafter"), t_config, where)
+    return dflash.cache_bytes(c, context)
+
+
+# a head kind of ``--draft kind:PATH|ALIAS`` -> (what it is called, its check against the
+# target's config.json returning its cache's bytes at a context, its loader)
+_HEADS = {
+    eagle3.KIND: ("EAGLE-3 head", _check_eagle3, eagle3.load_eagle3),
+    dflash.KIND: ("DFlash drafter", _check_dflash, dflash.load_dflash),
+}
+
+
+def _head_plan(kind: str, target: ModelSpec, where: str, registry: Registry, progress) -> tuple:
+    """A head's directory, spec and the bytes it adds to the plan (its weights and its cache
+    at the context limit), after checking it fits the target: nothing loads when it does
+    not. kind: a key of _HEADS; where: the PATH|ALIAS after the colon."""
     spec = registry.resolve(where)
     path = fetch(spec, progress=progress)
     t_config = peek(target, progress=progress)[0]
-    where = f"the EAGLE-3 head {spec.alias}"
-    c = head_config(read_head_config(path), t_config, where)
-    check_embedding(c, tensor_names(path), t_config, where)
-    context = registry.context_for(target)
-    kv = 2 * c.kv_heads * c.head_dim * context * 4  # float32 at most
-    return path, spec, head_nbytes(path) + kv
+    label, check, _ = _HEADS[kind]
+    cache = check(path, t_config, f"the {label} {spec.alias}", registry.context_for(target))
+    return path, spec, head_nbytes(path) + cache
 
 
-def _load_eagle3(target: Loaded, path: Path, spec: ModelSpec, progress) -> Loaded:
-    """The EAGLE-3 head in ``path`` over the loaded target, as a draft (replicated on every
-    rank, like an MTP head: the target's hidden states reach each rank whole)."""
+def _load_head_kind(kind: str, target: Loaded, path: Path, spec: ModelSpec, progress) -> Loaded:
+    """The head in ``path`` over the loaded target, as a draft (replicated on every rank,
+    like an MTP head: the target's hidden states reach each rank whole)."""
     start = time.perf_counter()
-    say(progress, f"loading the EAGLE-3 head {spec.alias} from {path}")
-    head = load_eagle3(target.model, target.config, path)
+    label, _, load = _HEADS[kind]
+    say(progress, f"loading the {label} {spec.alias} from {path}")
+    head = load(target.model, target.config, path)
     nbytes = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
     return Loaded(
-        head, target.tokenizer, dataclasses.replace(spec, alias=f"eagle3:{spec.alias}"),
+        head, target.tokenizer, dataclasses.replace(spec, alias=f"{kind}:{spec.alias}"),
         target.config, time.perf_counter() - start, nbytes, target.vocab_size,
-        f"{target.identity}|eagle3|{spec.identity}|{file_facts(path)}",
+        f"{target.identity}|{kind}|{spec.identity}|{file_facts(path)}",
     )  # fmt: skip
 
 
@@ -288,7 +299,8 @@ def load_pair(
 
     target_name, draft_name: aliases, paths or hub repos (draft None: the target alone;
         "mtp": the target checkpoint's own multi-token-prediction head, mtp.py;
-        "eagle3:PATH|ALIAS": an EAGLE-3 head over the target, eagle3.py);
+        "eagle3:PATH|ALIAS": an EAGLE-3 head over the target, eagle3.py; "dflash:PATH|ALIAS":
+        a DFlash block drafter, dflash.py);
     registry: where aliases resolve (default: the merged models.toml files); context: tokens
     to plan the KV caches for (default: the pair's context, registry.context_for); reserve:
     bytes of KV caches to plan beyond that (a server's prompt cache); group: ranks to split
@@ -305,14 +317,14 @@ def load_pair(
         t = load_model(target, progress=progress, group=group)
         return t, load_head(t, progress), t.vocab_size
     head = head_of(draft_name)
-    if head is not None:  # an EAGLE-3 head: checked against the target before either loads
-        path, spec, extra = _eagle3_plan(target, head[1], registry, progress)
+    if head is not None:  # an EAGLE-3 or DFlash head: checked against the target before loading
+        path, spec, extra = _head_plan(head[0], target, head[1], registry, progress)
         plan = plan_memory(target, None, context or registry.context_for(target),
                            reserve=reserve + extra, shards=group.size() if group is not None else 1,
                            progress=progress)  # fmt: skip
         require_fit(plan, target, None)
         t = load_model(target, progress=progress, group=group)
-        return t, _load_eagle3(t, path, spec, progress), t.vocab_size
+        return t, _load_head_kind(head[0], t, path, spec, progress), t.vocab_size
     draft = registry.resolve(draft_name) if draft_name else None
     planned = context or registry.context_for(target, draft)
     shards = group.size() if group is not None else 1

@@ -39,8 +39,8 @@ KINDS = ("hf", "local", "gguf", "wheel")
 # drafts a pair may name that are not models: none, prompt lookup, the target's own MTP head
 MTP = "mtp"
 DRAFT_WORDS = ("none", "lookup", MTP)
-# heads over the target's hidden states named as kind:PATH|ALIAS (drafting.eagle3, ...)
-HEAD_KINDS = ("eagle3",)
+# heads over the target's hidden states named as kind:PATH|ALIAS (drafting.eagle3, .dflash)
+HEAD_KINDS = ("eagle3", "dflash")
 BUILDS = ("cpu-demo", "cpu-distilled")  # stand-ins that `specmlx models build` knows how to make
 _HF_REPO = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
 WHEEL_RE = re.compile(r"^([\w.-]+)==([\w.!+-]+)#(.+)$")
@@ -48,8 +48,9 @@ WHEEL_RE = re.compile(r"^([\w.-]+)==([\w.!+-]+)#(.+)$")
 
 def head_of(draft: str | None) -> tuple[str, str] | None:
     """A draft that is a head over the target's hidden states, as (kind, where): ("mtp", "")
-    for the target's own MTP head, ("eagle3", PATH|ALIAS) for ``eagle3:PATH|ALIAS``; None for
-    a draft model or no draft. BadInput for ``eagle3:`` with nothing after it."""
+    for the target's own MTP head, ("eagle3", PATH|ALIAS) for ``eagle3:PATH|ALIAS`` (and so
+    for ``dflash:``); None for a draft model or no draft. BadInput for ``eagle3:`` with
+    nothing after it."""
     if draft == MTP:
         return MTP, ""
     kind, colon, where = (draft or "").partition(":")
