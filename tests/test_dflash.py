@@ -345,6 +345,32 @@ def test_greedy_dflash_is_token_identical(target, tmp_path, k):
     assert stats.drafted > 0 or k == "auto"
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "gemma3_text"])
+def test_greedy_dflash_on_window_and_recurrent_targets(family):
+    """A random drafter built straight from its config (its math is checked above) over
+    targets whose caches are a sliding window or recurrent state: the rounds roll the
+    target back exactly, so the output is the target's."""
+    model = build(family, 4, 0)
+    config = dflash.DFlashConfig(
+        hidden=model_width(model), layers=1, heads=4, kv_heads=2, head_dim=8, bias=False,
+        intermediate=64, eps=1e-6, rope_theta=10000.0, rope_scaling=None, max_positions=512,
+        vocab=128, block_size=6, mask_id=127, target_layers=(0, 2),
+    )  # fmt: skip
+    head = dflash.DFlashHead(model, config)
+    mx.eval(head.parameters())
+    prompt = [5, 9, 2, 77, 31, 4, 8, 40, 13, 21, 6, 3]  # past the stand-ins' window of 8
+    plain = [e.token for e in generate(model, None, prompt, max_tokens=24)]
+    stats = Stats()
+    spec = [e.token for e in generate(model, head, prompt, k=5, max_tokens=24, stats=stats)]
+    assert spec == plain and stats.drafted > 0
+
+
+def model_width(model) -> int:
+    from specmlx.core.hidden import text_model
+
+    return text_model(model).embed_tokens.weight.shape[1]
+
+
 N_DF, N_DF_WRONG = 3_000, 1_500
 
 
