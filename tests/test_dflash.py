@@ -24,6 +24,7 @@ from families import build, family_config
 from helpers import Server, generate, save_tiny, tiny_tokenizer
 from mlx.utils import tree_flatten
 from safetensors.torch import save_file
+from test_distributed import same_on_two_ranks
 from test_distribution import (
     JOINT_SAMPLING,
     JV,
@@ -39,6 +40,7 @@ import specmlx.drafting.dflash as dflash
 import specmlx.models.loading as loading
 from specmlx.cli import app
 from specmlx.core.acceptance import RULES, sampled_outcome
+from specmlx.core.hidden import HiddenTap, text_model
 from specmlx.core.kvstate import KVState
 from specmlx.core.sampling import make_processor
 from specmlx.core.stats import Stats
@@ -366,8 +368,6 @@ def test_greedy_dflash_on_window_and_recurrent_targets(family):
 
 
 def model_width(model) -> int:
-    from specmlx.core.hidden import text_model
-
     return text_model(model).embed_tokens.weight.shape[1]
 
 
@@ -393,8 +393,6 @@ def test_the_dflash_sequence_test_rejects_a_wrong_rule(small, monkeypatch):
 def _offline_keys(target, head, ctx, fed):
     """Each draft layer's context keys after feeding it the features of one fresh target
     pass over ctx, positions < fed."""
-    from specmlx.core.hidden import HiddenTap
-
     tap = HiddenTap(target, head.reads_hidden)
     with tap:
         target(mx.array(ctx)[None])
@@ -512,3 +510,12 @@ def test_bench_and_serve_with_a_dflash_drafter(tmp_path, specmlx_home):
     finally:
         code, err = s.stop()
     assert code == 0 and "Traceback" not in err, err
+
+
+def test_two_ranks_with_a_dflash_drafter_equal_one_process(tmp_path):
+    """The target split over two local ranks (mlx-lm's shard), the drafter replicated on
+    each: greedy at a fixed k, the same tokens as one process, and every round drafted and
+    kept the same tokens, so each rank's drafter read the same (whole) hidden states."""
+    t, d = _on_disk(tmp_path)
+    one = same_on_two_ranks(tmp_path, t, f"dflash:{d}", 3)
+    assert one["draft"] == "dflash:d" and one["stats"]["drafted"] > 0

@@ -24,6 +24,7 @@ from families import build, family_config
 from helpers import Server, generate, save_tiny, tiny_tokenizer
 from mlx.utils import tree_flatten
 from safetensors.torch import save_file
+from test_distributed import same_on_two_ranks
 from test_distribution import (
     JOINT_SAMPLING,
     JV,
@@ -448,3 +449,12 @@ def test_the_head_is_fed_the_right_features_and_token(tmp_path, target, monkeypa
     got = kv.draft[0].state[0][..., : kv.draft_len, :]
     want = _offline_keys(target, head, prompt + out, kv.draft_len)
     assert not mx.allclose(got, want, atol=1e-4).item()
+
+
+def test_two_ranks_with_an_eagle3_head_equal_one_process(tmp_path):
+    """The target split over two local ranks (mlx-lm's shard), the head replicated on each:
+    greedy at a fixed k, the same tokens as one process, and every round drafted and kept
+    the same tokens, so each rank's head read the same (whole) hidden states."""
+    t, h = _on_disk(tmp_path)
+    one = same_on_two_ranks(tmp_path, t, f"eagle3:{h}", 2)
+    assert one["draft"] == "eagle3:h" and one["stats"]["drafted"] > 0
