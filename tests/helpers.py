@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import random
 import signal
 import socket
@@ -19,6 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+import openai
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
@@ -474,3 +476,32 @@ def generate(target, draft, prompt, *, k=4, **settings):
     decode = Decode(k=k, **{n: v for n, v in settings.items() if n in _DECODE})
     parts = Parts(chooser=chooser, **{n: v for n, v in settings.items() if n in _PARTS})
     return generate_tokens(target, draft, prompt, decode, parts)
+
+
+def served_head_equals_no_draft(tmp_path: Path, target: Path, draft: str, k: int) -> None:
+    """The official openai client against `specmlx serve --target TARGET --draft DRAFT` (a
+    head over the target's hidden states): greedy text as with no draft, a request that
+    extends an earlier one starts on its caches (the target's and the head's), and the head
+    drafted. draft: "kind:PATH", reported as "kind:NAME" (the path's last part)."""
+    env = dict(os.environ, SPECMLX_HOME=str(tmp_path / "home"), XDG_CONFIG_HOME=str(tmp_path / "x"))
+    for name in ("SPECMLX_MODELS", "SPECMLX_SERVER", "SPECMLX_API_KEY", "SPECMLX_MEMORY_BUDGET"):
+        env.pop(name, None)
+    s = Server(env, "--target", str(target), "--draft", draft, "-k", str(k), "-q")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+        def complete(prompt, **body):
+            return client.completions.create(model="t", prompt=prompt, max_tokens=16,
+                                             temperature=0, extra_body=body)  # fmt: skip
+
+        complete("def add(a, b):\n")
+        got = complete("def add(a, b):\n    return")
+        plain = complete("def add(a, b):\n    return", draft="none")
+        spec = got.model_extra["specmlx"]
+        assert got.choices[0].text == plain.choices[0].text
+        kind, _, path = draft.partition(":")
+        assert spec["drafter"] == f"{kind}:{Path(path).name}" and spec["drafted"] > 0, spec
+        assert spec["cached_tokens"] > 0, spec
+    finally:
+        code, err = s.stop()
+    assert code == 0 and "Traceback" not in err, err

@@ -11,17 +11,15 @@ control, `specmlx run` and `serve` with ``--draft dflash:PATH``, and each misfit
 one line before the target loads. Mechanics only: random drafters say nothing about speed."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-import openai
 import pytest
 import torch
 from families import build, family_config
-from helpers import Server, generate, save_tiny, tiny_tokenizer
+from helpers import generate, save_tiny, served_head_equals_no_draft, tiny_tokenizer
 from mlx.utils import tree_flatten
 from safetensors.torch import save_file
 from test_distributed import same_on_two_ranks
@@ -489,27 +487,7 @@ def test_bench_and_serve_with_a_dflash_drafter(tmp_path, specmlx_home):
     assert all(r["same_as_target"] == "identical" for r in rows.values()), rows
     assert sum(r["drafted"] for r in result["runs"] if "dflash" in r["label"]) > 0
     assert result["draft_cost"] > 0  # a block's seconds per draft, against a target pass
-    env = dict(os.environ, SPECMLX_HOME=str(tmp_path / "home"), XDG_CONFIG_HOME=str(tmp_path / "x"))
-    for name in ("SPECMLX_MODELS", "SPECMLX_SERVER", "SPECMLX_API_KEY", "SPECMLX_MEMORY_BUDGET"):
-        env.pop(name, None)
-    s = Server(env, "--target", str(t), "--draft", f"dflash:{d}", "-k", "3", "-q")
-    try:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
-
-        def complete(prompt, **body):
-            return client.completions.create(model="t", prompt=prompt, max_tokens=16,
-                                             temperature=0, extra_body=body)  # fmt: skip
-
-        complete("def add(a, b):\n")
-        got = complete("def add(a, b):\n    return")
-        plain = complete("def add(a, b):\n    return", draft="none")
-        spec = got.model_extra["specmlx"]
-        assert got.choices[0].text == plain.choices[0].text
-        assert spec["drafter"] == "dflash:d" and spec["drafted"] > 0, spec
-        assert spec["cached_tokens"] > 0, spec
-    finally:
-        code, err = s.stop()
-    assert code == 0 and "Traceback" not in err, err
+    served_head_equals_no_draft(tmp_path, t, f"dflash:{d}", 3)
 
 
 def test_two_ranks_with_a_dflash_drafter_equal_one_process(tmp_path):

@@ -36,6 +36,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..core.hidden import text_model
@@ -209,17 +210,6 @@ class _Attention(nn.Module):
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
-class _MLP(nn.Module):
-    def __init__(self, c: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden, c.intermediate, bias=False)
-        self.up_proj = nn.Linear(c.hidden, c.intermediate, bias=False)
-        self.down_proj = nn.Linear(c.intermediate, c.hidden, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Layer(nn.Module):
     """The reference's ``Qwen3DFlashDecoderLayer``: the context enters its attention as it
     is (hidden_norm'd once, never input_layernorm'd)."""
@@ -229,7 +219,7 @@ class _Layer(nn.Module):
         self.input_layernorm = nn.RMSNorm(c.hidden, eps=c.eps)
         self.self_attn = _Attention(c)
         self.post_attention_layernorm = nn.RMSNorm(c.hidden, eps=c.eps)
-        self.mlp = _MLP(c)
+        self.mlp = MLP(c.hidden, c.intermediate)  # mlx-lm's SwiGLU, the same names
 
     def __call__(self, x: mx.array, cache: KVCache) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), cache)
