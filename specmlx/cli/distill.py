@@ -62,22 +62,44 @@ def show_distill(events, console) -> dict:
     return done
 
 
+_HEAD_NAMES = {"eagle3": "EAGLE-3 head", "dflash": "DFlash drafter"}
+
+
+def what_was_trained(facts: dict) -> str:
+    """One line naming what a finished run trained (a student's blocks, or a head's shape)."""
+    tail = (
+        f"{facts['trained_params'] / 1e6:.0f}M trained, {facts['train_tokens']} tokens, "
+        f"{facts['seconds'] / 60:.1f} min"
+    )
+    kind = facts.get("kind", "student")
+    if kind == "student":
+        return (
+            f"student: {len(facts['picks'])} of {facts['target_layers']} blocks "
+            f"(from {facts['picks']}), {facts['student_params'] / 1e6:.0f}M params, {tail}"
+        )
+    shape = (
+        f"{facts['width']} wide, a {facts['draft_vocab']}-id vocabulary, unrolled "
+        f"{facts['depth']} steps"
+        if kind == "eagle3"
+        else f"{facts['layers']} layers, blocks of {facts['block']}"
+    )
+    return (
+        f"{_HEAD_NAMES[kind]}: reads target layers {facts['reads']}, {shape}, "
+        f"{facts['head_params'] / 1e6:.0f}M params, {tail}"
+    )
+
+
 def distill_summary(out: Path, console: Console) -> None:
-    """Print a finished run's facts from ``out``/distill.json: the student's size, the
-    held-out agreement, alpha and KL before and after, the throughput.
+    """Print a finished run's facts from ``out``/distill.json: what was trained, the
+    held-out agreement, alpha and KL before and after (by depth for a head), the throughput.
 
     out: the run's directory; console: where to print (stdout's: the facts are what the
     command was run for)."""
+    from ..distill.heads import depth_line
+
     facts = json.loads((out / "distill.json").read_text())
     first, last = facts["evals"][0], facts["evals"][-1]
-    console.print(
-        f"student: {len(facts['picks'])} of {facts['target_layers']} blocks "
-        f"(from {facts['picks']}), {facts['student_params'] / 1e6:.0f}M params, "
-        f"{facts['trained_params'] / 1e6:.0f}M trained, {facts['train_tokens']} tokens, "
-        f"{facts['seconds'] / 60:.1f} min",
-        soft_wrap=True,
-        markup=False,
-    )
+    console.print(what_was_trained(facts), soft_wrap=True, markup=False)
     console.print(
         f"held-out: greedy agreement {first['greedy']:.1%} -> {last['greedy']:.1%}, "
         f"alpha (T = 1) {first['alpha']:.1%} -> {last['alpha']:.1%}, "
@@ -85,6 +107,10 @@ def distill_summary(out: Path, console: Console) -> None:
         soft_wrap=True,
         markup=False,
     )
+    by_depth = depth_line(last)
+    if len(by_depth) > 1:
+        shown = ", ".join(f"{g:.0%}" for g in by_depth)
+        console.print(f"held-out greedy agreement by depth: {shown}", soft_wrap=True, markup=False)
     rates = [
         f"{name} {facts[key]:.0f} tok/s"
         for name, key in (
@@ -101,7 +127,18 @@ def distill_summary(out: Path, console: Console) -> None:
 def distill(
     target: str = typer.Option(..., "--target", "-t", help="Target (teacher) alias or path."),
     out: Path = typer.Option(..., "--out", "-o", help="Directory for the student model."),
-    layers: int = typer.Option(4, "--layers", help="The student's blocks."),
+    layers: int | None = typer.Option(
+        None, "--layers", help="The student's blocks (4), or a DFlash drafter's layers (1)."
+    ),
+    head: str | None = typer.Option(
+        None, "--head", help="Train a head over the target's hidden states: eagle3 or dflash."
+    ),
+    depth: int = typer.Option(3, "--depth", help="EAGLE-3: training-time-test steps."),
+    draft_vocab: int = typer.Option(
+        0, "--draft-vocab", help="EAGLE-3: its vocabulary (0: 32000 or the target's)."
+    ),
+    width: int = typer.Option(0, "--width", help="EAGLE-3: its hidden size (0: the target's)."),
+    block: int = typer.Option(16, "--block", help="DFlash: the block size it drafts."),
     init: str = typer.Option("spaced", "--init", help="spaced | first | random blocks."),
     loss: str = typer.Option("kl", "--loss", help="kl (forward KL) or tvd."),
     data: str = typer.Option("stdlib", "--data", help="'stdlib', a text file or a directory."),
@@ -124,8 +161,9 @@ def distill(
     force: bool = typer.Option(False, "--force", help="Start over in a non-empty --out."),
 ) -> None:
     """Train a draft for a target by distillation (DistillSpec): its embeddings and head,
-    L of its blocks, trained on its own next-token distributions; writes an MLX model dir
-    and a models.toml that pairs it with the target."""
+    L of its blocks, trained on its own next-token distributions; or, with --head, an
+    EAGLE-3 head or DFlash drafter over its hidden states. Writes an MLX model dir (a head
+    in its published layout) and a models.toml that pairs it with the target."""
     from ..distill.student import DistillConfig, data_files
     from ..distill.train import distill as run_distill
     from ..distill.train import is_done, registry_entry
@@ -134,7 +172,8 @@ def distill(
     from ..paths import atomic_write
 
     config = DistillConfig(
-        layers=layers, init=init, loss=loss, data_from=data_from, top_k=top_k,
+        layers=layers if layers is not None else (1 if head else 4), head=head or "",
+        depth=depth, draft_vocab=draft_vocab, width=width, block=block, init=init, loss=loss, data_from=data_from, top_k=top_k,
         data_tokens=data_tokens, heldout_tokens=heldout_tokens, steps=steps, batch=batch,
         seq_len=seq_len, lr=lr, warmup=warmup, seed=seed, eval_every=eval_every,
         save_every=save_every,
@@ -161,13 +200,16 @@ def distill(
             say(f"stopped; the last checkpoint is in {out}: --resume continues from it")
         raise
     assert is_done(out)
-    label = f"distilled from {spec.alias}: {config.layers} blocks, {config.steps} steps"
-    atomic_write(out / "models.toml", registry_entry(alias, out, tname, source, label))
+    what = f"a {config.head} head" if config.head else f"{config.layers} blocks"
+    label = f"distilled from {spec.alias}: {what}, {config.steps} steps"
+    entry = registry_entry(alias, out, tname, source, label, config.head)
+    atomic_write(out / "models.toml", entry)
     report = out_console()
     distill_summary(out, report)
     report.print(f"[green]ready:[/green] {escape(str(out))}", soft_wrap=True)
+    draft = f"{config.head}:{alias}" if config.head else alias
     report.print(
-        f"  SPECMLX_MODELS={out / 'models.toml'} specmlx run --target {tname} --draft {alias} "
+        f"  SPECMLX_MODELS={out / 'models.toml'} specmlx run --target {tname} --draft {draft} "
         "'def fib(n):'",
         soft_wrap=True,
         markup=False,

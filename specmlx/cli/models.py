@@ -48,12 +48,13 @@ def models_pull(alias: str = typer.Argument(..., help="Alias to download or quan
 @cli_errors
 def models_build(
     name: str = typer.Argument(
-        ..., help="What to build: cpu-demo, cpu-distilled (or one of their aliases)."
+        ..., help="What to build: cpu-demo, cpu-distilled, cpu-eagle3 (or their aliases)."
     ),
     force: bool = typer.Option(False, "--force", help="Rebuild even if it is complete."),
 ) -> None:
-    """Build a stand-in that specmlx makes itself from SmolLM2: the CPU demo pair, or the
-    distilled CPU pair (the demo target and a 4-block student trained for it)."""
+    """Build a stand-in that specmlx makes itself from SmolLM2: the CPU demo pair, the
+    distilled CPU pair (the demo target and a 4-block student trained for it), or an
+    EAGLE-3 head trained for the demo target."""
     from ..models.registry import BUILDS, load_registry
     from ..standins.cpu_demo import build_demo, describe
 
@@ -71,6 +72,8 @@ def models_build(
         out.print(line, soft_wrap=True, markup=False)
     if builder == "cpu-distilled":
         _build_distilled(registry, force, console, out, say)
+    if builder == "cpu-eagle3":
+        _build_eagle3(registry, force, console, out, say)
     out.print(f"[green]ready:[/green] {builder}")
 
 
@@ -108,4 +111,30 @@ def _build_distilled(registry, force: bool, console, report, say) -> None:
     teacher = load_model(registry.resolve("smollm2-135m"), progress=say)
     teacher.model.set_dtype(mx.float32)  # the demo target's weights, at its precision
     show_distill(distill(teacher, out, c, "stdlib", resume=resume, force=True), console)
+    distill_summary(out, report)
+
+
+def _build_eagle3(registry, force: bool, console, report, say) -> None:
+    """The demo target's EAGLE-3 head: CPU_EAGLE3's run over cpu-demo-target's own features
+    on the standard library; an interrupted build resumes. Arguments as _build_distilled's."""
+    from ..distill.train import distill, is_done
+    from ..models.loading import load_model
+    from ..standins.cpu_distilled import CPU_EAGLE3, CPU_EAGLE3_RATES, cost_seconds, eagle3_dir
+
+    out = eagle3_dir()
+    if is_done(out) and not force:
+        say(f"already built: {out} (--force rebuilds)")
+        distill_summary(out, report)
+        return
+    c = CPU_EAGLE3
+    resume = (out / "checkpoint" / "state.json").is_file() and not force
+    say(
+        f"training {out}: an EAGLE-3 head ({c.width} wide, a {c.draft_vocab}-id vocabulary) "
+        f"over cpu-demo-target's layers on the standard library's source ({c.data_tokens} "
+        f"tokens labelled, {c.steps} steps of {c.batch} x {c.seq_len}, unrolled {c.depth} "
+        f"deep); about 0.05 GB on disk, about {cost_seconds(c, CPU_EAGLE3_RATES) / 60:.0f} min "
+        f"on a 2-core x86 CPU{' (resuming)' if resume else ''}"
+    )
+    target = load_model(registry.resolve("cpu-demo-target"), progress=say)
+    show_distill(distill(target, out, c, "stdlib", resume=resume, force=True), console)
     distill_summary(out, report)

@@ -10,7 +10,7 @@ import importlib
 import math
 import re
 import sysconfig
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +21,12 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..core.hidden import HiddenTap
 from ..errors import BadInput
 from ..models.loading import Loaded
 
 INITS = ("spaced", "first", "random")
+HEADS = ("", "eagle3", "dflash")  # "" trains a student model; the others a head (heads.py)
 LOSSES = ("kl", "tvd")
 DATA_FROM = ("files", "target")
 PROMPT_LEN = 16  # with data_from="target": the data's first tokens, then the target writes on
@@ -46,7 +48,13 @@ class DistillConfig:
     steps of batch sequences of seq_len tokens; lr, warmup: AdamW's peak learning rate after
     a linear warm-up of warmup steps, then cosine decay to lr / 10; seed: data order, the
     held-out split and random init; eval_every, save_every: steps between estimates and
-    between checkpoints (0: only at the end)."""
+    between checkpoints (0: only at the end).
+
+    head: "" (a student model), "eagle3" or "dflash" (a head over the target's hidden
+    states, heads.py; ``layers`` is then DFlash's decoder layers, EAGLE-3 has one); depth:
+    EAGLE-3's training-time-test steps (the head is unrolled that far each step); draft_vocab:
+    EAGLE-3's vocabulary (0: 32000 or the target's if smaller); width: EAGLE-3's hidden size
+    (0: the target's); block: DFlash's block size (at most block - 1 drafts a round)."""
 
     layers: int = 4
     init: str = "spaced"
@@ -63,6 +71,11 @@ class DistillConfig:
     seed: int = 0
     eval_every: int = 50
     save_every: int = 50
+    head: str = ""
+    depth: int = 3
+    draft_vocab: int = 0
+    width: int = 0
+    block: int = 16
 
     def check(self, target_layers: int) -> None:
         """Raise BadInput naming the first value that cannot work with this target."""
@@ -71,9 +84,26 @@ class DistillConfig:
                 f"--layers must be 1..{target_layers} (the target has {target_layers} blocks); "
                 f"got {self.layers}"
             )
-        for name, allowed in (("init", INITS), ("loss", LOSSES), ("data_from", DATA_FROM)):
+        if self.head == "mtp":
+            raise BadInput(
+                "--head mtp is not trained here: MTP heads ship trained inside their "
+                "checkpoints (--draft mtp); train an eagle3 head instead"
+            )
+        for name, allowed in (
+            ("init", INITS), ("loss", LOSSES), ("data_from", DATA_FROM), ("head", HEADS)
+        ):  # fmt: skip
             if getattr(self, name) not in allowed:
-                raise BadInput(f"--{name.replace('_', '-')} must be one of {', '.join(allowed)}")
+                shown = ", ".join(a for a in allowed if a)
+                raise BadInput(f"--{name.replace('_', '-')} must be one of {shown}")
+        if self.head == "eagle3" and self.layers != 1:
+            raise BadInput("--layers must be 1 for an EAGLE-3 head (it has one decoder layer)")
+        if self.head and self.init != "spaced":
+            raise BadInput("--init picks a student's blocks: a head starts as heads.py says")
+        for name, low in (("depth", 1), ("block", 2), ("draft_vocab", 0), ("width", 0)):
+            if getattr(self, name) < low:
+                raise BadInput(f"--{name.replace('_', '-')} must be >= {low}")
+        if self.head == "dflash" and self.seq_len < self.block + 1:
+            raise BadInput("--seq-len must be past --block (a block and its context in a row)")
         floor = PROMPT_LEN + 1 if self.data_from == "target" else 2
         for name, low in (("top_k", 1), ("steps", 1), ("batch", 1), ("seq_len", floor)):
             if getattr(self, name) < low:
@@ -176,15 +206,45 @@ def top_logprobs(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     return idx, logp
 
 
+FEATURES_DTYPE = mx.bfloat16  # a target's features as kept: float32's range (residual
+# streams reach 1e4, past float16's comfort) in half the bytes
+
+
+def teacher_pass(teacher: nn.Module, x: mx.array, tap: HiddenTap | None):
+    """The teacher's logits on x (B, L) and, with a tap, its features there (B, L, F) in
+    FEATURES_DTYPE (None without one): one pass gives both."""
+    if tap is None:
+        return teacher(x), None
+    with tap:
+        logits = teacher(x)
+    return logits, tap.features().astype(FEATURES_DTYPE)
+
+
 def label(
-    teacher: nn.Module, rows: np.ndarray, k: int, batch: int
-) -> Iterator[tuple[int, mx.array, mx.array]]:
+    teacher: nn.Module, rows: np.ndarray, k: int, batch: int, reads: tuple = ()
+) -> Iterator[tuple[int, dict[str, mx.array]]]:
     """The teacher's top-k at every position of rows (N, L), batch rows a pass: yields
-    (rows done, idx (n, L, k), logp (n, L, k)) per pass."""
+    (rows done, {"idx": (n, L, k), "logp": (n, L, k)}) per pass, with "feats" (n, L, F): its
+    hidden states at ``reads`` (hidden.HiddenTap's places) side by side, when it names any."""
+    tap = HiddenTap(teacher, reads) if reads else None
     for start in range(0, len(rows), batch):
-        idx, logp = top_logprobs(teacher(mx.array(rows[start : start + batch])), k)
-        mx.eval(idx, logp)
-        yield min(start + batch, len(rows)), idx, logp
+        logits, feats = teacher_pass(teacher, mx.array(rows[start : start + batch]), tap)
+        idx, logp = top_logprobs(logits, k)
+        out = {"idx": idx, "logp": logp, **({"feats": feats} if feats is not None else {})}
+        mx.eval(out)
+        yield min(start + batch, len(rows)), out
+
+
+def features(
+    teacher: nn.Module, rows: np.ndarray, batch: int, reads: tuple
+) -> Iterator[tuple[int, mx.array]]:
+    """The teacher's features at ``reads`` on rows (N, L), batch rows a pass: yields (rows
+    done, feats (n, L, F)) per pass (for rows labelled elsewhere, as on-policy ones are)."""
+    tap = HiddenTap(teacher, reads)
+    for start in range(0, len(rows), batch):
+        _, feats = teacher_pass(teacher, mx.array(rows[start : start + batch]), tap)
+        mx.eval(feats)
+        yield min(start + batch, len(rows)), feats
 
 
 def sample_rows(
@@ -244,11 +304,11 @@ def student_config(config: dict, picks: list[int]) -> dict:
     return out
 
 
-def make_student(target: Loaded, config: DistillConfig) -> tuple[nn.Module, dict, list[int]]:
-    """The student model (float32, only its blocks and final norm trainable), its config and
-    the target blocks it started from. Raises BadInput for targets it cannot cut down."""
-    tconfig = target.config
-    n = tconfig.get("num_hidden_layers")
+def check_target(target: Loaded, config: DistillConfig) -> int:
+    """What every run asks of its target (BadInput otherwise): a top-level depth, a top-k
+    within its vocabulary, float weights; the settings checked against its depth. Returns
+    its depth."""
+    n = target.config.get("num_hidden_layers")
     if not isinstance(n, int):
         raise BadInput(
             f"{target.spec.alias}: its config has no top-level num_hidden_layers "
@@ -259,9 +319,17 @@ def make_student(target: Loaded, config: DistillConfig) -> tuple[nn.Module, dict
         raise BadInput(f"--top-k must be <= the vocabulary ({target.vocab_size})")
     if _is_quantized(target.model):
         raise BadInput(
-            f"{target.spec.alias} is quantized: distill from its float weights (the student "
-            "trains in float32)"
+            f"{target.spec.alias} is quantized: distill from its float weights (what is "
+            "trained is float32)"
         )
+    return n
+
+
+def make_student(target: Loaded, config: DistillConfig) -> tuple[nn.Module, dict, list[int]]:
+    """The student model (float32, only its blocks and final norm trainable), its config and
+    the target blocks it started from. Raises BadInput for targets it cannot cut down."""
+    tconfig = target.config
+    n = check_target(target, config)
     picks = pick_blocks(n, config.layers, config.init)
     sconfig = student_config(tconfig, picks)
     module = importlib.import_module(type(target.model).__module__)
@@ -325,33 +393,103 @@ def trainable(student: nn.Module) -> dict[str, mx.array]:
     return dict(tree_flatten(student.trainable_parameters()))
 
 
+@dataclass
+class Trainee:
+    """What a run trains, and how (distill.py runs it): a student model here, a head in
+    heads.py.
+
+    model: what the steps train (its trainable parameters); reads: the target places its
+    features are read at (hidden.HiddenTap's; () for a student); loss: a step's loss on a
+    batch of the labels' arrays ("rows", "idx", "logp", "feats" where read, and what
+    ``extra`` adds); estimate: the held-out estimates from {"rows", "p", "feats"}; extra:
+    per-step arrays drawn from (seed, step) alone (DFlash's anchors); save: write the
+    finished model's files into a directory; facts: what distill.json says of it."""
+
+    model: nn.Module
+    reads: tuple
+    loss: Callable[[dict[str, mx.array]], mx.array]
+    estimate: Callable[[dict[str, mx.array]], dict[str, float]]
+    save: Callable[[Path], None]
+    facts: dict
+    extra: Callable[[int, int], dict[str, mx.array]] = lambda step, batch: {}
+
+
+def student_trainee(target: Loaded, config: DistillConfig) -> Trainee:
+    """A student cut from the target (make_student) as a run's trainee. BadInput as there."""
+    from mlx_lm.utils import save_config, save_model
+
+    student, sconfig, picks = make_student(target, config)
+    loss_fn = LOSS[config.loss]
+
+    def save(out: Path) -> None:
+        save_model(out, student)
+        save_config(dict(sconfig), out / "config.json")
+        target.tokenizer.save_pretrained(str(out))
+
+    return Trainee(
+        model=student,
+        reads=(),
+        loss=lambda b: loss_fn(student(b["rows"]).astype(mx.float32), b["idx"], b["logp"]),
+        estimate=lambda h: estimate(student, h["rows"], h["p"]),
+        save=save,
+        facts={
+            "kind": "student",
+            "picks": picks,
+            "student_params": sum(v.size for _, v in tree_flatten(student.parameters())),
+            "trained_params": sum(v.size for v in trainable(student).values()),
+        },
+    )
+
+
 # ---------------------------------------------------------------- losses and estimates
 
 
-def kl_loss(logits: mx.array, idx: mx.array, logp: mx.array) -> mx.array:
+def _masked_mean(x: mx.array, valid: mx.array | None) -> mx.array:
+    # the mean of x (B, L) over the positions ``valid`` (broadcastable to x) marks
+    if valid is None:
+        return mx.mean(x)
+    valid = mx.broadcast_to(valid, x.shape).astype(x.dtype)
+    return mx.sum(x * valid) / mx.maximum(mx.sum(valid), 1)
+
+
+def kl_loss(
+    logits: mx.array, idx: mx.array, logp: mx.array, keep: mx.array | None = None,
+    valid: mx.array | None = None,
+) -> mx.array:  # fmt: skip
     """Forward KL(p || q) at T = 1 (DistillSpec's FKL) over the partition {each of the
     teacher's top-k ids, all the rest}: sum_i p_i log(p_i / q_i) + p_rest log(p_rest /
     q_rest), mean over positions. A lower bound on KL(p || q), exact when p's mass is in its
     top-k; the rest term keeps the student from parking mass on ids the teacher never keeps.
-    logits (B, L, V) the student's; idx, logp (B, L, k) the teacher's top-k log-probs."""
+    logits (B, L, V) the student's; idx, logp (B, L, k) the teacher's top-k: their columns of
+    logits and log-probs; keep (B, L, k): which of them the student has a column for (a head
+    with a narrower vocabulary: the others join the rest; None: all); valid (B, L): the
+    positions averaged over (None: all)."""
     lq = logits - mx.logsumexp(logits, -1, keepdims=True)  # (B, L, V)
     lq_k = mx.take_along_axis(lq, idx, axis=-1)  # (B, L, k)
     p_k = mx.exp(logp)
+    if keep is not None:
+        p_k, lq_k = mx.where(keep, p_k, 0.0), mx.where(keep, lq_k, 0.0)
+    q_k = mx.exp(lq_k) if keep is None else mx.where(keep, mx.exp(lq_k), 0.0)
     p_rest = mx.maximum(1 - mx.sum(p_k, -1), 0.0)  # (B, L)
-    q_rest = mx.maximum(1 - mx.sum(mx.exp(lq_k), -1), 1e-12)
+    q_rest = mx.maximum(1 - mx.sum(q_k, -1), 1e-12)
     rest = p_rest * (mx.log(mx.maximum(p_rest, 1e-12)) - mx.log(q_rest))
-    return mx.mean(mx.sum(p_k * (logp - lq_k), -1) + rest)
+    return _masked_mean(mx.sum(p_k * (logp - lq_k), -1) + rest, valid)
 
 
-def tvd_loss(logits: mx.array, idx: mx.array, logp: mx.array) -> mx.array:
+def tvd_loss(
+    logits: mx.array, idx: mx.array, logp: mx.array, keep: mx.array | None = None,
+    valid: mx.array | None = None,
+) -> mx.array:  # fmt: skip
     """Total variation between p and q over the partition {each top-k id, all the rest}:
     1/2 (sum_i |p_i - q_i| + |p_rest - q_rest|), a lower bound on TVD(p, q) that is exact
     when p's mass is in its top-k. 1 - TVD is the acceptance rate at T = 1, which is why
-    DistillSpec tries it. Shapes as kl_loss."""
+    DistillSpec tries it. Arguments as kl_loss."""
     lq = logits - mx.logsumexp(logits, -1, keepdims=True)
     q_k, p_k = mx.exp(mx.take_along_axis(lq, idx, axis=-1)), mx.exp(logp)
+    if keep is not None:
+        q_k, p_k = mx.where(keep, q_k, 0.0), mx.where(keep, p_k, 0.0)
     rest = mx.abs(mx.sum(q_k, -1) - mx.sum(p_k, -1))  # |p_rest - q_rest|
-    return mx.mean(0.5 * (mx.sum(mx.abs(p_k - q_k), -1) + rest))
+    return _masked_mean(0.5 * (mx.sum(mx.abs(p_k - q_k), -1) + rest), valid)
 
 
 LOSS = {"kl": kl_loss, "tvd": tvd_loss}
@@ -371,11 +509,16 @@ def estimate(student: nn.Module, heldout: mx.array, p: mx.array) -> dict[str, fl
     return {"greedy": agree.item(), "alpha": alpha.item(), "kl": kl.item()}
 
 
-def teacher_probs(teacher: nn.Module, heldout: mx.array, batch: int) -> mx.array:
-    """The teacher's full next-token probabilities on the held-out rows, float16 (H, L, V)."""
-    parts = []
+def teacher_probs(
+    teacher: nn.Module, heldout: mx.array, batch: int, reads: tuple = ()
+) -> tuple[mx.array, mx.array | None]:
+    """The teacher's full next-token probabilities on the held-out rows, float16 (H, L, V),
+    and its features at ``reads`` there (H, L, F) (None when it names none)."""
+    tap = HiddenTap(teacher, reads) if reads else None
+    parts, feats = [], []
     for start in range(0, heldout.shape[0], batch):
-        logits = teacher(heldout[start : start + batch]).astype(mx.float32)
-        parts.append(mx.softmax(logits, -1).astype(mx.float16))
-        mx.eval(parts[-1])  # a chunk at a time: the (H, L, V) float32 logits never all exist
-    return mx.concatenate(parts)
+        logits, f = teacher_pass(teacher, heldout[start : start + batch], tap)
+        parts.append(mx.softmax(logits.astype(mx.float32), -1).astype(mx.float16))
+        feats += [f] if f is not None else []
+        mx.eval(parts[-1], feats)  # a chunk at a time: the (H, L, V) float32 logits never all exist
+    return mx.concatenate(parts), (mx.concatenate(feats) if feats else None)

@@ -2,15 +2,18 @@
 
 The student is the target cut down: the target's own embeddings, final norm and LM head (so
 the vocabulary is the same by construction) and L of its blocks, picked evenly (same widths),
-trained with MLX to match the target's next-token distribution. The target labels the data
-once: the top-k of its log-probabilities at every position, kept on disk with the run, so a
-step costs one student pass and its backward pass, and a resumed run reads the same labels.
+trained with MLX to match the target's next-token distribution. Or, with ``--head``, a head
+over the target's hidden states (EAGLE-3 or DFlash, heads.py) trained to match the same
+distributions from the target's features. The target labels the data once: the top-k of its
+log-probabilities at every position (and, for a head, its features at the head's layers),
+kept on disk with the run, so a step costs one pass of what is trained and its backward pass,
+and a resumed run reads the same labels.
 
-    data (token ids)  ->  teacher top-k (N, L, k)  ->  student steps  ->  an MLX model dir
+    data (token ids)  ->  teacher top-k (N, L, k) [+ features]  ->  steps  ->  a model dir
 
 The run is a generator of `Event`s; the CLI draws them. Nothing here prints. Here the
-resumable run (labels cached on disk, checkpoints, the finished model directory); what it
-trains with (the settings, data, labels, student and losses) is in distill_student.py.
+resumable run (labels cached on disk, checkpoints, the finished directory); what it trains
+(the settings, data, labels, losses; the student, student.py; the heads, heads.py) is apart.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,14 +35,15 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..errors import BadInput
 from ..models.loading import Loaded
 from ..paths import atomic_write, load_json
+from .heads import head_trainee
 from .student import (
-    LOSS,
     DistillConfig,
-    estimate,
+    Trainee,
+    features,
     label,
-    make_student,
     read_data,
     sample_rows,
+    student_trainee,
     teacher_probs,
     trainable,
 )
@@ -88,11 +91,11 @@ def _save_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def save_checkpoint(out: Path, student, opt, state: dict) -> None:
+def save_checkpoint(out: Path, model, opt, state: dict) -> None:
     """Trainable weights, AdamW's state and the run's state under out/checkpoint, atomically."""
     tmp = out / f".checkpoint.tmp{time.monotonic_ns()}"
     tmp.mkdir(parents=True)
-    mx.save_safetensors(str(tmp / "student.safetensors"), trainable(student))
+    mx.save_safetensors(str(tmp / "student.safetensors"), trainable(model))
     mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(opt.state)))
     (tmp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
     _save_dir(tmp, out / "checkpoint")
@@ -130,29 +133,35 @@ def _open_run(out: Path, key: dict, resume: bool, force: bool) -> dict | None:
     return state
 
 
-def _labels(teacher, rows: np.ndarray, config: DistillConfig, out: Path, rates: dict, clock):
-    """The training rows and the teacher's top-k on them, from out/labels.safetensors or
-    made now (and saved there); yields "label" Events, returns {"rows", "idx", "logp"}."""
+def _labels(teacher, rows: np.ndarray, config: DistillConfig, reads: tuple, out: Path,
+            rates: dict, clock):  # fmt: skip
+    """The training rows and the teacher's top-k on them (and its features at ``reads``), from
+    out/labels.safetensors or made now (and saved there); yields "label" Events, returns
+    {"rows", "idx", "logp"} (and "feats")."""
     labels = _load_labels(out / "labels.safetensors")
     if labels is not None and labels["rows"].shape[0] == len(rows):
         return labels
-    idxs, logps, made, since = [], [], [], clock()
+    parts: dict[str, list] = {}
+    made, since = [], clock()
     if config.data_from == "target":
         for done, toks, idx, logp in sample_rows(
             teacher, rows, config.top_k, config.batch, config.seed
         ):
             made.append(toks)
-            idxs.append(idx)
-            logps.append(logp)
+            parts.setdefault("idx", []).append(idx)
+            parts.setdefault("logp", []).append(logp)
             yield Event("label", done, len(rows), seconds=clock())
         rows = np.concatenate(made)
+        for done, feats in features(teacher, rows, config.batch, reads) if reads else ():
+            parts.setdefault("feats", []).append(feats)  # a second pass, over what it wrote
+            yield Event("label", done, len(rows), seconds=clock())
     else:
-        for done, idx, logp in label(teacher, rows, config.top_k, config.batch):
-            idxs.append(idx)
-            logps.append(logp)
+        for done, got in label(teacher, rows, config.top_k, config.batch, reads):
+            for name, value in got.items():
+                parts.setdefault(name, []).append(value)
             yield Event("label", done, len(rows), seconds=clock())
     rates["label_tokens"], rates["label_seconds"] = int(rows.size), clock() - since
-    labels = {"rows": mx.array(rows), "idx": mx.concatenate(idxs), "logp": mx.concatenate(logps)}
+    labels = {"rows": mx.array(rows), **{k: mx.concatenate(v) for k, v in parts.items()}}
     tmp = out / f".labels.tmp{time.monotonic_ns()}.safetensors"
     mx.save_safetensors(str(tmp), labels)
     tmp.rename(out / "labels.safetensors")
@@ -168,74 +177,68 @@ def distill(
     resume: bool = False,
     force: bool = False,
 ) -> Iterator[Event]:
-    """Train a student for `target`, writing an MLX model directory to `out`.
+    """Train a student (or, with config.head, a head) for `target`, writing its directory to
+    `out`.
 
-    target: the loaded teacher (float weights); out: the directory (the model and
+    target: the loaded teacher (float weights); out: the directory (the model or head and
     distill.json; while it runs, labels.safetensors and checkpoint/); config: what to train
     (DistillConfig); data: "stdlib", a text file or a directory of them; resume: continue
     from out/checkpoint (it must come from the same target, data and config); force: start
     over in a directory that holds a run. Yields Events as it goes; the last is "done" with
     the final held-out estimates. Raises BadInput for what cannot run."""
     out = Path(out).expanduser()
-    student, sconfig, picks = make_student(target, config)
+    yield Event("data")
+    rows, held = read_data(data, target.tokenizer, config)
+    trainee = head_trainee(target, config, rows) if config.head else student_trainee(target, config)
+    model = trainee.model
     key = _run_key(target, config, data)
     state = _open_run(out, key, resume, force)
     start, before = time.perf_counter(), (state or {}).get("seconds", 0.0)
     clock = lambda: before + time.perf_counter() - start  # noqa: E731
     rates = dict((state or {}).get("rates", {}))  # tokens and seconds of each kind of pass
 
-    yield Event("data", seconds=clock())
-    rows, held = read_data(data, target.tokenizer, config)
-    labels = yield from _labels(target.model, rows, config, out, rates, clock)
-    heldout = mx.array(held)
-    p_held = teacher_probs(target.model, heldout, config.batch)
+    labels = yield from _labels(target.model, rows, config, trainee.reads, out, rates, clock)
+    p_held, f_held = teacher_probs(target.model, mx.array(held), config.batch, trainee.reads)
+    heldout = {"rows": mx.array(held), "p": p_held, **({"feats": f_held} if trainee.reads else {})}
 
     opt = optim.AdamW(learning_rate=_schedule(config), weight_decay=0.0)
     step, evals = 0, []
     if state is not None:
         ckpt = out / "checkpoint"
-        student.load_weights(list(mx.load(str(ckpt / "student.safetensors")).items()), False)
+        model.load_weights(list(mx.load(str(ckpt / "student.safetensors")).items()), False)
         opt.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
         step, evals = state["step"], state["evals"]
     else:
-        evals.append(
-            {"step": 0, "seconds": round(clock(), 1), **estimate(student, heldout, p_held)}
-        )
+        evals.append({"step": 0, "seconds": round(clock(), 1), **trainee.estimate(heldout)})
         yield Event("eval", 0, config.steps, metrics=evals[-1], seconds=clock())
 
-    def loss_of(model, x, idx, logp):
-        return LOSS[config.loss](model(x).astype(mx.float32), idx, logp)
-
-    value_and_grad = nn.value_and_grad(student, loss_of)
+    value_and_grad = nn.value_and_grad(model, trainee.loss)
     n = labels["rows"].shape[0]
     while step < config.steps:
         tick = time.perf_counter()
         take = mx.array(batch_rows(config, step, n))  # (batch,) row ids
-        loss, grads = value_and_grad(
-            student, labels["rows"][take], labels["idx"][take], labels["logp"][take]
-        )
-        opt.update(student, grads)
-        mx.eval(student.trainable_parameters(), opt.state, loss)
+        batch = {name: value[take] for name, value in labels.items()}
+        loss, grads = value_and_grad({**batch, **trainee.extra(step, config.batch)})
+        opt.update(model, grads)
+        mx.eval(model.trainable_parameters(), opt.state, loss)
         step += 1
         rates["step_tokens"] = rates.get("step_tokens", 0) + config.batch * config.seq_len
         rates["step_seconds"] = rates.get("step_seconds", 0.0) + time.perf_counter() - tick
         yield Event("train", step, config.steps, loss=loss.item(), seconds=clock())
         if step == config.steps or (config.eval_every and step % config.eval_every == 0):
-            metrics = estimate(student, heldout, p_held)
+            metrics = trainee.estimate(heldout)
             evals.append({"step": step, "seconds": round(clock(), 1), **metrics})
             yield Event("eval", step, config.steps, metrics=metrics, seconds=clock())
         if step < config.steps and config.save_every and step % config.save_every == 0:
             state = {"key": key, "step": step, "seconds": clock(), "evals": evals, "rates": rates}
-            save_checkpoint(out, student, opt, state)
+            save_checkpoint(out, model, opt, state)
             yield Event("saved", step, config.steps, seconds=clock())
 
     facts = {
         "target": target.spec.alias,
         "target_identity": key["target"],
-        "picks": picks,
+        **trainee.facts,
         "target_layers": target.config["num_hidden_layers"],
-        "student_params": sum(v.size for _, v in tree_flatten(student.parameters())),
-        "trained_params": sum(v.size for v in trainable(student).values()),
         "train_tokens": int(n * config.seq_len),
         "heldout_tokens": int(held.size),
         "data": str(data),
@@ -245,7 +248,7 @@ def distill(
         "seconds": round(clock(), 1),
         **throughput(rates),
     }
-    save_student(out, student, sconfig, target.tokenizer, facts)
+    finish(out, trainee, facts)
     yield Event("done", step, config.steps, metrics=evals[-1], seconds=clock())
 
 
@@ -262,14 +265,10 @@ def throughput(rates: dict) -> dict[str, float]:
     return out
 
 
-def save_student(out: Path, student, config: dict, tokenizer: Any, facts: dict) -> None:
-    """The student as an MLX model directory (weights, config, tokenizer), then distill.json,
-    the mark of a finished run; the run's labels and checkpoint are removed."""
-    from mlx_lm.utils import save_config, save_model
-
-    save_model(out, student)
-    save_config(dict(config), out / "config.json")
-    tokenizer.save_pretrained(str(out))
+def finish(out: Path, trainee: Trainee, facts: dict) -> None:
+    """The trained model's files (trainee.save), then distill.json, the mark of a finished
+    run; the run's labels and checkpoint are removed."""
+    trainee.save(out)
     atomic_write(out / "distill.json", json.dumps(facts, indent=1) + "\n")
     shutil.rmtree(out / "checkpoint", ignore_errors=True)
     (out / "labels.safetensors").unlink(missing_ok=True)
@@ -283,18 +282,21 @@ def is_done(out: str | Path) -> bool:
 
 
 def registry_entry(
-    name: str, out: Path, target_alias: str, target_source: str | None, label: str
-) -> str:
-    """A models.toml pairing the student with its target. target_source: the target's
-    source when it is not an alias of the shipped registry (a path or hf repo)."""
+    name: str, out: Path, target_alias: str, target_source: str | None, label: str,
+    kind: str = "",
+) -> str:  # fmt: skip
+    """A models.toml pairing the student (or a head of ``kind``: its draft is then
+    ``kind:name``) with its target. target_source: the target's source when it is not an
+    alias of the shipped registry (a path or hf repo)."""
+    draft = f"{kind}:{name}" if kind else name
     lines = [
         "# written by `specmlx distill`: SPECMLX_MODELS=<this file> specmlx run --target "
-        f"{target_alias} --draft {name} ... (or copy it into ~/.config/specmlx/models.toml)",
+        f"{target_alias} --draft {draft} ... (or copy it into ~/.config/specmlx/models.toml)",
         f'[models."{name}"]',
         f'source = "local:{out}"',
         f'label = "{label}"',
     ]
     if target_source is not None:
         lines += [f'[models."{target_alias}"]', f'source = "{target_source}"']
-    lines += [f'[pairs."{name}"]', f'target = "{target_alias}"', f'draft = "{name}"', 'k = "auto"']
+    lines += [f'[pairs."{name}"]', f'target = "{target_alias}"', f'draft = "{draft}"', 'k = "auto"']
     return "\n".join(lines) + "\n"

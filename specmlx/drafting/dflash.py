@@ -41,12 +41,10 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..core.hidden import text_model
 from ..errors import BadInput, IncompatiblePair, ModelLoadError
-from .headfiles import head_weights, read_head_config, target_dtype
+from .headfiles import ROPES, head_weights, read_head_config, target_dtype
 from .mtp import lm_head
 
 KIND = "dflash"
-# rope scalings mlx-lm's initialize_rope computes as the reference (transformers) does
-_ROPES = ("linear", "llama3", "yarn", "default")
 
 
 @dataclass(frozen=True)
@@ -130,8 +128,8 @@ def head_config(config: dict, target_config: dict, where) -> DFlashConfig:
     except (KeyError, TypeError, ValueError) as e:
         raise BadInput(f"{where}: its config.json lacks or garbles {e}") from None
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
-    if scaling is not None and kind not in _ROPES:
-        raise BadInput(f"{where}: rope scaling {kind!r} is not supported (known: {_ROPES})")
+    if scaling is not None and kind not in ROPES:
+        raise BadInput(f"{where}: rope scaling {kind!r} is not supported (known: {ROPES})")
     if config.get("hidden_act", "silu") != "silu":
         raise BadInput(f"{where}: activation {config['hidden_act']!r} (DFlash layers use silu)")
     if "sliding_attention" in (config.get("layer_types") or []):

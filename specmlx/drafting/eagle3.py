@@ -39,11 +39,9 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..core.hidden import text_model
 from ..errors import BadInput, IncompatiblePair, ModelLoadError
-from .headfiles import head_weights, read_head_config, target_dtype
+from .headfiles import ROPES, head_weights, read_head_config, target_dtype
 
 KIND = "eagle3"
-# rope scalings mlx-lm's initialize_rope computes as the reference does
-_ROPES = ("linear", "llama3", "yarn", "default")
 
 
 @dataclass(frozen=True)
@@ -115,8 +113,8 @@ def head_config(config: dict, target_config: dict, where) -> Eagle3Config:
     except (KeyError, TypeError, ValueError) as e:
         raise BadInput(f"{where}: its config.json lacks or garbles {e}") from None
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
-    if scaling is not None and kind not in _ROPES:
-        raise BadInput(f"{where}: rope scaling {kind!r} is not supported (known: {_ROPES})")
+    if scaling is not None and kind not in ROPES:
+        raise BadInput(f"{where}: rope scaling {kind!r} is not supported (known: {ROPES})")
     if config.get("hidden_act", "silu") != "silu":
         raise BadInput(f"{where}: activation {config['hidden_act']!r} (EAGLE-3 heads use silu)")
     if c.target_hidden != t_hidden:
@@ -229,6 +227,8 @@ class Eagle3Head(nn.Module):
         """Draft id d proposes target id d + d2t[d] (d2t (draft_vocab,) ints; None: the two
         vocabularies are one)."""
         c = self.config
+        if d2t is not None and c.draft_vocab == c.vocab and not mx.any(d2t).item():
+            d2t = None  # an identity map (a head over the whole vocabulary): no gather needed
         if d2t is None:
             if c.draft_vocab != c.vocab:
                 raise ModelLoadError("a head with its own vocabulary needs its d2t map")

@@ -15,6 +15,10 @@ from mlx.utils import tree_flatten
 
 from ..errors import ModelLoadError
 
+# rope scalings mlx-lm's initialize_rope computes as the head kinds' references
+# (transformers, EAGLE's cnets.py) do
+ROPES = ("linear", "llama3", "yarn", "default")
+
 
 def read_head_config(path: Path, kind: str = "a head") -> dict:
     """A head directory's config.json (ModelLoadError naming what is wrong).

@@ -41,7 +41,11 @@ MTP = "mtp"
 DRAFT_WORDS = ("none", "lookup", MTP)
 # heads over the target's hidden states named as kind:PATH|ALIAS (drafting.eagle3, .dflash)
 HEAD_KINDS = ("eagle3", "dflash")
-BUILDS = ("cpu-demo", "cpu-distilled")  # stand-ins that `specmlx models build` knows how to make
+BUILDS = (
+    "cpu-demo",
+    "cpu-distilled",
+    "cpu-eagle3",
+)  # stand-ins that `specmlx models build` knows how to make
 _HF_REPO = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")
 WHEEL_RE = re.compile(r"^([\w.-]+)==([\w.!+-]+)#(.+)$")
 

@@ -1,0 +1,502 @@
+"""What a head distillation trains (`specmlx distill --head eagle3|dflash`): the head made in
+its published layout over its target, the training forwards that run it as the drafter runs
+it, the losses and held-out estimates by depth, and the head saved as its authors publish it
+(so ``load_eagle3`` / ``load_dflash`` read it back like any downloaded one).
+
+EAGLE-3 (eagle3.py) is trained with EAGLE-3's training-time test: the head is unrolled
+``depth`` steps over a whole row at once, step s at index i reading step s - 1's output there
+and the token t_{i+1+s}, at position i + s, and attending to step 0's keys at j <= i and to
+each later step's key at i alone -- exactly the keys a chained draft sees at inference (the
+cache holds the fed pairs, then one entry per chained step). Step s at i predicts t_{i+2+s},
+whose label is the target's distribution at position i + 1 + s; step s's loss weighs 0.8^s
+(EAGLE-3's ploss_weight). Only the head's vocabulary is scored: the target ids outside it are
+one more outcome, as in the student's losses.
+
+DFlash (dflash.py) is trained on blocks anchored at random positions p of a row: the block
+[t_p, MASK, ..., MASK] at positions p..p+w-1 attends to the context features c_j, j < p, and
+to itself both ways (as ``DFlashHead.block`` after feeding c_0..c_{p-1}); block position i
+predicts t_{p+i}, labelled by the target's distribution at p + i - 1, weighed
+exp(-(i - 1) / gamma) with gamma = w / 2 (the DFlash paper's decaying weights: an early miss
+ends the accepted run, so early positions matter most).
+
+Both read the target's features (hidden.HiddenTap) at the layers their config names; the
+embedding and, for DFlash, the LM head are the target's, frozen. EAGLE-3's own LM head covers
+the ``draft_vocab`` ids the data uses most (SpecForge's d2t) and starts as the target's rows
+for them, its final norm as the target's. Nothing here writes to disk but ``save_head``, and
+nothing prints.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..core.hidden import text_model
+from ..drafting import dflash, eagle3
+from ..drafting.headfiles import ROPES
+from ..errors import BadInput, IncompatiblePair
+from ..paths import atomic_write
+from .student import LOSS, DistillConfig, Trainee, check_target, trainable
+
+HEAD_KINDS = (eagle3.KIND, dflash.KIND)
+STEP_DECAY = 0.8  # EAGLE-3's loss weight of unrolled step s: 0.8^s
+DRAFT_VOCAB = 32000  # EAGLE-3's draft vocabulary when not asked (SpecForge's default)
+DFLASH_MIN_READ = 3  # a DFlash drafter reads at least this many target layers
+
+
+def _text(config: dict) -> dict:
+    return config.get("text_config") or config
+
+
+def _rope_scaling(t: dict) -> dict | None:
+    # the head's RoPE as the target's where the head kinds can run it (their loaders check)
+    s = t.get("rope_scaling")
+    kind = (s or {}).get("rope_type") or (s or {}).get("type")
+    return s if s is None or kind in ROPES else None
+
+
+def _attention_shape(t: dict, width: int) -> dict:
+    """Heads, kv heads, head_dim and MLP width of a layer ``width`` wide: the target's own at
+    its width; narrower, as many of its heads as fit, grouped as its are."""
+    hidden, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
+    head_dim = int(t.get("head_dim") or hidden // heads)
+    kv = int(t.get("num_key_value_heads") or heads)
+    if width != hidden:
+        group = heads // kv  # queries per kv head
+        heads = max(1, width // head_dim)
+        kv = heads // group if heads % group == 0 else heads
+    return {
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": head_dim,
+        "intermediate_size": int(t["intermediate_size"]) * width // hidden,
+    }
+
+
+def head_json(kind: str, target_config: dict, *, layers: int, width: int, draft_vocab: int,
+              block: int, mask_id: int) -> dict:  # fmt: skip
+    """The config.json a head of ``kind`` over this target is published with: SpecForge's
+    LlamaForCausalLMEagle3 or z-lab's DFlashDraftModel, its shapes after the target's.
+
+    target_config: the target's config.json; layers: DFlash's decoder layers (EAGLE-3 has
+    one); width: EAGLE-3's hidden size (0: the target's); draft_vocab: EAGLE-3's vocabulary (0: DRAFT_VOCAB
+    or the target's if smaller); block: DFlash's block size; mask_id: DFlash's mask token."""
+    t = _text(target_config)
+    hidden, depth_t, vocab = (
+        int(t["hidden_size"]),
+        int(t["num_hidden_layers"]),
+        int(t["vocab_size"]),
+    )
+    common = {
+        "hidden_act": "silu",
+        "rms_norm_eps": float(t.get("rms_norm_eps", 1e-6)),
+        "rope_theta": float(t.get("rope_theta", 10000.0)),
+        "rope_scaling": _rope_scaling(t),
+        "max_position_embeddings": int(t.get("max_position_embeddings") or 2048),
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    if kind == eagle3.KIND:
+        width = width or hidden
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_size": width,
+            **_attention_shape(t, width),
+            "num_hidden_layers": 1,
+            "pretraining_tp": 1,
+            **common,
+            "draft_vocab_size": min(draft_vocab or DRAFT_VOCAB, vocab),
+            "target_hidden_size": hidden,
+            # EAGLE's defaults, written out: low, middle and high layer outputs
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, depth_t // 2 - 1, depth_t - 4]},
+        }  # fmt: skip
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": hidden,
+        **_attention_shape(t, hidden),
+        "attention_bias": False,
+        "num_hidden_layers": layers,
+        **common,
+        "block_size": block,
+        "num_target_layers": depth_t,
+        "dflash_config": {
+            "mask_token_id": mask_id,
+            "target_layer_ids": dflash.default_layers(depth_t, max(layers, DFLASH_MIN_READ)),
+        },
+    }
+
+
+def check_head(kind: str, target_config: dict, where: str, **shape) -> dict:
+    """The head's config.json for this target, checked as the loaders check a downloaded
+    one (IncompatiblePair/BadInput in one line: a target too shallow for three distinct
+    EAGLE-3 layers, say). shape: head_json's keyword arguments."""
+    config = head_json(kind, target_config, **shape)
+    try:
+        if kind == eagle3.KIND:
+            c = eagle3.head_config(config, target_config, where)
+            if c.heads % c.kv_heads or c.hidden % c.head_dim:
+                raise BadInput(f"--width {c.hidden} does not split into {c.head_dim}-wide heads")
+        else:
+            dflash.head_config(config, target_config, where)
+    except IncompatiblePair as e:
+        raise BadInput(f"cannot train a {kind} head here: {e}") from None
+    return config
+
+
+# ---------------------------------------------------------------- making a head
+
+
+def draft_ids(rows: np.ndarray, vocab: int, size: int) -> np.ndarray:
+    """EAGLE-3's draft vocabulary: the ``size`` target ids the data uses most (ties to the
+    lower id), ascending, as SpecForge picks it from token counts. rows: (N, L) token ids."""
+    counts = np.bincount(rows.reshape(-1), minlength=vocab)[:vocab]
+    order = np.lexsort((np.arange(vocab), -counts))  # most used first, then by id
+    return np.sort(order[:size]).astype(np.int64)
+
+
+def _projection(weight: mx.array, width: int) -> mx.array:
+    """(T, width): the top right singular vectors of a (V, T) matrix (eigenvectors of its
+    T x T Gram matrix), to carry the target's embedding and LM head into a narrower head's
+    space; exact when the matrix has rank <= width, as a zero-padded stand-in's has."""
+    gram = weight.T @ weight  # (T, T)
+    _, vectors = np.linalg.eigh(np.array(gram, dtype=np.float64))  # ascending eigenvalues
+    return mx.array(vectors[:, ::-1][:, :width].astype(np.float32))
+
+
+def make_head(kind: str, target, config: dict, rows: np.ndarray):
+    """A fresh head of ``kind`` over ``target`` (a loaded model: .model, .config) in its
+    published layout ``config`` (check_head's), float32, with what it takes from the target
+    set: EAGLE-3's draft vocabulary from ``rows`` (N, L) and its LM head and norm started as
+    the target's (through a projection when narrower); DFlash's final norm as the target's.
+    Returns (head, extra tensors to publish with it: EAGLE-3's d2t and t2d)."""
+    model, t = target.model, _text(target.config)
+    inner = text_model(model)
+    where = f"the {kind} head being trained"
+    if kind == dflash.KIND:
+        head = dflash.DFlashHead(model, dflash.head_config(config, target.config, where))
+        head.norm.weight = inner.norm.weight.astype(mx.float32)
+        head.set_dtype(mx.float32)
+        return head, {}
+    c = eagle3.head_config(config, target.config, where)
+    own = c.hidden != int(t["hidden_size"])
+    head = eagle3.Eagle3Head(model, c, own_embedding=own)
+    ids = draft_ids(rows, c.vocab, c.draft_vocab)
+    d2t = mx.array(ids - np.arange(len(ids)))
+    t2d = np.zeros(c.vocab, dtype=bool)
+    t2d[ids] = True
+    w_out = _out_weight(model).astype(mx.float32)  # (V, T)
+    if own:  # a narrower head: the target's embedding and LM head carried into its space
+        p = _projection(w_out, c.hidden)  # (T, H)
+        head.embed_tokens.weight = inner.embed_tokens.weight.astype(mx.float32) @ p
+        head.lm_head.weight = w_out[mx.array(ids)] @ p
+    else:
+        head.lm_head.weight = w_out[mx.array(ids)]
+        head.norm.weight = inner.norm.weight.astype(mx.float32)
+    head.map_vocabulary(d2t if c.draft_vocab != c.vocab else None)
+    head.set_dtype(mx.float32)
+    if own:
+        head.embed_tokens.freeze()  # the target's embedding, carried over: not trained
+    return head, {"d2t": d2t.astype(mx.int64), "t2d": mx.array(t2d)}
+
+
+def _out_weight(model: nn.Module) -> mx.array:
+    """The target's LM head weight (V, T): its lm_head's, or the embedding's when tied."""
+    text = getattr(model, "language_model", model)
+    if getattr(text.args, "tie_word_embeddings", False) or not hasattr(text, "lm_head"):
+        return text_model(model).embed_tokens.weight
+    return text.lm_head.weight
+
+
+def save_head(out: Path, head: nn.Module, config: dict, extra: dict[str, mx.array]) -> None:
+    """The head as its authors publish it: config.json and model.safetensors (its own
+    tensors under the published names, plus ``extra``: EAGLE-3's d2t/t2d)."""
+    tensors = dict(tree_flatten(head.parameters()))
+    tensors.update(extra)
+    tmp = out / ".model.tmp.safetensors"
+    mx.save_safetensors(str(tmp), tensors, metadata={"format": "pt"})
+    tmp.rename(out / "model.safetensors")
+    atomic_write(out / "config.json", json.dumps(config, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------- EAGLE-3: the unrolled head
+
+
+def eagle3_steps(head: eagle3.Eagle3Head, feats: mx.array, tokens: mx.array, depth: int):
+    """The head unrolled ``depth`` steps over whole rows, as a chained draft runs it (see
+    the module's docstring). feats (B, L, 3T) the target's features at positions 0..L-1;
+    tokens (B, L) the row's tokens. Returns one (B, L, draft_vocab) logits array per step:
+    step s at index i predicts t_{i+2+s} (meaningful for i <= L - 2 - s)."""
+    layer, c = head.midlayer, head.config
+    attn = layer.self_attn
+    b, n, _ = feats.shape
+    rep, scale = c.heads // c.kv_heads, c.head_dim**-0.5
+    embed = head._held.embed if head._held.embed is not None else head.embed_tokens
+    h = head.fc(feats)  # (B, L, H)
+    causal = mx.arange(n)[None, :] <= mx.arange(n)[:, None]  # (L, L): key j <= query i
+    keys, values, out = [], [], []
+    for s in range(depth):
+        # the token after each hidden state: t_{i+1+s} (0 past the row: never scored)
+        shifted = mx.concatenate([tokens[:, 1 + s :], mx.zeros((b, 1 + s), tokens.dtype)], 1)
+        x = mx.concatenate(
+            [layer.input_layernorm(embed(shifted).astype(h.dtype)), layer.hidden_norm(h)], -1
+        )  # (B, L, 2H)
+        q = attn.q_proj(x).reshape(b, n, c.kv_heads, rep, c.head_dim).transpose(0, 2, 3, 1, 4)
+        k = attn.k_proj(x).reshape(b, n, c.kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        v = attn.v_proj(x).reshape(b, n, c.kv_heads, c.head_dim).transpose(0, 2, 1, 3)
+        # step s sits at position i + s (RoPE's offset); q (B, kv, rep, L, d), k (B, kv, L, d)
+        q = attn.rope(q.reshape(b, -1, n, c.head_dim), offset=s).reshape(q.shape)
+        keys.append(attn.rope(k, offset=s))
+        values.append(v)
+        first = (q @ keys[0][:, :, None].swapaxes(-1, -2)) * scale  # (B, kv, rep, L, L)
+        first = mx.where(causal, first, -mx.inf)
+        # each later step's own key at the same index: (B, kv, rep, L, 1) each
+        diag = [mx.sum(q * kk[:, :, None], -1, keepdims=True) * scale for kk in keys[1:]]
+        w = mx.softmax(mx.concatenate([first, *diag], -1), -1, precise=True)
+        o = w[..., :n] @ values[0][:, :, None]  # (B, kv, rep, L, d)
+        for r, vv in enumerate(values[1:]):
+            o = o + w[..., n + r : n + r + 1] * vv[:, :, None]
+        o = o.reshape(b, c.heads, n, c.head_dim).transpose(0, 2, 1, 3).reshape(b, n, -1)
+        h = h + attn.o_proj(o)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        out.append(head.lm_head(head.norm(h)))
+    return out
+
+
+def draft_columns(head: eagle3.Eagle3Head) -> mx.array:
+    """(V,) int32: each target id's column of the head's logits, -1 outside its vocabulary."""
+    index = head._held.to_target
+    if index is None:
+        return mx.arange(head.config.vocab, dtype=mx.int32)
+    return mx.where(index == head.config.draft_vocab, -1, index)
+
+
+def _shift(x: mx.array, s: int) -> mx.array:
+    # x (B, L, ...) moved s positions earlier along axis 1, the tail repeated (never scored)
+    return mx.concatenate([x[:, s:], mx.repeat(x[:, -1:], s, axis=1)], 1) if s else x
+
+
+def eagle3_loss(head, loss_fn, batch: dict, depth: int) -> mx.array:
+    """The unrolled head's loss on a batch: sum over steps s of 0.8^s times ``loss_fn``
+    (student.kl_loss or tvd_loss) between step s and the target's top-k at position i+1+s,
+    over the indices i <= L - 2 - s. batch: rows (B, L), feats (B, L, 3T), idx and logp
+    (B, L, k)."""
+    rows, n = batch["rows"], batch["rows"].shape[1]
+    columns = draft_columns(head)
+    total = mx.array(0.0)
+    for s, logits in enumerate(eagle3_steps(head, batch["feats"], rows, depth)):
+        cols = columns[_shift(batch["idx"], 1 + s)]  # (B, L, k) draft columns, -1 outside
+        valid = (mx.arange(n) <= n - 2 - s)[None]  # (1, L)
+        loss = loss_fn(logits.astype(mx.float32), mx.maximum(cols, 0),
+                       _shift(batch["logp"], 1 + s), keep=cols >= 0, valid=valid)  # fmt: skip
+        total = total + STEP_DECAY**s * loss
+    return total
+
+
+def eagle3_estimate(head, feats: mx.array, rows: mx.array, p: mx.array, depth: int) -> dict:
+    """Held-out greedy agreement and alpha = E[sum min(p, q)] (T = 1) of each unrolled step
+    (``greedy@s``, ``alpha@s``; step 1's also as ``greedy``/``alpha``/``kl``). feats, rows:
+    held-out features and tokens; p (H, L, V) the target's probabilities there."""
+    ids = mx.array(np.nonzero(np.array(draft_columns(head)) >= 0)[0])  # draft id -> target id
+    n, out = rows.shape[1], {}
+    for s, logits in enumerate(eagle3_steps(head, feats, rows, depth)):
+        m = n - 1 - s  # indices 0..L-2-s: p at position i + 1 + s
+        lq = logits[:, :m].astype(mx.float32)
+        lq = lq - mx.logsumexp(lq, -1, keepdims=True)
+        out.update(_agreement(p[:, 1 + s :].astype(mx.float32), lq, ids, s + 1))
+    return {**out, "greedy": out["greedy@1"], "alpha": out["alpha@1"], "kl": out["kl@1"]}
+
+
+def _agreement(p: mx.array, lq: mx.array, ids: mx.array, at: int) -> dict[str, float]:
+    """greedy@at, alpha@at and kl@at between p (.., V) and a head's log-q (.., V_d) over the
+    target ids ``ids`` (V_d,) (q = 0 elsewhere; KL over the partition {each of ids, rest})."""
+    q = mx.exp(lq)
+    pd = mx.take(p, ids, axis=-1)  # (.., V_d)
+    agree = mx.mean(ids[mx.argmax(lq, -1)] == mx.argmax(p, -1))
+    alpha = mx.mean(mx.sum(mx.minimum(pd, q), -1))
+    rest = mx.maximum(1 - mx.sum(pd, -1), 0.0)
+    kl = mx.sum(pd * (mx.log(mx.maximum(pd, 1e-30)) - lq), -1)
+    kl = kl + rest * (
+        mx.log(mx.maximum(rest, 1e-30)) - mx.log(mx.maximum(1 - mx.sum(q, -1), 1e-30))
+    )
+    return {
+        f"greedy@{at}": agree.item(),
+        f"alpha@{at}": alpha.item(),
+        f"kl@{at}": mx.mean(kl).item(),
+    }
+
+
+# ---------------------------------------------------------------- DFlash: blocks at anchors
+
+
+def anchors_for(n: int, width: int, count: int, rng: np.random.Generator, b: int) -> mx.array:
+    """(b, count) block starts p, 1 <= p <= L - width + 1 (each block's labels in the row),
+    drawn without replacement per row where the row allows."""
+    top = n - width + 1
+    picks = [np.sort(rng.choice(np.arange(1, top + 1), min(count, top), replace=False))
+             for _ in range(b)]  # fmt: skip
+    return mx.array(np.stack(picks).astype(np.int32))
+
+
+def dflash_blocks(head: dflash.DFlashHead, feats: mx.array, tokens: mx.array,
+                  anchors: mx.array, width: int) -> mx.array:  # fmt: skip
+    """Blocks of ``width`` drafted at every anchor of each row at once, each as
+    DFlashHead.block drafts it after being fed the row's context before it (see the module's
+    docstring). feats (B, L, n*H); tokens (B, L); anchors (B, m) block starts p >= 1.
+    Returns logits (B, m, width - 1, V): block position i predicts t_{p+i}."""
+    c, ctx = head.config, head.hidden_norm(head.fc(feats))  # the context (B, L, H)
+    b, n, _ = feats.shape
+    m = anchors.shape[1]
+    rep, scale = c.heads // c.kv_heads, c.head_dim**-0.5
+    first = mx.take_along_axis(tokens, anchors, axis=1)  # (B, m): t_p
+    block = mx.concatenate(
+        [first[..., None], mx.full((b, m, width - 1), c.mask_id, first.dtype)], -1
+    )
+    x = head._shared.embed(block.reshape(b * m, width)).astype(ctx.dtype)  # (B*m, w, H)
+    starts = anchors.reshape(b * m)
+    seen = (mx.arange(n)[None, None] < anchors[..., None])[:, :, None, None, None]  # j < p
+    for layer in head.layers:
+        attn = layer.self_attn
+        kc, vc = attn._kv(ctx, 0)  # (B, kv, L, d): the context at positions 0..L-1
+        xn = layer.input_layernorm(x)
+        q = attn.q_norm(attn.q_proj(xn).reshape(b * m, width, c.heads, -1)).transpose(0, 2, 1, 3)
+        q = attn.rope(q, offset=starts).reshape(b, m, c.kv_heads, rep, width, c.head_dim)
+        kb, vb = attn._kv(xn, starts)  # (B*m, kv, w, d): the block at p..p+w-1
+        kb = kb.reshape(b, m, c.kv_heads, 1, width, c.head_dim)
+        vb = vb.reshape(b, m, c.kv_heads, 1, width, c.head_dim)
+        to_ctx = (q @ kc[:, None, :, None].swapaxes(-1, -2)) * scale  # (B, m, kv, rep, w, L)
+        to_ctx = mx.where(seen, to_ctx, -mx.inf)
+        w = mx.softmax(mx.concatenate([to_ctx, (q @ kb.swapaxes(-1, -2)) * scale], -1), -1,
+                       precise=True)  # fmt: skip
+        o = w[..., :n] @ vc[:, None, :, None] + w[..., n:] @ vb  # (B, m, kv, rep, w, d)
+        o = o.reshape(b * m, c.heads, width, c.head_dim).transpose(0, 2, 1, 3)
+        h = x + attn.o_proj(o.reshape(b * m, width, -1))
+        x = h + layer.mlp(layer.post_attention_layernorm(h))
+    logits = head._shared.head(head.norm(x[:, 1:]))  # (B*m, w-1, V)
+    return logits.reshape(b, m, width - 1, -1)
+
+
+def block_weights(width: int) -> mx.array:
+    """(width - 1,) the loss weight of block positions 1..w-1: exp(-(i - 1) / (w / 2))."""
+    return mx.exp(-mx.arange(width - 1) / (width / 2))
+
+
+def _at_blocks(x: mx.array, anchors: mx.array, width: int) -> mx.array:
+    # x (B, L, k) gathered at positions p + i - 1, i = 1..w-1: (B, m, w-1, k)
+    pos = anchors[..., None] + mx.arange(width - 1)  # (B, m, w-1)
+    b, m, w1 = pos.shape
+    return mx.take_along_axis(x, pos.reshape(b, m * w1, 1), axis=1).reshape(b, m, w1, -1)
+
+
+def dflash_loss(head, loss_fn, batch: dict, width: int) -> mx.array:
+    """The blocks' loss on a batch: block position i weighs block_weights(width)[i - 1] times
+    ``loss_fn`` against the target's top-k at p + i - 1. batch: rows, feats, idx, logp as for
+    eagle3_loss, and anchors (B, m)."""
+    anchors = batch["anchors"]
+    logits = dflash_blocks(head, batch["feats"], batch["rows"], anchors, width)
+    idx, logp = _at_blocks(batch["idx"], anchors, width), _at_blocks(batch["logp"], anchors, width)
+    weights = block_weights(width)
+    total = mx.array(0.0)
+    for i in range(width - 1):
+        loss = loss_fn(logits[:, :, i].astype(mx.float32), idx[:, :, i], logp[:, :, i])
+        total = total + weights[i] * loss
+    return total / mx.sum(weights)
+
+
+def dflash_estimate(head, feats: mx.array, rows: mx.array, p: mx.array, width: int,
+                    anchors: mx.array) -> dict:  # fmt: skip
+    """Held-out greedy agreement, alpha and KL at each block position (``greedy@i``, ...;
+    position 1's also as ``greedy``/``alpha``/``kl``), at fixed ``anchors``. feats, rows:
+    held-out features and tokens; p (H, L, V) the target's probabilities there."""
+    logits = dflash_blocks(head, feats, rows, anchors, width).astype(mx.float32)
+    lq = logits - mx.logsumexp(logits, -1, keepdims=True)
+    ids = mx.arange(lq.shape[-1])
+    out = {}
+    for i in range(width - 1):
+        pi = _at_blocks(p, anchors, width)[:, :, i].astype(mx.float32)
+        out.update(_agreement(pi, lq[:, :, i], ids, i + 1))
+    return {**out, "greedy": out["greedy@1"], "alpha": out["alpha@1"], "kl": out["kl@1"]}
+
+
+def depth_line(metrics: dict, name: str = "greedy") -> Sequence[float]:
+    """The per-depth figures ``name@1``, ``name@2``, ... of an estimate, in order."""
+    out, s = [], 1
+    while f"{name}@{s}" in metrics:
+        out.append(metrics[f"{name}@{s}"])
+        s += 1
+    return out
+
+
+# ---------------------------------------------------------------- the run's trainee
+
+
+def head_shape(config: DistillConfig, target_config: dict) -> dict:
+    """head_json's keyword arguments for a run's settings (DFlash's mask token: the
+    target's last id, a row its embedding has that text rarely uses)."""
+    vocab = int(_text(target_config)["vocab_size"])
+    return {"layers": config.layers, "width": config.width, "draft_vocab": config.draft_vocab,
+            "block": config.block, "mask_id": vocab - 1}  # fmt: skip
+
+
+def anchors_per_row(config: DistillConfig) -> int:
+    """DFlash blocks trained per row: a block for every two blocks' width of it."""
+    return max(1, config.seq_len // (2 * config.block))
+
+
+def head_trainee(target, config: DistillConfig, rows: np.ndarray) -> Trainee:
+    """A fresh head of ``config.head`` over ``target`` (a Loaded) as a run's trainee, its
+    draft vocabulary (EAGLE-3) from the training rows (N, L). BadInput where the target
+    cannot have one (check_head)."""
+    check_target(target, config)
+    published = check_head(config.head, target.config, target.spec.alias,
+                           **head_shape(config, target.config))  # fmt: skip
+    mx.random.seed(config.seed)
+    head, extra = make_head(config.head, target, published, rows)
+    loss_fn = LOSS[config.loss]
+    facts = {
+        "kind": config.head,
+        "reads": list(head.reads_hidden),
+        "head_params": sum(v.size for _, v in tree_flatten(head.parameters())),
+        "trained_params": sum(v.size for v in trainable(head).values()),
+    }
+    if config.head == eagle3.KIND:
+        facts.update(width=head.config.hidden, draft_vocab=head.config.draft_vocab,
+                     depth=config.depth)  # fmt: skip
+        return Trainee(
+            model=head,
+            reads=head.reads_hidden,
+            loss=lambda b: eagle3_loss(head, loss_fn, b, config.depth),
+            estimate=lambda h: eagle3_estimate(head, h["feats"], h["rows"], h["p"], config.depth),
+            save=lambda out: save_head(out, head, published, extra),
+            facts=facts,
+        )
+    count, n = anchors_per_row(config), config.seq_len
+    facts.update(block=config.block, layers=config.layers, anchors_per_row=count)
+
+    def held_estimate(h: dict) -> dict:
+        # the same anchors at every estimate: one fixed draw of the run's seed
+        rng = np.random.default_rng([config.seed, 2**31 - 1])
+        at = anchors_for(n, config.block, count, rng, h["rows"].shape[0])
+        return dflash_estimate(head, h["feats"], h["rows"], h["p"], config.block, at)
+
+    return Trainee(
+        model=head,
+        reads=head.reads_hidden,
+        loss=lambda b: dflash_loss(head, loss_fn, b, config.block),
+        estimate=held_estimate,
+        save=lambda out: save_head(out, head, published, extra),
+        facts=facts,
+        extra=lambda step, b: {
+            "anchors": anchors_for(
+                n, config.block, count, np.random.default_rng([config.seed, step]), b
+            )  # fmt: skip
+        },
+    )
