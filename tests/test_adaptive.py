@@ -19,6 +19,7 @@ from specmlx.drafting.adaptive import (
     best_k,
     expected_tokens,
 )
+from specmlx.drafting.choosers import for_drafter
 from specmlx.drafting.probe import curve_from, probe_pass_cost
 
 
@@ -36,6 +37,29 @@ def test_chooser_steep_curve_or_low_acceptance_picks_zero():
     assert best_k(0.9, 0.05, [1.0 + 1.0 * k for k in range(9)], 8) == 0
     assert best_k(0.05, 0.1, [1.0 + 0.02 * k for k in range(9)], 8) == 0
     assert best_k(0.5, 2.0, [1.0] * 9, 8) == 0  # draft dearer than the target
+
+
+def test_a_block_drafter_is_charged_one_forward_a_round():
+    """A block (DFlash) drafts k in one forward: with the same per-round cost, long blocks
+    pay where k separate steps would not, and the chooser learns the block's time as such."""
+    curve = [1.0 + 0.02 * k for k in range(16)]
+    assert best_k(0.7, 0.2, curve, 15) <= 3  # 0.2 a token: short chains
+    assert best_k(0.7, 0.2, curve, 15, block=True) >= 8  # 0.2 a block: long blocks
+    chooser = for_drafter(AdaptiveK(), block=16)
+    assert chooser.block and chooser.k_max == 15
+    feed = Feed(chooser)
+    rng = random.Random(0)
+    ks = []
+    for _ in range(60):  # each block takes 0.05 s whatever its width; a flat target curve
+        k = feed.k()
+        ks.append(k)
+        n = next((i for i in range(k) if rng.random() >= 0.8), k)
+        feed.done(k, n, 0.05 * (k > 0) + 0.1 + 0.002 * k, 0.05 if k else None)
+    assert chooser.cost.t_draft == pytest.approx(0.05, rel=0.05)
+    assert statistics.median(ks[-20:]) >= 8, ks
+    per_token = Feed(AdaptiveK())
+    assert for_drafter(per_token.chooser, block=0) is per_token.chooser
+    assert not per_token.chooser.block
 
 
 def test_chooser_learns_from_rounds():

@@ -16,7 +16,7 @@ from ..core.acceptance import DEFAULT_VERIFY
 from ..core.sampling import SamplingParams
 from ..core.stats import KChooser, Stats, TokenEvent
 from ..distributed.ranks import Lockstep, SharedK, World, shared_probe
-from ..drafting.choosers import AUTO, ChooserStore, K, make_chooser
+from ..drafting.choosers import AUTO, ChooserStore, K, for_drafter, make_chooser
 from ..drafting.lookup import LookupMemory
 from .engine import KVState, generate_tokens, prefill
 from .request import Decode, Parts
@@ -130,6 +130,7 @@ class Session:
             )
         elif chooser is None:
             chooser = make_chooser(k)
+        chooser = for_drafter(chooser, getattr(draft, "block_size", 0) or 0)
         if world.distributed and lockstep is None:
             lockstep = Lockstep(world)
         if world.distributed and k.auto:

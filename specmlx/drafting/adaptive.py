@@ -3,6 +3,9 @@
 Model: the first draft token is accepted with probability a, each later one with probability
 a_later given the ones before it, so a round drafting k tokens yields
 E[tokens] = 1 + a (1 + a_later + ... + a_later^(k-1)) and costs k * t_draft + t_verify(k).
+A block drafter (DFlash) drafts all k in one forward: its round costs t_draft + t_verify(k),
+t_draft then being the seconds of a block (nearly flat in k), so long blocks are not charged
+per token.
 Greedy acceptance is bursty (a_later > a: once the draft is on track it tends to stay there);
 a_later = a is the independent case. All of it is estimated live from the engine's per-round
 reports, and carried from one generation to the next (a pair's costs and rough acceptance do
@@ -48,6 +51,11 @@ def expected_tokens(a: float, k: int, a_later: float | None = None) -> float:
     return 1.0 + a * run
 
 
+def draft_seconds(k: int, t_draft: float, block: bool = False) -> float:
+    """Seconds of drafting k tokens: k steps of t_draft, or one block forward of t_draft."""
+    return (t_draft if k > 0 else 0.0) if block else k * t_draft
+
+
 def best_k(
     a: float,
     t_draft: float,
@@ -55,13 +63,20 @@ def best_k(
     k_max: int,
     k_min: int = 0,
     a_later: float | None = None,
+    block: bool = False,
 ) -> int:
-    """argmax over k in k_min..k_max of E[tokens | a, a_later, k] / (k t_draft + verify[k]).
+    """argmax over k in k_min..k_max of E[tokens | a, a_later, k] / (drafting k + verify[k]).
 
-    a: first-draft acceptance; t_draft: seconds per draft token; ``verify[k]``: seconds of a
-    target pass over k + 1 tokens; a_later: acceptance of later drafts (default a)."""
+    a: first-draft acceptance; t_draft: seconds per draft token (a block's seconds, for a
+    ``block`` drafter); ``verify[k]``: seconds of a target pass over k + 1 tokens; a_later:
+    acceptance of later drafts (default a)."""
     ks = range(k_min, k_max + 1)
-    return max(ks, key=lambda k: expected_tokens(a, k, a_later) / (k * t_draft + verify[k]))
+    return max(
+        ks,
+        key=lambda k: (
+            expected_tokens(a, k, a_later) / (draft_seconds(k, t_draft, block) + verify[k])
+        ),
+    )
 
 
 def _bin(confidence: float) -> int:
@@ -230,10 +245,10 @@ class CostCurve:
         return min(self.t_plain or t0, t0)
 
     def draft_share(self, k: int, made: int, round_s: float) -> float | None:
-        """The drafting seconds of a round whose drafting was not timed apart (``made`` drafts,
-        k verified, ``round_s`` in all), split in the predicted proportions, so a machine-wide
-        slowdown shows in both models' times (the timed rounds correct the split). None until
-        both are timed."""
+        """The drafting seconds of a round whose drafting was not timed apart (``made`` draft
+        steps, k verified, ``round_s`` in all), split in the predicted proportions, so a
+        machine-wide slowdown shows in both models' times (the timed rounds correct the
+        split). None until both are timed."""
         if not (self.t_draft and self.level):
             return None
         draft = made * self.t_draft
@@ -333,6 +348,7 @@ class AdaptiveK(KChooser):
 
     plans = True  # (not a field) draft_plan below: per-token stopping
     k_max: int = 8  # the most drafts from the draft model
+    block: bool = False  # the drafter drafts k in one forward (DFlash): t_draft is per round
     lookup_max: int = LOOKUP_MAX  # the longest lookup proposal
     explore: float = 1.0  # standard errors of optimism before giving up on the draft
     reprobe_every: int = 8  # plain rounds before drafting once more
@@ -383,9 +399,10 @@ class AdaptiveK(KChooser):
         on the point estimate of a, or 0 when even a, ``explore`` standard errors up, says a
         plain step yields more tokens per second."""
         td, curve, later = self.cost.t_draft or 0.0, self.pass_curve(), self.accept.later_rate
-        k = best_k(self.accept.first_rate, td, curve, self.k_max, k_min=1, a_later=later)
+        k = best_k(self.accept.first_rate, td, curve, self.k_max, k_min=1, a_later=later,
+                   block=self.block)  # fmt: skip
         hopeful = self.accept.optimistic(self.explore)
-        rate = expected_tokens(hopeful, k, later) / (k * td + curve[k])
+        rate = expected_tokens(hopeful, k, later) / (draft_seconds(k, td, self.block) + curve[k])
         return k if rate > 1.0 / self.cost.plain_seconds() else 0
 
     def draft_plan(self, confidences: Sequence[float], drafted: int = 0) -> tuple[int, int]:
@@ -459,7 +476,9 @@ class AdaptiveK(KChooser):
         if draft and k > 0:
             td = cost.t_draft or 0.0
             a_draft, later_draft = self.accept.first_rate, self.accept.later_rate
-            rival = expected_tokens(a_draft, k, later_draft) / (k * td + curve[k])
+            rival = expected_tokens(a_draft, k, later_draft) / (
+                draft_seconds(k, td, self.block) + curve[k]
+            )
         else:
             rival = 1.0 / cost.plain_seconds()
         return best if value > rival else 0
@@ -479,6 +498,7 @@ class AdaptiveK(KChooser):
         ``made``: drafts made, when more than k (per-token stopping verified fewer than it
         drafted: the unverified ones cost draft time, not target time)."""
         made = k if made is None else max(made, k)
+        made = min(made, 1) if self.block else made  # a block: one forward drafted them all
         if k > 0 and lookup:
             self.accept.count_lookup(lookup, k, n)
             self.cost.time(k, round_s)  # nothing to draft: the round is the target's pass

@@ -92,6 +92,15 @@ def make_chooser(k: K) -> KChooser:
     return AdaptiveK() if k.auto else FixedK(k.fixed)
 
 
+def for_drafter(chooser: KChooser, block: int) -> KChooser:
+    """``chooser`` set for its drafter: an adaptive one over a block drafter (``block`` > 0,
+    its block size) charges a round's drafting once, whatever k, and may draft up to
+    block - 1 (AdaptiveK.block); anything else is left as it is."""
+    if isinstance(chooser, AdaptiveK) and block > 0:
+        chooser.block, chooser.k_max = True, block - 1
+    return chooser
+
+
 def _state_path(kind: str, identity: str) -> Path:
     """A file under $SPECMLX_HOME/kind for this machine, backend, BLAS, MLX and ``identity``."""
     key = f"{machine_id(str(mx.default_device()))}|{identity}"
