@@ -51,6 +51,9 @@ class Run:
     drafted: int
     accepted: int
     same: str | None = None  # greedy: "identical", "near-tie" or "diverged" vs target-only
+    # per draft position: rounds that verified it with all before accepted, and accepted it
+    depth_tried: list[int] = field(default_factory=list)
+    depth_accepted: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -157,9 +157,24 @@ def summarize(
                     "same_as_target": same,
                     "identical_to_target": None if same is None else same == "identical",
                     "decoded_tokens": sum(r.decoded for r in mine),
+                    "accept_by_depth": _by_depth(mine),
                 }
             )
     return rows
+
+
+def _by_depth(runs: list[Run]) -> list[float]:
+    """P(draft d accepted | drafts before it accepted), d = 1, 2, ..., pooled over runs."""
+    tried: list[int] = []
+    kept: list[int] = []
+    for r in runs:
+        for d, (t, a) in enumerate(zip(r.depth_tried, r.depth_accepted, strict=True)):
+            if d == len(tried):
+                tried.append(0)
+                kept.append(0)
+            tried[d] += t
+            kept[d] += a
+    return [a / t for a, t in zip(kept, tried, strict=True) if t]
 
 
 def _named(name: str, values: list[float]) -> dict:
@@ -233,10 +248,24 @@ def to_markdown(result: dict) -> str:
             f"{r['speedup']:.2f}x | {r['acceptance_rate']:.0%} | {r['tokens_per_pass']:.2f} | "
             f"{r['theoretical_speedup']:.2f}x | {eff} | {same} |"
         )
+    depths = [
+        f"{r['system']} {r['drafter']} k={r['k']} T={r['temperature']}: "
+        + " ".join(f"{a:.0%}" for a in r["accept_by_depth"][:8])
+        for r in result["rows"]
+        if r.get("accept_by_depth")
+    ]
+    if depths:
+        lines += ["", "Acceptance by depth (draft d accepted when those before it were, d = 1..8):"]
+        lines += [f"- {line}" for line in depths]
     curve = ", ".join(f"{n}: {v:.2f}" for n, v in result["pass_curve"].items())
     lines += ["", f"Pass cost (target pass over n tokens / 1 token): {curve}"]
     if result.get("draft_cost") is not None:
         lines.append(f"Draft/target step cost c = {result['draft_cost']:.3f}")
+    if result.get("head_cost") is not None:
+        lines.append(
+            f"Head/target step cost c = {result['head_cost']:.3f} (a block drafter's: a block "
+            "over its drafts)"
+        )
     lines.append(
         "Same as target (greedy rows): near-tie = the first difference is where the target's "
         f"two candidates score within {NEAR_TIE_REL:g} of the top logit (2 eps of the logits' "

@@ -27,6 +27,7 @@ import mlx.core as mx
 from ..core.acceptance import sampled_rule
 from ..core.caches import mlx_lm_speculates
 from ..core.sampling import SamplingParams, make_processor, sample
+from ..core.stats import count_depths
 from ..decoding.session import Pair, Request, Session
 from ..distributed.ranks import World
 from ..drafting.adaptive import LOOKUP_MAX, AdaptiveK
@@ -97,7 +98,8 @@ def run_one(
     world: World | None = None,
     memory: LookupMemory | None = None,
 ):
-    """Generate once with one system; returns (tokens, decoded, decode_s, drafted, accepted).
+    """Generate once with one system; returns (tokens, decoded, decode_s, drafted, accepted,
+    (depth_tried, depth_accepted)): the last as stats.Stats keeps them.
     ``chooser`` is the system's adaptive-k state when k is "auto" (a fresh one if None);
     ``world``: the ranks the target is split over (k decided on rank 0, tokens compared);
     ``memory``: the lookup memory of a "+ memory" system (it remembers this output)."""
@@ -116,7 +118,14 @@ def run_one(
         tokens, decoded, secs = _timed(events())
         accepted = sum(flags)
         rounds = len(flags) - accepted  # every mlx-lm round ends with one target token
-        return tokens, decoded, secs, rounds * system.k.fixed, accepted
+        tried, kept, run = [], [], 0
+        for fd in flags:  # a round: its accepted drafts, then the target's own token
+            if fd:
+                run += 1
+            else:
+                count_depths(tried, kept, system.k.fixed, run)
+                run = 0
+        return tokens, decoded, secs, rounds * system.k.fixed, accepted, (tried, kept)
     use_draft = system.drafter.split(" + ")[0] not in ("none", "lookup")
     request = Request(
         sampling=params,
@@ -138,7 +147,8 @@ def run_one(
     tokens, decoded, secs = _timed((e.token, e.from_draft) for e in gen.tokens())
     if gen.lockstep is not None:
         gen.lockstep.check()
-    return tokens, decoded, secs, gen.stats.drafted, gen.stats.accepted
+    st = gen.stats
+    return tokens, decoded, secs, st.drafted, st.accepted, (st.depth_tried, st.depth_accepted)
 
 
 def systems(draft_name: str | None, s: BenchSettings, head_name: str | None = None) -> list[System]:
@@ -337,7 +347,7 @@ class _Testbed:
         }
 
     def run(self, system, ids, temp, rep, pid, memory) -> Run:
-        tokens, decoded, secs, drafted, accepted = run_one(
+        tokens, decoded, secs, drafted, accepted, depth = run_one(
             system,
             self.target,
             self.draft_of(system),
@@ -350,7 +360,8 @@ class _Testbed:
             self.world,
             memory,
         )
-        return Run(system.label, pid, temp, rep, tokens, decoded, secs, drafted, accepted)
+        return Run(system.label, pid, temp, rep, tokens, decoded, secs, drafted, accepted,
+                   depth_tried=depth[0], depth_accepted=depth[1])  # fmt: skip
 
     def result(self, runs: list[Run]) -> dict:
         return {

@@ -69,7 +69,13 @@ def bench(
         False, "--draft-stop", help="Also add auto rows whose draft stops per token."
     ),
     mtp: bool = typer.Option(
-        False, "--mtp", help="Also add rows drafted by the target's own MTP head (--draft mtp)."
+        False, "--mtp", help="Also add rows drafted by the target's own MTP head (--head mtp)."
+    ),
+    head_name: str = typer.Option(
+        None,
+        "--head",
+        help="Also add rows drafted by a head over the target, beside the draft model's: mtp, "
+        "eagle3:PATH|ALIAS or dflash:PATH|ALIAS.",
     ),
     verifies: str = typer.Option(
         DEFAULT_VERIFY,
@@ -102,7 +108,7 @@ def bench(
     from ..core.sampling import SamplingParams
     from ..decoding.stream import encode_prompt
     from ..distributed.ranks import Watchdog, barrier, join, launched
-    from ..models.loading import load_head, load_pair
+    from ..models.loading import load_head_over, load_pair
     from ..models.registry import load_registry
     from .display import bench_table
 
@@ -158,9 +164,10 @@ def bench(
         barrier(world)
         watchdog.beat("benchmarking")
     head = None
-    if mtp and models.draft != MTP:  # the head's rows beside the draft model's
+    head_name = head_name or (MTP if mtp else None)
+    if head_name and head_name != models.draft:  # the head's rows beside the draft model's
         say = lambda m: console.print(m, style="dim", soft_wrap=True, markup=False)  # noqa: E731
-        loaded = load_head(tgt, say)
+        loaded = load_head_over(tgt, head_name, registry, say)
         head = (loaded.spec.alias, loaded.model)
     todo = b.systems(drf.spec.alias if drf else None, settings, head[0] if head else None)
     generations = sum(len(r["edits"]) for r in rows) if sequences else len(rows)

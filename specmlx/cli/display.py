@@ -81,6 +81,8 @@ def summary(
         if stats.drafted:
             hist = " ".join(f"{n}:{c}" for n, c in enumerate(stats.accept_hist) if c)
             t.add_row("accepted/pass", hist)
+            depth = " ".join(f"{a:.0%}" for a in stats.accept_by_depth[:8])
+            t.add_row("by depth", f"{depth} (draft d accepted when those before it were)")
             t.add_row(
                 "time split",
                 f"draft {stats.draft_s:.2f} s, target {stats.target_s:.2f} s "

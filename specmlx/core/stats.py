@@ -82,6 +82,10 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     accept_hist: list[int] = field(default_factory=list)  # rounds by accepted count
+    # by draft position d (0: the first draft): rounds that verified a draft there with every
+    # draft before it accepted, and of those the rounds that accepted it (acceptance by depth)
+    depth_tried: list[int] = field(default_factory=list)
+    depth_accepted: list[int] = field(default_factory=list)
     timed_rounds: int = 0  # drafting rounds whose drafting was timed apart
     timed_drafted: int = 0  # tokens drafted in those rounds
     timed_draft_s: float = 0.0  # their drafting time
@@ -92,6 +96,11 @@ class Stats:
     replayed: int = 0  # tokens fed to the target again to roll back recurrent state
     last: RoundReport | None = None  # the latest round
     finish_reason: str | None = None  # "stop", "length", or None while running
+
+    @property
+    def accept_by_depth(self) -> list[float]:
+        """P(draft d accepted | drafts before it accepted), d = 1, 2, ... as far as tried."""
+        return [a / t for a, t in zip(self.depth_accepted, self.depth_tried, strict=True) if t]
 
     @property
     def decode_tps(self) -> float:
@@ -134,6 +143,7 @@ class Stats:
         if len(self.accept_hist) <= n:
             self.accept_hist += [0] * (n + 1 - len(self.accept_hist))
         self.accept_hist[n] += 1
+        count_depths(self.depth_tried, self.depth_accepted, k, n)
         self.generated = generated
         self.decode_s += report.seconds
         if report.draft_seconds is not None:
@@ -145,7 +155,19 @@ class Stats:
     def as_dict(self) -> dict:
         """The fields and the derived figures, JSON-ready."""
         d = asdict(self)
-        for name in ("decode_tps", "prompt_tps", "acceptance_rate", "tokens_per_pass"):
+        for name in ("decode_tps", "prompt_tps", "acceptance_rate", "tokens_per_pass",
+                     "accept_by_depth"):  # fmt: skip
             d[name] = getattr(self, name)
         d["draft_s"], d["target_s"] = self.draft_s, self.target_s
         return d
+
+
+def count_depths(tried: list[int], accepted: list[int], k: int, n: int) -> None:
+    """Fold a round that accepted n of k drafts into per-position counts (grown as needed):
+    positions 0..min(n, k - 1) were verified with all before them accepted; 0..n-1 passed."""
+    if len(tried) < k:
+        tried += [0] * (k - len(tried))
+        accepted += [0] * (k - len(accepted))
+    for d in range(min(n + 1, k)):
+        tried[d] += 1
+        accepted[d] += d < n

@@ -20,7 +20,7 @@ from ..core.mlx_lm_api import model_classes
 from ..drafting import dflash, eagle3
 from ..drafting.headfiles import head_nbytes, read_head_config, tensor_names
 from ..drafting.mtp import check_family, load_mtp, without_head
-from ..errors import IncompatiblePair, ModelLoadError
+from ..errors import BadInput, IncompatiblePair, ModelLoadError
 from .footprint import plan_memory, require_fit
 from .gguf import load_gguf, read_gguf_header
 from .gguf_tokenizer import gguf_tokenizer
@@ -283,6 +283,23 @@ def _load_head_kind(kind: str, target: Loaded, path: Path, spec: ModelSpec, prog
         target.config, time.perf_counter() - start, nbytes, target.vocab_size,
         f"{target.identity}|{kind}|{spec.identity}|{file_facts(path)}",
     )  # fmt: skip
+
+
+def load_head_over(
+    target: Loaded, name: str, registry: Registry | None = None, progress: Progress | None = None
+) -> Loaded:
+    """A head over an already loaded target, as a draft: "mtp" (the checkpoint's own) or
+    "eagle3:PATH|ALIAS" / "dflash:PATH|ALIAS" (checked against the target first, as load_pair
+    checks it). name: the head; registry: where an ALIAS resolves; progress: as load_pair's.
+    BadInput for a name that is not a head."""
+    head = head_of(name)
+    if head is None:
+        raise BadInput(f"{name!r} is not a head (mtp, eagle3:PATH|ALIAS or dflash:PATH|ALIAS)")
+    if head[0] == MTP:
+        return load_head(target, progress)
+    registry = registry or load_registry()
+    path, spec, _ = _head_plan(head[0], target.spec, head[1], registry, progress)
+    return _load_head_kind(head[0], target, path, spec, progress)
 
 
 def load_pair(
