@@ -7,8 +7,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from families import FAMILIES, build, noisy_copy
 from helpers import count_host_syncs, generate, make_tiny
-from mlx_lm.models import gemma3_text
 from mlx_lm.models.cache import KVCache
 
 from specmlx.core.rows import RowsKVCache, batchable
@@ -32,13 +32,16 @@ def solo(target, draft, prompt, k, n, **kw):
     return [e.token for e in generate(target, draft, prompt, k=k, max_tokens=n, **kw)]
 
 
-def drain(batch, k, rows, out, leave=True):
-    """Rounds until every row in ``rows`` is done; tokens into out[row]."""
+def drain(batch, k, rows, out, leave=True, kept=None):
+    """Rounds until every row in ``rows`` is done; tokens into out[row]; a done row leaves
+    (its KVState into kept[row] when kept is a dict), or with leave=False stays."""
     while any(not r.done for r in rows):
         for r, events in zip(list(batch.rows), batch.round(k), strict=True):
             out.setdefault(id(r), []).extend(e.token for e in events)
         for r in [r for r in batch.rows if r.done and leave]:
-            batch.leave(r)
+            kv = batch.leave(r)
+            if kept is not None:
+                kept[id(r)] = kv
 
 
 def test_rows_cache_writes_each_row_at_its_own_length_and_gives_back_per_row():
@@ -135,8 +138,11 @@ def test_a_sampled_row_draws_what_its_solo_run_draws(pair, verify):
     assert out[id(moved)] != want[0]  # the seed matters: the comparison means something
 
 
-def test_one_host_sync_a_round(pair, monkeypatch):
-    target, draft = pair
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
+def test_one_host_sync_a_round(pair, monkeypatch, family):
+    """Full attention, sliding windows and recurrent state alike: the per-row rollback
+    (lengths, the recorded recurrence, the draft's kept states) adds no host sync."""
+    target, draft = pair if family == "llama" else (build(family, 3, 0), build(family, 3, 1))
     batch = Batch(target, draft)
     for p in PROMPTS:
         batch.join(p, Decode(k=K(3), max_tokens=40))
@@ -148,14 +154,102 @@ def test_one_host_sync_a_round(pair, monkeypatch):
     assert count[0] == 2  # one tolist a round, whatever B is
 
 
-def test_a_model_with_a_sliding_window_is_refused_by_name():
-    args = gemma3_text.ModelArgs(
-        model_type="gemma3_text", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64,
-        sliding_window=8, sliding_window_pattern=2,
-    )  # fmt: skip
-    model = gemma3_text.Model(args)
-    assert "RotatingKVCache" in batchable(model) or "Window" in batchable(model)
+WINDOW_FAMILIES = [f for f, (_, kind) in FAMILIES.items() if kind == "window"]
+
+
+@pytest.mark.parametrize("family", WINDOW_FAMILIES)
+def test_sliding_window_rows_equal_their_solo_runs(family):
+    """Rows of a sliding-window family (a window of 8) at lengths inside and far past the
+    window, joining at different rounds, each equal their solo runs; a row that leaves
+    hands back a window cache a solo generation goes on from."""
+    target, draft = build(family, 3, 0), noisy_copy(family, 3, 0, 0.3)
+    prompts = [[1, 5, 9], list(range(3, 24)), [4, 4, 4, 8, 15, 16, 23, 42, 8, 15, 16]]
+    want = [solo(target, None, p, 0, 20) for p in prompts]
+    batch, out = Batch(target, draft), {}
+    rows = [batch.join(p, Decode(k=K(3), max_tokens=20)) for p in prompts[:2]]
+    batch.round(3)  # (its tokens are read back from the contexts below)
+    rows.append(batch.join(prompts[2], Decode(k=K(3), max_tokens=20)))
+    kept: dict = {}
+    drain(batch, 2, rows, out, kept=kept)
+    assert [r.ctx[len(p) :] for r, p in zip(rows, prompts, strict=True)] == want
+    more = solo(target, draft, rows[1].ctx, 3, 6, kv=kept[id(rows[1])])
+    assert rows[1].ctx[len(prompts[1]) :] + more == solo(target, None, prompts[1], 0, 26)
+
+
+def test_the_window_mask_is_what_makes_window_rows_exact(monkeypatch):
+    """The same rows with the window left out of the rows' mask diverge from their solo
+    runs: the window test can fail."""
+    target, draft = build("gemma3_text", 3, 0), build("gemma3_text", 3, 1)
+    prompts = [list(range(3, 24)), [1, 5, 9]]
+    want = [solo(target, None, p, 0, 12) for p in prompts]
+    plain = RowsKVCache.make_mask
+
+    def unwindowed(self, n, return_array=False, window_size=None):
+        window, self.window = self.window, None
+        try:
+            return plain(self, n, True)  # every key up to the query's own position
+        finally:
+            self.window = window
+
+    monkeypatch.setattr(RowsKVCache, "make_mask", unwindowed)
+    batch, out = Batch(target, draft), {}
+    rows = [batch.join(p, Decode(k=K(2), max_tokens=12)) for p in prompts]
+    drain(batch, 2, rows, out)
+    assert [r.ctx[len(p) :] for r, p in zip(rows, prompts, strict=True)] != want
+
+
+RECURRENT_BATCHED = ["qwen3_5", "qwen3_next", "mamba2", "nemotron_h", "falcon_h1",
+                     "granitemoehybrid"]  # fmt: skip
+
+
+@pytest.mark.parametrize("family", RECURRENT_BATCHED)
+def test_recurrent_rows_equal_their_solo_runs(family):
+    """Rows of a recurrent family (the target's state recomputed per row over its kept
+    steps, the draft's taken from its state after each step), joining at different rounds
+    with prompts of different lengths, each equal their solo runs, greedy and sampled; a row
+    that leaves hands back a state a solo generation goes on from."""
+    target, draft = build(family, 4, 0), noisy_copy(family, 4, 0, 0.3)
+    prompts = [[1, 5, 9], list(range(3, 17)), [4, 4, 4, 8, 15, 16, 23, 42, 8, 15, 16]]
+    samplers = [SamplingParams(), SamplingParams(0.9), SamplingParams()]
+    want = [solo(target, draft, p, 3, 16, sampling=s, seed=5)
+            for p, s in zip(prompts, samplers, strict=True)]  # fmt: skip
+    batch, out = Batch(target, draft), {}
+    rows = [batch.join(p, Decode(s, K(3), 16, seed=5))
+            for p, s in zip(prompts[:2], samplers[:2], strict=True)]  # fmt: skip
+    for r, events in zip(list(batch.rows), batch.round(3), strict=True):
+        out.setdefault(id(r), []).extend(e.token for e in events)
+    rows.append(batch.join(prompts[2], Decode(samplers[2], K(3), 16, seed=5)))
+    kept: dict = {}
+    drain(batch, 3, rows, out, kept=kept)
+    assert [out[id(r)] for r in rows] == want
+    assert sum(r.stats.accepted for r in rows) > 0 and sum(r.stats.drafted for r in rows) > sum(
+        r.stats.accepted for r in rows
+    )  # drafts were kept and given back: the per-row rollback ran both ways
+    more = solo(target, draft, rows[0].ctx, 3, 6, kv=kept[id(rows[0])])
+    assert rows[0].ctx[len(prompts[0]) :] + more == solo(target, None, prompts[0], 0, 22)
+
+
+def test_a_row_state_rolled_back_as_if_every_row_kept_alike_diverges(monkeypatch):
+    """The same rows with every row's state recomputed over the longest kept count (the
+    per-row mask dropped) diverge from their solo runs: the recurrent test can fail."""
+    from specmlx.core import recurrent
+
+    target, draft = build("qwen3_5", 4, 0), noisy_copy("qwen3_5", 4, 0, 0.3)
+    prompts = [[1, 5, 9], list(range(3, 17))]
+    want = [solo(target, None, p, 0, 16) for p in prompts]
+    real = recurrent.PassRecorder.settle_rows
+    monkeypatch.setattr(recurrent.PassRecorder, "settle_rows",
+                        lambda self, ms, states: real(self, [max(ms)] * len(ms), states))  # fmt: skip
+    batch, out = Batch(target, draft), {}
+    rows = [batch.join(p, Decode(k=K(3), max_tokens=16)) for p in prompts]
+    drain(batch, 3, rows, out)
+    assert [out[id(r)] for r in rows] != want
+
+
+def test_a_recurrent_model_the_batch_cannot_roll_back_is_refused_by_name():
+    model = build("rwkv7", 2, 0)
+    why = batchable(model)
+    assert why is not None and "rwkv7" in why
     with pytest.raises(IncompatiblePair, match="cannot decode in a batch"):
         Batch(model, None)
 
@@ -177,3 +271,17 @@ def test_batch_k_tries_each_k_then_keeps_the_fastest_and_borrows_a_new_widths_fi
     chooser.observe(8, 2, 5.0, 1.0)  # at 8 rows drafting collapses: the plain step wins
     chooser.observe(8, 0, 30.0, 1.0)
     assert chooser(8) == 0
+
+
+def test_the_memory_plan_counts_a_batchs_window_layers_at_the_whole_context():
+    """A batch's rows keep every key of their window layers (core.rows), so the plan for
+    a row counts them as full attention; a solo row's window layers hold their window."""
+    from families import family_config
+
+    from specmlx.models.footprint import kv_bytes
+
+    config = family_config("gemma3_text", 6)  # a window of 8: layers 3 and 6 full
+    solo_bytes, row_bytes = kv_bytes(config, 4096, 4), kv_bytes(config, 4096, 4, batched=True)
+    per_layer = 2 * 2 * 8 * 4  # K and V, 2 kv heads of 8, float32: per token
+    assert row_bytes == 6 * per_layer * 4096
+    assert solo_bytes < row_bytes / 2

@@ -905,3 +905,38 @@ def test_headers_that_never_finish_get_a_408_and_the_connection_closes():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next"])
+def test_window_and_recurrent_pairs_are_served_as_one_batch(tmp_path, family):
+    """A sliding-window pair (Gemma 3, a window of 8) and a recurrent one (Qwen3-Next) batch
+    in the server too: four concurrent streams, prompts past the window, each get the text
+    they get alone, and /metrics saw them decode as one batch."""
+    from families import family_config
+    from helpers import save_tiny, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    for name, seed in (("t", 0), ("d", 1)):
+        save_tiny(tmp_path / name, family_config(family, 4, len(tok)), tok, seed)
+    env = dict(os.environ, SPECMLX_HOME=str(tmp_path / "home"), XDG_CONFIG_HOME=str(tmp_path / "x"))
+    for name in ("SPECMLX_MODELS", "SPECMLX_SERVER", "SPECMLX_API_KEY", "SPECMLX_MEMORY_BUDGET"):
+        env.pop(name, None)
+    s = Server(env, "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "-k", "3",
+               "--max-batch", "4", "--prompt-cache", "0")  # fmt: skip
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        prompts = [f"def f{i}(x):\n    return x * {i} + {i} - x // {i + 1}\n" for i in range(4)]
+
+        def ask(p, stream=False):
+            got = c.completions.create(model="t", prompt=p, max_tokens=24, stream=stream)
+            return "".join(x.choices[0].text for x in got if x.choices) if stream else got
+
+        alone = [ask(p).choices[0].text for p in prompts]
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(lambda p: ask(p, stream=True), prompts))
+        assert together == alone
+        seen = metrics(s)
+        assert seen.get("specmlx_batch_rounds_total", 0) > 0, seen
+    finally:
+        code, err = s.stop()
+    assert code == 0 and "one request at a time" not in err, err

@@ -49,11 +49,12 @@ MAX_BATCH_DEFAULT = 8  # the most rows the default batch takes
 
 def batch_rows(target, draft, context: int, reserve: int, asked: int | None) -> tuple[int, int]:
     """(rows the server may batch, bytes of KV caches one more row needs) from the memory
-    plan: each row may grow to ``context`` tokens. ``asked`` (--max-batch) past what fits is
-    refused by name; None takes what fits, up to MAX_BATCH_DEFAULT."""
+    plan: each row may grow to ``context`` tokens (a sliding window's layers too: a batch's
+    rows keep every key, core.rows). ``asked`` (--max-batch) past what fits is refused by
+    name; None takes what fits, up to MAX_BATCH_DEFAULT."""
     from ..models.footprint import gb_text, plan_memory
 
-    plan = plan_memory(target, draft, context, reserve=reserve)
+    plan = plan_memory(target, draft, context, reserve=reserve, batched=True)
     per_row = plan.kv_bytes - reserve
     room = plan.available_bytes - plan.total_bytes
     fit = 1 + room // per_row if per_row > 0 and room > 0 else 1

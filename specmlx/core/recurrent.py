@@ -46,6 +46,11 @@ RECURRENCES = {
     "gated_delta_update": ("q", "k", "v", "a", "b", "mask"),
     "ssm_update": ("hidden_states", "B", "C", "dt", "mask"),
 }
+# the recurrences that read a batch's row ends from ``lengths`` as well as the mask: a gated
+# delta net keeps a row's state through its masked steps, but an SSM's mask only stops the
+# decay of the state it started from (the masked steps' inputs still count): it takes the
+# state at each row's length from ``lengths``
+ROW_LENGTHS = {"ssm_update"}
 # mlx-lm modules whose mixers follow the layout above, and the recurrence each calls
 LAYOUTS = {
     "mlx_lm.models.qwen3_next": "gated_delta_update",
@@ -139,6 +144,36 @@ class PassRecorder:
         finally:
             for inst, own, _ in self._swaps:
                 inst.__class__ = own
+
+    def settle_rows(self, ms: list[int], states: list[list | None]) -> None:
+        """settle for a batch whose rows keep different counts: row i of each recurrent
+        layer goes to its state after the recorded pass's first ms[i] tokens (1 <= ms[i]).
+        The recurrence runs once over the first max(ms) steps with steps t >= ms[i] of row
+        i masked (mlx-lm's recurrences keep a row's state through its masked steps, as they
+        do for a batch's right padding), and each row's conv state is gathered at its own
+        length. RuntimeError where the pass was not recorded (batches record every pass)."""
+        n = len(self.layers)
+        if not (self.supported and len(self.convs) == n and len(self.calls) == n):
+            raise RuntimeError("the batch's verify pass was not recorded")
+        top = max(ms)
+        kept = mx.array(ms, dtype=mx.int32)  # (B,)
+        rows = mx.arange(top)[None] < kept[:, None]  # (B, top): each row's kept steps
+        new = []
+        for conv_in, call, before in zip(self.convs, self.calls, states, strict=True):
+            keep = conv_in.shape[1] - self.fed  # K - 1: the conv state's length
+            args = dict(call["args"])
+            for name in RECURRENCES[call["fn"].__name__]:
+                if args.get(name) is not None:
+                    args[name] = args[name][:, :top]
+            mask = args.get("mask")
+            args["mask"] = rows if mask is None else (mask & rows)
+            if call["fn"].__name__ in ROW_LENGTHS:
+                args["lengths"] = kept
+            _, state = call["fn"](**{**args, "state": before[1] if before is not None else None})
+            at = (kept[:, None] + mx.arange(keep))[..., None]  # (B, K - 1, 1)
+            new.append([mx.take_along_axis(conv_in, at, axis=1), state])
+        for layer, arrays in zip(self.layers, new, strict=True):
+            layer.cache = arrays
 
     def settle(self, m: int, states: list[list | None]) -> bool:
         """Set each recurrent layer to its state after the recorded pass's first m tokens,

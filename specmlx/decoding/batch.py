@@ -12,8 +12,12 @@ KVState, for the prompt cache).
 Exact per row: a row's greedy tokens are the target's for its context whatever else is in
 the batch, and a sampled row draws from the same keys, in the same order, as a solo
 generation with the same k would (engine.py splits its key the same way each round), so
-it follows the target's distribution through the same acceptance rules. Only models whose
-layers all keep full attention batch (rows.batchable): the rest are served one at a time.
+it follows the target's distribution through the same acceptance rules. Models whose layers
+keep full attention, sliding windows or the recurrent state of a known mixer batch
+(rows.batchable): the rest are served one at a time. Recurrent rows roll back by their kept
+steps: the target's verify pass is recorded and each row's recurrence recomputed over its own
+kept steps (recurrent.PassRecorder.settle_rows); the draft keeps its state after its
+catch-up and after each drafting step, and each row takes the one at its kept length.
 """
 
 from __future__ import annotations
@@ -21,14 +25,17 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from ..core.acceptance import accept_proposal, sampled_rule
+from ..core.caches import make_caches, recurrent_layers
 from ..core.kvstate import KVState
-from ..core.rows import RowsKVCache, batchable, rows_of, solo_of
+from ..core.recurrent import PassRecorder
+from ..core.rows import attention_rows, batchable, rows_of, solo_of
 from ..core.sampling import Processor, make_processor, sample
 from ..core.stats import RoundReport, Stats, TokenEvent
 from ..drafting.drafters import SAFE_ID
@@ -74,8 +81,12 @@ class Batch:
             self.draft_rows = getattr(getattr(draft, "args", None), "vocab_size", None) or width
         self.vocab = min(vocab_size or width, width)
         self.rows: list[Row] = []
-        self.t_cache: list[RowsKVCache] | None = None
-        self.d_cache: list[RowsKVCache] | None = None
+        self.t_cache: list | None = None  # per layer: core.rows' batch caches
+        self.d_cache: list | None = None
+        # the target's recurrent mixers, recorded each verify pass (None: none to roll back)
+        layers = recurrent_layers(make_caches(target))
+        self.recorder = PassRecorder(target, layers) if layers else None
+        self._draft_states: list[list[list]] = []  # the draft's states after each step
 
     def join(
         self,
@@ -107,6 +118,8 @@ class Batch:
         row = Row(list(prompt), decode, stops, mx.random.key(seed), process, stats)
         row.drafts, row.before = drafts, generated
         self.t_cache = rows_of(self.t_cache, kv.target)  # it holds prompt[:-1]
+        if self.recorder is not None:
+            self.recorder.layers = recurrent_layers(self.t_cache)
         if self.draft is not None:
             self.d_cache = rows_of(self.d_cache, kv.draft)
             row.draft_held = kv.draft_len
@@ -145,7 +158,10 @@ class Batch:
             d, qs = None, [None] * len(rows)
         last = mx.array([[r.ctx[-1]] for r in rows], dtype=mx.uint32)  # (B, 1)
         x = last if d is None else mx.concatenate([last, d], axis=1)  # (B, k + 1)
-        logits = self.target(x, cache=self.t_cache)  # (B, k + 1, V)
+        recurrent = recurrent_layers(self.t_cache) if self.recorder is not None else []
+        before = [list(c.cache) for c in recurrent]  # (references: the mixers assign anew)
+        with self.recorder.recording(k + 1) if recurrent else nullcontext():
+            logits = self.target(x, cache=self.t_cache)  # (B, k + 1, V)
         outs = []
         for i, r in enumerate(rows):  # each row by its own rule, sampler, keys and k
             ki = ks[i]
@@ -157,23 +173,43 @@ class Batch:
             outs.append(mx.concatenate([n.astype(mx.uint32).reshape(1), di, nxt.reshape(1), pad]))
         got = mx.stack(outs).tolist()  # the round's one host sync: (B, k + 2)
         seconds = time.perf_counter() - t0
-        events = []
+        events, kept, steps = [], [], []
         for r, ki, (n, *tokens) in zip(rows, ks, got, strict=True):
             fed = len(r.ctx) - 1  # where this round's drafts start, in both models
             new, reason = r.stops.cut(tokens[:n] + [tokens[ki]])
             r.ctx += new
+            kept.append(len(r.ctx) - 1 - fed)  # of the k + 1 tokens the target was fed
             if k:  # the draft fed ctx and k - 1 drafts: it keeps what ctx confirms of them
                 r.draft_held = min(fed + 1 + min(n, k - 1), len(r.ctx) - 1)
+                steps.append(r.draft_held - fed - 1)  # drafting steps kept after its catch-up
             r.stats.record(RoundReport(ki, n, seconds), r.before + r.stops.count)
             r.stats.finish_reason, r.done = reason, bool(reason)
             events.append([TokenEvent(t, j < n) for j, t in enumerate(new)])
         # keep: a target row fed ctx[-1] and k drafts; it keeps what its new ctx[:-1] holds
-        for c in self.t_cache:
+        for c in attention_rows(self.t_cache):
             c.lens = [len(r.ctx) - 1 for r in rows]
+        if recurrent:  # each row's state after its kept steps (lazy: the next round's sync)
+            self.recorder.settle_rows(kept, before)
         if k:
-            for c in self.d_cache:
+            for c in attention_rows(self.d_cache):
                 c.lens = [r.draft_held for r in rows]
+            self._settle_draft(steps)
         return events
+
+    def _settle_draft(self, steps: list[int]) -> None:
+        """Each draft row's recurrent layers to their state after its catch-up and steps[i]
+        drafting steps, from the states kept after each (``_draft_states``)."""
+        states, self._draft_states = self._draft_states, []
+        if not states:
+            return
+        rows = mx.arange(len(steps))
+        at = mx.array(steps, dtype=mx.int32)
+        for layer, c in enumerate(recurrent_layers(self.d_cache)):
+            c.cache = [
+                None if states[0][layer][e] is None
+                else mx.stack([s[layer][e] for s in states])[at, rows]  # (B, ...)
+                for e in range(len(c.cache))
+            ]  # fmt: skip
 
     def _propose(self, rows: list[Row], k: int, ks: list[int], keys) -> tuple[mx.array, list]:
         """k drafts per row: d (B, k) uint32 and each row's q (k, vocab), None when greedy.
@@ -186,11 +222,18 @@ class Batch:
                    for r in rows]  # fmt: skip
         width = max(len(p) for p in pending)
         x = mx.array([p + [SAFE_ID] * (width - len(p)) for p in pending], dtype=mx.uint32)
+        recurrent = recurrent_layers(self.d_cache)
+        for c in recurrent:  # the pads leave each row's state as its real tokens left it
+            c.lengths = mx.array([len(p) for p in pending])
         logits = self.draft(x, cache=self.d_cache)  # (B, width, V)
+        for c in recurrent:
+            c.lengths = None
         at = mx.array([len(p) - 1 for p in pending])[:, None, None]  # each row's last real
         logits = mx.take_along_axis(logits, at, axis=1)[:, 0, : self.vocab]  # (B, vocab)
-        for c in self.d_cache:
+        for c in attention_rows(self.d_cache):
             c.give_back([width - len(p) for p in pending])  # the pads
+        keep = lambda: [list(c.cache) for c in recurrent]  # noqa: E731 - references only
+        self._draft_states = [keep()] if recurrent else []
         steps = [mx.random.split(kk, ki) if kk is not None and ki else None
                  for kk, ki in zip(keys, ks, strict=True)]  # fmt: skip
         tokens, qs = [], []
@@ -198,6 +241,8 @@ class Batch:
             if j:
                 fed = mx.where(tokens[-1] < self.draft_rows, tokens[-1], SAFE_ID)
                 logits = self.draft(fed[:, None], cache=self.d_cache)[:, -1, : self.vocab]
+                if recurrent:
+                    self._draft_states.append(keep())
             step_keys = [s[j] if s is not None and j < s.shape[0] else None for s in steps]
             t, q = _draw(rows, logits, step_keys)
             tokens.append(t)

@@ -192,12 +192,12 @@ def recurrent_state_bytes(config: dict, dtype_bytes: int) -> int:
     return 4 * h * h
 
 
-def kv_bytes(config: dict, context: int, dtype_bytes: int) -> int:
+def kv_bytes(config: dict, context: int, dtype_bytes: int, batched: bool = False) -> int:
     """Cache bytes for ``context`` tokens, layer by layer (layer_kinds): a full-attention
     layer holds K and V for every token (2 x kv_heads x head_dim x context x dtype), a
-    sliding-window one for its window plus the rollback slack and one allocation step, a
-    recurrent one a fixed state, counted twice (the live state and the one a rollback
-    restores)."""
+    sliding-window one for its window plus the rollback slack and one allocation step (a
+    batch's row, ``batched``: every token, as core.rows keeps them), a recurrent one a fixed
+    state, counted twice (the live state and the one a rollback restores)."""
     c = config.get("text_config", config)
     kinds = layer_kinds(config)
     if all(k in ("recurrent", "none") for k in kinds):
@@ -208,7 +208,7 @@ def kv_bytes(config: dict, context: int, dtype_bytes: int) -> int:
         hd = c.get("head_dim") or c["hidden_size"] // heads
         per_token = 2 * kv * hd * dtype_bytes
     span = c.get("sliding_window") or c.get("attention_chunk_size") or context  # a window or chunk
-    window = min(context, span + ROLLBACK_SLACK + WINDOW_STEP)
+    window = context if batched else min(context, span + ROLLBACK_SLACK + WINDOW_STEP)
     total = 0
     for k in kinds:
         if k in ("full", "both"):
@@ -252,6 +252,7 @@ def plan_memory(
     draft_config: dict | None = None,
     reserve: int = 0,
     shards: int = 1,
+    batched: bool = False,
     progress: Progress | None = None,
 ) -> MemoryPlan:
     """Weights plus KV caches for the pair and ``context`` tokens.
@@ -262,8 +263,8 @@ def plan_memory(
     the target and of its KV cache, the whole draft); target_config, draft_config: configs
     to size by the llama formula instead of
     peeking at the models (tests, or callers that know them); reserve: bytes kept for more
-    KV caches (the server's prompt cache), counted with the KV caches; progress: download
-    notes."""
+    KV caches (the server's prompt cache), counted with the KV caches; batched: size the KV
+    caches as a batch's row holds them (kv_bytes); progress: download notes."""
     sizes, kv = [], 0
     for spec, config, split in ((target, target_config, shards), (draft, draft_config, 1)):
         if spec is None:
@@ -278,7 +279,7 @@ def plan_memory(
         nbytes = resolve_dtype(spec.dtype).size
         try:
             sizes.append(weight_bytes(spec, config, tensors, split))
-            kv += kv_bytes(config, context, nbytes) // split
+            kv += kv_bytes(config, context, nbytes, batched) // split
         except KeyError as e:  # not a llama-like config: nothing honest to add up
             raise ModelLoadError(f"cannot size {spec.alias} from its config (no {e})") from None
     available, source = available_memory()
