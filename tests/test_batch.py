@@ -285,3 +285,77 @@ def test_the_memory_plan_counts_a_batchs_window_layers_at_the_whole_context():
     per_layer = 2 * 2 * 8 * 4  # K and V, 2 kv heads of 8, float32: per token
     assert row_bytes == 6 * per_layer * 4096
     assert solo_bytes < row_bytes / 2
+
+
+# ---------------------------------------------------------------- heads over hidden states
+
+
+@pytest.fixture(scope="module")
+def toy_mtp():
+    """A Qwen3.5 target trained on a toy language and its trained MTP head (tests/mtp_toy.py):
+    a head whose drafts are often kept and often not."""
+    from mtp_toy import toy_head, toy_target
+
+    target = toy_target()
+    return target, toy_head(target)
+
+
+def _eagle3_over(target):
+    """A random EAGLE-3 head (a narrower draft vocabulary) over a tiny llama target."""
+    from mlx.utils import tree_map
+
+    from specmlx.distill.heads import head_json
+    from specmlx.drafting import eagle3
+
+    config = head_json("eagle3", dict(target.args.__dict__, model_type="llama"), layers=1,
+                       width=0, draft_vocab=100, block=2, mask_id=0)  # fmt: skip
+    head = eagle3.Eagle3Head(target, eagle3.head_config(config, config | {"hidden_size": 32,
+                             "num_hidden_layers": 8, "vocab_size": 128}, "h"))  # fmt: skip
+    mx.random.seed(7)
+    head.update(tree_map(lambda p: 0.3 * mx.random.normal(p.shape), head.parameters()))
+    ids = np.sort(np.random.default_rng(0).choice(128, 100, replace=False))
+    head.map_vocabulary(mx.array(ids - np.arange(100)))
+    mx.eval(head.parameters())
+    return head
+
+
+@pytest.mark.parametrize("which", ["mtp", "eagle3"])
+def test_head_rows_draft_and_keep_what_their_solo_runs_do(toy_mtp, which):
+    """A chained head in a batch (a trained MTP head over a recurrent Qwen3.5, a random
+    EAGLE-3 head over a llama): rows joining mid-way, greedy and sampled, and a stretch of
+    plain rounds (the waiting pairs pile up past the catch-up and are fed), each row's
+    tokens are its solo run's; a row that leaves hands back what a solo run goes on from."""
+    from mtp_toy import toy_language
+
+    if which == "mtp":
+        target, head = toy_mtp
+        prompts = [toy_language(1, 6, 900 + i)[0].tolist() for i in range(3)]
+    else:
+        target = build("llama", 8, 0, vocab=128)
+        head = _eagle3_over(target)
+        prompts = [[1, 5, 9], list(range(3, 17)), [4, 4, 4, 8, 15, 16, 23, 42]]
+    samplers = [SamplingParams(), SamplingParams(0.9), SamplingParams()]
+
+    want = [solo(target, head, p, 3, 30, sampling=s, seed=5)
+            for p, s in zip(prompts, samplers, strict=True)]  # fmt: skip
+    batch, out = Batch(target, head), {}
+    rows = [batch.join(prompts[0], Decode(samplers[0], K(3), 30, seed=5))]
+    for _ in range(20):  # plain rounds: the head's waiting pairs pile up, then are fed
+        batch.round(0)
+    rows += [batch.join(p, Decode(s, K(3), 30, seed=5))
+             for p, s in zip(prompts[1:], samplers[1:], strict=True)]  # fmt: skip
+    kept: dict = {}
+    drain(batch, 3, rows, out, kept=kept)
+    assert [r.ctx[len(p) :] for r, p in zip(rows, prompts, strict=True)] == want
+    assert sum(r.stats.accepted for r in rows) > 0
+    kv = kept[id(rows[2])]
+    more = solo(target, head, rows[2].ctx, 3, 6, kv=kv)
+    assert rows[2].ctx[len(prompts[2]) :] + more == solo(target, None, prompts[2], 0, 36)
+
+
+def test_a_block_drafter_is_served_alone_by_name():
+    class Block:
+        reads_hidden, block_size = (1, 2), 16
+
+    with pytest.raises(IncompatiblePair, match="DFlash"):
+        Batch(make_tiny(0), Block())

@@ -18,6 +18,13 @@ keep full attention, sliding windows or the recurrent state of a known mixer bat
 steps: the target's verify pass is recorded and each row's recurrence recomputed over its own
 kept steps (recurrent.PassRecorder.settle_rows); the draft keeps its state after its
 catch-up and after each drafting step, and each row takes the one at its kept length.
+
+The draft may instead be a chained head over the target's hidden states (an MTP or EAGLE-3
+head): the verify pass is tapped (hidden.HiddenTap), each row keeps the features of its
+confirmed positions as pairs waiting to be fed (``pending``), and a proposal feeds every
+row's waiting pairs at once (right-padded, the pads given back) and chains k - 1 steps, as
+drafters.HeadDrafter does for one sequence; the chained entries are given back after the
+round. A block drafter (DFlash) attends without a mask and is served one at a time.
 """
 
 from __future__ import annotations
@@ -33,12 +40,13 @@ import mlx.nn as nn
 
 from ..core.acceptance import accept_proposal, sampled_rule
 from ..core.caches import make_caches, recurrent_layers
-from ..core.kvstate import KVState
+from ..core.hidden import HiddenTap
+from ..core.kvstate import KVState, reads_hidden
 from ..core.recurrent import PassRecorder
 from ..core.rows import attention_rows, batchable, rows_of, solo_of
 from ..core.sampling import Processor, make_processor, sample
 from ..core.stats import RoundReport, Stats, TokenEvent
-from ..drafting.drafters import SAFE_ID
+from ..drafting.drafters import FEED_AFTER, SAFE_ID
 from ..errors import BadInput, IncompatiblePair
 from .engine import _logit_width, _Stops, prefill
 from .request import Decode, token_ids
@@ -58,25 +66,35 @@ class Row:
     done: bool = False
     draft_held: int = 0  # how much of ctx the draft's row holds (a prefix of ctx[:-1])
     before: int = 0  # tokens the request made before it joined (it ran alone until then)
+    # a head's row: the target's features at positions draft_held.. it has not been fed
+    # yet (m, F), the pairs' hidden states; None: none (a one-token prompt's first round)
+    pending: mx.array | None = None
 
 
 class Batch:
     """Rows that decode together: ``join`` a prompt, ``round(k)`` (every row one round, up to
     k + 1 tokens each), ``leave`` a row.
 
-    target, draft: mlx-lm models (draft None: batched plain decoding); both must batch
-    (rows.batchable). vocab_size: how many ids the draft may propose (default: the smaller
-    logit width)."""
+    target, draft: mlx-lm models (draft None: batched plain decoding), or a chained head over
+    the target as the draft; both must batch (rows.batchable). vocab_size: how many ids the
+    draft may propose (default: the smaller logit width)."""
 
     def __init__(self, target: nn.Module, draft: nn.Module | None, vocab_size: int | None = None):
+        if getattr(draft, "block_size", None):
+            raise IncompatiblePair(
+                "a block drafter (DFlash) attends to its context without a mask: it drafts "
+                "one sequence at a time"
+            )
         for what, model in (("target", target), ("draft", draft)):
             why = batchable(model) if model is not None else None
             if why:
                 raise IncompatiblePair(f"the {what} cannot decode in a batch: {why}")
         self.target, self.draft = target, draft
+        self.head = reads_hidden(draft)
+        self.tap = HiddenTap(target, draft.reads_hidden) if self.head else None
         width = _logit_width(target)
         self.draft_rows = 0
-        if draft is not None:
+        if draft is not None and not self.head:
             width = min(width, _logit_width(draft))
             self.draft_rows = getattr(getattr(draft, "args", None), "vocab_size", None) or width
         self.vocab = min(vocab_size or width, width)
@@ -122,7 +140,7 @@ class Batch:
             self.recorder.layers = recurrent_layers(self.t_cache)
         if self.draft is not None:
             self.d_cache = rows_of(self.d_cache, kv.draft)
-            row.draft_held = kv.draft_len
+            row.draft_held, row.pending = kv.draft_len, kv.hidden
         self.rows.append(row)
         return row
 
@@ -134,6 +152,7 @@ class Batch:
         kv.target, kv.tokens = solo_of(self.t_cache, i), row.ctx[:-1]
         if self.draft is not None:
             kv.draft, kv.draft_len = solo_of(self.d_cache, i), row.draft_held
+            kv.hidden, kv.reads_hidden = row.pending, self.head
         if not self.rows:
             self.t_cache = self.d_cache = None
         return kv
@@ -149,19 +168,30 @@ class Batch:
             return []
         t0 = time.perf_counter()
         k = k if self.draft is not None else 0
-        # a row near its budget verifies fewer (as a solo generation would: the same keys)
-        ks = [max(0, min(k, r.stops.max_tokens - r.stops.count - 1)) * r.drafts for r in rows]
+        # a row near its budget verifies fewer (as a solo generation would: the same keys); a
+        # head's row with nothing to read yet drafts nothing
+        ks = [
+            max(0, min(k, r.stops.max_tokens - r.stops.count - 1))
+            * r.drafts
+            * (not self.head or r.pending is not None)
+            for r in rows
+        ]
         keys = [_split(r) for r in rows]  # per row (draft, u, draw), all None when greedy
+        propose = self._propose_head if self.head else self._propose
         if k:
-            d, qs = self._propose(rows, k, ks, [kk[0] for kk in keys])
+            d, qs = propose(rows, k, ks, [kk[0] for kk in keys])
         else:
             d, qs = None, [None] * len(rows)
         last = mx.array([[r.ctx[-1]] for r in rows], dtype=mx.uint32)  # (B, 1)
         x = last if d is None else mx.concatenate([last, d], axis=1)  # (B, k + 1)
         recurrent = recurrent_layers(self.t_cache) if self.recorder is not None else []
         before = [list(c.cache) for c in recurrent]  # (references: the mixers assign anew)
-        with self.recorder.recording(k + 1) if recurrent else nullcontext():
+        with (
+            self.recorder.recording(k + 1) if recurrent else nullcontext(),
+            self.tap or nullcontext(),
+        ):
             logits = self.target(x, cache=self.t_cache)  # (B, k + 1, V)
+        feats = self.tap.features() if self.head else None  # (B, k + 1, F), lazy
         outs = []
         for i, r in enumerate(rows):  # each row by its own rule, sampler, keys and k
             ki = ks[i]
@@ -174,12 +204,15 @@ class Batch:
         got = mx.stack(outs).tolist()  # the round's one host sync: (B, k + 2)
         seconds = time.perf_counter() - t0
         events, kept, steps = [], [], []
-        for r, ki, (n, *tokens) in zip(rows, ks, got, strict=True):
+        for i, (r, ki, (n, *tokens)) in enumerate(zip(rows, ks, got, strict=True)):
             fed = len(r.ctx) - 1  # where this round's drafts start, in both models
             new, reason = r.stops.cut(tokens[:n] + [tokens[ki]])
             r.ctx += new
             kept.append(len(r.ctx) - 1 - fed)  # of the k + 1 tokens the target was fed
-            if k:  # the draft fed ctx and k - 1 drafts: it keeps what ctx confirms of them
+            if self.head:  # the pairs (h_j, t_{j+1}) this pass confirmed wait to be fed
+                new_rows = feats[i, : kept[-1]]
+                r.pending = new_rows if r.pending is None else mx.concatenate([r.pending, new_rows])
+            elif k:  # the draft fed ctx and k - 1 drafts: it keeps what ctx confirms of them
                 r.draft_held = min(fed + 1 + min(n, k - 1), len(r.ctx) - 1)
                 steps.append(r.draft_held - fed - 1)  # drafting steps kept after its catch-up
             r.stats.record(RoundReport(ki, n, seconds), r.before + r.stops.count)
@@ -190,11 +223,68 @@ class Batch:
             c.lens = [len(r.ctx) - 1 for r in rows]
         if recurrent:  # each row's state after its kept steps (lazy: the next round's sync)
             self.recorder.settle_rows(kept, before)
-        if k:
+        if k:  # a head's chained entries read drafts, never kept: its rows hold their pairs
             for c in attention_rows(self.d_cache):
                 c.lens = [r.draft_held for r in rows]
             self._settle_draft(steps)
+        if self.head and max((len_of(r.pending) for r in rows), default=0) > FEED_AFTER:
+            self._catch_up(rows)
         return events
+
+    def _propose_head(self, rows: list[Row], k: int, ks: list[int], keys):
+        """k drafts per row from a chained head: every row's waiting pairs fed at once,
+        right-padded (the pads given back), then k - 1 chained steps, all rows together, as
+        drafters.head_propose does for one. d (B, k), each row's q (k, vocab) or None."""
+        g, logits = self._feed_pending(rows, keep_last=False)  # (B, 1, H), (B, vocab)
+        steps = [mx.random.split(kk, ki) if kk is not None and ki else None
+                 for kk, ki in zip(keys, ks, strict=True)]  # fmt: skip
+        tokens, qs = [], []
+        for j in range(k):
+            if j:
+                g, logits = self.draft(g, tokens[-1][:, None], self.d_cache)
+                g, logits = g[:, -1:], logits[:, -1, : self.vocab]
+            step_keys = [s[j] if s is not None and j < s.shape[0] else None for s in steps]
+            t, q = _draw(rows, logits, step_keys)
+            tokens.append(t)
+            qs.append(q)
+            mx.async_eval(t)
+        d = mx.stack(tokens, axis=1)  # (B, k)
+        per_row = [None if r.process is None else mx.stack([q[i] for q in qs])
+                   for i, r in enumerate(rows)]  # fmt: skip
+        return d, per_row
+
+    def _feed_pending(self, rows: list[Row], keep_last: bool):
+        """Feed every row's waiting pairs (all but each row's newest when ``keep_last``),
+        right-padded to the longest; the pads are given back and each row's draft_held grows
+        by what it was fed. Returns the outputs at each row's last pair fed: g (B, 1, H) and
+        logits (B, vocab). A row with nothing to feed is fed a zero pair, given back."""
+        counts = [max(0, len_of(r.pending) - keep_last) for r in rows]
+        top = max(max(counts), 1)
+        feats, toks = [], []
+        for r, m in zip(rows, counts, strict=True):
+            f = r.pending[:m] if m else mx.zeros((0, self._feature_width(rows)))
+            feats.append(mx.pad(f, [(0, top - m), (0, 0)]))
+            pairs = r.ctx[r.draft_held + 1 : r.draft_held + 1 + m]
+            toks.append(pairs + [0] * (top - m))
+        g, logits = self.draft(mx.stack(feats), mx.array(toks, dtype=mx.uint32), self.d_cache)
+        for c in attention_rows(self.d_cache):
+            c.give_back([top - m for m in counts])
+        at = mx.array([max(m - 1, 0) for m in counts])[:, None, None]
+        g = mx.take_along_axis(g, at, axis=1)  # (B, 1, H)
+        logits = mx.take_along_axis(logits, at, axis=1)[:, 0, : self.vocab]
+        for r, m in zip(rows, counts, strict=True):
+            r.draft_held += m
+            r.pending = r.pending[m:] if r.pending is not None and m < len_of(r.pending) else None
+        return g, logits
+
+    def _feature_width(self, rows: list[Row]) -> int:
+        return next(r.pending.shape[-1] for r in rows if r.pending is not None)
+
+    def _catch_up(self, rows: list[Row]) -> None:
+        """Feed each row's waiting pairs but its newest (rounds without proposals, as when
+        the batch's k is 0, would pile them up): queued, not waited for."""
+        self._feed_pending(rows, keep_last=True)
+        mx.async_eval([c.state for c in attention_rows(self.d_cache)])
 
     def _settle_draft(self, steps: list[int]) -> None:
         """Each draft row's recurrent layers to their state after its catch-up and steps[i]
@@ -252,6 +342,11 @@ class Batch:
         per_row = [None if r.process is None else mx.stack([q[i] for q in qs])
                    for i, r in enumerate(rows)]  # fmt: skip
         return d, per_row
+
+
+def len_of(x: mx.array | None) -> int:
+    """Rows of an array, 0 for None."""
+    return 0 if x is None else x.shape[0]
 
 
 def _split(row: Row) -> tuple:
