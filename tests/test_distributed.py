@@ -133,6 +133,8 @@ def test_exit_codes_from_the_launchers_reports():
     assert _exit_code({0: -15, 1: -9}, err) == 1
     assert err.text == "error: rank 1 was killed by signal 9; the other ranks were stopped\n"
     assert _exit_code({0: -15, 1: 3}, Err()) == 3
+    quiet = Err()  # rank 0 printed why before the launcher's SIGTERM reached it: one line
+    assert _exit_code({0: -15, 1: -9}, quiet, explained=True) == 1 and not quiet.text
 
 
 def test_one_rank_needs_no_collectives():
@@ -406,6 +408,55 @@ def test_serve_over_two_ranks(models):
         assert again["choices"][0]["token_ids"] == tokens(greedy)
         metrics = httpx.get(url + "/metrics").text
         assert "specmlx_requests_cancelled_total 1" in metrics
+    finally:
+        code, err = server.stop()
+    assert code == 0, err
+
+
+def test_a_batch_over_two_ranks_gives_each_request_its_one_process_text(models):
+    """rank 0 batches concurrent requests and the other rank runs the same batch in step
+    (rows joining, a round's k, rows leaving: worker.BatchOps): three requests at once, one
+    of them sampled with a seed and one that hangs up halfway, each finished one equal to
+    `specmlx run` in one process; the batch did run (/metrics)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    env = models["env"]
+    server = Server(env, *TWO, "--max-batch", "4")
+    url = server.url
+    asks = [
+        ({"prompt": PROMPT, "max_tokens": 24}, []),
+        ({"prompt": "class A:\n", "max_tokens": 16, "temperature": 0.8, "seed": 9},
+         ["--temp", "0.8", "--seed", "9"]),
+        ({"prompt": "import os\n", "max_tokens": 20}, []),
+    ]  # fmt: skip
+    try:
+
+        def complete(body):
+            got = httpx.post(url + "/v1/completions", json=body | {"return_tokens": True},
+                             timeout=120).json()  # fmt: skip
+            return got["choices"][0]["token_ids"]
+
+        def hang_up():
+            with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                              json={"prompt": PROMPT, "max_tokens": 400, "stream": True}) as r:  # fmt: skip
+                lines = r.iter_lines()
+                for _ in range(4):
+                    next(lines)
+
+        with ThreadPoolExecutor(4) as pool:
+            gone = pool.submit(hang_up)
+            got = list(pool.map(complete, [body for body, _ in asks]))
+            gone.result()
+        for (body, args), ids in zip(asks, got, strict=True):
+            one = specmlx(env, "run", "--json", "-q", "-n", str(body["max_tokens"]), *args,
+                          body["prompt"])  # fmt: skip
+            assert ids == tokens(one), body
+        metrics = httpx.get(url + "/metrics").text
+        rounds = next(float(ln.split()[1]) for ln in metrics.splitlines()
+                      if ln.startswith("specmlx_batch_rounds_total"))  # fmt: skip
+        assert rounds > 0
     finally:
         code, err = server.stop()
     assert code == 0, err

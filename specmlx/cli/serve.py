@@ -47,14 +47,17 @@ def allowed_hosts(host: str, loopback: bool, extra: list[str]) -> frozenset[str]
 MAX_BATCH_DEFAULT = 8  # the most rows the default batch takes
 
 
-def batch_rows(target, draft, context: int, reserve: int, asked: int | None) -> tuple[int, int]:
+def batch_rows(
+    target, draft, context: int, reserve: int, asked: int | None, shards: int = 1
+) -> tuple[int, int]:
     """(rows the server may batch, bytes of KV caches one more row needs) from the memory
     plan: each row may grow to ``context`` tokens (a sliding window's layers too: a batch's
-    rows keep every key, core.rows). ``asked`` (--max-batch) past what fits is refused by
-    name; None takes what fits, up to MAX_BATCH_DEFAULT."""
+    rows keep every key, core.rows); with the target over ``shards`` ranks, per rank.
+    ``asked`` (--max-batch) past what fits is refused by name; None takes what fits, up to
+    MAX_BATCH_DEFAULT."""
     from ..models.footprint import gb_text, plan_memory
 
-    plan = plan_memory(target, draft, context, reserve=reserve, batched=True)
+    plan = plan_memory(target, draft, context, reserve=reserve, batched=True, shards=shards)
     per_row = plan.kv_bytes - reserve
     room = plan.available_bytes - plan.total_bytes
     fit = 1 + room // per_row if per_row > 0 and room > 0 else 1
@@ -202,10 +205,8 @@ def serve(
     say = None if quiet else (lambda m: console.print(m, style="dim", soft_wrap=True, markup=False))
     tspec = registry.resolve(models.target)
     limit = context or registry.context_for(tspec, draft_spec(registry, models))
-    rows, per_row = 1, 0
-    if not world.distributed:  # (ranks serve one request at a time)
-        rows, per_row = batch_rows(tspec, draft_spec(registry, models), limit, cache_budget,
-                                   max_batch)  # fmt: skip
+    rows, per_row = batch_rows(tspec, draft_spec(registry, models), limit, cache_budget,
+                               max_batch, world.size)  # fmt: skip
     tgt, drf, shared = load_pair(
         models.target,
         models.draft,

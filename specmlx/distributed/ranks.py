@@ -498,18 +498,22 @@ def launch(
     for line, message in held:  # what rank 0 did not say already
         if message not in said:
             sys.stderr.write(line if line.endswith("\n") else line + "\n")
-    return _exit_code(codes, sys.stderr)
+    return _exit_code(codes, sys.stderr, bool(said))
 
 
-def _exit_code(codes: dict[int, int], err) -> int:
+def _exit_code(codes: dict[int, int], err, explained: bool = False) -> int:
     """This command's exit code from the launcher's per-rank reports (rank -> code, negative
     for a signal). Rank 0's own failure (it printed why) wins; a rank that died otherwise is
-    named in one line, since the launcher stopped the others (SIGTERM) before they could."""
+    named in one line, since the launcher stopped the others (SIGTERM) before they could --
+    unless rank 0 already printed an error (``explained``: it saw the peer go, and the
+    launcher's SIGTERM may have reached it before it could exit with its own code)."""
     if not any(codes.values()):
         return 0
     own = codes.get(0, 0)
     if own > 0:
         return own
+    if explained:
+        return 1
     culprit = next(
         ((r, c) for r, c in sorted(codes.items()) if c > 0 or (c < 0 and c != -signal.SIGTERM)),
         None,

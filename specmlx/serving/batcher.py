@@ -12,10 +12,19 @@ that arrives to an empty batch runs alone too, through the engine as the serial 
 it (a batch of one costs a little more a round, and k is then the request's own adaptive
 choice), until a second one arrives: then it joins the batch as a row, from the tokens it
 has emitted.
+
+With the target split over ranks, rank 0's batch travels to the other ranks as what it does
+(worker.BatchOps: the rows that left, a request that joins, the round's k), sent before it
+does it, and each round's tokens are compared across ranks (one Lockstep check a round); the
+other ranks run the same batch (FollowerBatch). Rank 0 decides everything a rank could
+decide differently (k from its timings, cancels, editor limits, unseeded requests' seeds),
+and nothing runs alone through the engine except what the serial worker would also send
+(lookup, stopping per token, warm-ups), after the rows that left are sent.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from collections.abc import Iterator
@@ -23,9 +32,10 @@ from dataclasses import dataclass, field, replace
 
 from ..core.kvstate import KVState, reads_hidden
 from ..core.rows import batchable
-from ..core.stats import TokenEvent
+from ..core.stats import Stats, TokenEvent
 from ..decoding.batch import Batch, Row
 from ..decoding.stream import EditorLimits, TextStream
+from ..distributed.ranks import Lockstep
 
 K_CHOICES = (0, 1, 2, 3, 4)  # what BatchK picks from
 
@@ -93,13 +103,18 @@ class Batcher:
         self.batch = Batch(pair.target, pair.draft, pair.shared)
         self.live: list[_Live] = []
         self.k = k or BatchK()
+        self.ranks = worker.world.distributed
+        self.left: list[int] = []  # with ranks: rows left since the last BatchOps
+        self.lockstep = Lockstep(worker.world, every=1) if self.ranks else None
 
     def run(self) -> None:
         w = self.w
         while True:
             job = False  # (nothing new: go on with the rows there are)
             if not self.live:
-                job = w._queue.get()
+                if self.ranks and w.watchdog is not None:
+                    w.watchdog.idle()  # nothing is expected of the other ranks until a job
+                job = w._next()  # (with ranks, idle ticks while none comes)
             elif len(self.live) < self.max_batch or w._stopping:
                 try:  # (past max_batch, requests wait in the queue, up to --max-queue)
                     job = w._queue.get_nowait()
@@ -107,6 +122,8 @@ class Batcher:
                     pass
             if job is None:  # stop: the running requests were cancelled by Worker.stop
                 self._end_all(None)
+                if self.ranks:
+                    w.stop_followers()
                 return
             if job is not False:
                 w.holding = len(self.live) + 1
@@ -129,6 +146,9 @@ class Batcher:
             w.refuse(job)
             return
         if r.drafter == "lookup" or r.max_tokens == 0 or w.draft_stop:
+            if self.ranks and self.left:  # the other ranks put those rows' caches back first
+                w.send_ops(self.left, None, -1)
+                self.left = []
             w._serve_alone(job)  # (between two rounds: the rows wait for it)
             return
         if len(self.live) >= self.max_batch:  # (run() admits only while there is room)
@@ -138,19 +158,27 @@ class Batcher:
         use_draft = r.drafter == "model" and w.draft is not None
         job.k_label = str(r.k)
         job.drafter_name = w.draft.spec.alias if use_draft else r.drafter
-        request = replace(r, use_draft=use_draft, lookup=False, draft_stop=False)
-        kv = w.cache.take(r.prompt_ids)
         # a lone request runs as the serial worker runs it (the engine, its own adaptive k)
-        # until another arrives: a batch of one costs a little more a round
-        alone = not self.live and w._queue.empty()
+        # until another arrives: a batch of one costs a little more a round (with ranks,
+        # every request is a row: the other ranks follow the batch)
+        alone = not self.live and w._queue.empty() and not self.ranks
+        if self.ranks:  # the other ranks join it too, with rank 0's seed
+            r.seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(6), "little")
+            w.send_ops(self.left, r, -1)
+            self.left = []
+        kv = gen = row = None
         try:
-            gen = w.session.start(r.prompt_ids, request, kv=kv, stats=job.stats)
-            row = None
-            if not alone:
-                row = self.batch.join(r.prompt_ids, gen.decode(), kv, job.stats, drafts=use_draft)
+            if alone:
+                kv = w.cache.take(r.prompt_ids)
+                request = replace(r, use_draft=use_draft, lookup=False, draft_stop=False)
+                gen = w.session.start(r.prompt_ids, request, kv=kv, stats=job.stats)
+            else:
+                row, gen, request = join_row(w, self.batch, r, job.stats)
         except Exception as e:  # noqa: BLE001 - this request's error; the batch goes on
             w.totals.failed += 1
             job.emit("error", e)
+            if self.ranks:  # the other ranks failed it too, or are apart now
+                self._fatal(e)
             return
         limits = None
         if r.time_limit_s is not None or r.min_indent:
@@ -219,9 +247,18 @@ class Batcher:
             k = self.k(len(self.live))
         t0 = time.perf_counter()
         try:
+            if self.ranks:
+                if self.w.watchdog is not None:
+                    self.w.watchdog.beat("generating")
+                self.w.send_ops(self.left, None, k)
+                self.left = []
             events = self.batch.round(k)
+            if self.lockstep is not None:  # every rank made the same tokens, or all stop
+                self.lockstep([e.token for evs in events for e in evs])
         except Exception as e:  # noqa: BLE001 - every row's client hears it; serving goes on
             self._end_all(e)
+            if self.ranks:
+                self._fatal(e)
             return
         rows = len(self.live)
         self.w.totals.batch_rounds += 1
@@ -249,9 +286,17 @@ class Batcher:
                 return True
         return False
 
+    def _fatal(self, e: Exception) -> None:
+        """With ranks, a failed join or round leaves the ranks apart: stop them all."""
+        if self.w.fatal is not None:
+            time.sleep(1.0)  # the answers go out first
+            self.w.fatal(f"the ranks stopped: {e}")
+
     def _leave(self, lv: _Live, cancelled: bool) -> None:
         w = self.w
         self.live.remove(lv)
+        if self.ranks and lv.row is not None:  # (sent with the next BatchOps)
+            self.left.append(self.batch.rows.index(lv.row))
         if lv.solo is not None:
             lv.solo.close()  # (the engine leaves its caches holding what kv.tokens says)
             kv = lv.kv
@@ -284,13 +329,51 @@ class Batcher:
         return [lv.job for lv in self.live]
 
 
+def join_row(worker, batch: Batch, r, stats: Stats) -> tuple[Row, object, object]:
+    """Request ``r`` (a GenRequest) joins ``batch`` as a row, from the worker's prompt cache:
+    (its row, its session.Generation, the Request it runs as). Rank 0 and the ranks that
+    follow it join alike."""
+    use_draft = r.drafter == "model" and worker.draft is not None
+    request = replace(r, use_draft=use_draft, lookup=False, draft_stop=False)
+    kv = worker.cache.take(r.prompt_ids)
+    gen = worker.session.start(r.prompt_ids, request, kv=kv, stats=stats)
+    row = batch.join(r.prompt_ids, gen.decode(), kv, stats, drafts=use_draft)
+    return row, gen, request
+
+
+class FollowerBatch:
+    """A rank other than 0 running rank 0's batch in step, from its BatchOps (see the
+    module): the same leaves (caches back to this rank's prompt cache), joins and rounds,
+    each round's tokens compared. Nothing is emitted: rank 0 answers the clients."""
+
+    def __init__(self, worker):
+        pair = worker.session.pair
+        self.w = worker
+        self.batch = Batch(pair.target, pair.draft, pair.shared)
+        self.rows: list[tuple[Row, int]] = []  # each row and its prompt's length
+        self.lockstep = Lockstep(worker.world, every=1)
+
+    def apply(self, leave: list[int], join, k: int) -> None:
+        """Do what rank 0's batch does: rows ``leave`` (indices, in order), ``join`` (a
+        GenRequest or None), then a round of ``k`` (-1: none)."""
+        for i in leave:
+            row, prompt_len = self.rows.pop(i)
+            self.w.cache.put(self.batch.leave(row), prompt_len)
+        if join is not None:
+            row, _, _ = join_row(self.w, self.batch, join, Stats())
+            self.rows.append((row, len(join.prompt_ids)))
+        if k >= 0:
+            if self.w.watchdog is not None:
+                self.w.watchdog.beat("generating")
+            events = self.batch.round(k)
+            self.lockstep([e.token for evs in events for e in evs])
+
+
 def can_batch(worker) -> str | None:
     """Why this worker's pair cannot run as a batch (None: it can)."""
     pair = worker.session.pair
-    if worker.world.distributed:
-        return "the target is split over ranks"
-    if reads_hidden(pair.draft):
-        return "the draft is a head over the target's hidden states (it drafts per sequence)"
+    if reads_hidden(pair.draft) and getattr(pair.draft, "block_size", None):
+        return "the draft is a block drafter (DFlash), which drafts one sequence at a time"
     for what, model in (("target", pair.target), ("draft", pair.draft)):
         why = batchable(model) if model is not None else None
         if why:

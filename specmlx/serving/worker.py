@@ -38,7 +38,7 @@ from ..drafting.lookup import LookupMemory
 from ..errors import SpecmlxError
 from ..models.loading import Loaded
 from ..paths import Warn
-from .batcher import Batcher, can_batch
+from .batcher import Batcher, FollowerBatch, can_batch
 from .prompt_cache import PromptCache
 
 T = TypeVar("T")
@@ -161,6 +161,7 @@ class Worker:
         self._stopping = False
         self._current: Job | None = None
         self.max_batch, self.batch_refused, self._batcher = max_batch, None, None
+        self._follower: FollowerBatch | None = None  # a rank other than 0: rank 0's batch
         if max_batch > 1:
             self.batch_refused = can_batch(self)
             if self.batch_refused is None:
@@ -262,6 +263,11 @@ class Worker:
                 time.sleep(IDLE_TICK * 0.9)
                 continue
             try:
+                if isinstance(request, BatchOps):  # rank 0's batch: the same, in step
+                    if self._follower is None:
+                        self._follower = FollowerBatch(self)
+                    self._follower.apply(request.leave, request.join, request.k)
+                    continue
                 self._generate(Job(request, lambda _kind, _value: None))
             except Exception as e:  # noqa: BLE001 - whatever it was, the ranks are apart now
                 self.totals.failed += 1
@@ -269,6 +275,15 @@ class Worker:
             finally:
                 if self.watchdog is not None:
                     self.watchdog.idle()
+
+    def stop_followers(self) -> None:
+        """Rank 0: the other ranks stop following (serving is over)."""
+        _send(self.world, None)
+
+    def send_ops(self, leave: list[int], join: GenRequest | None, k: int) -> None:
+        """Rank 0 with a batch: tell the other ranks what its batch does next (see BatchOps),
+        before it does it."""
+        _send_ops(self.world, BatchOps(leave, join, k))
 
     def fail(self, message: str) -> None:
         """Answer the running request with ``message`` (a 503) and give the answer a moment
@@ -425,7 +440,29 @@ def _said(e: BaseException) -> str:
 # this long for the followers; they spin a tenth of it)
 IDLE_TICK = 0.1
 IDLE = object()  # _receive's "nothing yet"
-_STOP, _REQUEST, _IDLE = 0, 1, 2  # what rank 0's first collective says comes next
+_STOP, _REQUEST, _IDLE, _BATCH = 0, 1, 2, 3  # what rank 0's first collective says comes next
+
+
+@dataclass
+class BatchOps:
+    """What rank 0's batch does next, for the other ranks to do the same, in this order: the
+    rows that left since the last message (their indices in the batch, in the order they
+    left: no collective, so they wait for the next message), then a request that joins (its
+    prefill is collective: sent before rank 0 runs it; None: none), then a round of k drafts
+    (-1: none)."""
+
+    leave: list[int]
+    join: GenRequest | None
+    k: int
+
+
+def _send_ops(world: World, ops: BatchOps) -> None:
+    data = json.dumps(
+        {"leave": ops.leave, "join": asdict(ops.join) if ops.join else None, "k": ops.k},
+        separators=(",", ":"),
+    ).encode()
+    share(world, [_BATCH, len(data)])
+    share_bytes(world, data)
 
 
 def _send(world: World, r) -> None:
@@ -440,12 +477,17 @@ def _send(world: World, r) -> None:
 
 
 def _receive(world: World):
-    """Other ranks: wait for rank 0's next request (None: stop; IDLE: nothing yet)."""
+    """Other ranks: wait for rank 0's next request (None: stop; IDLE: nothing yet; a
+    BatchOps: what its batch does next)."""
     kind, size = share(world, [], 2)
     if kind == _STOP:
         return None
     if kind == _IDLE:
         return IDLE
+    if kind == _BATCH:
+        ops = json.loads(share_bytes(world, b"", size))
+        join = _revive(GenRequest, ops["join"]) if ops["join"] is not None else None
+        return BatchOps(ops["leave"], join, ops["k"])
     return unpack(GenRequest, share_bytes(world, b"", size))
 
 
