@@ -247,6 +247,32 @@ def save_tiny(path: Path, config: dict, tokenizer, seed: int) -> Path:
     return path
 
 
+DISTILL_TEXT = (
+    "def add(a, b):\n    return a + b\n\n" * 8 + "class Point:\n    x: int\n    y: int\n" * 8
+)
+
+
+def distill_teacher(path: Path, layers: int):
+    """A tiny llama of ``layers`` blocks with a real tokenizer, loaded as specmlx loads a
+    model, its head sharpened so it has preferences: what the distill tests teach from."""
+    from specmlx.models.loading import load_model
+    from specmlx.models.registry import load_registry
+
+    loaded = load_model(
+        load_registry().resolve(str(make_tiny_model(path, num_hidden_layers=layers)))
+    )
+    loaded.model.lm_head.weight = loaded.model.lm_head.weight * 4
+    mx.eval(loaded.model.parameters())
+    return loaded
+
+
+def distill_data(root: Path) -> Path:
+    """Twenty small Python files under ``root`` (two held out by name: a tenth, by hash)."""
+    for i in range(20):
+        (root / f"f{i}.py").write_text(DISTILL_TEXT.replace("add", f"add{i}"))
+    return root
+
+
 def tiny_pair(root: Path, **model_kw) -> Path:
     """Tiny target (seed 0) and draft (seed 1) under ``root`` and a models.toml making them
     the default pair "tiny" (k = 3, context 2048); returns the toml's path."""

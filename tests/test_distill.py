@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import generate, make_tiny, make_tiny_model
+from helpers import distill_data, distill_teacher, generate, make_tiny, make_tiny_model
 from mlx.utils import tree_flatten
 from test_distribution import (
     JOINT_SAMPLING,
@@ -43,7 +43,6 @@ from specmlx.models.loading import Loaded, load_model
 from specmlx.models.registry import ModelSpec, load_registry
 
 runner = CliRunner()
-TEXT = "def add(a, b):\n    return a + b\n\n" * 8 + "class Point:\n    x: int\n    y: int\n" * 8
 
 
 # ---------------------------------------------------------------- the losses
@@ -97,19 +96,12 @@ def test_blocks_are_picked_evenly():
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory) -> Loaded:
     """A tiny 4-block llama with a real tokenizer, its head sharpened so it has preferences."""
-    path = make_tiny_model(tmp_path_factory.mktemp("teacher") / "t", num_hidden_layers=4)
-    loaded = load_model(load_registry().resolve(str(path)))
-    loaded.model.lm_head.weight = loaded.model.lm_head.weight * 4
-    mx.eval(loaded.model.parameters())
-    return loaded
+    return distill_teacher(tmp_path_factory.mktemp("teacher") / "t", 4)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    for i in range(20):  # two of them held out by name (a tenth, by hash)
-        (root / f"f{i}.py").write_text(TEXT.replace("add", f"add{i}"))
-    return root
+    return distill_data(tmp_path_factory.mktemp("data"))
 
 
 SMALL = DistillConfig(

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import generate, make_tiny_model
+from helpers import distill_data, distill_teacher, generate, make_tiny_model
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
@@ -34,31 +34,22 @@ from specmlx.distill.train import distill
 from specmlx.drafting.dflash import load_dflash
 from specmlx.drafting.eagle3 import load_eagle3
 from specmlx.errors import BadInput
-from specmlx.models.loading import Loaded, load_model
+from specmlx.models.loading import Loaded
 from specmlx.models.registry import load_registry
 
 sys.path.insert(0, str(Path(__file__).parent / "reference"))
-
-TEXT = "def add(a, b):\n    return a + b\n\n" * 8 + "class Point:\n    x: int\n    y: int\n" * 8
 
 
 @pytest.fixture(scope="module")
 def teacher(tmp_path_factory) -> Loaded:
     """A tiny 8-block llama (EAGLE-3 reads three different layers from 8 on) with a real
     tokenizer, its head sharpened so it has preferences."""
-    path = make_tiny_model(tmp_path_factory.mktemp("teacher") / "t", num_hidden_layers=8)
-    loaded = load_model(load_registry().resolve(str(path)))
-    loaded.model.lm_head.weight = loaded.model.lm_head.weight * 4
-    mx.eval(loaded.model.parameters())
-    return loaded
+    return distill_teacher(tmp_path_factory.mktemp("teacher") / "t", 8)
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    for i in range(20):  # two of them held out by name (a tenth, by hash)
-        (root / f"f{i}.py").write_text(TEXT.replace("add", f"add{i}"))
-    return root
+    return distill_data(tmp_path_factory.mktemp("data"))
 
 
 def _config(head: str, **over) -> DistillConfig:

@@ -263,8 +263,8 @@ def to_markdown(result: dict) -> str:
         lines.append(f"Draft/target step cost c = {result['draft_cost']:.3f}")
     if result.get("head_cost") is not None:
         lines.append(
-            f"Head/target step cost c = {result['head_cost']:.3f} (a block drafter's: a block "
-            "over its drafts)"
+            f"Head/target step cost c = {result['head_cost']:.3f} (one step of a chained head; "
+            "a block drafter's block divided by its drafts)"
         )
     lines.append(
         "Same as target (greedy rows): near-tie = the first difference is where the target's "

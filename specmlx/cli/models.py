@@ -84,57 +84,63 @@ def _build_distilled(registry, force: bool, console, report, say) -> None:
     registry: where smollm2-135m resolves; force: train again even if it is done; console:
     stderr's, for the run's progress; report: stdout's, for the finished run's facts; say:
     a progress line."""
-    import mlx.core as mx
+    from ..standins.cpu_distilled import CPU_DISTILLED, CPU_RATES, cost_seconds, distilled_dir
 
-    from ..distill.train import distill, is_done
-    from ..models.loading import load_model
-    from ..standins.cpu_distilled import (
-        CPU_DISTILLED,
-        CPU_RATES,
-        cost_seconds,
-        distilled_dir,
-    )
-
-    out = distilled_dir()
-    if is_done(out) and not force:
-        say(f"already built: {out} (--force rebuilds)")
-        distill_summary(out, report)
-        return
     c = CPU_DISTILLED
-    resume = (out / "checkpoint" / "state.json").is_file() and not force
-    say(
-        f"distilling {out}: {c.layers} of SmolLM2-135M's 30 blocks on the standard library's "
-        f"source ({c.data_tokens} tokens labelled, {c.steps} steps of {c.batch} x {c.seq_len}); "
-        f"about 0.2 GB float32 on disk, about {cost_seconds(c, CPU_RATES) / 60:.0f} min on a "
-        f"2-core x86 CPU{' (resuming)' if resume else ''}"
-    )
-    teacher = load_model(registry.resolve("smollm2-135m"), progress=say)
-    teacher.model.set_dtype(mx.float32)  # the demo target's weights, at its precision
-    show_distill(distill(teacher, out, c, "stdlib", resume=resume, force=True), console)
-    distill_summary(out, report)
+
+    def announce(out: Path, resume: bool) -> str:
+        return (
+            f"distilling {out}: {c.layers} of SmolLM2-135M's 30 blocks on the standard "
+            f"library's source ({c.data_tokens} tokens labelled, {c.steps} steps of {c.batch} "
+            f"x {c.seq_len}); about 0.2 GB float32 on disk, about "
+            f"{cost_seconds(c, CPU_RATES) / 60:.0f} min on a 2-core x86 CPU"
+            + (" (resuming)" if resume else "")
+        )
+
+    # the teacher: the demo target's weights, at its precision
+    _train(distilled_dir(), c, registry.resolve("smollm2-135m"), announce, force, console,
+           report, say, float32=True)  # fmt: skip
 
 
 def _build_eagle3(registry, force: bool, console, report, say) -> None:
     """The demo target's EAGLE-3 head: CPU_EAGLE3's run over cpu-demo-target's own features
     on the standard library; an interrupted build resumes. Arguments as _build_distilled's."""
-    from ..distill.train import distill, is_done
-    from ..models.loading import load_model
     from ..standins.cpu_distilled import CPU_EAGLE3, CPU_EAGLE3_RATES, cost_seconds, eagle3_dir
 
-    out = eagle3_dir()
+    c = CPU_EAGLE3
+
+    def announce(out: Path, resume: bool) -> str:
+        return (
+            f"training {out}: an EAGLE-3 head ({c.width} wide, a {c.draft_vocab}-id "
+            f"vocabulary) over cpu-demo-target's layers on the standard library's source "
+            f"({c.data_tokens} tokens labelled, {c.steps} steps of {c.batch} x {c.seq_len}, "
+            f"unrolled {c.depth} deep); about 0.05 GB on disk, about "
+            f"{cost_seconds(c, CPU_EAGLE3_RATES) / 60:.0f} min on a 2-core x86 CPU"
+            + (" (resuming)" if resume else "")
+        )
+
+    _train(eagle3_dir(), c, registry.resolve("cpu-demo-target"), announce, force, console,
+           report, say)  # fmt: skip
+
+
+def _train(out: Path, config, teacher, announce, force: bool, console, report, say,
+           float32: bool = False) -> None:  # fmt: skip
+    """A built stand-in's distill run into ``out`` (left alone when done, unless ``force``;
+    resumed when interrupted): ``announce(out, resume)`` says what it costs first; teacher:
+    the ModelSpec to load (float32: cast it so); the rest as _build_distilled's."""
+    import mlx.core as mx
+
+    from ..distill.train import distill, is_done
+    from ..models.loading import load_model
+
     if is_done(out) and not force:
         say(f"already built: {out} (--force rebuilds)")
         distill_summary(out, report)
         return
-    c = CPU_EAGLE3
     resume = (out / "checkpoint" / "state.json").is_file() and not force
-    say(
-        f"training {out}: an EAGLE-3 head ({c.width} wide, a {c.draft_vocab}-id vocabulary) "
-        f"over cpu-demo-target's layers on the standard library's source ({c.data_tokens} "
-        f"tokens labelled, {c.steps} steps of {c.batch} x {c.seq_len}, unrolled {c.depth} "
-        f"deep); about 0.05 GB on disk, about {cost_seconds(c, CPU_EAGLE3_RATES) / 60:.0f} min "
-        f"on a 2-core x86 CPU{' (resuming)' if resume else ''}"
-    )
-    target = load_model(registry.resolve("cpu-demo-target"), progress=say)
-    show_distill(distill(target, out, c, "stdlib", resume=resume, force=True), console)
+    say(announce(out, resume))
+    loaded = load_model(teacher, progress=say)
+    if float32:
+        loaded.model.set_dtype(mx.float32)
+    show_distill(distill(loaded, out, config, "stdlib", resume=resume, force=True), console)
     distill_summary(out, report)
