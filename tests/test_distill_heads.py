@@ -34,7 +34,7 @@ from specmlx.distill.train import distill
 from specmlx.drafting.dflash import load_dflash
 from specmlx.drafting.eagle3 import load_eagle3
 from specmlx.errors import BadInput
-from specmlx.models.loading import Loaded
+from specmlx.models.loading import Loaded, load_model
 from specmlx.models.registry import load_registry
 
 sys.path.insert(0, str(Path(__file__).parent / "reference"))
@@ -269,7 +269,7 @@ def test_cli_distills_a_head_and_pairs_it(tmp_path, specmlx_home, data, monkeypa
     # what cannot be, in one line before anything trains
     for bad, message in [
         (["--head", "medusa"], "--head must be one of eagle3, dflash"),
-        (["--head", "mtp"], "--head mtp is not trained here"),
+        (["--head", "mtp"], "has no MTP head"),  # a llama: no family head to train
         (["--head", "eagle3", "--layers", "2"], "--layers must be 1 for an EAGLE-3 head"),
         (["--head", "dflash", "--block", "1"], "--block must be >= 2"),
         (["--head", "eagle3", "--init", "first"], "--init picks a student's blocks"),
@@ -326,3 +326,57 @@ def test_models_build_cpu_eagle3_trains_the_demo_targets_head(specmlx_home, monk
     pair = load_registry().pairs["cpu-eagle3"]
     assert (pair.target, pair.draft) == ("cpu-demo-target", "eagle3:cpu-eagle3")
     assert cpu_distilled.eagle3_dir() == specmlx_home / "cpu-eagle3" / "head"
+
+
+def test_an_mtp_head_trained_for_a_qwen3_5_target_drafts_as_the_checkpoints_own(
+    tmp_path, specmlx_home, data, monkeypatch
+):
+    """`distill --head mtp` on a tiny Qwen3.5 checkpoint: the loss falls, the directory it
+    writes is the target with the head (its files linked, the head as mtp.safetensors in the
+    checkpoint's own layout, read back by load_mtp equal to what was trained), and
+    `run --draft mtp` on it drafts and gives the plain text; a family whose head cannot be
+    written back is refused in one line."""
+    from families import family_config
+    from helpers import save_tiny, tiny_tokenizer
+    from typer.testing import CliRunner
+
+    from specmlx.cli import app
+    from specmlx.drafting.mtp import checkpoint_tensors, load_mtp
+
+    tok = tiny_tokenizer()
+    save_tiny(tmp_path / "q", family_config("qwen3_5", 4, len(tok)), tok, 0)
+    runner = CliRunner()
+    out = tmp_path / "qm"
+    args = ["distill", "--target", str(tmp_path / "q"), "--out", str(out), "--data", str(data),
+            "--head", "mtp", "--steps", "40", "--batch", "4", "--seq-len", "32",
+            "--data-tokens", "2048", "--heldout-tokens", "128", "--lr", "3e-3", "--warmup", "2",
+            "--eval-every", "0", "--save-every", "0", "--top-k", "64"]  # fmt: skip
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert "MTP head: reads target layers ['final'], qwen3_5's own layer" in r.output
+    facts = json.loads((out / "distill.json").read_text())
+    first, last = facts["evals"][0], facts["evals"][-1]
+    assert last["alpha"] > first["alpha"] + 0.05 and last["kl"] < first["kl"]
+    assert (out / "mtp.safetensors").is_file() and (out / "config.json").is_symlink()
+    target = load_model(load_registry().resolve(str(out)))
+    head = load_mtp(target.model, target.config, out)
+    saved = mx.load(str(out / "mtp.safetensors"))
+    assert all(k.startswith("mtp.") for k in saved)
+    assert mx.array_equal(head.norm_h.weight, saved["mtp.pre_fc_norm_hidden.weight"])
+    q = "layer.self_attn.q_proj.weight"
+    assert mx.array_equal(dict(tree_flatten(head.parameters()))[q], saved["mtp.layers.0." + q[6:]])
+    raw = checkpoint_tensors(head, raw=True)  # as Hugging Face stores it: norms zero-centred
+    assert mx.allclose(raw["mtp.norm.weight"], head.norm.weight - 1.0)
+    monkeypatch.setenv("SPECMLX_MODELS", str(out / "models.toml"))
+    run = ["run", "--target", "qm", "-n", "16", "--temp", "0", "--json", "def add(a, b):\n"]
+    spec = runner.invoke(app, [*run, "--draft", "mtp", "-k", "2"])
+    plain = runner.invoke(app, [*run, "--draft", "none"])
+    assert spec.exit_code == 0 and plain.exit_code == 0, spec.output
+    got = json.loads(spec.stdout)
+    assert got["text"] == json.loads(plain.stdout)["text"] and got["stats"]["drafted"] > 0
+    assert head.family == "qwen3_5"
+    llama = make_tiny_model(tmp_path / "l", num_hidden_layers=8)
+    bad = runner.invoke(app, ["distill", "--target", str(llama), "--out", str(tmp_path / "x"),
+                              "--data", str(data), "--head", "mtp"])  # fmt: skip
+    errors = [line for line in bad.output.splitlines() if line.startswith("error:")]
+    assert bad.exit_code == 2 and len(errors) == 1 and "no MTP head" in errors[0], bad.output

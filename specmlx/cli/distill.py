@@ -62,7 +62,7 @@ def show_distill(events, console) -> dict:
     return done
 
 
-_HEAD_NAMES = {"eagle3": "EAGLE-3 head", "dflash": "DFlash drafter"}
+_HEAD_NAMES = {"eagle3": "EAGLE-3 head", "dflash": "DFlash drafter", "mtp": "MTP head"}
 
 
 def what_was_trained(facts: dict) -> str:
@@ -77,12 +77,15 @@ def what_was_trained(facts: dict) -> str:
             f"student: {len(facts['picks'])} of {facts['target_layers']} blocks "
             f"(from {facts['picks']}), {facts['student_params'] / 1e6:.0f}M params, {tail}"
         )
-    shape = (
-        f"{facts['width']} wide, a {facts['draft_vocab']}-id vocabulary, unrolled "
-        f"{facts['depth']} steps"
-        if kind == "eagle3"
-        else f"{facts['layers']} layers, blocks of {facts['block']}"
-    )
+    if kind == "eagle3":
+        shape = (
+            f"{facts['width']} wide, a {facts['draft_vocab']}-id vocabulary, unrolled "
+            f"{facts['depth']} steps"
+        )
+    elif kind == "mtp":
+        shape = f"{facts['family']}'s own layer, one step"
+    else:
+        shape = f"{facts['layers']} layers, blocks of {facts['block']}"
     return (
         f"{_HEAD_NAMES[kind]}: reads target layers {facts['reads']}, {shape}, "
         f"{facts['head_params'] / 1e6:.0f}M params, {tail}"
@@ -131,7 +134,7 @@ def distill(
         None, "--layers", help="The student's blocks (4), or a DFlash drafter's layers (1)."
     ),
     head: str | None = typer.Option(
-        None, "--head", help="Train a head over the target's hidden states: eagle3 or dflash."
+        None, "--head", help="Train a head over the target's hidden states: eagle3, dflash or mtp."
     ),
     depth: int = typer.Option(3, "--depth", help="EAGLE-3: training-time-test steps."),
     draft_vocab: int = typer.Option(
@@ -208,6 +211,8 @@ def distill(
     distill_summary(out, report)
     report.print(f"[green]ready:[/green] {escape(str(out))}", soft_wrap=True)
     draft = f"{config.head}:{alias}" if config.head else alias
+    if config.head == "mtp":  # the directory is the target with its head
+        tname, draft = alias, "mtp"
     report.print(
         f"  SPECMLX_MODELS={out / 'models.toml'} specmlx run --target {tname} --draft {draft} "
         "'def fib(n):'",

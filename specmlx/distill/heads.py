@@ -1,7 +1,8 @@
-"""What a head distillation trains (`specmlx distill --head eagle3|dflash`): the head made in
-its published layout over its target, the training forwards that run it as the drafter runs
-it, the losses and held-out estimates by depth, and the head saved as its authors publish it
-(so ``load_eagle3`` / ``load_dflash`` read it back like any downloaded one).
+"""What a head distillation trains (`specmlx distill --head eagle3|dflash|mtp`): the head made
+in its published layout over its target, the training forwards that run it as the drafter
+runs it, the losses and held-out estimates by depth, and the head saved as its authors
+publish it (so ``load_eagle3`` / ``load_dflash`` / ``load_mtp`` read it back like any
+downloaded one).
 
 EAGLE-3 (eagle3.py) is trained with EAGLE-3's training-time test: the head is unrolled
 ``depth`` steps over a whole row at once, step s at index i reading step s - 1's output there
@@ -19,7 +20,14 @@ predicts t_{p+i}, labelled by the target's distribution at p + i - 1, weighed
 exp(-(i - 1) / gamma) with gamma = w / 2 (the DFlash paper's decaying weights: an early miss
 ends the accepted run, so early positions matter most).
 
-Both read the target's features (hidden.HiddenTap) at the layers their config names; the
+An MTP head (mtp.py: the Qwen families' one decoder layer of the family's own kind) is
+trained for its one step, as its authors train it: the pair (h_i, t_{i+1}) predicts t_{i+2},
+labelled by the target's distribution at i + 1, over whole rows at once (a causal pass
+through the head's own cache). It is saved in the checkpoint's layout (``mtp.*``), as
+``mtp.safetensors`` in a directory that links the target's own files, so that directory is
+the target with this head (``--target DIR --draft mtp``).
+
+All read the target's features (hidden.HiddenTap) at the layers their config names; the
 embedding and, for DFlash, the LM head are the target's, frozen. EAGLE-3's own LM head covers
 the ``draft_vocab`` ids the data uses most (SpecForge's d2t) and starts as the target's rows
 for them, its final norm as the target's. Nothing here writes to disk but ``save_head``, and
@@ -38,13 +46,14 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..core.hidden import text_model
-from ..drafting import dflash, eagle3
+from ..drafting import dflash, eagle3, mtp
 from ..drafting.headfiles import ROPES
 from ..errors import BadInput, IncompatiblePair
+from ..models.sources import fetch
 from ..paths import atomic_write
 from .student import LOSS, DistillConfig, Trainee, check_target, trainable
 
-HEAD_KINDS = (eagle3.KIND, dflash.KIND)
+HEAD_KINDS = (eagle3.KIND, dflash.KIND, "mtp")
 STEP_DECAY = 0.8  # EAGLE-3's loss weight of unrolled step s: 0.8^s
 DRAFT_VOCAB = 32000  # EAGLE-3's draft vocabulary when not asked (SpecForge's default)
 DFLASH_MIN_READ = 3  # a DFlash drafter reads at least this many target layers
@@ -139,6 +148,15 @@ def check_head(kind: str, target_config: dict, where: str, **shape) -> dict:
     """The head's config.json for this target, checked as the loaders check a downloaded
     one (IncompatiblePair/BadInput in one line: a target too shallow for three distinct
     EAGLE-3 layers, say). shape: head_json's keyword arguments."""
+    if kind == "mtp":  # no config of its own: the checkpoint's is the target's
+        mtp.check_family(target_config, where)
+        family = target_config.get("model_type")
+        if family not in mtp.TRAINABLE:
+            raise BadInput(
+                f"cannot train an MTP head for {family} here: its head is written back only "
+                f"for {', '.join(mtp.TRAINABLE)}"
+            )
+        return target_config
     config = head_json(kind, target_config, **shape)
     try:
         if kind == eagle3.KIND:
@@ -181,6 +199,11 @@ def make_head(kind: str, target, config: dict, rows: np.ndarray):
     model, t = target.model, _text(target.config)
     inner = text_model(model)
     where = f"the {kind} head being trained"
+    if kind == "mtp":
+        head = mtp.MTPHead(model, target.config["model_type"])
+        head.norm.weight = inner.norm.weight.astype(mx.float32)  # into the LM head as the target's
+        head.set_dtype(mx.float32)
+        return head, {}
     if kind == dflash.KIND:
         head = dflash.DFlashHead(model, dflash.head_config(config, target.config, where))
         head.norm.weight = inner.norm.weight.astype(mx.float32)
@@ -334,6 +357,50 @@ def _agreement(p: mx.array, lq: mx.array, ids: mx.array, at: int) -> dict[str, f
     }
 
 
+# ---------------------------------------------------------------- MTP: the one step
+
+
+def mtp_logits(head: mtp.MTPHead, feats: mx.array, tokens: mx.array) -> mx.array:
+    """The head's step over whole rows, as a drafter feeding it the row's pairs does:
+    feats (B, L, H) the target's final hidden states, tokens (B, L) the row's; the pair at i
+    is (h_i, t_{i+1}) (0 past the row). Returns logits (B, L, V): index i predicts t_{i+2}."""
+    b = tokens.shape[0]
+    shifted = mx.concatenate([tokens[:, 1:], mx.zeros((b, 1), tokens.dtype)], 1)
+    _, logits = head(feats, shifted, head.make_cache())
+    return logits
+
+
+def mtp_loss(head, loss_fn, batch: dict) -> mx.array:
+    """The step's loss against the target's top-k at position i + 1, indices i <= L - 2."""
+    n = batch["rows"].shape[1]
+    logits = mtp_logits(head, batch["feats"], batch["rows"]).astype(mx.float32)
+    valid = (mx.arange(n) <= n - 2)[None]
+    return loss_fn(logits, _shift(batch["idx"], 1), _shift(batch["logp"], 1), valid=valid)
+
+
+def mtp_estimate(head, feats: mx.array, rows: mx.array, p: mx.array) -> dict:
+    """Held-out greedy agreement, alpha and KL of the step (as ``greedy@1``... and
+    ``greedy``, ``alpha``, ``kl``). feats, rows: held-out features and tokens; p (H, L, V)."""
+    logits = mtp_logits(head, feats, rows)[:, :-1].astype(mx.float32)
+    lq = logits - mx.logsumexp(logits, -1, keepdims=True)
+    out = _agreement(p[:, 1:].astype(mx.float32), lq, mx.arange(lq.shape[-1]), 1)
+    return {**out, "greedy": out["greedy@1"], "alpha": out["alpha@1"], "kl": out["kl@1"]}
+
+
+def save_mtp(out: Path, head: mtp.MTPHead, source: Path) -> None:
+    """The target with this head: ``out`` links every file of the target's directory
+    ``source`` and holds the head as mtp.TRAINED_FILE, in the checkpoint's layout (its norms
+    zero-centred where the checkpoint's are)."""
+    for f in source.iterdir():
+        link = out / f.name
+        if f.name != mtp.TRAINED_FILE and not link.exists():
+            link.symlink_to(f.resolve())
+    tmp = out / ".mtp.tmp.safetensors"
+    tensors = mtp.checkpoint_tensors(head, mtp.is_raw(source))
+    mx.save_safetensors(str(tmp), tensors, metadata={"format": "pt"})
+    tmp.rename(out / mtp.TRAINED_FILE)
+
+
 # ---------------------------------------------------------------- DFlash: blocks at anchors
 
 
@@ -467,6 +534,22 @@ def head_trainee(target, config: DistillConfig, rows: np.ndarray) -> Trainee:
         "head_params": sum(v.size for _, v in tree_flatten(head.parameters())),
         "trained_params": sum(v.size for v in trainable(head).values()),
     }
+    if config.head == "mtp":
+        source = fetch(target.spec)
+        if not source.is_dir():
+            raise BadInput(
+                "--head mtp needs the target as a model directory: its head is written "
+                f"beside the checkpoint's files ({target.spec.alias} is {source.name})"
+            )
+        facts.update(family=head.family, depth=1)
+        return Trainee(
+            model=head,
+            reads=head.reads_hidden,
+            loss=lambda b: mtp_loss(head, loss_fn, b),
+            estimate=lambda h: mtp_estimate(head, h["feats"], h["rows"], h["p"]),
+            save=lambda out: save_mtp(out, head, source),
+            facts=facts,
+        )
     if config.head == eagle3.KIND:
         facts.update(width=head.config.hidden, draft_vocab=head.config.draft_vocab,
                      depth=config.depth)  # fmt: skip

@@ -26,7 +26,7 @@ from ..errors import BadInput
 from ..models.loading import Loaded
 
 INITS = ("spaced", "first", "random")
-HEADS = ("", "eagle3", "dflash")  # "" trains a student model; the others a head (heads.py)
+HEADS = ("", "eagle3", "dflash", "mtp")  # "": a student model; the others a head (heads.py)
 LOSSES = ("kl", "tvd")
 DATA_FROM = ("files", "target")
 PROMPT_LEN = 16  # with data_from="target": the data's first tokens, then the target writes on
@@ -50,9 +50,10 @@ class DistillConfig:
     held-out split and random init; eval_every, save_every: steps between estimates and
     between checkpoints (0: only at the end).
 
-    head: "" (a student model), "eagle3" or "dflash" (a head over the target's hidden
-    states, heads.py; ``layers`` is then DFlash's decoder layers, EAGLE-3 has one); depth:
-    EAGLE-3's training-time-test steps (the head is unrolled that far each step); draft_vocab:
+    head: "" (a student model), "eagle3", "dflash" or "mtp" (a head over the target's hidden
+    states, heads.py; ``layers`` is then DFlash's decoder layers, EAGLE-3 and MTP have one);
+    depth: EAGLE-3's training-time-test steps (the head is unrolled that far each step; an
+    MTP head is trained for its one step); draft_vocab:
     EAGLE-3's vocabulary (0: 32000 or the target's if smaller); width: EAGLE-3's hidden size
     (0: the target's); block: DFlash's block size (at most block - 1 drafts a round)."""
 
@@ -84,19 +85,15 @@ class DistillConfig:
                 f"--layers must be 1..{target_layers} (the target has {target_layers} blocks); "
                 f"got {self.layers}"
             )
-        if self.head == "mtp":
-            raise BadInput(
-                "--head mtp is not trained here: MTP heads ship trained inside their "
-                "checkpoints (--draft mtp); train an eagle3 head instead"
-            )
         for name, allowed in (
             ("init", INITS), ("loss", LOSSES), ("data_from", DATA_FROM), ("head", HEADS)
         ):  # fmt: skip
             if getattr(self, name) not in allowed:
                 shown = ", ".join(a for a in allowed if a)
                 raise BadInput(f"--{name.replace('_', '-')} must be one of {shown}")
-        if self.head == "eagle3" and self.layers != 1:
-            raise BadInput("--layers must be 1 for an EAGLE-3 head (it has one decoder layer)")
+        if self.head in ("eagle3", "mtp") and self.layers != 1:
+            kind = "an EAGLE-3" if self.head == "eagle3" else "an MTP"
+            raise BadInput(f"--layers must be 1 for {kind} head (it has one decoder layer)")
         if self.head and self.init != "spaced":
             raise BadInput("--init picks a student's blocks: a head starts as heads.py says")
         for name, low in (("depth", 1), ("block", 2), ("draft_vocab", 0), ("width", 0)):
@@ -305,10 +302,13 @@ def student_config(config: dict, picks: list[int]) -> dict:
 
 
 def check_target(target: Loaded, config: DistillConfig) -> int:
-    """What every run asks of its target (BadInput otherwise): a top-level depth, a top-k
+    """What every run asks of its target (BadInput otherwise): a depth (a head reads a
+    multimodal checkpoint's text model; a student is cut from a top-level one), a top-k
     within its vocabulary, float weights; the settings checked against its depth. Returns
     its depth."""
     n = target.config.get("num_hidden_layers")
+    if n is None and config.head:
+        n = (target.config.get("text_config") or {}).get("num_hidden_layers")
     if not isinstance(n, int):
         raise BadInput(
             f"{target.spec.alias}: its config has no top-level num_hidden_layers "

@@ -238,7 +238,7 @@ def distill(
         "target": target.spec.alias,
         "target_identity": key["target"],
         **trainee.facts,
-        "target_layers": target.config["num_hidden_layers"],
+        "target_layers": (target.config.get("text_config") or target.config)["num_hidden_layers"],
         "train_tokens": int(n * config.seq_len),
         "heldout_tokens": int(held.size),
         "data": str(data),
@@ -286,9 +286,13 @@ def registry_entry(
     kind: str = "",
 ) -> str:  # fmt: skip
     """A models.toml pairing the student (or a head of ``kind``: its draft is then
-    ``kind:name``) with its target. target_source: the target's source when it is not an
-    alias of the shipped registry (a path or hf repo)."""
-    draft = f"{kind}:{name}" if kind else name
+    ``kind:name``; an MTP head's directory is the target with the head, paired with "mtp")
+    with its target. target_source: the target's source when it is not an alias of the
+    shipped registry (a path or hf repo)."""
+    if kind == "mtp":
+        target_alias, target_source, draft = name, None, "mtp"
+    else:
+        draft = f"{kind}:{name}" if kind else name
     lines = [
         "# written by `specmlx distill`: SPECMLX_MODELS=<this file> specmlx run --target "
         f"{target_alias} --draft {draft} ... (or copy it into ~/.config/specmlx/models.toml)",

@@ -281,11 +281,21 @@ def without_head(model: nn.Module, config: dict, weights: dict) -> dict:
     return {k: v for k, v in weights.items() if not fam.in_head(k, args)}
 
 
+# a head trained by `specmlx distill --head mtp`, kept beside the checkpoint's own files in
+# the checkpoint's layout: read in place of any head those files carry
+TRAINED_FILE = "mtp.safetensors"
+# the families whose head distill writes back (the Qwen layout: renaming is all there is to
+# undo; DeepSeek's and GLM's go through their sanitize, which has no inverse here)
+TRAINABLE = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+
+
 def _mtp_weights(path: Path, prefix: str) -> dict[str, mx.array]:
     """Every tensor under ``prefix`` (the family's: "mtp.", "model.layers.61.") in a model
-    directory's safetensors, named after it (lazy: mx.load maps them)."""
+    directory's safetensors, named after it (lazy: mx.load maps them); a trained head's
+    TRAINED_FILE alone where there is one."""
     out = {}
-    for f in sorted(path.glob("*.safetensors")):
+    own = path / TRAINED_FILE
+    for f in [own] if own.is_file() else sorted(path.glob("*.safetensors")):
         try:
             arrays = mx.load(str(f))
         except (RuntimeError, ValueError) as e:
@@ -297,7 +307,23 @@ def _mtp_weights(path: Path, prefix: str) -> dict[str, mx.array]:
     return out
 
 
-def _is_raw(path: Path) -> bool:
+def checkpoint_tensors(head: MTPHead, raw: bool) -> dict[str, mx.array]:
+    """A (Qwen-family) head's tensors under the names its checkpoint gives them: load_mtp's
+    renaming undone, the norms zero-centred again for a ``raw`` checkpoint (one as Hugging
+    Face ships it: is_raw), experts as mlx-lm stacks them (which the load takes as they are).
+    BadInput for a family whose head cannot be written back (TRAINABLE)."""
+    if head.family not in TRAINABLE:
+        raise BadInput(f"an MTP head of {head.family} cannot be written back (only {TRAINABLE})")
+    back = {new: old for old, new in _QWEN_NAMES.items()}
+    out = {}
+    for k, v in tree_flatten(head.parameters()):
+        top, _, rest = k.partition(".")
+        name = back[top] + (f".{rest}" if rest else "")
+        out["mtp." + name] = v - 1.0 if raw and _QWEN_SHIFTED.match(k) else v
+    return out
+
+
+def is_raw(path: Path) -> bool:
     """A checkpoint as Hugging Face ships it (mlx-lm has not converted it): its linear
     attention's conv1d is stored (C, 1, K), which mlx-lm moves to (C, K, 1)."""
     for f in sorted(path.glob("*.safetensors")):
@@ -346,7 +372,7 @@ def load_mtp(model: nn.Module, config: dict, path: Path, quantize=None) -> MTPHe
     if fam.sanitize is not None:
         weights = fam.sanitize(model, weights)
     weights = _rename(weights, fam.names, getattr(args, "num_experts", 0))
-    if fam.centred and _is_raw(path):
+    if fam.centred and is_raw(path):
         weights = {k: v + 1.0 if _QWEN_SHIFTED.match(k) else v for k, v in weights.items()}
     q = config.get("quantization")
     # quantized on disk (the target's config then says how); a target quantized at load has
