@@ -165,8 +165,9 @@ def distill(
 ) -> None:
     """Train a draft for a target by distillation (DistillSpec): its embeddings and head,
     L of its blocks, trained on its own next-token distributions; or, with --head, an
-    EAGLE-3 head or DFlash drafter over its hidden states. Writes an MLX model dir (a head
-    in its published layout) and a models.toml that pairs it with the target."""
+    EAGLE-3 head, a DFlash drafter or an MTP head over its hidden states. Writes an MLX
+    model dir (a head in its published layout; for MTP, the target with its head) and a
+    models.toml that pairs it with the target."""
     from ..distill.student import DistillConfig, data_files
     from ..distill.train import distill as run_distill
     from ..distill.train import is_done, registry_entry
