@@ -353,9 +353,43 @@ def test_head_rows_draft_and_keep_what_their_solo_runs_do(toy_mtp, which):
     assert rows[2].ctx[len(prompts[2]) :] + more == solo(target, None, prompts[2], 0, 36)
 
 
-def test_a_block_drafter_is_served_alone_by_name():
-    class Block:
-        reads_hidden, block_size = (1, 2), 16
+def _dflash_over(target):
+    """A random DFlash drafter (2 layers, blocks of 8) over a tiny llama target."""
+    from mlx.utils import tree_map
 
-    with pytest.raises(IncompatiblePair, match="DFlash"):
-        Batch(make_tiny(0), Block())
+    from specmlx.distill.heads import head_json
+    from specmlx.drafting import dflash
+
+    t = {"hidden_size": 32, "num_hidden_layers": 8, "vocab_size": 128, "intermediate_size": 64,
+         "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    config = head_json("dflash", t, layers=2, width=0, draft_vocab=0, block=8, mask_id=127)
+    head = dflash.DFlashHead(target, dflash.head_config(config, t, "d"))
+    mx.random.seed(8)
+    head.update(tree_map(lambda p: 0.3 * mx.random.normal(p.shape), head.parameters()))
+    mx.eval(head.parameters())
+    return head
+
+
+def test_dflash_rows_draft_their_own_blocks_and_keep_what_their_solo_runs_do():
+    """A DFlash drafter in a batch: each row's block drafted at its own width from its own
+    context (rows joining mid-way, through plain rounds that pile the context up past the
+    catch-up), greedy and sampled rows each equal their solo runs; a row that leaves hands
+    back a context cache a solo run goes on from."""
+    target = build("llama", 8, 0, vocab=128)
+    head = _dflash_over(target)
+    prompts = [[1, 5, 9], list(range(3, 17)), [4, 4, 4, 8, 15, 16, 23, 42]]
+    samplers = [SamplingParams(), SamplingParams(0.9), SamplingParams()]
+    want = [solo(target, head, p, 3, 30, sampling=s, seed=5)
+            for p, s in zip(prompts, samplers, strict=True)]  # fmt: skip
+    batch, out = Batch(target, head), {}
+    rows = [batch.join(prompts[0], Decode(samplers[0], K(3), 30, seed=5))]
+    for _ in range(20):  # plain rounds: the context waits, then is fed
+        batch.round(0)
+    rows += [batch.join(p, Decode(s, K(3), 30, seed=5))
+             for p, s in zip(prompts[1:], samplers[1:], strict=True)]  # fmt: skip
+    kept: dict = {}
+    drain(batch, 3, rows, out, kept=kept)
+    assert [r.ctx[len(p) :] for r, p in zip(rows, prompts, strict=True)] == want
+    assert sum(r.stats.drafted for r in rows) > 0
+    more = solo(target, head, rows[2].ctx, 3, 6, kv=kept[id(rows[2])])
+    assert rows[2].ctx[len(prompts[2]) :] + more == solo(target, None, prompts[2], 0, 36)

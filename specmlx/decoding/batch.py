@@ -24,7 +24,10 @@ head): the verify pass is tapped (hidden.HiddenTap), each row keeps the features
 confirmed positions as pairs waiting to be fed (``pending``), and a proposal feeds every
 row's waiting pairs at once (right-padded, the pads given back) and chains k - 1 steps, as
 drafters.HeadDrafter does for one sequence; the chained entries are given back after the
-round. A block drafter (DFlash) attends without a mask and is served one at a time.
+round. A block drafter (DFlash) keeps each row's context cache apart and drafts each row's
+block in a pass of its own, at that row's width, as drafters.BlockDrafter does (its block
+attends to the context and to itself both ways, so a block's logits depend on its width and
+on nothing of another row): the target's pass is still one for all rows.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class Row:
     # a head's row: the target's features at positions draft_held.. it has not been fed
     # yet (m, F), the pairs' hidden states; None: none (a one-token prompt's first round)
     pending: mx.array | None = None
+    own_cache: list | None = None  # a block drafter's row: its context cache, its own
 
 
 class Batch:
@@ -80,17 +84,13 @@ class Batch:
     draft may propose (default: the smaller logit width)."""
 
     def __init__(self, target: nn.Module, draft: nn.Module | None, vocab_size: int | None = None):
-        if getattr(draft, "block_size", None):
-            raise IncompatiblePair(
-                "a block drafter (DFlash) attends to its context without a mask: it drafts "
-                "one sequence at a time"
-            )
         for what, model in (("target", target), ("draft", draft)):
             why = batchable(model) if model is not None else None
             if why:
                 raise IncompatiblePair(f"the {what} cannot decode in a batch: {why}")
         self.target, self.draft = target, draft
         self.head = reads_hidden(draft)
+        self.block = bool(getattr(draft, "block_size", None))  # a DFlash drafter: per row
         self.tap = HiddenTap(target, draft.reads_hidden) if self.head else None
         width = _logit_width(target)
         self.draft_rows = 0
@@ -138,8 +138,11 @@ class Batch:
         self.t_cache = rows_of(self.t_cache, kv.target)  # it holds prompt[:-1]
         if self.recorder is not None:
             self.recorder.layers = recurrent_layers(self.t_cache)
-        if self.draft is not None:
+        if self.block:  # its context cache stays the row's own
+            row.own_cache = kv.draft
+        elif self.draft is not None:
             self.d_cache = rows_of(self.d_cache, kv.draft)
+        if self.draft is not None:
             row.draft_held, row.pending = kv.draft_len, kv.hidden
         self.rows.append(row)
         return row
@@ -151,8 +154,8 @@ class Batch:
         kv = KVState()
         kv.target, kv.tokens = solo_of(self.t_cache, i), row.ctx[:-1]
         if self.draft is not None:
-            kv.draft, kv.draft_len = solo_of(self.d_cache, i), row.draft_held
-            kv.hidden, kv.reads_hidden = row.pending, self.head
+            kv.draft = row.own_cache if self.block else solo_of(self.d_cache, i)
+            kv.draft_len, kv.hidden, kv.reads_hidden = row.draft_held, row.pending, self.head
         if not self.rows:
             self.t_cache = self.d_cache = None
         return kv
@@ -176,8 +179,16 @@ class Batch:
             * (not self.head or r.pending is not None)
             for r in rows
         ]
+        if self.block:  # a block drafts at most block_size - 1
+            ks = [min(ki, self.draft.block_size - 1) for ki in ks]
         keys = [_split(r) for r in rows]  # per row (draft, u, draw), all None when greedy
-        propose = self._propose_head if self.head else self._propose
+        propose = (
+            self._propose_block
+            if self.block
+            else self._propose_head
+            if self.head
+            else self._propose
+        )
         if k:
             d, qs = propose(rows, k, ks, [kk[0] for kk in keys])
         else:
@@ -223,7 +234,7 @@ class Batch:
             c.lens = [len(r.ctx) - 1 for r in rows]
         if recurrent:  # each row's state after its kept steps (lazy: the next round's sync)
             self.recorder.settle_rows(kept, before)
-        if k:  # a head's chained entries read drafts, never kept: its rows hold their pairs
+        if k and not self.block:  # a head's chained entries are never kept: its pairs are
             for c in attention_rows(self.d_cache):
                 c.lens = [r.draft_held for r in rows]
             self._settle_draft(steps)
@@ -277,12 +288,48 @@ class Batch:
             r.pending = r.pending[m:] if r.pending is not None and m < len_of(r.pending) else None
         return g, logits
 
+    def _propose_block(self, rows: list[Row], k: int, ks: list[int], keys):
+        """Each row's block, as drafters.BlockDrafter drafts it for one sequence: the row's
+        waiting context fed to its own cache, then a block of its own ks[i] + 1 positions
+        after its newest token, drawn with the row's draft key. d (B, k) (zeros past ks[i]),
+        each row's q (ks[i], vocab) or None."""
+        tokens, qs = [], []
+        for r, ki, key in zip(rows, ks, keys, strict=True):
+            m = len_of(r.pending)
+            if m:
+                self.draft(r.pending[None], None, r.own_cache)
+                r.draft_held, r.pending = r.draft_held + m, None
+            if not ki:
+                tokens.append(mx.zeros((k,), dtype=mx.uint32))
+                qs.append(None)
+                continue
+            first = mx.array(r.ctx[-1:], dtype=mx.uint32)  # (1,)
+            logits = self.draft.block(None, first, ki + 1, r.own_cache)[0, :, : self.vocab]
+            if r.process is None:
+                d, q = mx.argmax(logits, axis=-1).astype(mx.uint32), None
+            else:  # (each position has its own q, drawn independently)
+                q = r.process(logits)
+                d = sample(q, key)
+            tokens.append(mx.concatenate([d, mx.zeros((k - ki,), dtype=mx.uint32)]))
+            qs.append(q)
+        d = mx.stack(tokens)  # (B, k)
+        mx.async_eval(d)
+        return d, qs
+
     def _feature_width(self, rows: list[Row]) -> int:
         return next(r.pending.shape[-1] for r in rows if r.pending is not None)
 
     def _catch_up(self, rows: list[Row]) -> None:
         """Feed each row's waiting pairs but its newest (rounds without proposals, as when
         the batch's k is 0, would pile them up): queued, not waited for."""
+        if self.block:  # each row's context, to its own cache
+            for r in rows:
+                m = len_of(r.pending) - 1
+                if m > 0:
+                    self.draft(r.pending[None, :m], None, r.own_cache)
+                    r.draft_held, r.pending = r.draft_held + m, r.pending[m:]
+                    mx.async_eval([c.state for c in r.own_cache])
+            return
         self._feed_pending(rows, keep_last=True)
         mx.async_eval([c.state for c in attention_rows(self.d_cache)])
 

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from ..core.kvstate import KVState, reads_hidden
+from ..core.kvstate import KVState
 from ..core.rows import batchable
 from ..core.stats import Stats, TokenEvent
 from ..decoding.batch import Batch, Row
@@ -372,8 +372,6 @@ class FollowerBatch:
 def can_batch(worker) -> str | None:
     """Why this worker's pair cannot run as a batch (None: it can)."""
     pair = worker.session.pair
-    if reads_hidden(pair.draft) and getattr(pair.draft, "block_size", None):
-        return "the draft is a block drafter (DFlash), which drafts one sequence at a time"
     for what, model in (("target", pair.target), ("draft", pair.draft)):
         why = batchable(model) if model is not None else None
         if why:
