@@ -393,3 +393,37 @@ def test_dflash_rows_draft_their_own_blocks_and_keep_what_their_solo_runs_do():
     assert sum(r.stats.drafted for r in rows) > 0
     more = solo(target, head, rows[2].ctx, 3, 6, kv=kept[id(rows[2])])
     assert rows[2].ctx[len(prompts[2]) :] + more == solo(target, None, prompts[2], 0, 36)
+
+
+def test_batch_k_keeps_what_it_measured_for_the_next_server(pair, specmlx_home):
+    """What BatchK measured is saved per machine and pair (atomically, best effort) and a
+    new server's batcher starts from it; a damaged file is measured again, not trusted."""
+    from types import SimpleNamespace
+
+    from specmlx.decoding.session import Pair
+    from specmlx.distributed.ranks import World
+    from specmlx.drafting.choosers import ChooserStore
+    from specmlx.serving.batcher import Batcher
+
+    target, draft = pair
+    warned: list[str] = []
+
+    def worker(persist=True, draft_id="d1"):
+        return SimpleNamespace(
+            session=SimpleNamespace(pair=Pair(target, draft, target_id="t1", draft_id=draft_id)),
+            choosers=ChooserStore(persist=persist, warn=warned.append),
+            world=World(None),
+        )
+
+    first = Batcher(worker(), 4)
+    first.k.observe(2, 3, 12.0, 1.5)
+    first.k.observe(4, 0, 9.0, 1.0)
+    first._save_k()
+    assert first.k_path.is_file() and first.k_path.is_relative_to(specmlx_home)
+    again = Batcher(worker(), 4)
+    assert again.k.seen == {(2, 3): [12.0, 1.5, 1], (4, 0): [9.0, 1.0, 1]}
+    assert Batcher(worker(persist=False), 4).k.seen == {}  # (ranks other than 0, the bench)
+    first.k_path.write_text('{"version": 1, "seen": {"2,x": [1, 2, 3]}}')
+    assert Batcher(worker(), 4).k.seen == {}  # garbage: measured again
+    first._save_k()
+    assert Batcher(worker(draft_id="d2"), 4).k.seen == {}  # another pair's are not this one's

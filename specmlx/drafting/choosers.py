@@ -101,6 +101,12 @@ def for_drafter(chooser: KChooser, block: int) -> KChooser:
     return chooser
 
 
+def state_path(kind: str, identity: str) -> Path:
+    """A file under $SPECMLX_HOME/kind for this machine, backend, BLAS, MLX and ``identity``
+    (what a measurement there belongs to)."""
+    return _state_path(kind, identity)
+
+
 def _state_path(kind: str, identity: str) -> Path:
     """A file under $SPECMLX_HOME/kind for this machine, backend, BLAS, MLX and ``identity``."""
     key = f"{machine_id(str(mx.default_device()))}|{identity}"

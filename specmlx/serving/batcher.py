@@ -36,6 +36,8 @@ from ..core.stats import Stats, TokenEvent
 from ..decoding.batch import Batch, Row
 from ..decoding.stream import EditorLimits, TextStream
 from ..distributed.ranks import Lockstep
+from ..drafting.choosers import state_path
+from ..paths import load_json, save_json
 
 K_CHOICES = (0, 1, 2, 3, 4)  # what BatchK picks from
 
@@ -74,6 +76,23 @@ class BatchK:
         decay = 0.9 if s[2] >= 8 else 1.0  # recent rounds weigh more once a few are in
         s[0], s[1], s[2] = s[0] * decay + tokens, s[1] * decay + seconds, s[2] + 1
 
+    def state(self) -> dict:
+        """What was measured, JSON-ready (``resume`` reads it back)."""
+        return {"version": 1, "seen": {f"{b},{k}": v for (b, k), v in self.seen.items()}}
+
+    def resume(self, state: dict | None) -> None:
+        """Take what an earlier server measured on this machine and pair (``state()``'s);
+        anything else (another format, garbage) is ignored: it is measured again."""
+        try:
+            seen = {}
+            for key, (tokens, seconds, n) in (state or {}).get("seen", {}).items():
+                b, k = (int(x) for x in key.split(","))
+                seen[(b, k)] = [float(tokens), float(seconds), int(n)]
+            if (state or {}).get("version") == 1:
+                self.seen = seen
+        except (AttributeError, TypeError, ValueError):
+            pass
+
 
 @dataclass
 class _Live:
@@ -103,6 +122,12 @@ class Batcher:
         self.batch = Batch(pair.target, pair.draft, pair.shared)
         self.live: list[_Live] = []
         self.k = k or BatchK()
+        # what BatchK measured is kept per machine and pair, so a restarted server does not
+        # try every k at every width again (rank 0's: it decides for all)
+        self.k_path = state_path("batchk", f"{pair.target_id}|{pair.draft_id}")
+        if worker.choosers.persist:
+            self.k.resume(load_json(self.k_path))
+        self._saved_k = self.k.state()
         self.ranks = worker.world.distributed
         self.left: list[int] = []  # with ranks: rows left since the last BatchOps
         self.lockstep = Lockstep(worker.world, every=1) if self.ranks else None
@@ -112,6 +137,7 @@ class Batcher:
         while True:
             job = False  # (nothing new: go on with the rows there are)
             if not self.live:
+                self._save_k()
                 if self.ranks and w.watchdog is not None:
                     w.watchdog.idle()  # nothing is expected of the other ranks until a job
                 job = w._next()  # (with ranks, idle ticks while none comes)
@@ -122,6 +148,7 @@ class Batcher:
                     pass
             if job is None:  # stop: the running requests were cancelled by Worker.stop
                 self._end_all(None)
+                self._save_k()
                 if self.ranks:
                     w.stop_followers()
                 return
@@ -285,6 +312,13 @@ class Batcher:
                 lv.ended = True
                 return True
         return False
+
+    def _save_k(self) -> None:
+        """Keep BatchK's measurements (best effort; only when they changed)."""
+        state = self.k.state()
+        if self.w.choosers.persist and state != self._saved_k:
+            save_json(self.k_path, state, self.w.choosers.warn)
+            self._saved_k = state
 
     def _fatal(self, e: Exception) -> None:
         """With ranks, a failed join or round leaves the ranks apart: stop them all."""
