@@ -30,8 +30,8 @@ the target with this head (``--target DIR --draft mtp``).
 All read the target's features (hidden.HiddenTap) at the layers their config names; the
 embedding and, for DFlash, the LM head are the target's, frozen. EAGLE-3's own LM head covers
 the ``draft_vocab`` ids the data uses most (SpecForge's d2t) and starts as the target's rows
-for them, its final norm as the target's. Nothing here writes to disk but ``save_head``, and
-nothing prints.
+for them, its final norm as the target's. Nothing here writes to disk but ``save_head`` and
+``save_mtp``, and nothing prints.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from ..models.sources import fetch
 from ..paths import atomic_write
 from .student import LOSS, DistillConfig, Trainee, check_target, trainable
 
-HEAD_KINDS = (eagle3.KIND, dflash.KIND, "mtp")
 STEP_DECAY = 0.8  # EAGLE-3's loss weight of unrolled step s: 0.8^s
 DRAFT_VOCAB = 32000  # EAGLE-3's draft vocabulary when not asked (SpecForge's default)
 DFLASH_MIN_READ = 3  # a DFlash drafter reads at least this many target layers
