@@ -427,3 +427,62 @@ def test_batch_k_keeps_what_it_measured_for_the_next_server(pair, specmlx_home):
     assert Batcher(worker(), 4).k.seen == {}  # garbage: measured again
     first._save_k()
     assert Batcher(worker(draft_id="d2"), 4).k.seen == {}  # another pair's are not this one's
+
+
+def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair):
+    """With ranks, a round or a join that fails (a follower died: MLX's ring raises a
+    RuntimeError) may leave the ranks apart: every running request and the joining one end
+    with the 503 rank_failed error naming the lost rank, never a bare 500, and the ranks
+    stop."""
+    import queue
+    from types import SimpleNamespace
+
+    from specmlx.decoding.session import Pair
+    from specmlx.distributed.ranks import RankFailure, World
+    from specmlx.drafting.choosers import ChooserStore
+    from specmlx.serving.api_errors import as_api_error
+    from specmlx.serving.batcher import Batcher, _Live
+
+    target, draft = pair
+    lost = RuntimeError("[ring] Recv failed with errno=104")
+    stopped: list[str] = []
+
+    class Job:
+        def __init__(self):
+            self.said, self.request = (
+                [],
+                SimpleNamespace(drafter="model", max_tokens=8, k=3, seed=None),
+            )
+            self.cancelled = SimpleNamespace(is_set=lambda: False)
+
+        def emit(self, kind, value):
+            self.said.append((kind, value))
+
+    def fail(*_args):
+        raise lost
+
+    w = SimpleNamespace(
+        session=SimpleNamespace(pair=Pair(target, draft, target_id="t", draft_id="d")),
+        choosers=ChooserStore(persist=False, warn=print),
+        world=World(None, rank=0, size=2),
+        watchdog=None, fatal=stopped.append, send_ops=fail, draft_stop=False, _stopping=False,
+        totals=SimpleNamespace(failed=0, cancelled=0), draft=None, _queue=queue.Queue(),
+    )  # fmt: skip
+    batcher = Batcher(w, 4)
+    rows = [Job(), Job()]
+    for job in rows:  # two rows running (a fake batch: its round is never reached)
+        row = SimpleNamespace(drafts=False)
+        batcher.live.append(_Live(job, row, None, None, 3, None))
+    batcher.batch = SimpleNamespace(leave=lambda row: None, target=target, draft=draft, vocab=None)
+    batcher._round()
+    joining = Job()
+    batcher._admit(joining)
+    for job in [*rows, joining]:
+        (kind, error), *_ = job.said
+        assert kind == "error" and isinstance(error, RankFailure), job.said
+        api = as_api_error(error)
+        assert (api.status, api.code) == (
+            503,
+            "rank_failed",
+        ) and "lost the connection" in api.message
+    assert not batcher.live and len(stopped) == 2 and stopped[0].startswith("the ranks stopped")

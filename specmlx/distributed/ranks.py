@@ -286,6 +286,20 @@ def lost_peer(e: BaseException) -> LockstepError | None:
     return None
 
 
+def said(e: BaseException) -> str:
+    """One line for an error on a rank: a lost peer as such, else its type and message."""
+    lost = lost_peer(e)
+    if lost is not None:
+        return str(lost)
+    return str(e) if isinstance(e, SpecmlxError) else f"{type(e).__name__}: {e}"
+
+
+def ranks_stopped(e: BaseException) -> RankFailure:
+    """What a client is told when ``e`` failed a generation the other ranks ran a part of:
+    they may be out of step now, so every rank stops (a 503 naming the cause)."""
+    return e if isinstance(e, RankFailure) else RankFailure(f"the ranks stopped: {said(e)}")
+
+
 class Watchdog:
     """Ends the process with a clear error when the ranks make no progress for ``timeout``
     seconds: a rank that died mid-collective usually fails fast, one that hangs (or never

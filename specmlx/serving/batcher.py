@@ -35,7 +35,7 @@ from ..core.rows import batchable
 from ..core.stats import Stats, TokenEvent
 from ..decoding.batch import Batch, Row
 from ..decoding.stream import EditorLimits, TextStream
-from ..distributed.ranks import Lockstep
+from ..distributed.ranks import Lockstep, ranks_stopped
 from ..drafting.choosers import state_path
 from ..paths import load_json, save_json
 
@@ -174,7 +174,14 @@ class Batcher:
             return
         if r.drafter == "lookup" or r.max_tokens == 0 or w.draft_stop:
             if self.ranks and self.left:  # the other ranks put those rows' caches back first
-                w.send_ops(self.left, None, -1)
+                try:
+                    w.send_ops(self.left, None, -1)
+                except Exception as e:  # noqa: BLE001 - a rank went away: all stop
+                    failure = ranks_stopped(e)
+                    self._end_all(failure)
+                    job.emit("error", failure)
+                    self._fatal(failure)
+                    return
                 self.left = []
             w._serve_alone(job)  # (between two rounds: the rows wait for it)
             return
@@ -189,12 +196,12 @@ class Batcher:
         # until another arrives: a batch of one costs a little more a round (with ranks,
         # every request is a row: the other ranks follow the batch)
         alone = not self.live and w._queue.empty() and not self.ranks
-        if self.ranks:  # the other ranks join it too, with rank 0's seed
-            r.seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(6), "little")
-            w.send_ops(self.left, r, -1)
-            self.left = []
         kv = gen = row = None
         try:
+            if self.ranks:  # the other ranks join it too, with rank 0's seed
+                r.seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(6), "little")
+                w.send_ops(self.left, r, -1)
+                self.left = []
             if alone:
                 kv = w.cache.take(r.prompt_ids)
                 request = replace(r, use_draft=use_draft, lookup=False, draft_stop=False)
@@ -203,8 +210,11 @@ class Batcher:
                 row, gen, request = join_row(w, self.batch, r, job.stats)
         except Exception as e:  # noqa: BLE001 - this request's error; the batch goes on
             w.totals.failed += 1
+            if self.ranks:  # the other ranks failed it too, or are apart now: all stop
+                e = ranks_stopped(e)
+                self._end_all(e)
             job.emit("error", e)
-            if self.ranks:  # the other ranks failed it too, or are apart now
+            if self.ranks:
                 self._fatal(e)
             return
         limits = None
@@ -283,6 +293,8 @@ class Batcher:
             if self.lockstep is not None:  # every rank made the same tokens, or all stop
                 self.lockstep([e.token for evs in events for e in evs])
         except Exception as e:  # noqa: BLE001 - every row's client hears it; serving goes on
+            if self.ranks:  # the ranks may be apart now: all stop, and the clients hear why
+                e = ranks_stopped(e)
             self._end_all(e)
             if self.ranks:
                 self._fatal(e)
@@ -324,7 +336,7 @@ class Batcher:
         """With ranks, a failed join or round leaves the ranks apart: stop them all."""
         if self.w.fatal is not None:
             time.sleep(1.0)  # the answers go out first
-            self.w.fatal(f"the ranks stopped: {e}")
+            self.w.fatal(str(e))
 
     def _leave(self, lv: _Live, cancelled: bool) -> None:
         w = self.w

@@ -30,6 +30,8 @@ from ..distributed.ranks import (
     Watchdog,
     World,
     lost_peer,
+    ranks_stopped,
+    said,
     share,
     share_bytes,
 )
@@ -271,7 +273,7 @@ class Worker:
                 self._generate(Job(request, lambda _kind, _value: None))
             except Exception as e:  # noqa: BLE001 - whatever it was, the ranks are apart now
                 self.totals.failed += 1
-                raise RankFailure(f"a generation failed on this rank: {_said(e)}") from None
+                raise RankFailure(f"a generation failed on this rank: {said(e)}") from None
             finally:
                 if self.watchdog is not None:
                     self.watchdog.idle()
@@ -324,7 +326,7 @@ class Worker:
                 job.emit("error", e)
                 return True
             # the other ranks ran part of it: they may be out of step now, so stop all
-            failure = RankFailure(f"the ranks stopped: {_said(e)}")
+            failure = ranks_stopped(e)
             job.emit("error", failure)
             if self.fatal is not None:
                 time.sleep(1.0)  # the answer goes out first
@@ -424,14 +426,6 @@ class Worker:
         t.decode_s += stats.decode_s
         t.prefill_s += stats.prefill_s
         mx.clear_cache()  # between requests: give the allocator's free blocks back
-
-
-def _said(e: BaseException) -> str:
-    """One line for an error on a rank: a lost peer as such, else its type and message."""
-    lost = lost_peer(e)
-    if lost is not None:
-        return str(lost)
-    return str(e) if isinstance(e, SpecmlxError) else f"{type(e).__name__}: {e}"
 
 
 # ---------------------------------------------------------------- requests between ranks
