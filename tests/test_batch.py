@@ -451,7 +451,7 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
         def __init__(self):
             self.said, self.request = (
                 [],
-                SimpleNamespace(drafter="model", max_tokens=8, k=3, seed=None),
+                SimpleNamespace(drafter="model", max_tokens=8, k=3, seed=None, editor=False),
             )
             self.cancelled = SimpleNamespace(is_set=lambda: False)
 

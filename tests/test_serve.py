@@ -940,3 +940,109 @@ def test_window_and_recurrent_pairs_are_served_as_one_batch(tmp_path, family):
     finally:
         code, err = s.stop()
     assert code == 0 and "one request at a time" not in err, err
+
+
+# ------------------------------------------------------------------ editors first
+
+
+def _editor_worker(root: Path) -> Worker:
+    from specmlx.models.loading import load_pair
+    from specmlx.models.registry import load_registry
+
+    t, d, shared = load_pair("tiny-t", "tiny-d", registry=load_registry([models_toml(root)]),
+                             context=2048)  # fmt: skip
+    return Worker(t, d, shared, persist=False, lookup_memory=False, max_batch=4,
+                  cache_budget=64 << 20)  # fmt: skip
+
+
+def _ask(worker: Worker, log: list, name: str, prompt: str, n: int, editor: bool):
+    """Submit a greedy request; its events go into ``log`` as (name, kind, token)."""
+    from specmlx.serving.worker import GenRequest
+
+    ids = worker.target.tokenizer.encode(prompt)
+    r = GenRequest(prompt_ids=ids, max_tokens=n, k=3, editor=editor)
+    done = threading.Event()
+
+    def emit(kind, value):
+        log.append((name, kind, getattr(value, "token", None)))
+        if kind in ("done", "error"):
+            done.set()
+
+    return worker.submit(r, emit), done
+
+
+def _wait_for(cond, timeout=60.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("ahead", ["alone", "a row"])
+def test_the_newest_editor_request_runs_first_and_the_older_resumes_exactly(root, ahead):
+    """An editor's request (/infill) that arrives while an older one runs goes first: the
+    older steps aside (alone through the engine, or a row of a batch beside a chat request)
+    and makes no token until the newer is answered, then goes on from where it stopped;
+    every text equals its solo run. The control: a non-editor request beside it interleaves."""
+    worker = _editor_worker(root)
+    worker.start()
+    try:
+        asks = {"old": (CODE * 2, 120), "new": ("def g(y):\n", 24), "chat": ("class A:\n", 160)}
+        solo = {}
+        for name, (p, n) in asks.items():
+            log: list = []
+            _, done = _ask(worker, log, name, p, n, editor=False)
+            assert done.wait(60)
+            solo[name] = [tok for _, kind, tok in log if kind == "piece"]
+
+        def run(editor_new: bool) -> list:
+            log: list = []
+            waits = []
+            if ahead == "a row":  # a chat request first, so the old one joins as a row
+                waits.append(_ask(worker, log, "chat", *asks["chat"], editor=False)[1])
+                _wait_for(lambda: any(x[0] == "chat" and x[1] == "piece" for x in log))
+            waits.append(_ask(worker, log, "old", *asks["old"], editor=True)[1])
+            _wait_for(lambda: sum(x[:2] == ("old", "piece") for x in log) >= 3)
+            waits.append(_ask(worker, log, "new", *asks["new"], editor=editor_new)[1])
+            assert all(d.wait(120) for d in waits)
+            for name in {x[0] for x in log}:
+                assert [tok for nm, kind, tok in log if nm == name and kind == "piece"] == solo[
+                    name
+                ], name
+            return log
+
+        log = run(editor_new=True)
+        first = next(i for i, x in enumerate(log) if x[:2] == ("new", "piece"))
+        last = next(i for i, x in enumerate(log) if x[:2] == ("new", "done"))
+        assert not [x for x in log[first:last] if x[:2] == ("old", "piece")]
+        assert any(x[:2] == ("old", "piece") for x in log[last:])  # it went on after
+        if ahead == "a row":  # the chat request was not set aside
+            assert any(x[:2] == ("chat", "piece") for x in log[first:last])
+        log = run(editor_new=False)  # the control: a request that is not an editor's
+        first = next(i for i, x in enumerate(log) if x[:2] == ("new", "piece"))
+        last = next(i for i, x in enumerate(log) if x[:2] == ("new", "done"))
+        assert [x for x in log[first:last] if x[:2] == ("old", "piece")]
+    finally:
+        worker.stop()
+
+
+def test_a_parked_editor_request_whose_client_left_is_dropped(root):
+    """An older editor request set aside, whose client hangs up meanwhile, never resumes:
+    counted as cancelled, its caches back in the prompt cache, no answer sent."""
+    worker = _editor_worker(root)
+    worker.start()
+    try:
+        log: list = []
+        old, _ = _ask(worker, log, "old", CODE * 2, 200, editor=True)
+        _wait_for(lambda: sum(x[:2] == ("old", "piece") for x in log) >= 2)
+        _, new_done = _ask(worker, log, "new", "def g(y):\n", 80, editor=True)
+        _wait_for(lambda: any(x[:2] == ("new", "piece") for x in log))
+        old.cancel()
+        assert new_done.wait(60)
+        _wait_for(lambda: worker.totals.cancelled == 1)
+        assert not [x for x in log if x[0] == "old" and x[1] != "piece"]
+        # it never ran again: every token it made was sent before it stepped aside
+        assert old.stats.generated == sum(x[:2] == ("old", "piece") for x in log)
+        assert worker.cache.entries and not worker.running()
+    finally:
+        worker.stop()

@@ -20,6 +20,15 @@ other ranks run the same batch (FollowerBatch). Rank 0 decides everything a rank
 decide differently (k from its timings, cancels, editor limits, unseeded requests' seeds),
 and nothing runs alone through the engine except what the serial worker would also send
 (lookup, stopping per token, warm-ups), after the rows that left are sent.
+
+Editors ask again at every pause (llama.vim: a suggestion, then a speculative one for the
+position after it), and on a machine where a pass over two rows costs nearly two passes, an
+older editor request beside the newest makes the suggestion the user waits for twice as
+slow. So the newest editor request (/infill) goes first: the editor requests running when
+it arrives step aside (``_park``: their caches go to the prompt cache, where the newer one,
+which shares most of its prompt, finds them; their clients' streams stay open) and resume,
+newest first, once no newer one runs. Not with ranks (a parked row would have to travel):
+there they batch as any request.
 """
 
 from __future__ import annotations
@@ -111,6 +120,17 @@ class _Live:
     solo: Iterator[TokenEvent] | None = None
     kv: KVState | None = None
     made: list[int] = field(default_factory=list)
+    parked: _Parked | None = None  # set aside for a newer editor request (Batcher._park)
+
+
+@dataclass
+class _Parked:
+    """Where a parked request goes on from: its context (prompt + tokens made), what is left
+    of its decode and how many tokens it made (its caches wait in the prompt cache)."""
+
+    ids: list[int]
+    decode: object
+    made: int
 
 
 class Batcher:
@@ -121,6 +141,9 @@ class Batcher:
         self.w, self.max_batch = worker, max_batch
         self.batch = Batch(pair.target, pair.draft, pair.shared)
         self.live: list[_Live] = []
+        # editor requests set aside for newer ones, oldest first: not rows, so they hold no
+        # KV of the batch's (theirs is in the prompt cache, within its budget)
+        self.parked: list[_Live] = []
         self.k = k or BatchK()
         # what BatchK measured is kept per machine and pair, so a restarted server does not
         # try every k at every width again (rank 0's: it decides for all)
@@ -136,6 +159,7 @@ class Batcher:
         w = self.w
         while True:
             job = False  # (nothing new: go on with the rows there are)
+            self._unpark()
             if not self.live:
                 self._save_k()
                 if self.ranks and w.watchdog is not None:
@@ -153,7 +177,7 @@ class Batcher:
                     w.stop_followers()
                 return
             if job is not False:
-                w.holding = len(self.live) + 1
+                w.holding = self._held() + 1
                 self._admit(job)
                 if len(self.live) < self.max_batch and not w._queue.empty():
                     continue  # take what waits before the next round
@@ -162,7 +186,7 @@ class Batcher:
             elif self.live:
                 self._round()
             w.totals.batch_rows, w.busy = len(self.live), bool(self.live)
-            w.holding = len(self.live)
+            w.holding = self._held()
 
     def _admit(self, job) -> None:
         w, r = self.w, job.request
@@ -187,6 +211,9 @@ class Batcher:
             return
         if len(self.live) >= self.max_batch:  # (run() admits only while there is room)
             raise RuntimeError("the batch is full")
+        if r.editor and not self.ranks:  # the newest editor request first (see the module)
+            for lv in [lv for lv in self.live if lv.request.editor]:
+                self._park(lv)
         for lv in [lv for lv in self.live if lv.solo is not None]:
             self._into_batch(lv)  # a second request: the one running alone becomes a row
         use_draft = r.drafter == "model" and w.draft is not None
@@ -272,6 +299,60 @@ class Batcher:
         drafts = lv.request.use_draft
         lv.row = self.batch.join(ids, decode, lv.kv, lv.job.stats, drafts, len(lv.made))
         lv.kv = None
+
+    def _held(self) -> int:
+        """Requests the MLX thread holds (Worker.holding): the live ones and the parked."""
+        return len(self.live) + len(self.parked)
+
+    def _park(self, lv: _Live) -> None:
+        """Set a running editor request aside for a newer one: its caches go to the prompt
+        cache (a budget of 0 keeps none: it is prefilled again when it resumes), its
+        client's stream stays open; ``_unpark`` resumes it from its context. Its key stream
+        then starts afresh, derived from its seed and its length, as ``_into_batch``'s."""
+        if lv.solo is not None:
+            decode, made = lv.gen.decode(), len(lv.made)
+            if decode.max_tokens <= made:  # its budget is spent: it ends first
+                while lv in self.live:
+                    self._step_alone(lv)
+                return
+            lv.solo.close()  # (the engine leaves its caches holding what kv.tokens says)
+            lv.solo = None
+            lv.gen.finish()
+            lv.gen = None
+            kv, lv.kv = lv.kv, None
+            ids, left = list(lv.request.prompt_ids) + lv.made, decode.max_tokens - made
+        else:
+            row = lv.row
+            decode, made = row.decode, row.before + row.stops.count
+            ids, left = list(row.ctx), row.decode.max_tokens - row.stops.count
+            kv, lv.row = self.batch.leave(row), None
+        seed = decode.seed
+        if seed is not None:
+            seed = (seed * 0x9E3779B97F4A7C15 + made) % 2**63
+        self.live.remove(lv)
+        self.w.cache.put(kv, lv.prompt_len)
+        lv.parked = _Parked(ids, replace(decode, max_tokens=left, seed=seed), made)
+        self.parked.append(lv)
+
+    def _unpark(self) -> None:
+        """Drop the parked requests whose clients left; when no editor request runs, the
+        newest parked one joins the batch again, from where it stopped."""
+        for lv in [lv for lv in self.parked if lv.job.cancelled.is_set()]:
+            self.parked.remove(lv)
+            self.w._count(lv.job.stats, True)
+        if not self.parked or any(lv.request.editor for lv in self.live):
+            return
+        lv = self.parked.pop()
+        p, lv.parked = lv.parked, None
+        drafts = lv.request.use_draft
+        try:
+            kv = self.w.cache.take(p.ids)
+            lv.row = self.batch.join(p.ids, p.decode, kv, lv.job.stats, drafts, p.made)
+        except Exception as e:  # noqa: BLE001 - this request's error; serving goes on
+            self.w.totals.failed += 1
+            lv.job.emit("error", e)
+            return
+        self.live.append(lv)
 
     def _round(self) -> None:
         drafting = any(lv.row.drafts for lv in self.live)
@@ -360,6 +441,11 @@ class Batcher:
 
     def _end_all(self, error: Exception | None) -> None:
         """Every running request ends: with ``error`` (a failed round), or as cancelled."""
+        for lv in self.parked:
+            if error is not None:
+                self.w.totals.failed += 1
+                lv.job.emit("error", error)
+        self.parked = []
         for lv in list(self.live):
             if error is not None:
                 self.w.totals.failed += 1
@@ -372,7 +458,7 @@ class Batcher:
         self.batch = Batch(self.batch.target, self.batch.draft, self.batch.vocab)
 
     def jobs(self) -> list:
-        return [lv.job for lv in self.live]
+        return [lv.job for lv in self.live + self.parked]
 
 
 def join_row(worker, batch: Batch, r, stats: Stats) -> tuple[Row, object, object]:

@@ -158,7 +158,7 @@ def create_app(
                 tok, template, body.input_prefix, body.input_suffix, extra=extra, middle=body.prompt
             )
         )
-        gen = _llama_request(body, ids, settings, worker, template.stops)
+        gen = replace(_llama_request(body, ids, settings, worker, template.stops), editor=True)
         return await _respond_llama(request, worker, gen, body, settings)
 
     @app.post("/completion")

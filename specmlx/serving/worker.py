@@ -62,6 +62,7 @@ class GenRequest(Request):
 
     prompt_ids: list[int] = field(default_factory=list)
     drafter: str = "model"  # "model" (the loaded draft), "lookup" or "none"
+    editor: bool = False  # an editor's request (/infill): the newest runs first when batched
 
 
 # ("piece", TokenEvent with its text) | ("done", Stats) | ("error", exc)
