@@ -219,6 +219,7 @@ def main() -> int:
     a.add_argument("--json", dest="json_out")
     a.add_argument("--beside", action="store_true",
                    help="second requests run beside the next first; this checkout serial vs batched")  # fmt: skip
+    a.add_argument("--beside-rev", help="with --beside: also REV's server, batched")
     args = a.parse_args()
     pauses = session(Path(args.file), Path(args.extra), args.pauses, args.start_line)
     if args.target == "fim-standin":
@@ -274,9 +275,16 @@ def beside(args, pauses: list[dict], models: list[str]) -> int:
     """--beside: this checkout's server one request at a time, then batched."""
     env = {k: v for k, v in os.environ.items() if k != "SPECMLX_SERVER"}
     env["PYTHONPATH"] = str(ROOT)
+    runs = [("one at a time (--max-batch 1)", ["--max-batch", "1"], env),
+            ("batched (default --max-batch)", [], env)]  # fmt: skip
+    if args.beside_rev:  # an earlier checkout's batched server, from a worktree of it
+        tree = Path(f"/tmp/specmlx-replay-{args.beside_rev}")
+        if not tree.exists():
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree),
+                            args.beside_rev], check=True, capture_output=True)  # fmt: skip
+        runs.append((f"batched at {args.beside_rev}", [], env | {"PYTHONPATH": str(tree)}))
     results = []
-    for name, extra in (("one at a time (--max-batch 1)", ["--max-batch", "1"]),
-                        ("batched (default --max-batch)", [])):  # fmt: skip
+    for name, extra, env in runs:
         server, url = start_server([sys.executable], env, models, extra)
         try:
             rows = replay(url, pauses, args.timeout, args.debounce, beside=True)
@@ -296,9 +304,12 @@ def beside(args, pauses: list[dict], models: list[str]) -> int:
         second = f"{s['second_p50_s']:.2f} s" if s["second_p50_s"] is not None else "-"
         print(f"| {name} | {s['p50_s']:.2f} s | {s['p95_s']:.2f} s | {s['within_budget']:.0%} | "
               f"{s['starved']} | {s['refused']} | {second} |")  # fmt: skip
-    (_, a_rows), (_, b_rows) = results
+    (_, a_rows), (_, b_rows), *rest = results
     ratio = summary("", b_rows, args.budget)["p50_s"] / summary("", a_rows, args.budget)["p50_s"]
     print(f"\np50 batched / one at a time: {ratio:.2f}x")
+    for name, rows in rest:
+        ratio = summary("", b_rows, args.budget)["p50_s"] / summary("", rows, args.budget)["p50_s"]
+        print(f"p50 batched / {name}: {ratio:.2f}x")
     return 0
 
 

@@ -945,13 +945,13 @@ def test_window_and_recurrent_pairs_are_served_as_one_batch(tmp_path, family):
 # ------------------------------------------------------------------ editors first
 
 
-def _editor_worker(root: Path) -> Worker:
+def _editor_worker(root: Path, max_batch: int = 4) -> Worker:
     from specmlx.models.loading import load_pair
     from specmlx.models.registry import load_registry
 
     t, d, shared = load_pair("tiny-t", "tiny-d", registry=load_registry([models_toml(root)]),
                              context=2048)  # fmt: skip
-    return Worker(t, d, shared, persist=False, lookup_memory=False, max_batch=4,
+    return Worker(t, d, shared, persist=False, lookup_memory=False, max_batch=max_batch,
                   cache_budget=64 << 20)  # fmt: skip
 
 
@@ -1044,5 +1044,40 @@ def test_a_parked_editor_request_whose_client_left_is_dropped(root):
         # it never ran again: every token it made was sent before it stepped aside
         assert old.stats.generated == sum(x[:2] == ("old", "piece") for x in log)
         assert worker.cache.entries and not worker.running()
+    finally:
+        worker.stop()
+
+
+def test_parked_editor_requests_past_the_rows_spill_their_caches_and_resume_exactly(root):
+    """Three editor requests, one after another, with room for two rows: the newest runs,
+    the middle one keeps its caches, the oldest's go to the prompt cache; they resume
+    newest first, each text its solo run's."""
+    worker = _editor_worker(root, max_batch=2)
+    batcher, spilled = worker._batcher, []
+    spill = batcher._spill
+
+    def counted():
+        spill()
+        spilled.extend(lv.job for lv in batcher.parked if lv.parked.kv is None)
+
+    batcher._spill = counted
+    worker.start()
+    try:
+        asks = {"a": (CODE * 2, 90), "b": ("def g(y):\n", 60), "c": ("class A:\n", 30)}
+        solo = {}
+        for name, (p, n) in asks.items():
+            log: list = []
+            assert _ask(worker, log, name, p, n, editor=True)[1].wait(60)
+            solo[name] = [tok for _, kind, tok in log if kind == "piece"]
+        log, waits = [], []
+        for name in asks:
+            waits.append(_ask(worker, log, name, *asks[name], editor=True)[1])
+            _wait_for(lambda name=name: sum(x[:2] == (name, "piece") for x in log) >= 2)
+        assert all(d.wait(120) for d in waits)
+        for name in asks:
+            assert [tok for nm, kind, tok in log if nm == name and kind == "piece"] == solo[name]
+        ends = [x[0] for x in log if x[1] == "done"]
+        assert ends == ["c", "b", "a"], ends
+        assert spilled and {id(j) for j in spilled} == {id(spilled[0])}  # the oldest only
     finally:
         worker.stop()
