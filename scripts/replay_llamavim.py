@@ -310,6 +310,8 @@ def beside(args, pauses: list[dict], models: list[str]) -> int:
     for name, rows in rest:
         ratio = summary("", b_rows, args.budget)["p50_s"] / summary("", rows, args.budget)["p50_s"]
         print(f"p50 batched / {name}: {ratio:.2f}x")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({n: r for n, r in results}, indent=1))
     return 0
 
 
