@@ -25,8 +25,8 @@ Editors ask again at every pause (llama.vim: a suggestion, then a speculative on
 position after it), and on a machine where a pass over two rows costs nearly two passes, an
 older editor request beside the newest makes the suggestion the user waits for twice as
 slow. So the newest editor request (/infill) goes first: the editor requests running when
-it arrives step aside (``_park``: their caches kept while the rows' memory allows, the
-oldest spilled to the prompt cache past it; their clients' streams stay open) and resume,
+it arrives step aside (``_park``: their caches go to the prompt cache, where the newer one,
+which shares most of its prompt, finds them; their clients' streams stay open) and resume,
 newest first, once no newer one runs. Not with ranks (a parked row would have to travel):
 there they batch as any request.
 """
@@ -126,13 +126,11 @@ class _Live:
 @dataclass
 class _Parked:
     """Where a parked request goes on from: its context (prompt + tokens made), what is left
-    of its decode, how many tokens it made, and its caches (None: spilled to the prompt
-    cache, taken back from there when it resumes)."""
+    of its decode and how many tokens it made (its caches wait in the prompt cache)."""
 
     ids: list[int]
     decode: object
     made: int
-    kv: KVState | None
 
 
 class Batcher:
@@ -143,8 +141,8 @@ class Batcher:
         self.w, self.max_batch = worker, max_batch
         self.batch = Batch(pair.target, pair.draft, pair.shared)
         self.live: list[_Live] = []
-        # editor requests set aside for newer ones, oldest first (their caches count as rows
-        # in the memory plan until spilled: see _spill)
+        # editor requests set aside for newer ones, oldest first: not rows, so they hold no
+        # KV of the batch's (theirs is in the prompt cache, within its budget)
         self.parked: list[_Live] = []
         self.k = k or BatchK()
         # what BatchK measured is kept per machine and pair, so a restarted server does not
@@ -181,7 +179,6 @@ class Batcher:
             if job is not False:
                 w.holding = self._held() + 1
                 self._admit(job)
-                self._spill()
                 if len(self.live) < self.max_batch and not w._queue.empty():
                     continue  # take what waits before the next round
             if self.live and self.live[0].solo is not None:
@@ -308,10 +305,10 @@ class Batcher:
         return len(self.live) + len(self.parked)
 
     def _park(self, lv: _Live) -> None:
-        """Set a running editor request aside for a newer one: its caches are kept (see
-        ``_spill``), its client's stream stays open; ``_unpark`` resumes it from its
-        context. Its key stream then starts afresh, derived from its seed and its length,
-        as ``_into_batch``'s."""
+        """Set a running editor request aside for a newer one: its caches go to the prompt
+        cache (a budget of 0 keeps none: it is prefilled again when it resumes), its
+        client's stream stays open; ``_unpark`` resumes it from its context. Its key stream
+        then starts afresh, derived from its seed and its length, as ``_into_batch``'s."""
         if lv.solo is not None:
             decode, made = lv.gen.decode(), len(lv.made)
             if decode.max_tokens <= made:  # its budget is spent: it ends first
@@ -333,33 +330,26 @@ class Batcher:
         if seed is not None:
             seed = (seed * 0x9E3779B97F4A7C15 + made) % 2**63
         self.live.remove(lv)
-        lv.parked = _Parked(ids, replace(decode, max_tokens=left, seed=seed), made, kv)
+        self.w.cache.put(kv, lv.prompt_len)
+        lv.parked = _Parked(ids, replace(decode, max_tokens=left, seed=seed), made)
         self.parked.append(lv)
 
-    def _spill(self) -> None:
-        """Past the rows the memory plan allows (live rows and parked caches together), the
-        oldest parked caches go to the prompt cache (within its budget; what it evicts is
-        prefilled again when that request resumes)."""
-        kept = [lv for lv in self.parked if lv.parked.kv is not None]
-        for lv in kept[: max(0, len(self.live) + len(kept) - self.max_batch)]:
-            self.w.cache.put(lv.parked.kv, lv.prompt_len)
-            lv.parked.kv = None
-
     def _unpark(self) -> None:
-        """Drop the parked requests whose clients left; when no editor request runs, the
-        newest parked one joins the batch again, from where it stopped."""
+        """Drop the parked requests whose clients left; when no editor request runs and
+        none waits, the newest parked one joins the batch again, from where it stopped (its
+        caches from the prompt cache: a prefill of what a newer one took, if any)."""
         for lv in [lv for lv in self.parked if lv.job.cancelled.is_set()]:
             self.parked.remove(lv)
-            if lv.parked.kv is not None:
-                self.w.cache.put(lv.parked.kv, lv.prompt_len)
             self.w._count(lv.job.stats, True)
         if not self.parked or any(lv.request.editor for lv in self.live):
+            return
+        if not self.w._queue.empty():  # what waits may be a newer one: its turn first
             return
         lv = self.parked.pop()
         p, lv.parked = lv.parked, None
         drafts = lv.request.use_draft
         try:
-            kv = p.kv if p.kv is not None else self.w.cache.take(p.ids)
+            kv = self.w.cache.take(p.ids)
             lv.row = self.batch.join(p.ids, p.decode, kv, lv.job.stats, drafts, p.made)
         except Exception as e:  # noqa: BLE001 - this request's error; serving goes on
             self.w.totals.failed += 1
