@@ -49,6 +49,10 @@ from ..drafting.choosers import state_path
 from ..paths import load_json, save_json
 
 K_CHOICES = (0, 1, 2, 3, 4)  # what BatchK picks from
+# seconds a parked editor request waits, after an editor request ends, before it resumes:
+# an editor sends its next request as soon as it has an answer (llama.vim's follow-up), and
+# a resume begun just before it arrives would hold it up for the resume's prefill
+RESUME_GRACE = 0.25
 
 
 class BatchK:
@@ -144,6 +148,7 @@ class Batcher:
         # editor requests set aside for newer ones, oldest first: not rows, so they hold no
         # KV of the batch's (theirs is in the prompt cache, within its budget)
         self.parked: list[_Live] = []
+        self._quiet_from = 0.0  # (monotonic) when a parked request may resume
         self.k = k or BatchK()
         # what BatchK measured is kept per machine and pair, so a restarted server does not
         # try every k at every width again (rank 0's: it decides for all)
@@ -164,7 +169,13 @@ class Batcher:
                 self._save_k()
                 if self.ranks and w.watchdog is not None:
                     w.watchdog.idle()  # nothing is expected of the other ranks until a job
-                job = w._next()  # (with ranks, idle ticks while none comes)
+                if self.parked:  # one resumes in a moment, unless a newer request comes
+                    try:
+                        job = w._queue.get(timeout=RESUME_GRACE)
+                    except queue.Empty:
+                        continue
+                else:
+                    job = w._next()  # (with ranks, idle ticks while none comes)
             elif len(self.live) < self.max_batch or w._stopping:
                 try:  # (past max_batch, requests wait in the queue, up to --max-queue)
                     job = w._queue.get_nowait()
@@ -343,8 +354,8 @@ class Batcher:
             self.w._count(lv.job.stats, True)
         if not self.parked or any(lv.request.editor for lv in self.live):
             return
-        if not self.w._queue.empty():  # what waits may be a newer one: its turn first
-            return
+        if not self.w._queue.empty() or time.monotonic() < self._quiet_from:
+            return  # what waits, or what an editor sends next, may be newer: its turn first
         lv = self.parked.pop()
         p, lv.parked = lv.parked, None
         drafts = lv.request.use_draft
@@ -425,6 +436,8 @@ class Batcher:
     def _leave(self, lv: _Live, cancelled: bool) -> None:
         w = self.w
         self.live.remove(lv)
+        if lv.request.editor:
+            self._quiet_from = time.monotonic() + RESUME_GRACE
         if self.ranks and lv.row is not None:  # (sent with the next BatchOps)
             self.left.append(self.batch.rows.index(lv.row))
         if lv.solo is not None:
