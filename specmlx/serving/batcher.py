@@ -27,8 +27,8 @@ older editor request beside the newest makes the suggestion the user waits for t
 slow. So the newest editor request (/infill) goes first: the editor requests running when
 it arrives step aside (``_park``: their caches go to the prompt cache, where the newer one,
 which shares most of its prompt, finds them; their clients' streams stay open) and resume,
-newest first, once no newer one runs. Not with ranks (a parked row would have to travel):
-there they batch as any request.
+newest first, once no editor request has run for RESUME_GRACE. Not with ranks (a parked row
+would have to travel): there they batch as any request.
 """
 
 from __future__ import annotations
