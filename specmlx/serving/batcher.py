@@ -129,12 +129,23 @@ class _Live:
 
 @dataclass
 class _Parked:
-    """Where a parked request goes on from: its context (prompt + tokens made), what is left
-    of its decode and how many tokens it made (its caches wait in the prompt cache)."""
+    """Where a request goes on from (a parked one, or a lone one joining the batch): its
+    context (prompt + tokens made), what is left of its decode and how many tokens it made
+    (a parked one's caches wait in the prompt cache)."""
 
     ids: list[int]
     decode: object
     made: int
+
+    @classmethod
+    def of(cls, ids: list[int], decode, made: int, left: int) -> _Parked:
+        """Going on from ``ids`` after ``made`` tokens, ``left`` to go: a fresh key stream,
+        derived from the seed and the length (its tokens so far were drawn from the
+        first)."""
+        seed = decode.seed
+        if seed is not None:
+            seed = (seed * 0x9E3779B97F4A7C15 + made) % 2**63
+        return cls(ids, replace(decode, max_tokens=left, seed=seed), made)
 
 
 class Batcher:
@@ -290,26 +301,28 @@ class Batcher:
     def _into_batch(self, lv: _Live) -> None:
         """The lone request joins the batch as a row, from what it has emitted: its caches
         hold that context (the engine's closed generator leaves them exact), so the join
-        prefills one token or a few. Its key stream is a fresh one, derived from its seed
-        and its length: its tokens so far were drawn from the first."""
+        prefills one token or a few."""
+        p = self._stop_alone(lv)
+        if p is None:
+            return
+        drafts = lv.request.use_draft
+        lv.row = self.batch.join(p.ids, p.decode, lv.kv, lv.job.stats, drafts, p.made)
+        lv.kv = None
+
+    def _stop_alone(self, lv: _Live) -> _Parked | None:
+        """End the lone request's run through the engine where it stands: where it goes on
+        from, or None when its budget is spent (it then ends alone, here)."""
         decode = lv.gen.decode()
-        if decode.max_tokens <= len(lv.made):  # its budget is spent: it ends alone
+        if decode.max_tokens <= len(lv.made):
             while lv in self.live:
                 self._step_alone(lv)
-            return
-        lv.solo.close()
+            return None
+        lv.solo.close()  # (the engine leaves its caches holding what kv.tokens says)
         lv.solo = None
-        left = decode.max_tokens - len(lv.made)
-        seed = decode.seed
-        if seed is not None:
-            seed = (seed * 0x9E3779B97F4A7C15 + len(lv.made)) % 2**63
-        decode = replace(decode, max_tokens=left, seed=seed)
-        ids = list(lv.request.prompt_ids) + lv.made
         lv.gen.finish()  # what its adaptive chooser learned alone is saved now
         lv.gen = None
-        drafts = lv.request.use_draft
-        lv.row = self.batch.join(ids, decode, lv.kv, lv.job.stats, drafts, len(lv.made))
-        lv.kv = None
+        ids = list(lv.request.prompt_ids) + lv.made
+        return _Parked.of(ids, decode, len(lv.made), decode.max_tokens - len(lv.made))
 
     def _held(self) -> int:
         """Requests the MLX thread holds (Worker.holding): the live ones and the parked."""
@@ -319,30 +332,20 @@ class Batcher:
         """Set a running editor request aside for a newer one: its caches go to the prompt
         cache (a budget of 0 keeps none: it is prefilled again when it resumes), its
         client's stream stays open; ``_unpark`` resumes it from its context. Its key stream
-        then starts afresh, derived from its seed and its length, as ``_into_batch``'s."""
+        then starts afresh (_Parked.of)."""
         if lv.solo is not None:
-            decode, made = lv.gen.decode(), len(lv.made)
-            if decode.max_tokens <= made:  # its budget is spent: it ends first
-                while lv in self.live:
-                    self._step_alone(lv)
+            p = self._stop_alone(lv)
+            if p is None:
                 return
-            lv.solo.close()  # (the engine leaves its caches holding what kv.tokens says)
-            lv.solo = None
-            lv.gen.finish()
-            lv.gen = None
             kv, lv.kv = lv.kv, None
-            ids, left = list(lv.request.prompt_ids) + lv.made, decode.max_tokens - made
         else:
             row = lv.row
-            decode, made = row.decode, row.before + row.stops.count
-            ids, left = list(row.ctx), row.decode.max_tokens - row.stops.count
+            left = row.decode.max_tokens - row.stops.count
+            p = _Parked.of(list(row.ctx), row.decode, row.before + row.stops.count, left)
             kv, lv.row = self.batch.leave(row), None
-        seed = decode.seed
-        if seed is not None:
-            seed = (seed * 0x9E3779B97F4A7C15 + made) % 2**63
         self.live.remove(lv)
         self.w.cache.put(kv, lv.prompt_len)
-        lv.parked = _Parked(ids, replace(decode, max_tokens=left, seed=seed), made)
+        lv.parked = p
         self.parked.append(lv)
 
     def _unpark(self) -> None:
