@@ -220,6 +220,35 @@ def test_the_prompt_cache_reuses_window_and_recurrent_caches_exactly(family):
         assert stats.cached_tokens == 0
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5", "mamba2"])
+def test_two_generations_from_one_copied_entry_each_equal_a_fresh_run(family, monkeypatch):
+    """Two requests that start from one prompt-cache entry (serve's PromptCache.take hands
+    each a KVState.copy): one parts from it a few tokens before its end, then the entry
+    itself is extended. Each equals its fresh run: the first one's writes never reach the
+    entry. The control: a copy sharing the cache objects gets the second one wrong."""
+
+    def both(copy) -> tuple[bool, Stats, Stats]:
+        kv = KVState()
+        first = tokens(target, draft, LONG, kv=kv, k=3)
+        parted, extended = LONG + first[:-4] + [3, 1], LONG + first + [7, 8]
+        a, b = Stats(), Stats()
+        ok = tokens(target, draft, parted, a, kv=copy(kv), k=3) == plain(parted)
+        ok &= tokens(target, draft, extended, b, kv=kv, k=3) == plain(extended)
+        return ok, a, b
+
+    def plain(prompt):
+        return tokens(target, None, prompt, k=0)
+
+    target, draft = pair(family)
+    ok, a, b = both(KVState.copy)
+    assert ok
+    assert b.cached_tokens >= len(LONG) + MAX_TOKENS - 1  # the entry was whole
+    if FAMILIES[family][1] != "recurrent":
+        assert a.cached_tokens >= len(LONG)  # the copy was trimmed, not rebuilt
+    if family == "llama":
+        assert not both(lambda kv: KVState(kv.target, kv.draft, list(kv.tokens), kv.draft_len))[0]
+
+
 def test_a_window_cache_gives_back_what_its_slack_allows_and_refuses_more():
     cache = WindowKVCache(4, slack=3)
     cache.step = 0  # compact at every update that does not fit: the tightest case

@@ -104,6 +104,21 @@ def test_the_prompt_cache_keeps_the_heads_state_exact(family_pair):
         assert kv.draft_len + (0 if kv.hidden is None else kv.hidden.shape[0]) <= len(kv.tokens)
 
 
+def test_a_copy_of_a_heads_state_is_its_own(family_pair):
+    """A prompt-cache entry with a head's state in it, copied for one request that parts from
+    it (serve's PromptCache.take), then extended itself: both equal plain decoding."""
+    _, target, head = family_pair
+    kv = KVState()
+    first = tokens(target, head, PROMPT, k=3, max_tokens=16, kv=kv)
+    parted, extended = PROMPT + first[:-3] + [9, 9], PROMPT + first + [7, 8]
+    assert tokens(target, head, parted, k=3, max_tokens=16, kv=kv.copy()) == tokens(
+        target, None, parted, k=0, max_tokens=16
+    )
+    assert tokens(target, head, extended, k=3, max_tokens=16, kv=kv) == tokens(
+        target, None, extended, k=0, max_tokens=16
+    )
+
+
 def _offline_keys(target, head, ctx, fed):
     """The head's attention keys after feeding it the pairs (h_j, t_{j+1}), j < fed, with
     h from one fresh target pass over ctx: what an aligned plumbing must have built."""

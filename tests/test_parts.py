@@ -24,46 +24,59 @@ def _kv(tokens: list[int], nbytes: int = 100) -> KVState:
     return KVState(target=[SimpleNamespace(nbytes=nbytes)], tokens=list(tokens))
 
 
-def test_the_longest_common_prefix_is_taken_and_comes_back_most_recent():
+def test_the_longest_common_prefix_is_copied_and_its_entry_stays_most_recent():
     cache = PromptCache(10_000)
     a, b = _kv([1, 2, 3, 4, 5]), _kv([1, 2, 9, 9, 9])
-    cache.put(a, 5)
-    cache.put(b, 5)
-    assert cache.take([1, 2, 3, 4, 7, 8]) is a  # shares 4 with a, 2 with b
-    assert cache.entries == [cache.entries[0]] and cache.entries[0].kv is b  # a is out
-    cache.put(a, 6)
-    assert [e.kv for e in cache.entries] == [b, a]  # a is the most recently used now
+    cache.put(a)
+    cache.put(b)
+    got = cache.take([1, 2, 3, 4, 7, 8])  # shares 4 with a, 2 with b
+    assert got.tokens == a.tokens and got is not a and got.target[0] is not a.target[0]
+    assert [e.tokens for e in cache.entries] == [
+        b.tokens,
+        a.tokens,
+    ]  # a stays, the most recently used now
+    again = cache.take([1, 2, 3, 4, 6, 6])  # a request beside the first shares it too
+    assert again.tokens == a.tokens and again is not got
 
 
 def test_the_prompts_last_token_never_counts():
     cache = PromptCache(10_000)
     entry = _kv([1, 2, 3])
-    cache.put(entry, 3)
+    cache.put(entry)
     # the last token is fed anew by the engine: [1, 2, 3] shares only [1, 2] of its context
-    assert cache.take([1, 2, 3]) is entry
-    cache.put(entry, 3)
+    assert cache.take([1, 2, 3]).tokens == [1, 2, 3]
     assert cache.take([5, 1, 2, 3]).target is None  # no common prefix: fresh caches
 
 
-def test_an_entry_sharing_less_than_half_its_prompt_is_left_for_its_own_sequence():
+def test_a_shared_header_is_served_and_its_entry_kept_for_its_own_sequence():
     cache = PromptCache(10_000)
     other_file = _kv([7, 7, 1, 2, 3, 4, 5, 6, 7, 8], 100)  # a shared header, then its own text
-    cache.put(other_file, 10)
-    got = cache.take([7, 7, 9, 9, 9, 9])  # shares 2 of 10: not worth taking
-    assert got.target is None and cache.entries[0].kv is other_file
-    assert cache.take([7, 7, 1, 2, 3, 4, 0, 0]) is other_file  # shares 6 of 10: taken
+    cache.put(other_file)
+    got = cache.take([7, 7, 9, 9, 9, 9])  # shares 2 of 10: a copy (trimmed by the engine)
+    assert got.tokens == other_file.tokens and cache.entries[0] is other_file
+
+
+def test_an_entry_that_comes_back_longer_replaces_the_one_it_extends():
+    cache = PromptCache(10_000)
+    turn1, elsewhere = _kv([1, 2, 3]), _kv([1, 2, 8])
+    cache.put(turn1)
+    cache.put(elsewhere)
+    cache.put(_kv([1, 2, 3, 4, 5]))  # turn 2 holds all of turn 1: turn 1 goes
+    assert [e.tokens for e in cache.entries] == [[1, 2, 8], [1, 2, 3, 4, 5]]
+    cache.put(_kv([1, 2, 3, 4, 5]))  # the same tokens again: the newer stays
+    assert [e.tokens for e in cache.entries] == [[1, 2, 8], [1, 2, 3, 4, 5]]
 
 
 def test_the_least_recently_used_go_past_the_budget():
     cache = PromptCache(250)
     first, second, third = _kv([1, 1]), _kv([2, 2]), _kv([3, 3])
     for kv in (first, second, third):
-        cache.put(kv, 2)
-    assert [e.kv for e in cache.entries] == [second, third] and cache.nbytes == 200
-    cache.put(_kv([4, 4], 300), 2)  # bigger than the whole budget: nothing stays
+        cache.put(kv)
+    assert [e.tokens for e in cache.entries] == [[2, 2], [3, 3]] and cache.nbytes == 200
+    cache.put(_kv([4, 4], 300))  # bigger than the whole budget: nothing stays
     assert cache.entries == []
     none = PromptCache(0)
-    none.put(_kv([1, 2]), 2)
+    none.put(_kv([1, 2]))
     assert none.entries == []
 
 

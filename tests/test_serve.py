@@ -154,6 +154,41 @@ def test_the_prompt_cache_serves_a_shared_prefix_exactly(root, client):
     assert got.choices[0].model_extra["token_ids"] == cold["tokens"]
 
 
+def test_chat_requests_running_at_once_share_their_system_prompts_cache(client):
+    """A system prompt served once, then three chats with it that run at once (two join a
+    running stream): each starts from the cached system prompt, not only the first to ask,
+    and each text equals its own run after."""
+    system = "You answer in Python for the zeta module.\n" * 8
+    asks = ["sum the list", "sort it", "reverse the words"]
+
+    def chat(q: str, **kw):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        return client.chat.completions.create(model="tiny-t", messages=messages, **kw)
+
+    chat("hi", max_tokens=4)  # the system prompt's caches are now in the prompt cache
+    got = [None, None]
+
+    def join(i: int) -> None:
+        got[i] = chat(asks[i + 1], max_tokens=24)
+
+    long = chat(asks[0], max_tokens=300, stream=True, stream_options={"include_usage": True})
+    joiners, parts, usage = [], [], None
+    for chunk in long:
+        parts.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+        usage = chunk.usage or usage
+        if len(parts) == 2:  # the first one is decoding (it holds its copy): two join
+            joiners = [threading.Thread(target=join, args=(i,)) for i in range(2)]
+            for t in joiners:
+                t.start()
+    for t in joiners:
+        t.join()
+    for u in [usage] + [g.usage for g in got]:
+        assert u.prompt_tokens_details.cached_tokens >= 0.6 * u.prompt_tokens, u
+    assert "".join(parts) == chat(asks[0], max_tokens=300).choices[0].message.content
+    for q, g in zip(asks[1:], got, strict=True):
+        assert g.choices[0].message.content == chat(q, max_tokens=24).choices[0].message.content
+
+
 def test_eight_concurrent_streams_each_complete_and_unmixed(client):
     prompts = [f"def f{i}(x):\n    return x * {i}\n" for i in range(8)]
     alone = [client.completions.create(model="tiny-t", prompt=p, max_tokens=24) for p in prompts]

@@ -9,6 +9,7 @@ what it may keep depends on what the target keeps (``_head_keep``, ``_trim_head`
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -40,6 +41,12 @@ class KVState:
         """Bytes the caches hold now."""
         caches = (self.target or []) + (self.draft or [])
         return sum(getattr(c, "nbytes", 0) for c in caches)
+
+    def copy(self) -> KVState:
+        """A copy that a generation may write without changing this one (two requests
+        starting from one prompt-cache entry). Free until written: a copied mx.array shares
+        its buffer, and MLX writes a shared buffer by copying it, never in place."""
+        return copy.deepcopy(self)
 
     def drop(self) -> None:
         """Forget everything: the next generation starts from fresh caches."""

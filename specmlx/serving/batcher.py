@@ -109,7 +109,7 @@ class BatchK:
 
 @dataclass
 class _Live:
-    """A running request: its job, row, text stream, editor limits and prompt's length; while
+    """A running request: its job, row, text stream and editor limits; while
     it runs alone, the engine's token events in place of a row (``solo``), its caches and the
     tokens emitted so far."""
 
@@ -117,7 +117,6 @@ class _Live:
     row: Row | None
     text: TextStream
     limits: EditorLimits | None
-    prompt_len: int
     gen: object
     request: object = None
     ended: bool = field(default=False)
@@ -270,7 +269,7 @@ class Batcher:
         if r.time_limit_s is not None or r.min_indent:
             limits = EditorLimits(r.time_limit_s, r.min_indent, job.stats)
         text = TextStream(w.session.pair.tokenizer, r.stop, job.stats)
-        lv = _Live(job, row, text, limits, len(r.prompt_ids), gen, request)
+        lv = _Live(job, row, text, limits, gen, request)
         if alone:
             lv.solo, lv.kv = gen.tokens(), kv
         self.live.append(lv)
@@ -344,7 +343,7 @@ class Batcher:
             p = _Parked.of(list(row.ctx), row.decode, row.before + row.stops.count, left)
             kv, lv.row = self.batch.leave(row), None
         self.live.remove(lv)
-        self.w.cache.put(kv, lv.prompt_len)
+        self.w.cache.put(kv)
         lv.parked = p
         self.parked.append(lv)
 
@@ -448,7 +447,7 @@ class Batcher:
             kv = lv.kv
         else:
             kv = self.batch.leave(lv.row)
-        w.cache.put(kv, lv.prompt_len)
+        w.cache.put(kv)
         if lv.gen is not None:
             lv.gen.finish()
         w._count(lv.job.stats, cancelled)
@@ -501,18 +500,17 @@ class FollowerBatch:
         pair = worker.session.pair
         self.w = worker
         self.batch = Batch(pair.target, pair.draft, pair.shared)
-        self.rows: list[tuple[Row, int]] = []  # each row and its prompt's length
+        self.rows: list[Row] = []
         self.lockstep = Lockstep(worker.world, every=1)
 
     def apply(self, leave: list[int], join, k: int) -> None:
         """Do what rank 0's batch does: rows ``leave`` (indices, in order), ``join`` (a
         GenRequest or None), then a round of ``k`` (-1: none)."""
         for i in leave:
-            row, prompt_len = self.rows.pop(i)
-            self.w.cache.put(self.batch.leave(row), prompt_len)
+            self.w.cache.put(self.batch.leave(self.rows.pop(i)))
         if join is not None:
             row, _, _ = join_row(self.w, self.batch, join, Stats())
-            self.rows.append((row, len(join.prompt_ids)))
+            self.rows.append(row)
         if k >= 0:
             if self.w.watchdog is not None:
                 self.w.watchdog.beat("generating")

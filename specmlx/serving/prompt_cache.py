@@ -1,17 +1,17 @@
 """KV caches of recent sequences, kept across requests within a memory budget (LRU).
 
-A request takes the entry whose tokens share the longest prefix with its prompt; the engine
-trims both caches to that prefix and prefills only the rest (engine.KVState), and the entry
-comes back holding the new sequence. An entry that shares less than half of its own prompt is
-left for its own sequence (another file in the editor: a shared licence header is no reason
-to throw it away) and the request starts from fresh caches; the least recently used entries
-go when the budget is exceeded.
+A request gets a copy of the entry whose tokens share the longest prefix with its prompt; the
+engine trims the copy to that prefix and prefills only the rest (engine.KVState), and what it
+leaves comes back as a new entry. The entry itself stays, so requests that run at once share
+it (chat clients with one system prompt, an editor's suggestion and its follow-up): a copy
+costs nothing until it is written, when MLX copies the buffer it writes (the entry's arrays
+are never written through). An entry that a newer one extends (its tokens a prefix of the
+newer's) goes when the newer comes back; the least recently used go past the budget.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from ..decoding.engine import KVState
 
@@ -26,46 +26,47 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-@dataclass
-class Entry:
-    kv: KVState
-    prompt_len: int  # the prompt part of kv.tokens (the rest was generated)
-
-
 class PromptCache:
     """LRU of KVState entries, at most ``budget_bytes`` of KV caches (0: keep none).
     Not thread-safe: the server's one generation thread owns it."""
 
     def __init__(self, budget_bytes: int):
         self.budget = budget_bytes
-        self.entries: list[Entry] = []  # least recently used first
+        self.entries: list[KVState] = []  # least recently used first
 
     @property
     def nbytes(self) -> int:
-        return sum(e.kv.nbytes() for e in self.entries)
+        return sum(kv.nbytes() for kv in self.entries)
 
     def take(self, prompt: Sequence[int]) -> KVState:
-        """The caches to serve ``prompt`` from (out of the pool until ``put`` back), or a
-        fresh KVState. The prompt's last token is always fed anew, so it never counts."""
+        """The caches to serve ``prompt`` from: a copy of the entry sharing the longest
+        prefix with it (the entry stays, now the most recently used), or a fresh KVState.
+        The prompt's last token is always fed anew, so it never counts."""
         context = prompt[:-1]
-        best, best_len = None, 0
-        for entry in self.entries:
-            m = common_prefix(entry.kv.tokens, context)
+        best, best_len = -1, 0
+        for i, kv in enumerate(self.entries):
+            m = common_prefix(kv.tokens, context)
             if m > best_len:
-                best, best_len = entry, m
-        if best is None or 2 * best_len < min(best.prompt_len, len(best.kv.tokens)):
+                best, best_len = i, m
+        if best < 0:
             return KVState()
-        self.entries.remove(best)
-        return best.kv
+        self.entries.append(self.entries.pop(best))  # by place: KVStates compare by value
+        return self.entries[-1].copy()
 
-    def put(self, kv: KVState, prompt_len: int) -> None:
-        """Keep ``kv`` (which served a prompt of ``prompt_len`` tokens) as the most recently
-        used entry, then evict the least recently used down to the budget."""
+    def put(self, kv: KVState) -> None:
+        """Keep ``kv`` (what a generation left) as the most recently used entry: entries it
+        extends go, then the least recently used down to the budget."""
         if self.budget <= 0 or kv.target is None or not kv.tokens:
             return
-        self.entries.append(Entry(kv, prompt_len))
+        self.entries = [e for e in self.entries if not _extends(kv.tokens, e.tokens)]
+        self.entries.append(kv)
         while self.entries and self.nbytes > self.budget:
             self.entries.pop(0)
 
     def clear(self) -> None:
         self.entries.clear()
+
+
+def _extends(tokens: list[int], prefix: list[int]) -> bool:
+    """Whether ``tokens`` starts with all of ``prefix``."""
+    return len(prefix) <= len(tokens) and tokens[: len(prefix)] == prefix

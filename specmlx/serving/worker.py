@@ -386,7 +386,7 @@ class Worker:
             try:
                 gen.prefill()
             finally:
-                self.cache.put(kv, len(r.prompt_ids))
+                self.cache.put(kv)
             stats.finish_reason = "length"
             self._count(stats, False)
             self.last = stats
@@ -405,7 +405,7 @@ class Worker:
             cancelled = True
         finally:
             events.close()  # the engine leaves kv holding exactly what it says
-            self.cache.put(kv, len(r.prompt_ids))
+            self.cache.put(kv)
         gen.finish()
         self._count(stats, cancelled)
         if cancelled:
