@@ -123,7 +123,7 @@ def main() -> int:
     here = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip()  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SPECMLX_SERVER")}
-    servers = [(f"this checkout ({here}+)", env | {"PYTHONPATH": str(ROOT)}),
+    servers = [(f"this checkout ({here})", env | {"PYTHONPATH": str(ROOT)}),
                (f"before ({a.rev})", env | {"PYTHONPATH": str(tree)})]  # fmt: skip
     models = ["--target", a.target, "--draft", a.draft]
     results = {}

@@ -11,6 +11,7 @@ from families import FAMILIES, build, noisy_copy
 from helpers import count_host_syncs, generate, make_tiny
 from mlx_lm.models.cache import KVCache
 
+from specmlx.core.kvstate import KVState
 from specmlx.core.rows import RowsKVCache, batchable
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats
@@ -112,6 +113,26 @@ def test_a_row_that_leaves_hands_back_caches_a_solo_generation_goes_on_from(pair
     more = solo(target, draft, a.ctx, 3, 10, kv=kv, stats=stats)
     assert stats.cached_tokens == len(a.ctx) - 1  # the prefix came from the batch's caches
     assert a.ctx[len(PROMPTS[0]) :] + more == solo(target, None, PROMPTS[0], 0, 22)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5"])
+def test_a_row_joining_beside_one_that_holds_its_prefix_starts_from_a_copy(family):
+    """Two requests sent together with one long document: the second joins from a copy of
+    the first's caches (Batch.share) and prefills only its own tail; both rows equal their
+    solo runs. A recurrent target shares nothing (its state does not cut back)."""
+    target, draft = build(family, 4, 0, 2.0), noisy_copy(family, 4, 0, 0.05, 2.0)
+    doc = list(range(1, 40))
+    prompts = [doc + [5, 6], doc + [9]]
+    batch, out, stats = Batch(target, draft), {}, Stats()
+    a = batch.join(prompts[0], Decode(k=K(3), max_tokens=20))
+    batch.round(3)  # a is decoding when b comes
+    b = batch.join(prompts[1], Decode(k=K(3), max_tokens=20), batch.share(prompts[1], KVState()),
+                   stats)  # fmt: skip
+    drain(batch, 3, [a, b], out)
+    for row, p in zip([a, b], prompts, strict=True):
+        assert row.ctx[len(p) :] == solo(target, None, p, 0, 20)
+    kind = FAMILIES[family][1]
+    assert stats.cached_tokens == (0 if kind == "recurrent" else len(doc)), kind
 
 
 @pytest.mark.parametrize("verify", ["token", "block"])

@@ -154,18 +154,21 @@ def test_the_prompt_cache_serves_a_shared_prefix_exactly(root, client):
     assert got.choices[0].model_extra["token_ids"] == cold["tokens"]
 
 
-def test_chat_requests_running_at_once_share_their_system_prompts_cache(client):
-    """A system prompt served once, then three chats with it that run at once (two join a
-    running stream): each starts from the cached system prompt, not only the first to ask,
-    and each text equals its own run after."""
-    system = "You answer in Python for the zeta module.\n" * 8
+@pytest.mark.parametrize("seen", [True, False], ids=["served-before", "new"])
+def test_chat_requests_running_at_once_share_their_system_prompts_cache(client, seen):
+    """Three chats with one system prompt that run at once (two join a running stream):
+    each starts from the system prompt's caches, whether an earlier request left them in
+    the prompt cache (not only the first to ask gets them) or the running one holds them
+    (the joiners copy its row); each text equals its own run after."""
+    system = f"You answer in Python for the {'zeta' if seen else 'eta'} module.\n" * 8
     asks = ["sum the list", "sort it", "reverse the words"]
 
     def chat(q: str, **kw):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": q}]
         return client.chat.completions.create(model="tiny-t", messages=messages, **kw)
 
-    chat("hi", max_tokens=4)  # the system prompt's caches are now in the prompt cache
+    if seen:
+        chat("hi", max_tokens=4)  # the system prompt's caches are now in the prompt cache
     got = [None, None]
 
     def join(i: int) -> None:
@@ -182,7 +185,7 @@ def test_chat_requests_running_at_once_share_their_system_prompts_cache(client):
                 t.start()
     for t in joiners:
         t.join()
-    for u in [usage] + [g.usage for g in got]:
+    for u in [usage] * seen + [g.usage for g in got]:
         assert u.prompt_tokens_details.cached_tokens >= 0.6 * u.prompt_tokens, u
     assert "".join(parts) == chat(asks[0], max_tokens=300).choices[0].message.content
     for q, g in zip(asks[1:], got, strict=True):

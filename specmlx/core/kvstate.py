@@ -10,6 +10,7 @@ what it may keep depends on what the target keeps (``_head_keep``, ``_trim_head`
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -17,7 +18,7 @@ import mlx.nn as nn
 
 from .caches import can_rollback, make_caches, trim
 
-__all__ = ["KVState", "reads_hidden", "reuse_prefix"]
+__all__ = ["KVState", "common_prefix", "reads_hidden", "reuse_prefix"]
 
 
 @dataclass
@@ -54,6 +55,16 @@ class KVState:
         self.hidden, self.reads_hidden = None, False
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def reads_hidden(draft) -> bool:
     """Whether the draft is a head over the target's hidden states (not a model)."""
     return bool(getattr(draft, "reads_hidden", None))
@@ -66,11 +77,7 @@ def reuse_prefix(
     its last token, which the first round feeds); returns its length. Caches that cannot be
     trimmed are kept only when they hold a prefix of the context, else replaced."""
     held = kv.tokens
-    m = 0
-    for a, b in zip(held, context, strict=False):
-        if a != b:
-            break
-        m += 1
+    m = common_prefix(held, context)
     keep = _head_keep(kv, m, reads_hidden(draft)) if kv.reads_hidden else m
     if keep < len(held):
         if can_rollback(kv.target, len(held) - keep):

@@ -181,11 +181,11 @@ class RowsKVCache:
         self.values = mx.concatenate([self.values, _widen(v, cap)])
         self.lens = [*self.lens, n]
 
-    def leave(self, i: int) -> KVCache | WindowKVCache:
-        """Take row i out; its keys and values as a one-row cache of the solo kind (for a
-        prompt cache): a KVCache, or a WindowKVCache holding what a solo one keeps."""
+    def row(self, i: int) -> KVCache | WindowKVCache:
+        """Row i's keys and values as a one-row cache of the solo kind, the batch keeping
+        them: a KVCache, or a WindowKVCache holding what a solo one keeps. Its own arrays:
+        what is written to one never shows in the other."""
         n = self.lens[i]
-        self.lens = self.lens[:i] + self.lens[i + 1 :]
         out = KVCache() if self.window is None else WindowKVCache(self.window)
         if self.keys is not None and n > 0:
             first = 0 if self.window is None else max(0, n - (self.window - 1 + ROLLBACK_SLACK))
@@ -194,7 +194,13 @@ class RowsKVCache:
             out.offset = n
             if self.window is not None:
                 out.start = first
-        keep = [j for j in range(len(self.lens) + 1) if j != i]
+        return out
+
+    def leave(self, i: int) -> KVCache | WindowKVCache:
+        """Take row i out; its caches as ``row`` gives them (for a prompt cache)."""
+        out = self.row(i)
+        keep = [j for j in range(len(self.lens)) if j != i]
+        self.lens = [self.lens[j] for j in keep]
         if self.keys is not None:
             idx = mx.array(keep, dtype=mx.int32)
             self.keys, self.values = self.keys[idx], self.values[idx]
@@ -298,6 +304,20 @@ def rows_of(caches: list | None, solo: list) -> list:
 def solo_of(caches: list, i: int) -> list:
     """Row i taken out of every layer, as one-row caches of the solo kinds."""
     return [_leave(c, i) for c in caches]
+
+
+def row_of(caches: list, i: int) -> list | None:
+    """Row i of every layer as one-row caches of the solo kinds, the batch keeping it (a
+    copy); None when a layer keeps recurrent state, which cannot be cut back to a prefix."""
+    if any(not isinstance(c, RowsKVCache) for c in layer_caches(caches)):
+        return None
+    return [_row(c, i) for c in caches]
+
+
+def _row(rows, i: int):
+    if isinstance(rows, CacheList):
+        return CacheList(*[_row(c, i) for c in rows.caches])
+    return rows.row(i)
 
 
 def attention_rows(caches: list) -> list[RowsKVCache]:

@@ -44,9 +44,9 @@ import mlx.nn as nn
 from ..core.acceptance import accept_proposal, sampled_rule
 from ..core.caches import make_caches, recurrent_layers
 from ..core.hidden import HiddenTap
-from ..core.kvstate import KVState, reads_hidden
+from ..core.kvstate import KVState, common_prefix, reads_hidden
 from ..core.recurrent import PassRecorder
-from ..core.rows import attention_rows, batchable, rows_of, solo_of
+from ..core.rows import attention_rows, batchable, row_of, rows_of, solo_of
 from ..core.sampling import Processor, make_processor, sample
 from ..core.stats import RoundReport, Stats, TokenEvent
 from ..drafting.drafters import FEED_AFTER, SAFE_ID
@@ -146,6 +146,30 @@ class Batch:
             row.draft_held, row.pending = kv.draft_len, kv.hidden
         self.rows.append(row)
         return row
+
+    def share(self, prompt_ids: Sequence[int], kv: KVState) -> KVState:
+        """The caches a joining prompt starts from: ``kv`` (a prompt cache's), or a copy of
+        a running row's when that row holds a longer prefix of the prompt (requests sent
+        together with one long system prompt or document: the first one's prefill serves
+        the others). Not for a head's or a block drafter's rows, nor recurrent layers:
+        their state does not cut back to a shorter prefix."""
+        context = list(prompt_ids[:-1])
+        best, most = -1, common_prefix(kv.tokens, context)
+        for i, r in enumerate(self.rows):
+            n = common_prefix(r.ctx[:-1], context)
+            if n > most and not r.done:
+                best, most = i, n
+        if best < 0 or self.head or self.block:
+            return kv
+        target = row_of(self.t_cache, best)
+        if target is None:
+            return kv
+        row = self.rows[best]
+        out = KVState(target=target, tokens=row.ctx[:-1])
+        if self.draft is not None:  # None: the draft prefills the whole prompt
+            out.draft = row_of(self.d_cache, best)
+            out.draft_len = row.draft_held if out.draft is not None else 0
+        return out
 
     def leave(self, row: Row) -> KVState:
         """Take ``row`` out; its caches back as a KVState that holds its ctx[:-1]."""

@@ -480,12 +480,13 @@ class Batcher:
 
 
 def join_row(worker, batch: Batch, r, stats: Stats) -> tuple[Row, object, object]:
-    """Request ``r`` (a GenRequest) joins ``batch`` as a row, from the worker's prompt cache:
+    """Request ``r`` (a GenRequest) joins ``batch`` as a row, from the worker's prompt cache
+    or a running row's prefix (Batch.share):
     (its row, its session.Generation, the Request it runs as). Rank 0 and the ranks that
     follow it join alike."""
     use_draft = r.drafter == "model" and worker.draft is not None
     request = replace(r, use_draft=use_draft, lookup=False, draft_stop=False)
-    kv = worker.cache.take(r.prompt_ids)
+    kv = batch.share(r.prompt_ids, worker.cache.take(r.prompt_ids))
     gen = worker.session.start(r.prompt_ids, request, kv=kv, stats=stats)
     row = batch.join(r.prompt_ids, gen.decode(), kv, stats, drafts=use_draft)
     return row, gen, request

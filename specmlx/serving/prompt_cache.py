@@ -13,17 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..decoding.engine import KVState
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+from ..core.kvstate import KVState, common_prefix
 
 
 class PromptCache:
