@@ -4,7 +4,8 @@ and an earlier checkout's (the prompt cache: copied entries against taken ones).
   . scripts/env.sh && .venv/bin/python scripts/bench_chat_prefix.py --rev c89112f
 
 Each server (started in turn: a 2-core machine cannot host two fairly) first answers one
-untimed chat with the system prompt, as a server that has been up a while has. Then
+untimed chat with the system prompt, as a server that has been up a while has (with --cold,
+a chat without it: the system prompt is new to the server when the clients start). Then
 --clients clients start at once; each holds --conversations conversations of --turns turns,
 one after another (a turn sends the whole conversation so far, the server's own replies
 included), greedy, -n tokens a reply, streamed. Per request: the time to the first token and
@@ -23,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from bench_serve import at_once, pct  # noqa: E402
 from replay_llamavim import start_server  # noqa: E402
 
 from specmlx.machine import blas_in_use  # noqa: E402
@@ -45,11 +46,6 @@ QUESTIONS = [
     "Can I wrap code?", "Rewrite fill in one line.", "What does max_lines do?",
     "Where is the placeholder used?",
 ]  # fmt: skip
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def client_run(url: str, system: str, asks: list[list[str]], n: int) -> list[dict]:
@@ -80,25 +76,6 @@ def client_run(url: str, system: str, asks: list[list[str]], n: int) -> list[dic
     return rows
 
 
-def run_all(url: str, system: str, plan: list[list[list[str]]], n: int) -> tuple[float, list]:
-    """Every client at once; (wall seconds, each client's rows)."""
-    out: list = [None] * len(plan)
-    go = threading.Barrier(len(plan) + 1)
-
-    def one(i: int) -> None:
-        go.wait()
-        out[i] = client_run(url, system, plan[i], n)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(plan))]
-    for t in threads:
-        t.start()
-    go.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0, out
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="cpu-demo-target")
@@ -109,6 +86,7 @@ def main() -> int:
     ap.add_argument("--conversations", type=int, default=2)
     ap.add_argument("--turns", type=int, default=2)
     ap.add_argument("--system-chars", type=int, default=1600)
+    ap.add_argument("--cold", action="store_true", help="the warm-up has no system prompt")
     ap.add_argument("--json", dest="json_out")
     a = ap.parse_args()
     system = "You are a coding assistant for this module:\n" + inspect.getsource(textwrap)
@@ -130,8 +108,10 @@ def main() -> int:
     for name, e in servers:
         server, url = start_server([sys.executable], e, models)
         try:
-            client_run(url, system, [["Hello."]], 4)  # untimed: the system prompt is known
-            wall, rows = run_all(url, system, plan, a.n)
+            client_run(url, "" if a.cold else system, [["Hello."]], 4)  # untimed
+            wall, rows = at_once(
+                lambda i, url=url: client_run(url, system, plan[i], a.n), len(plan)
+            )
         finally:
             server.terminate()
             server.wait(120)
@@ -142,7 +122,7 @@ def main() -> int:
                           "prompt": sum(r["prompt"] for r in flat)}), flush=True)  # fmt: skip
     print(f"\nBLAS: {blas_in_use() or 'none found'}; {a.target} <- {a.draft}; {a.clients} "
           f"clients x {a.conversations} conversations x {a.turns} turns, -n {a.n}, system "
-          f"prompt {a.system_chars} chars\n")  # fmt: skip
+          f"prompt {a.system_chars} chars{', new to the server' if a.cold else ''}\n")  # fmt: skip
     print("| server | wall s | first token p50 s | p95 s | prompt tokens from the cache | "
           "prefilled | same text |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")

@@ -75,32 +75,42 @@ def start(cmd: list[str], port: int) -> subprocess.Popen:
     raise SystemExit("server did not start")
 
 
-def wave(
-    url: str, prompts: list[str], n: int, temp: float, no_seed: bool = False
-) -> tuple[float, list[dict]]:
-    """B requests at once; (wall seconds, one row per request: latency, tokens, text).
-    no_seed: send no seed (mlx-lm's server serves a request with a seed alone, unbatched)."""
-    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=900)
-    rows: list[dict] = [{} for _ in prompts]
-    go = threading.Barrier(len(prompts) + 1)
+def at_once(work, n: int) -> tuple[float, list]:
+    """work(i) for i < n in n threads that start together: (wall seconds from the start to
+    the last one's end, each one's result)."""
+    out: list = [None] * n
+    go = threading.Barrier(n + 1)
 
     def one(i: int) -> None:
         go.wait()
-        t = time.perf_counter()
-        seed = {} if no_seed else {"seed": 100 + i}
-        got = client.completions.create(model="default_model", prompt=prompts[i],
-                                        max_tokens=n, temperature=temp, **seed)  # fmt: skip
-        rows[i] = {"latency_s": time.perf_counter() - t, "text": got.choices[0].text,
-                   "tokens": got.usage.completion_tokens}  # fmt: skip
+        out[i] = work(i)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     go.wait()
     t0 = time.perf_counter()
     for t in threads:
         t.join()
-    return time.perf_counter() - t0, rows
+    return time.perf_counter() - t0, out
+
+
+def wave(
+    url: str, prompts: list[str], n: int, temp: float, no_seed: bool = False
+) -> tuple[float, list[dict]]:
+    """B requests at once; (wall seconds, one row per request: latency, tokens, text).
+    no_seed: send no seed (mlx-lm's server serves a request with a seed alone, unbatched)."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=900)
+
+    def one(i: int) -> dict:
+        t = time.perf_counter()
+        seed = {} if no_seed else {"seed": 100 + i}
+        got = client.completions.create(model="default_model", prompt=prompts[i],
+                                        max_tokens=n, temperature=temp, **seed)  # fmt: skip
+        return {"latency_s": time.perf_counter() - t, "text": got.choices[0].text,
+                "tokens": got.usage.completion_tokens}  # fmt: skip
+
+    return at_once(one, len(prompts))
 
 
 def main() -> int:
