@@ -115,26 +115,6 @@ def test_a_row_that_leaves_hands_back_caches_a_solo_generation_goes_on_from(pair
     assert a.ctx[len(PROMPTS[0]) :] + more == solo(target, None, PROMPTS[0], 0, 22)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5"])
-def test_a_row_joining_beside_one_that_holds_its_prefix_starts_from_a_copy(family):
-    """Two requests sent together with one long document: the second joins from a copy of
-    the first's caches (Batch.share) and prefills only its own tail; both rows equal their
-    solo runs. A recurrent target shares nothing (its state does not cut back)."""
-    target, draft = build(family, 4, 0, 2.0), noisy_copy(family, 4, 0, 0.05, 2.0)
-    doc = list(range(1, 40))
-    prompts = [doc + [5, 6], doc + [9]]
-    batch, out, stats = Batch(target, draft), {}, Stats()
-    a = batch.join(prompts[0], Decode(k=K(3), max_tokens=20))
-    batch.round(3)  # a is decoding when b comes
-    b = batch.join(prompts[1], Decode(k=K(3), max_tokens=20), batch.share(prompts[1], KVState()),
-                   stats)  # fmt: skip
-    drain(batch, 3, [a, b], out)
-    for row, p in zip([a, b], prompts, strict=True):
-        assert row.ctx[len(p) :] == solo(target, None, p, 0, 20)
-    kind = FAMILIES[family][1]
-    assert stats.cached_tokens == (0 if kind == "recurrent" else len(doc)), kind
-
-
 @pytest.mark.parametrize("verify", ["token", "block"])
 def test_a_sampled_row_draws_what_its_solo_run_draws(pair, verify):
     """Each row splits its own key as a solo generation does, so with the same k a sampled
@@ -391,6 +371,46 @@ def test_head_rows_draft_and_keep_what_their_solo_runs_do(toy_mtp, which):
     kv = kept[id(rows[2])]
     more = solo(target, head, rows[2].ctx, 3, 6, kv=kv)
     assert rows[2].ctx[len(prompts[2]) :] + more == solo(target, None, prompts[2], 0, 36)
+
+
+@pytest.mark.parametrize("which", ["llama", "gemma3_text", "qwen3_5", "eagle3", "dflash"])
+def test_a_row_joining_beside_one_that_holds_its_prefix_starts_from_a_copy(which):
+    """Two requests sent together with one long document: the second joins from a copy of
+    the first's caches (Batch.share: the target's, the draft model's or a head's) and
+    prefills only its own tail; both rows equal their solo runs. A recurrent target shares
+    nothing (its state does not cut back)."""
+    if which in ("eagle3", "dflash"):
+        target = build("llama", 8, 0, vocab=128)
+        draft = _eagle3_over(target) if which == "eagle3" else _dflash_over(target)
+    else:
+        target, draft = build(which, 4, 0, 2.0), noisy_copy(which, 4, 0, 0.05, 2.0)
+    doc = list(range(1, 40))
+    prompts = [doc + [5, 6], doc + [9]]
+    batch, out, stats = Batch(target, draft), {}, Stats()
+    a = batch.join(prompts[0], Decode(k=K(3), max_tokens=20))
+    batch.round(3)  # a is decoding when b comes
+    b = batch.join(prompts[1], Decode(k=K(3), max_tokens=20), batch.share(prompts[1], KVState()),
+                   stats)  # fmt: skip
+    kept: dict = {}
+    drain(batch, 3, [a, b], out, kept=kept)
+    for row, p in zip([a, b], prompts, strict=True):
+        assert row.ctx[len(p) :] == solo(target, None, p, 0, 20)
+    assert b.stats.drafted > 0
+    head = which not in FAMILIES
+    if which in ("llama", "eagle3", "dflash"):
+        # the draft's cache is what a solo run builds (the tokens cannot tell: a wrong
+        # draft state only drafts worse)
+        alone = KVState()
+        solo(target, draft, prompts[1], 3, 20, kv=alone)
+        mine = kept[id(b)]
+        n = min(mine.draft_len, alone.draft_len)
+        assert n >= len(doc)
+        for c, d in zip(mine.draft, alone.draft, strict=True):
+            assert mx.allclose(c.keys[..., :n, :], d.keys[..., :n, :], atol=1e-4).item()
+    if not head and FAMILIES[which][1] == "recurrent":
+        assert stats.cached_tokens == 0
+    else:  # a head's state may keep one token less: its last pair reads the next token
+        assert len(doc) - head <= stats.cached_tokens <= len(doc), which
 
 
 def test_batch_k_keeps_what_it_measured_for_the_next_server(pair, specmlx_home):

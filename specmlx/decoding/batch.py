@@ -32,6 +32,7 @@ on nothing of another row): the target's pass is still one for all rows.
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 from collections.abc import Sequence
@@ -151,7 +152,8 @@ class Batch:
         """The caches a joining prompt starts from: ``kv`` (a prompt cache's), or a copy of
         a running row's when that row holds a longer prefix of the prompt (requests sent
         together with one long system prompt or document: the first one's prefill serves
-        the others). Not for a head's or a block drafter's rows, nor recurrent layers:
+        the others). The copy holds what ``leave`` would give back (a head's waiting
+        features too); the engine trims it to the shared prefix. Not for recurrent layers:
         their state does not cut back to a shorter prefix."""
         context = list(prompt_ids[:-1])
         best, most = -1, common_prefix(kv.tokens, context)
@@ -159,16 +161,20 @@ class Batch:
             n = common_prefix(r.ctx[:-1], context)
             if n > most and not r.done:
                 best, most = i, n
-        if best < 0 or self.head or self.block:
+        if best < 0:
             return kv
-        target = row_of(self.t_cache, best)
-        if target is None:
-            return kv
-        row = self.rows[best]
+        row, target = self.rows[best], row_of(self.t_cache, best)
+        draft = None
+        if self.block:  # its own context cache (a copy is free until written)
+            draft = copy.deepcopy(row.own_cache)
+        elif self.draft is not None:
+            draft = row_of(self.d_cache, best)
+        if target is None or (self.head and draft is None):
+            return kv  # (a head needs its pairs for the prefix the target keeps)
         out = KVState(target=target, tokens=row.ctx[:-1])
-        if self.draft is not None:  # None: the draft prefills the whole prompt
-            out.draft = row_of(self.d_cache, best)
-            out.draft_len = row.draft_held if out.draft is not None else 0
+        if draft is not None:  # else a draft model prefills the whole prompt afresh
+            out.draft, out.draft_len = draft, row.draft_held
+            out.hidden, out.reads_hidden = row.pending, self.head
         return out
 
     def leave(self, row: Row) -> KVState:
