@@ -249,6 +249,27 @@ def test_two_generations_from_one_copied_entry_each_equal_a_fresh_run(family, mo
         assert not both(lambda kv: KVState(kv.target, kv.draft, list(kv.tokens), kv.draft_len))[0]
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5", "mamba2"])
+def test_a_prefill_leaves_a_branch_where_asked_and_a_prompt_parting_there_goes_on_from_it(
+    family,
+):
+    """A prompt cache's branch (KVState.branch_at): the prefill stops there once and leaves
+    a copy, which a later prompt that parts from the first there starts from, exactly, on
+    caches that could not have been cut back so far (a window past its slack, recurrent
+    state)."""
+    target, draft = pair(family)
+    at = len(LONG) - 6
+    kv = KVState(branch_at=at)
+    prompt = LONG + [3]
+    assert tokens(target, draft, prompt, kv=kv, k=3) == tokens(target, None, prompt, k=0)
+    branch = kv.branch
+    assert branch.tokens == LONG[:at] and branch.draft_len == at and branch.branch is None
+    other = LONG[:at] + [9, 9, 4]
+    stats = Stats()
+    got = tokens(target, draft, other, stats, kv=branch.copy(), k=3)
+    assert got == tokens(target, None, other, k=0) and stats.cached_tokens == at
+
+
 def test_a_window_cache_gives_back_what_its_slack_allows_and_refuses_more():
     cache = WindowKVCache(4, slack=3)
     cache.step = 0  # compact at every update that does not fit: the tightest case

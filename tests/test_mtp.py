@@ -119,6 +119,22 @@ def test_a_copy_of_a_heads_state_is_its_own(family_pair):
     )
 
 
+def test_a_branch_the_prefill_leaves_carries_the_heads_state(family_pair):
+    """A prompt cache's branch on a hybrid target with its MTP head (the prompt cache's
+    answer to recurrent state that cannot be cut back): a prompt that parts there starts
+    from the copy, with the head's pairs, and equals plain decoding."""
+    _, target, head = family_pair
+    at = len(PROMPT) - 5
+    kv = KVState(branch_at=at)
+    tokens(target, head, PROMPT, k=3, max_tokens=8, kv=kv)
+    assert kv.branch.tokens == PROMPT[:at]
+    other = PROMPT[:at] + [9, 9, 4]
+    stats = Stats()
+    got = tokens(target, head, other, k=3, max_tokens=16, kv=kv.branch.copy(), stats=stats)
+    assert got == tokens(target, None, other, k=0, max_tokens=16)
+    assert stats.cached_tokens == at
+
+
 def _offline_keys(target, head, ctx, fed):
     """The head's attention keys after feeding it the pairs (h_j, t_{j+1}), j < fed, with
     h from one fresh target pass over ctx: what an aligned plumbing must have built."""

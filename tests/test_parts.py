@@ -19,9 +19,11 @@ from specmlx.serving.worker import GenRequest, ShuttingDown, Worker
 # ------------------------------------------------------------------ the prompt cache
 
 
-def _kv(tokens: list[int], nbytes: int = 100) -> KVState:
-    """A KVState holding ``tokens`` whose caches weigh ``nbytes``."""
-    return KVState(target=[SimpleNamespace(nbytes=nbytes)], tokens=list(tokens))
+def _kv(tokens: list[int], nbytes: int = 100, trims: bool = True) -> KVState:
+    """A KVState holding ``tokens`` whose caches weigh ``nbytes`` and can give tokens back
+    (trims=False: like a window or recurrent state, they cannot)."""
+    cache = SimpleNamespace(nbytes=nbytes, can_trim=lambda n: trims)
+    return KVState(target=[cache], tokens=list(tokens))
 
 
 def test_the_longest_common_prefix_is_copied_and_its_entry_stays_most_recent():
@@ -65,6 +67,26 @@ def test_an_entry_that_comes_back_longer_replaces_the_one_it_extends():
     assert [e.tokens for e in cache.entries] == [[1, 2, 8], [1, 2, 3, 4, 5]]
     cache.put(_kv([1, 2, 3, 4, 5]))  # the same tokens again: the newer stays
     assert [e.tokens for e in cache.entries] == [[1, 2, 8], [1, 2, 3, 4, 5]]
+
+
+def test_where_caches_cannot_give_back_the_prefill_leaves_a_branch_to_keep():
+    """Recurrent or window caches: an entry the prompt parts from inside is not taken (its
+    caches cannot be cut back); the prefill is asked to leave a copy where they part, and
+    that copy is kept beside the request's own entry, which does not replace it."""
+    cache = PromptCache(10_000)
+    first = _kv([1, 2, 3, 4, 5, 6], trims=False)  # a system prompt [1, 2, 3], then a chat
+    cache.put(first)
+    got = cache.take([1, 2, 3, 9, 9])
+    assert got.target is None and got.branch_at == 3  # fresh caches; a copy wanted at 3
+    got.target, got.tokens = [SimpleNamespace(nbytes=100, can_trim=lambda n: False)], [1, 2, 3, 9]
+    got.branch = _kv([1, 2, 3], trims=False)  # (what engine._fill leaves)
+    cache.put(got)
+    assert [e.tokens for e in cache.entries] == [[1, 2, 3, 4, 5, 6], [1, 2, 3], [1, 2, 3, 9]]
+    assert got.branch is None
+    again = cache.take([1, 2, 3, 7, 7])  # the next chat with that system prompt
+    assert again.tokens == [1, 2, 3] and again.branch_at == 0
+    exact = cache.take([1, 2, 3, 4, 5, 6, 7, 8])  # an entry the prompt extends is taken
+    assert exact.tokens == [1, 2, 3, 4, 5, 6] and exact.branch_at == 0
 
 
 def test_the_least_recently_used_go_past_the_budget():

@@ -980,6 +980,46 @@ def test_window_and_recurrent_pairs_are_served_as_one_batch(tmp_path, family):
     assert code == 0 and "one request at a time" not in err, err
 
 
+def test_chats_with_one_system_prompt_on_a_hybrid_model_start_from_where_they_part(tmp_path):
+    """Qwen3-Next's recurrent layers cannot give tokens back, so a prompt that parts from an
+    entry inside it cannot start from it: the second chat's prefill leaves a copy where the
+    two part (its own cached tokens: none), and the third chat starts from that copy. Its
+    text is what `specmlx run` makes."""
+    from families import family_config
+    from helpers import save_tiny, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    for name, seed in (("t", 0), ("d", 1)):
+        save_tiny(tmp_path / name, family_config("qwen3_next", 4, len(tok)), tok, seed)
+    env = dict(os.environ, SPECMLX_HOME=str(tmp_path / "home"), XDG_CONFIG_HOME=str(tmp_path / "x"))
+    for name in ("SPECMLX_MODELS", "SPECMLX_SERVER", "SPECMLX_API_KEY", "SPECMLX_MEMORY_BUDGET"):
+        env.pop(name, None)
+    models = ["--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "-k", "3"]
+    system = CODE * 3
+    s = Server(env, *models)
+    try:
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        got = [c.completions.create(model="t", prompt=system + q, max_tokens=12)
+               for q in ("# one\n", "# two\n", "# three\n")]  # fmt: skip
+        # the same where a request joins a running batch: its prefill leaves the copy too
+        half = system[: len(system) // 2]
+        stream = c.completions.create(model="t", prompt=system + "# four\n", max_tokens=200,
+                                      stream=True)  # fmt: skip
+        for i, _ in enumerate(stream):
+            if i == 1:  # decoding: this one joins it
+                c.completions.create(model="t", prompt=half + "x = 0\n", max_tokens=4)
+        last = c.completions.create(model="t", prompt=half + "y = 1\n", max_tokens=4)
+    finally:
+        code, err = s.stop()
+    assert code == 0, err
+    cached = [g.usage.prompt_tokens_details.cached_tokens for g in got]
+    assert cached[1] == 0 and cached[2] >= 0.8 * got[2].usage.prompt_tokens, cached
+    assert last.usage.prompt_tokens_details.cached_tokens >= 0.8 * last.usage.prompt_tokens
+    r = CliRunner().invoke(app, ["run", "-q", *models, "-n", "12", system + "# three\n"], env=env)
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.rstrip("\n") == got[2].choices[0].text.rstrip("\n")
+
+
 # ------------------------------------------------------------------ editors first
 
 

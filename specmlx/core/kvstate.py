@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,6 +37,12 @@ class KVState:
     # draft_len..draft_len+m-1 it has not been fed yet (drafters.HeadDrafter)
     hidden: mx.array | None = None
     reads_hidden: bool = False
+    # where the next prefill stops once on its way to leave a copy of the caches in
+    # ``branch`` (0: nowhere): a prompt cache asks for one where a prompt parts from an
+    # entry whose caches cannot give back that far (a window, recurrent state), so that
+    # the prompts that part there later find it
+    branch_at: int = 0
+    branch: KVState | None = None
 
     def nbytes(self) -> int:
         """Bytes the caches hold now."""
@@ -47,10 +53,11 @@ class KVState:
         """A copy that a generation may write without changing this one (two requests
         starting from one prompt-cache entry). Free until written: a copied mx.array shares
         its buffer, and MLX writes a shared buffer by copying it, never in place."""
-        return copy.deepcopy(self)
+        return copy.deepcopy(replace(self, branch=None))
 
     def drop(self) -> None:
-        """Forget everything: the next generation starts from fresh caches."""
+        """Forget the caches: the next generation starts from fresh ones (a branch, a copy
+        of its own, stays)."""
         self.target, self.draft, self.tokens, self.draft_len = None, None, [], 0
         self.hidden, self.reads_hidden = None, False
 

@@ -218,6 +218,17 @@ def _fill(target, draft, prompt: list[int], kv: KVState, stats: Stats, step: int
     the first proposal."""
     t0 = time.perf_counter()
     stats.cached_tokens = reuse_prefix(kv, prompt[:-1], target, draft)
+    at, kv.branch_at = kv.branch_at, 0
+    if len(kv.tokens) < at < len(prompt):  # stop there once and leave a copy (kvstate)
+        _feed(target, draft, prompt[: at + 1], kv, step, tap)
+        kv.branch = kv.copy()
+    _feed(target, draft, prompt, kv, step, tap)
+    mx.clear_cache()  # prefill's temporaries: decoding needs the room
+    stats.prefill_s = time.perf_counter() - t0
+
+
+def _feed(target, draft, prompt: list[int], kv: KVState, step: int, tap) -> None:
+    """Both models' caches from what kv holds to all of prompt but its last token."""
     head = tap is not None
     target_at = Cursor(target, kv.target, len(kv.tokens), tap=tap)
     for _ in _prefill(target_at, prompt[len(kv.tokens) : -1], step):
@@ -233,8 +244,6 @@ def _fill(target, draft, prompt: list[int], kv: KVState, stats: Stats, step: int
         list(_prefill(Cursor(draft, kv.draft, kv.draft_len), prompt[kv.draft_len : -1], step))
         kv.draft_len = len(prompt) - 1
     kv.tokens = prompt[:-1]
-    mx.clear_cache()  # prefill's temporaries: decoding needs the room
-    stats.prefill_s = time.perf_counter() - t0
 
 
 def _prefill(cursor: Cursor, tokens: list[int], step: int) -> Iterator[None]:

@@ -306,6 +306,7 @@ class Batcher:
             return
         drafts = lv.request.use_draft
         lv.row = self.batch.join(p.ids, p.decode, lv.kv, lv.job.stats, drafts, p.made)
+        self.w.cache.keep_branch(lv.kv)  # (its caches are the row's now)
         lv.kv = None
 
     def _stop_alone(self, lv: _Live) -> _Parked | None:
@@ -364,6 +365,7 @@ class Batcher:
         try:
             kv = self.w.cache.take(p.ids)
             lv.row = self.batch.join(p.ids, p.decode, kv, lv.job.stats, drafts, p.made)
+            self.w.cache.keep_branch(kv)
         except Exception as e:  # noqa: BLE001 - this request's error; serving goes on
             self.w.totals.failed += 1
             lv.job.emit("error", e)
@@ -489,6 +491,7 @@ def join_row(worker, batch: Batch, r, stats: Stats) -> tuple[Row, object, object
     kv = batch.share(r.prompt_ids, worker.cache.take(r.prompt_ids))
     gen = worker.session.start(r.prompt_ids, request, kv=kv, stats=stats)
     row = batch.join(r.prompt_ids, gen.decode(), kv, stats, drafts=use_draft)
+    worker.cache.keep_branch(kv)
     return row, gen, request
 
 
