@@ -161,15 +161,15 @@ class Batch:
             n = common_prefix(r.ctx[:-1], context)
             if n > most and not r.done:
                 best, most = i, n
-        if best < 0:
+        target = row_of(self.t_cache, best) if best >= 0 else None
+        if target is None:
             return kv
-        row, target = self.rows[best], row_of(self.t_cache, best)
-        draft = None
+        row, draft = self.rows[best], None
         if self.block:  # its own context cache (a copy is free until written)
             draft = copy.deepcopy(row.own_cache)
         elif self.draft is not None:
             draft = row_of(self.d_cache, best)
-        if target is None or (self.head and draft is None):
+        if self.head and draft is None:
             return kv  # (a head needs its pairs for the prefix the target keeps)
         out = KVState(target=target, tokens=row.ctx[:-1])
         if draft is not None:  # else a draft model prefills the whole prompt afresh

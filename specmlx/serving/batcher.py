@@ -109,9 +109,9 @@ class BatchK:
 
 @dataclass
 class _Live:
-    """A running request: its job, row, text stream and editor limits; while
-    it runs alone, the engine's token events in place of a row (``solo``), its caches and the
-    tokens emitted so far."""
+    """A running request: its job, row, text stream and editor limits; while it runs alone,
+    the engine's token events in place of a row (``solo``), its caches and the tokens
+    emitted so far."""
 
     job: object
     row: Row | None
