@@ -139,6 +139,58 @@ def test_a_sampled_row_draws_what_its_solo_run_draws(pair, verify):
     assert out[id(moved)] != want[0]  # the seed matters: the comparison means something
 
 
+def test_a_k_past_what_the_rows_can_emit_drafts_only_what_they_can_use(pair):
+    """A round asked for 1000 drafts a row (a client's num_draft) drafts and verifies only
+    what the rows' budgets let them emit: 7 steps for rows with 8 tokens to go; rows may
+    ask for their own k, and the output stays each row's greedy text."""
+    target, draft = pair
+    batch = Batch(target, draft)
+    rows = [batch.join(p, Decode(k=K(3), max_tokens=8)) for p in PROMPTS[:3]]
+    calls = []
+    real = batch.draft
+
+    class Counting:  # the draft model, counting its forward passes
+        def __call__(self, x, cache=None):
+            calls.append(x.shape)
+            return real(x, cache=cache)
+
+    batch.draft = Counting()
+    out: dict = {}
+    for r, events in zip(list(batch.rows), batch.round([1000, 2, 0]), strict=True):
+        out[id(r)] = [e.token for e in events]
+    assert len(calls) == 7, calls  # the catch-up, then 6 one-token steps
+    assert [r.stats.drafted for r in rows] == [7, 2, 0]
+    batch.draft = real
+    drain(batch, 1000, rows, out)
+    assert [r.ctx[len(p) :] for r, p in zip(rows, PROMPTS[:3], strict=True)] == [
+        solo(target, None, p, 0, 8) for p in PROMPTS[:3]
+    ]
+
+
+def test_a_row_that_made_tokens_elsewhere_keeps_its_whole_budget_and_its_keys(pair):
+    """A request that made tokens alone (or before it was parked) joins with them at the
+    end of its prompt: they count against its whole budget, and a sampled row draws from
+    its seed where it stopped, so it ends exactly as its solo run (keys come from the seed
+    and the position, not from when it joined)."""
+    target, draft = pair
+    hot = SamplingParams(1.0)
+    events = list(generate(target, draft, PROMPTS[0], k=3, max_tokens=20, sampling=hot, seed=3))
+    want = [e.token for e in events]
+    # where the solo run's rounds end (a round's last token is the target's own): a request
+    # goes on from a round's end (the batcher lets the engine finish its round first)
+    ends = [i + 1 for i, e in enumerate(events) if not e.from_draft]
+    assert len(ends) < 20  # drafts were accepted: the rounds' ends are not every token
+    for made in [0, *ends[1:4]]:
+        first = want[:made]
+        batch = Batch(target, draft)
+        row = batch.join(PROMPTS[0] + first, Decode(hot, K(3), 20, seed=3), generated=made)
+        batch.join(PROMPTS[2], Decode(k=K(3), max_tokens=30))  # a neighbour
+        out: dict = {}
+        drain(batch, 3, [row], out, leave=False)
+        assert first + out[id(row)] == want, made
+        assert row.stats.generated == 20 and row.stops.count == 20
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
 def test_one_host_sync_a_round(pair, monkeypatch, family):
     """Full attention, sliding windows and recurrent state alike: the per-row rollback

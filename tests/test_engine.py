@@ -18,6 +18,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import RoundReport, Stats
 from specmlx.decoding.engine import TIME_DRAFT_EVERY, Decode, KVState, generate_tokens, prefill
+from specmlx.decoding.stops import Stops
 from specmlx.drafting.adaptive import DRAFT_CHUNKS, Acceptance, AdaptiveK, CostCurve, _chunk
 from specmlx.drafting.choosers import AUTO, K
 from specmlx.errors import BadInput
@@ -491,14 +492,17 @@ def test_a_narrow_draft_is_never_fed_ids_it_cannot_embed(pair):
 def test_stop_sequences_span_rounds_with_bounded_memory(pair):
     """Stop checking keeps only the last few tokens (it once rebuilt the whole output per
     token), and still finds a stop sequence that straddles two rounds."""
-    from specmlx.decoding.engine import _Stops
-
-    stops = _Stops([], [[7, 8, 9]], 100_000)
+    stops = Stops([], [[7, 8, 9]], 100_000)
     for i in range(20_000):
         kept, reason = stops.cut([i % 5])
         assert reason is None and len(stops.recent) <= 3
     assert stops.cut([7, 8]) == ([7, 8], None)
     assert stops.cut([9, 1]) == ([9], "stop") and stops.count == 20_003
+    # a request that goes on elsewhere (alone, then a row) brings what it made: a stop
+    # sequence that began before the move still ends it, and the budget is the whole one
+    moved = Stops([], [[7, 8, 9]], 10, made=[1, 7, 8])
+    assert moved.count == 3 and moved.room == 6 and moved.cut([9, 2]) == ([9], "stop")
+    assert Stops([], [], 5, made=[1, 2, 3, 4]).cut([5, 6]) == ([5], "length")
     target, draft = pair
     base = tokens(target, None, PROMPTS[0], max_tokens=40)
     for k in (1, 3, 6):

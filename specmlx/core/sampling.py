@@ -67,3 +67,28 @@ def sample(probs: mx.array, key: mx.array | None) -> mx.array:
     """Draw one id per row from probabilities (..., V) -> (...,) uint32; the rows need not
     sum to 1. key None draws from MLX's global generator (as mlx-lm's samplers do)."""
     return mx.random.categorical(mx.log(probs), key=key).astype(mx.uint32)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def round_keys(seed: int, position: int) -> tuple[mx.array, mx.array, mx.array]:
+    """The keys of the round that starts at ``position`` (the tokens so far, prompt
+    included) of a generation seeded with ``seed``: (draft, u, draw), for the drafter's
+    samples, the acceptance rule's uniforms and the next token's draw.
+
+    A round's randomness is a function of the seed and where it starts, not of the rounds
+    before it: a request that moves (runs alone, then as a row of a batch; parked for a
+    newer editor request, then resumed) draws what it would have drawn had it stayed, so
+    with the same k a seeded request's text does not depend on what joined it. Exact: every
+    round starts further on than the one before (it emits at least one token), so no key is
+    used twice in one generation, and keys of distinct positions are independent.
+
+    The mix is splitmix64's (Steele, Lea and Flood 2014): 0x9E3779B97F4A7C15 is 2^64 over
+    the golden ratio, its step between seeds, and two xor-shift-multiply rounds spread
+    neighbouring (seed, position) pairs over all 64 bits before MLX's own key schedule."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    draft, u, draw = mx.random.split(mx.random.key(z ^ (z >> 31)), 3)
+    return draft, u, draw

@@ -48,28 +48,32 @@ from ..core.hidden import HiddenTap
 from ..core.kvstate import KVState, common_prefix, reads_hidden
 from ..core.recurrent import PassRecorder
 from ..core.rows import attention_rows, batchable, row_of, rows_of, solo_of
-from ..core.sampling import Processor, make_processor, sample
+from ..core.sampling import Processor, make_processor, round_keys, sample
 from ..core.stats import RoundReport, Stats, TokenEvent
+from ..core.vocab import logit_width
 from ..drafting.drafters import FEED_AFTER, SAFE_ID
 from ..errors import BadInput, IncompatiblePair
-from .engine import _logit_width, _Stops, prefill
+from .engine import prefill
 from .request import Decode, token_ids
+from .stops import Stops
 
 
 @dataclass
 class Row:
-    """One sequence of a batch: its context (prompt + generated), settings, stops, key
-    stream, sampler and statistics. ``done``: it reached a stop (it leaves next)."""
+    """One sequence of a batch: its context (prompt + generated), settings, stops, seed,
+    sampler and statistics. ``done``: it reached a stop (it leaves next). Its randomness is
+    its own: each round's keys come from its seed and its length (sampling.round_keys), as
+    a solo generation's do."""
 
     ctx: list[int]
     decode: Decode
-    stops: _Stops
-    key: mx.array
+    stops: Stops
+    seed: int
     process: Processor | None
     stats: Stats = field(default_factory=Stats)
     done: bool = False
+    drafts: bool = True  # False: it asked for no draft (plain steps in the batch's passes)
     draft_held: int = 0  # how much of ctx the draft's row holds (a prefix of ctx[:-1])
-    before: int = 0  # tokens the request made before it joined (it ran alone until then)
     # a head's row: the target's features at positions draft_held.. it has not been fed
     # yet (m, F), the pairs' hidden states; None: none (a one-token prompt's first round)
     pending: mx.array | None = None
@@ -93,10 +97,10 @@ class Batch:
         self.head = reads_hidden(draft)
         self.block = bool(getattr(draft, "block_size", None))  # a DFlash drafter: per row
         self.tap = HiddenTap(target, draft.reads_hidden) if self.head else None
-        width = _logit_width(target)
+        width = logit_width(target)
         self.draft_rows = 0
         if draft is not None and not self.head:
-            width = min(width, _logit_width(draft))
+            width = min(width, logit_width(draft))
             self.draft_rows = getattr(getattr(draft, "args", None), "vocab_size", None) or width
         self.vocab = min(vocab_size or width, width)
         self.rows: list[Row] = []
@@ -117,11 +121,13 @@ class Batch:
         generated: int = 0,
     ) -> Row:
         """Prefill a prompt alone and add it as the last row; its first tokens come at the
-        next round. kv: caches whose common prefix with the prompt is kept (a prompt
-        cache's); stats: filled live (a fresh one if None); drafts: False for a row that
-        asked for no draft (it takes plain steps in the batch's passes); generated: tokens
-        the request already made alone (their ids end ``prompt_ids``; ``decode.max_tokens``
-        is what is left): its stats go on counting from there and keep its prompt's figures."""
+        next round. decode: the request's settings (max_tokens its whole budget); kv: caches
+        whose common prefix with the prompt is kept (a prompt cache's); stats: filled live
+        (a fresh one if None); drafts: False for a row that asked for no draft (it takes
+        plain steps in the batch's passes); generated: tokens the request already made
+        elsewhere (alone, or before it was parked): their ids end ``prompt_ids``, they count
+        against the budget, its stats go on counting from there and keep its prompt's
+        figures, and its keys go on from its seed where it stopped."""
         prompt = token_ids(prompt_ids)
         if decode.lookup or decode.draft_stop:
             raise BadInput("a batch drafts with the draft model only (no lookup, no stopping)")
@@ -131,11 +137,13 @@ class Batch:
         prefill(self.target, self.draft, prompt, kv=kv, stats=stats)
         if generated:  # the caches held all but the last token: this was no prompt's prefill
             stats.prompt_tokens, stats.cached_tokens, stats.prefill_s = kept
+        if not 0 <= generated < decode.max_tokens:
+            raise BadInput(f"{generated} tokens made of a budget of {decode.max_tokens}")
         seed = decode.seed if decode.seed is not None else random.getrandbits(63)
         process = None if decode.sampling.greedy else make_processor(decode.sampling)
-        stops = _Stops(decode.eos_ids, decode.stop_ids, decode.max_tokens)
-        row = Row(list(prompt), decode, stops, mx.random.key(seed), process, stats)
-        row.drafts, row.before = drafts, generated
+        made = prompt[len(prompt) - generated :]
+        stops = Stops(decode.eos_ids, decode.stop_ids, decode.max_tokens, made)
+        row = Row(list(prompt), decode, stops, seed, process, stats, drafts=drafts)
         self.t_cache = rows_of(self.t_cache, kv.target)  # it holds prompt[:-1]
         if self.recorder is not None:
             self.recorder.layers = recurrent_layers(self.t_cache)
@@ -190,27 +198,32 @@ class Batch:
             self.t_cache = self.d_cache = None
         return kv
 
-    def round(self, k: int) -> list[list[TokenEvent]]:
+    def round(self, k: int | Sequence[int]) -> list[list[TokenEvent]]:
         """One round for every row; each row's new token events, in row order (a row that
         reached a stop is marked ``done`` and must leave before the next round). k: drafts
-        per row (0, or no draft model: one plain step each)."""
+        per row, one for all or one each (0, or no draft model: one plain step)."""
         rows = self.rows
         if any(r.done for r in rows):
             raise RuntimeError("a finished row must leave before the next round")
         if not rows:
             return []
         t0 = time.perf_counter()
-        k = k if self.draft is not None else 0
+        asked = [k] * len(rows) if isinstance(k, int) else list(k)
+        if len(asked) != len(rows):
+            raise ValueError(f"{len(asked)} k for {len(rows)} rows")
         # a row near its budget verifies fewer (as a solo generation would: the same keys); a
-        # head's row with nothing to read yet drafts nothing
+        # head's row with nothing to read yet drafts nothing; a block drafts at most
+        # block_size - 1
+        top = self.draft.block_size - 1 if self.block else None
         ks = [
-            max(0, min(k, r.stops.max_tokens - r.stops.count - 1))
-            * r.drafts
+            max(0, min(ki, r.stops.room, top if top is not None else ki))
+            * (self.draft is not None and r.drafts)
             * (not self.head or r.pending is not None)
-            for r in rows
+            for r, ki in zip(rows, asked, strict=True)
         ]
-        if self.block:  # a block drafts at most block_size - 1
-            ks = [min(ki, self.draft.block_size - 1) for ki in ks]
+        # the drafts one pass verifies: no more than any row can use (a huge k asked for
+        # costs nothing past what the rows' budgets let them emit)
+        k = max(ks)
         keys = [_split(r) for r in rows]  # per row (draft, u, draw), all None when greedy
         propose = (
             self._propose_block
@@ -256,7 +269,7 @@ class Batch:
             elif k:  # the draft fed ctx and k - 1 drafts: it keeps what ctx confirms of them
                 r.draft_held = min(fed + 1 + min(n, k - 1), len(r.ctx) - 1)
                 steps.append(r.draft_held - fed - 1)  # drafting steps kept after its catch-up
-            r.stats.record(RoundReport(ki, n, seconds), r.before + r.stops.count)
+            r.stats.record(RoundReport(ki, n, seconds), r.stops.count)
             r.stats.finish_reason, r.done = reason, bool(reason)
             events.append([TokenEvent(t, j < n) for j, t in enumerate(new)])
         # keep: a target row fed ctx[-1] and k drafts; it keeps what its new ctx[:-1] holds
@@ -427,12 +440,11 @@ def len_of(x: mx.array | None) -> int:
 
 
 def _split(row: Row) -> tuple:
-    """A sampled row's keys for this round (draft, u, draw), split from its stream as a
-    solo generation splits its own; greedy rows draw nothing."""
+    """A sampled row's keys for this round (draft, u, draw), from its seed and its length
+    as a solo generation's are (sampling.round_keys); greedy rows draw nothing."""
     if row.process is None:
         return None, None, None
-    row.key, draft, u, draw = mx.random.split(row.key, 4)
-    return draft, u, draw
+    return round_keys(row.seed, len(row.ctx))
 
 
 def _draw(rows: list[Row], logits: mx.array, keys: list) -> tuple[mx.array, list]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import random
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -32,8 +31,9 @@ from ..core.cursor import Cursor
 from ..core.hidden import HiddenTap
 from ..core.kvstate import KVState, reads_hidden, reuse_prefix
 from ..core.mlx_lm_api import set_wired_limit
-from ..core.sampling import make_processor, sample
+from ..core.sampling import make_processor, round_keys, sample
 from ..core.stats import KChooser, RoundReport, Stats, TokenEvent
+from ..core.vocab import draft_ids, logit_width
 from ..drafting.choosers import make_chooser
 from ..drafting.drafters import (
     Chain,
@@ -48,6 +48,7 @@ from ..drafting.drafters import (
 from ..drafting.lookup import Lookup
 from ..errors import BadInput, RollbackError
 from .request import Decode, Parts, token_ids
+from .stops import Stops
 
 __all__ = [
     "Decode", "KVState", "Parts", "Stats", "TokenEvent", "TIME_DRAFT_EVERY", "generate_tokens",
@@ -101,9 +102,8 @@ def generate_tokens(
     for what, c in (("target", kv.target), ("draft", kv.draft)) if speculating else ():
         if c is not None:
             check_kinds(c, what)  # a layer cache no rollback is known for: refused by name
-    stops = _Stops(decode.eos_ids, decode.stop_ids, decode.max_tokens)
+    stops = Stops(decode.eos_ids, decode.stop_ids, decode.max_tokens)
     seed = decode.seed if decode.seed is not None else random.getrandbits(63)
-    key = mx.random.key(seed)
     mx.reset_peak_memory()
 
     with mx.stream(_STREAM), _wired():
@@ -112,7 +112,7 @@ def generate_tokens(
         process = None if decode.sampling.greedy else make_processor(decode.sampling)
         check = parts.lockstep or (lambda _tokens: None)
         if not speculating:
-            loop = _plain(target, kv, prompt, process, key, stops, stats, check)
+            loop = _plain(target, kv, prompt, process, seed, stops, stats, check)
         else:
             ctx = list(prompt)  # the context, grown each round (lookup indexes this list)
             drafters: list[Drafter] = []
@@ -121,13 +121,13 @@ def generate_tokens(
                 drafters.append(LookupDrafter(finder, next_k, fallback=draft is not None))
             model_drafter = None
             if head:
-                width = min(parts.vocab_size or _logit_width(target), _logit_width(target))
+                width = min(parts.vocab_size or logit_width(target), logit_width(target))
                 model_drafter = head_drafter(
                     draft, kv.draft, kv.draft_len, kv.hidden, width, process
                 )
                 drafters.append(model_drafter)
             elif draft is not None:
-                rows, vocab = _draft_ids(target, draft, parts.vocab_size)
+                rows, vocab = draft_ids(target, draft, parts.vocab_size)
                 plan = next_k.draft_plan if decode.draft_stop else None
                 model_drafter = ModelDrafter(
                     draft, kv.draft, kv.draft_len, vocab, rows, process, plan
@@ -138,7 +138,7 @@ def generate_tokens(
             # a lookup match can turn up any round, and a head reads every pass: no queueing
             overlap = not (isinstance(drafter, (LookupDrafter, Chain)) or head)
             spec = _Speculation(cursor, drafter, process, accept, stats, next_k, overlap)
-            loop = spec.run(ctx, key, stops, check, lambda ok: _end(kv, ctx, model_drafter, ok))
+            loop = spec.run(ctx, seed, stops, check, lambda ok: _end(kv, ctx, model_drafter, ok))
         try:
             yield from loop
         finally:
@@ -168,30 +168,6 @@ def prefill(
     tap = HiddenTap(target, draft.reads_hidden) if reads_hidden(draft) else None
     with mx.stream(_STREAM), _wired():
         _fill(target, draft, prompt, kv, stats, prefill_step, tap)
-
-
-_WIDTHS: dict[int, tuple[weakref.ref, int]] = {}
-
-
-def _logit_width(model: nn.Module) -> int:
-    """The width of a model's logits, known from shapes alone: a graph on a dummy input is
-    built (never evaluated) once per model object, not once per generation."""
-    hit = _WIDTHS.get(id(model))
-    if hit is not None and hit[0]() is model:
-        return hit[1]
-    width = model(mx.array([[0]], dtype=mx.uint32)).shape[-1]
-    _WIDTHS[id(model)] = (weakref.ref(model), width)
-    return width
-
-
-def _draft_ids(target, draft, vocab_size: int | None) -> tuple[int, int]:
-    """(ids the draft can embed, ids it may propose): the second is the smaller logit width
-    unless ``vocab_size`` says fewer."""
-    width = _logit_width(draft)
-    rows = getattr(getattr(draft, "args", None), "vocab_size", None) or width
-    if vocab_size is None:
-        vocab_size = min(_logit_width(target), width)
-    return rows, min(vocab_size, rows)
 
 
 def _ready(kv: KVState | None, target, draft, prompt: list[int], stats: Stats) -> KVState:
@@ -269,45 +245,21 @@ def _wired() -> Iterator[None]:
             mx.set_wired_limit(old)
 
 
-class _Stops:
-    """EOS ids, token-id stop sequences and the token budget. EOS is not emitted; a stop
-    sequence is emitted (the text layer strips stop strings). Only the last few tokens are
-    kept, so checking costs the same at the 10th token and the 10,000th."""
-
-    def __init__(self, eos: Sequence[int], seqs: Sequence[Sequence[int]], max_tokens: int):
-        self.eos, self.max_tokens = set(eos), max_tokens
-        self.seqs = [list(s) for s in seqs if s]
-        self.span = max((len(s) for s in self.seqs), default=0)
-        self.recent: list[int] = []  # the last ``span`` tokens emitted
-        self.count = 0  # tokens emitted
-
-    def cut(self, new: list[int]) -> tuple[list[int], str | None]:
-        """Keep the prefix of ``new`` up to the first stop; return it and the finish reason."""
-        for i, t in enumerate(new):
-            if t in self.eos:
-                return new[:i], "stop"
-            self.count += 1
-            if self.span:
-                self.recent = (self.recent + [t])[-self.span :]
-                if any(self.recent[-len(s) :] == s for s in self.seqs):
-                    return new[: i + 1], "stop"
-            if self.count >= self.max_tokens:
-                return new[: i + 1], "length"
-        return new, None
-
-
-def _plain(target, kv, prompt, process, key, stops, stats, check) -> Iterator[TokenEvent]:
+def _plain(target, kv, prompt, process, seed, stops, stats, check) -> Iterator[TokenEvent]:
     """Target-only decoding, overlapping the next step with the host like mlx-lm's
-    generate_step: step i+1 is queued (async_eval) before token i is read back."""
+    generate_step: step i+1 is queued (async_eval) before token i is read back. A step
+    draws with its position's draw key, as a plain round of speculation does (round_keys):
+    the same seed gives the same text either way."""
     cursor = Cursor(target, kv.target, len(kv.tokens))
+    at = len(prompt)  # the position of the token the next step makes
 
     def step(y: mx.array) -> mx.array:
-        nonlocal key
+        nonlocal at
         logits = cursor.feed(y.reshape(1, -1), undoable=False)[0, -1]  # (V,)
+        at += 1
         if process is None:
             return mx.argmax(logits, axis=-1).astype(mx.uint32)
-        key, sub = mx.random.split(key)
-        return sample(process(logits), sub)
+        return sample(process(logits), round_keys(seed, at - 1)[2])
 
     t0 = time.perf_counter()
     y = step(mx.array(prompt[-1:], dtype=mx.uint32))
@@ -365,14 +317,16 @@ class _Speculation:
         self.process, self.accept, self.next_k = process, accept, next_k
         self.plain_next: Callable[[], bool] = next_k.plain_next if overlap else (lambda: False)
 
-    def run(self, ctx, key, stops, check, end) -> Iterator[TokenEvent]:
-        """Rounds until a stop. ctx: the context, grown in place; key: the sampling key; stops: the _Stops; check: the lockstep (may raise); end:
-        called once at the end, with whether the caches match ctx."""
+    def run(self, ctx, seed, stops, check, end) -> Iterator[TokenEvent]:
+        """Rounds until a stop. ctx: the context, grown in place; seed: the sampling seed
+        (each round's keys come from it and the round's position: round_keys); stops: the
+        Stops; check: the lockstep (may raise); end: called once at the end, with whether
+        the caches match ctx."""
         drafting, last, settled = 0, None, True  # settled: the caches match ctx
         try:
             while True:
                 t0 = time.perf_counter()
-                room = stops.max_tokens - stops.count - 1  # a round emits up to k + 1 tokens
+                room = stops.room  # a round emits up to k + 1 tokens
                 k = max(0, min(self.next_k(last), room))
                 settled = False  # (a chooser that raises leaves the caches as they were)
                 drafting = 0 if last is not None and last.k == 0 else drafting  # time a probe
@@ -381,8 +335,8 @@ class _Speculation:
                 timed = k > 0 and not queued and drafting % TIME_DRAFT_EVERY == 0
                 drafting += k > 0 and not queued
                 draft_key = u_key = draw_key = None  # greedy rounds draw nothing
-                if self.process is not None:  # one split a round: the draft's, u's, the draw's
-                    key, draft_key, u_key, draw_key = mx.random.split(key, 4)
+                if self.process is not None:  # the draft's, u's, the draw's: this round's own
+                    draft_key, u_key, draw_key = round_keys(seed, len(ctx))
                 # propose -> verify -> accept: one lazy graph
                 proposal = self.drafter.propose(ctx, k, room, draft_key, timed)
                 logits = self.target.verify(ctx[-1], proposal.tokens)  # (k+1, V_target)

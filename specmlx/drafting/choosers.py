@@ -29,6 +29,9 @@ from .adaptive import LOOKUP_MAX, AdaptiveK, CostCurve
 from .probe import probe_pass_cost
 
 PROBE_VERSION = "v3"  # bump when the probe's method changes: old curves are then ignored
+# the most drafts a round may verify: no drafter is right that far ahead, and each draft
+# asked for costs a draft step and a row of the target's pass (a batch pads every row to it)
+K_MAX = 32
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,9 @@ class K:
 
     @classmethod
     def of(cls, value: K | int | str, name: str = "k") -> K:
-        """'auto', an integer >= 0 (or its text), or a K as it is; BadInput otherwise,
-        naming the setting as ``name`` (the CLI's "-k"): the one place k is checked."""
+        """'auto', an integer from 0 to K_MAX (or its text), or a K as it is; BadInput
+        otherwise, naming the setting as ``name`` (the CLI's "-k"): the one place k is
+        checked."""
         if isinstance(value, K):
             return value
         if value == "auto":
@@ -52,8 +56,8 @@ class K:
                 n = int(value)
             except ValueError:
                 n = None
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise BadInput(f"{name} must be an integer >= 0 or 'auto', got {value!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= K_MAX:
+            raise BadInput(f"{name} must be an integer from 0 to {K_MAX} or 'auto', got {value!r}")
         return cls(n)
 
     @property

@@ -129,22 +129,13 @@ class _Live:
 @dataclass
 class _Parked:
     """Where a request goes on from (a parked one, or a lone one joining the batch): its
-    context (prompt + tokens made), what is left of its decode and how many tokens it made
-    (a parked one's caches wait in the prompt cache)."""
+    context (prompt + tokens made), its decode as asked (the whole budget, its own seed: a
+    round's keys come from the seed and the round's position, so it draws from where it
+    stopped) and how many tokens it made (a parked one's caches wait in the prompt cache)."""
 
     ids: list[int]
     decode: object
     made: int
-
-    @classmethod
-    def of(cls, ids: list[int], decode, made: int, left: int) -> _Parked:
-        """Going on from ``ids`` after ``made`` tokens, ``left`` to go: a fresh key stream,
-        derived from the seed and the length (its tokens so far were drawn from the
-        first)."""
-        seed = decode.seed
-        if seed is not None:
-            seed = (seed * 0x9E3779B97F4A7C15 + made) % 2**63
-        return cls(ids, replace(decode, max_tokens=left, seed=seed), made)
 
 
 class Batcher:
@@ -220,7 +211,7 @@ class Batcher:
         if r.drafter == "lookup" or r.max_tokens == 0 or w.draft_stop:
             if self.ranks and self.left:  # the other ranks put those rows' caches back first
                 try:
-                    w.send_ops(self.left, None, -1)
+                    w.send_ops(self.left, None, None)
                 except Exception as e:  # noqa: BLE001 - a rank went away: all stop
                     failure = ranks_stopped(e)
                     self._end_all(failure)
@@ -248,7 +239,7 @@ class Batcher:
         try:
             if self.ranks:  # the other ranks join it too, with rank 0's seed
                 r.seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(6), "little")
-                w.send_ops(self.left, r, -1)
+                w.send_ops(self.left, r, None)
                 self.left = []
             if alone:
                 kv = w.cache.take(r.prompt_ids)
@@ -313,7 +304,11 @@ class Batcher:
         """End the lone request's run through the engine where it stands: where it goes on
         from, or None when its budget is spent (it then ends alone, here)."""
         decode = lv.gen.decode()
-        if decode.max_tokens <= len(lv.made):
+        # the rest of the engine's round first: it goes on from a round's end, where a run
+        # that had stayed alone starts its next round (the same keys, the same tokens)
+        while lv in self.live and len(lv.made) < lv.job.stats.generated:
+            self._step_alone(lv)
+        if decode.max_tokens <= len(lv.made) or lv not in self.live:
             while lv in self.live:
                 self._step_alone(lv)
             return None
@@ -321,8 +316,9 @@ class Batcher:
         lv.solo = None
         lv.gen.finish()  # what its adaptive chooser learned alone is saved now
         lv.gen = None
-        ids = list(lv.request.prompt_ids) + lv.made
-        return _Parked.of(ids, decode, len(lv.made), decode.max_tokens - len(lv.made))
+        if decode.seed is None:  # the one the engine drew is its own: a fresh one is as good
+            decode = replace(decode, seed=int.from_bytes(os.urandom(7), "little"))
+        return _Parked(list(lv.request.prompt_ids) + lv.made, decode, len(lv.made))
 
     def _held(self) -> int:
         """Requests the MLX thread holds (Worker.holding): the live ones and the parked."""
@@ -331,8 +327,8 @@ class Batcher:
     def _park(self, lv: _Live) -> None:
         """Set a running editor request aside for a newer one: its caches go to the prompt
         cache (a budget of 0 keeps none: it is prefilled again when it resumes), its
-        client's stream stays open; ``_unpark`` resumes it from its context. Its key stream
-        then starts afresh (_Parked.of)."""
+        client's stream stays open; ``_unpark`` resumes it from its context, drawing what it
+        would have drawn had it not stopped (the same seed, the same positions)."""
         if lv.solo is not None:
             p = self._stop_alone(lv)
             if p is None:
@@ -340,8 +336,7 @@ class Batcher:
             kv, lv.kv = lv.kv, None
         else:
             row = lv.row
-            left = row.decode.max_tokens - row.stops.count
-            p = _Parked.of(list(row.ctx), row.decode, row.before + row.stops.count, left)
+            p = _Parked(list(row.ctx), replace(row.decode, seed=row.seed), row.stops.count)
             kv, lv.row = self.batch.leave(row), None
         self.live.remove(lv)
         self.w.cache.put(kv)
@@ -373,22 +368,19 @@ class Batcher:
         self.live.append(lv)
 
     def _round(self) -> None:
-        drafting = any(lv.row.drafts for lv in self.live)
-        fixed = {lv.row.decode.k.fixed for lv in self.live if lv.row.drafts}
-        if not drafting:
-            k = 0
-        elif None not in fixed:
-            k = min(fixed)  # every drafting row asked for a fixed k
-        else:
-            k = self.k(len(self.live))
+        # a row that asked for a fixed k drafts it (its text then does not depend on what
+        # runs beside it); the rest draft what BatchK picks for this width
+        auto = [lv for lv in self.live if lv.row.drafts and lv.row.decode.k.auto]
+        k = self.k(len(self.live)) if auto else None
+        ks = [_k_of(lv.row, k) for lv in self.live]
         t0 = time.perf_counter()
         try:
             if self.ranks:
                 if self.w.watchdog is not None:
                     self.w.watchdog.beat("generating")
-                self.w.send_ops(self.left, None, k)
+                self.w.send_ops(self.left, None, ks)
                 self.left = []
-            events = self.batch.round(k)
+            events = self.batch.round(ks)
             if self.lockstep is not None:  # every rank made the same tokens, or all stop
                 self.lockstep([e.token for evs in events for e in evs])
         except Exception as e:  # noqa: BLE001 - every row's client hears it; serving goes on
@@ -400,7 +392,8 @@ class Batcher:
             return
         rows = len(self.live)
         self.w.totals.batch_rounds += 1
-        self.k.observe(rows, k, sum(len(ev) for ev in events), time.perf_counter() - t0)
+        if k is not None:  # (rows that keep their own k tell BatchK nothing of its choice)
+            self.k.observe(rows, k, sum(len(ev) for ev in events), time.perf_counter() - t0)
         for lv, evs in zip(list(self.live), events, strict=True):
             if lv.job.cancelled.is_set():
                 self._leave(lv, cancelled=True)
@@ -481,6 +474,14 @@ class Batcher:
         return [lv.job for lv in self.live + self.parked]
 
 
+def _k_of(row: Row, auto: int | None) -> int:
+    """A row's drafts this round: none when it asked for no draft, its own fixed k, or the
+    batch's choice ``auto`` for a row that asked for adaptive k."""
+    if not row.drafts:
+        return 0
+    return auto if row.decode.k.auto else row.decode.k.fixed
+
+
 def join_row(worker, batch: Batch, r, stats: Stats) -> tuple[Row, object, object]:
     """Request ``r`` (a GenRequest) joins ``batch`` as a row, from the worker's prompt cache
     or a running row's prefix (Batch.share):
@@ -507,15 +508,15 @@ class FollowerBatch:
         self.rows: list[Row] = []
         self.lockstep = Lockstep(worker.world, every=1)
 
-    def apply(self, leave: list[int], join, k: int) -> None:
+    def apply(self, leave: list[int], join, k: list[int] | None) -> None:
         """Do what rank 0's batch does: rows ``leave`` (indices, in order), ``join`` (a
-        GenRequest or None), then a round of ``k`` (-1: none)."""
+        GenRequest or None), then a round of ``k`` drafts per row (None: no round)."""
         for i in leave:
             self.w.cache.put(self.batch.leave(self.rows.pop(i)))
         if join is not None:
             row, _, _ = join_row(self.w, self.batch, join, Stats())
             self.rows.append(row)
-        if k >= 0:
+        if k is not None:
             if self.w.watchdog is not None:
                 self.w.watchdog.beat("generating")
             events = self.batch.round(k)

@@ -281,7 +281,7 @@ def _request(body: SamplingBody, ids, extra_eos, asked, settings, worker) -> Gen
         seed=None if body.seed is None or body.seed < 0 else body.seed,
         stop=body.stops(),
         drafter=_drafter(body.draft, settings, worker),
-        k=settings.k if body.num_draft is None else K.of(body.num_draft),
+        k=settings.k if body.num_draft is None else K.of(body.num_draft, "num_draft"),
         extra_eos=tuple(extra_eos),
         verify=_verify(body.verify, settings),
     )

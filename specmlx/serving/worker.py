@@ -283,7 +283,7 @@ class Worker:
         """Rank 0: the other ranks stop following (serving is over)."""
         _send(self.world, None)
 
-    def send_ops(self, leave: list[int], join: GenRequest | None, k: int) -> None:
+    def send_ops(self, leave: list[int], join: GenRequest | None, k: list[int] | None) -> None:
         """Rank 0 with a batch: tell the other ranks what its batch does next (see BatchOps),
         before it does it."""
         _send_ops(self.world, BatchOps(leave, join, k))
@@ -443,12 +443,12 @@ class BatchOps:
     """What rank 0's batch does next, for the other ranks to do the same, in this order: the
     rows that left since the last message (their indices in the batch, in the order they
     left: no collective, so they wait for the next message), then a request that joins (its
-    prefill is collective: sent before rank 0 runs it; None: none), then a round of k drafts
-    (-1: none)."""
+    prefill is collective: sent before rank 0 runs it; None: none), then a round of k[i]
+    drafts for row i (None: no round)."""
 
     leave: list[int]
     join: GenRequest | None
-    k: int
+    k: list[int] | None
 
 
 def _send_ops(world: World, ops: BatchOps) -> None:
