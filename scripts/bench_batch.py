@@ -40,7 +40,7 @@ from specmlx.decoding.stream import encode_prompt  # noqa: E402
 from specmlx.drafting.choosers import AUTO, ChooserStore, K  # noqa: E402
 from specmlx.machine import blas_in_use  # noqa: E402
 from specmlx.models.loading import load_pair  # noqa: E402
-from specmlx.serving.batcher import BatchK  # noqa: E402
+from specmlx.serving.batch_k import BatchK  # noqa: E402
 
 
 def serial(session, prompts, sampling, n, seed):

@@ -19,7 +19,7 @@ from specmlx.decoding.batch import Batch
 from specmlx.decoding.request import Decode
 from specmlx.drafting.choosers import K
 from specmlx.errors import IncompatiblePair
-from specmlx.serving.batcher import BatchK
+from specmlx.serving.batch_k import BatchK
 
 PROMPTS = [[1, 5, 9, 3, 7], [2], [4, 4, 4, 8, 15, 16, 23, 42, 8, 15, 16], [7, 7]]
 
@@ -488,14 +488,14 @@ def test_batch_k_keeps_what_it_measured_for_the_next_server(pair, specmlx_home):
     first = Batcher(worker(), 4)
     first.k.observe(2, 3, 12.0, 1.5)
     first.k.observe(4, 0, 9.0, 1.0)
-    first._save_k()
-    assert first.k_path.is_file() and first.k_path.is_relative_to(specmlx_home)
+    first.kept.save()
+    assert first.kept.path.is_file() and first.kept.path.is_relative_to(specmlx_home)
     again = Batcher(worker(), 4)
     assert again.k.seen == {(2, 3): [12.0, 1.5, 1], (4, 0): [9.0, 1.0, 1]}
     assert Batcher(worker(persist=False), 4).k.seen == {}  # (ranks other than 0, the bench)
-    first.k_path.write_text('{"version": 1, "seen": {"2,x": [1, 2, 3]}}')
+    first.kept.path.write_text('{"version": 1, "seen": {"2,x": [1, 2, 3]}}')
     assert Batcher(worker(), 4).k.seen == {}  # garbage: measured again
-    first._save_k()
+    first.kept.save()
     assert Batcher(worker(draft_id="d2"), 4).k.seen == {}  # another pair's are not this one's
 
 

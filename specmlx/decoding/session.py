@@ -101,6 +101,26 @@ class Session:
         self.pair, self.choosers, self.memory = pair, choosers, memory
         self.world = world or World(None)
 
+    def decode(self, req: Request) -> Decode:
+        """What the engine (or a batch's row) is asked for under ``req``: its settings, k
+        (0 when nothing drafts) and every id that ends it (the tokenizer's EOS too).
+
+        req: the request's settings (max_tokens > 0: a warm-up generates nothing)."""
+        drafting = (req.use_draft and self.pair.draft is not None) or req.lookup
+        eos = set(req.extra_eos)
+        if self.pair.tokenizer is not None:
+            eos |= set(getattr(self.pair.tokenizer, "eos_token_ids", ()) or ())
+        return Decode(
+            sampling=req.sampling,
+            k=req.k if drafting else K(0),
+            max_tokens=req.max_tokens,
+            seed=req.seed,
+            eos_ids=tuple(sorted(eos)),
+            lookup=req.lookup,
+            verify=req.verify,
+            draft_stop=req.draft_stop,
+        )
+
     def start(
         self,
         prompt_ids: Sequence[int],
@@ -137,20 +157,8 @@ class Session:
             # rank 0 decides k for all (each rank's timings differ); the lockstep hash
             # travels in the same collective
             chooser = SharedK(chooser, world, lockstep)
-        eos = set(req.extra_eos)
-        if pair.tokenizer is not None:
-            eos |= set(getattr(pair.tokenizer, "eos_token_ids", ()) or ())
         # (made when the tokens are asked for: a warm-up, max_tokens 0, only prefills)
-        decode = lambda: Decode(  # noqa: E731
-            sampling=req.sampling,
-            k=k,
-            max_tokens=req.max_tokens,
-            seed=req.seed,
-            eos_ids=tuple(sorted(eos)),
-            lookup=req.lookup,
-            verify=req.verify,
-            draft_stop=req.draft_stop,
-        )
+        decode = lambda: self.decode(req)  # noqa: E731
         parts = Parts(
             kv=kv,
             stats=stats if stats is not None else Stats(),

@@ -4,9 +4,8 @@ all of them. A request joins at the next round (its prompt prefilled alone, from
 cache's prefix), leaves when it is done, cancelled or its client hung up (its caches go back
 to the prompt cache), and its text, stop strings and editor limits are its own.
 
-k per round is the batch's (BatchK): what rounds of each k made per second at this many
-rows, measured as they run, so that at a width where verifying costs more than it saves the
-batch backs off to k = 0. A request that cannot be a row (prompt lookup, per-token stopping,
+A row that asked for a fixed k drafts it; the others draft the batch's choice (batch_k.BatchK:
+what rounds of each k made per second at this many rows, measured as they run). A request that cannot be a row (prompt lookup, per-token stopping,
 an editor's warm-up) runs alone between two rounds, as the serial worker runs it. A request
 that arrives to an empty batch runs alone too, through the engine as the serial worker runs
 it (a batch of one costs a little more a round, and k is then the request's own adaptive
@@ -14,9 +13,9 @@ choice), until a second one arrives: then it joins the batch as a row, from the 
 has emitted.
 
 With the target split over ranks, rank 0's batch travels to the other ranks as what it does
-(worker.BatchOps: the rows that left, a request that joins, the round's k), sent before it
+(worker.BatchOps: the rows that left, a request that joins, each row's k), sent before it
 does it, and each round's tokens are compared across ranks (one Lockstep check a round); the
-other ranks run the same batch (FollowerBatch). Rank 0 decides everything a rank could
+other ranks run the same batch (follower.FollowerBatch). Rank 0 decides everything a rank could
 decide differently (k from its timings, cancels, editor limits, unseeded requests' seeds),
 and nothing runs alone through the engine except what the serial worker would also send
 (lookup, stopping per token, warm-ups), after the rows that left are sent.
@@ -40,71 +39,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from ..core.kvstate import KVState
-from ..core.rows import batchable
-from ..core.stats import Stats, TokenEvent
+from ..core.stats import TokenEvent
 from ..decoding.batch import Batch, Row
 from ..decoding.stream import EditorLimits, TextStream
 from ..distributed.ranks import Lockstep, ranks_stopped
-from ..drafting.choosers import state_path
-from ..paths import load_json, save_json
+from .batch_k import BatchK, KeptBatchK
+from .joining import join_row
 
-K_CHOICES = (0, 1, 2, 3, 4)  # what BatchK picks from
 # seconds a parked editor request waits, after an editor request ends, before it resumes:
 # an editor sends its next request as soon as it has an answer (llama.vim's follow-up), and
 # a resume begun just before it arrives would hold it up for the resume's prefill
 RESUME_GRACE = 0.25
-
-
-class BatchK:
-    """k for a batch of B rows from the tokens per second measured at each (B, k): each k
-    is judged on its mean at this width, or, until it has run here, at the nearest width
-    where it has (a width the batch has not had yet starts from its neighbours' figures
-    instead of trying every k again); a k never run at any width is tried first, and every
-    ``explore_every`` rounds the k least tried at this width runs (acceptance changes as
-    rows come and go). ``ks``: the candidates."""
-
-    def __init__(self, ks=K_CHOICES, explore_every: int = 16):
-        self.ks, self.explore_every = tuple(ks), explore_every
-        self.seen: dict[tuple[int, int], list[float]] = {}  # (B, k) -> [tokens, seconds, n]
-        self.rounds = 0
-
-    def __call__(self, rows: int) -> int:
-        for k in self.ks:
-            if not any(key[1] == k for key in self.seen):
-                return k  # never run: measure it
-        self.rounds += 1
-        if self.rounds % self.explore_every == 0:
-            return min(self.ks, key=lambda k: self.seen.get((rows, k), (0, 0, 0))[2])
-        return max(self.ks, key=lambda k: self.rate(rows, k))
-
-    def rate(self, rows: int, k: int) -> float:
-        """Tokens per second of k at this width, or at the nearest width it ran at."""
-        widths = sorted((b for b, kk in self.seen if kk == k), key=lambda b: abs(b - rows))
-        tokens, seconds, _ = self.seen[(widths[0], k)]
-        return tokens / max(seconds, 1e-9)
-
-    def observe(self, rows: int, k: int, tokens: int, seconds: float) -> None:
-        """Fold in a round of ``rows`` rows at ``k`` that made ``tokens`` in ``seconds``."""
-        s = self.seen.setdefault((rows, k), [0.0, 0.0, 0])
-        decay = 0.9 if s[2] >= 8 else 1.0  # recent rounds weigh more once a few are in
-        s[0], s[1], s[2] = s[0] * decay + tokens, s[1] * decay + seconds, s[2] + 1
-
-    def state(self) -> dict:
-        """What was measured, JSON-ready (``resume`` reads it back)."""
-        return {"version": 1, "seen": {f"{b},{k}": v for (b, k), v in self.seen.items()}}
-
-    def resume(self, state: dict | None) -> None:
-        """Take what an earlier server measured on this machine and pair (``state()``'s);
-        anything else (another format, garbage) is ignored: it is measured again."""
-        try:
-            seen = {}
-            for key, (tokens, seconds, n) in (state or {}).get("seen", {}).items():
-                b, k = (int(x) for x in key.split(","))
-                seen[(b, k)] = [float(tokens), float(seconds), int(n)]
-            if (state or {}).get("version") == 1:
-                self.seen = seen
-        except (AttributeError, TypeError, ValueError):
-            pass
 
 
 @dataclass
@@ -150,13 +95,9 @@ class Batcher:
         # KV of the batch's (theirs is in the prompt cache, within its budget)
         self.parked: list[_Live] = []
         self._quiet_from = 0.0  # (monotonic) when a parked request may resume
-        self.k = k or BatchK()
-        # what BatchK measured is kept per machine and pair, so a restarted server does not
-        # try every k at every width again (rank 0's: it decides for all)
-        self.k_path = state_path("batchk", f"{pair.target_id}|{pair.draft_id}")
-        if worker.choosers.persist:
-            self.k.resume(load_json(self.k_path))
-        self._saved_k = self.k.state()
+        store = worker.choosers
+        self.kept = KeptBatchK(pair.target_id, pair.draft_id, store.persist, store.warn, k)
+        self.k = self.kept.k
         self.ranks = worker.world.distributed
         self.left: list[int] = []  # with ranks: rows left since the last BatchOps
         self.lockstep = Lockstep(worker.world, every=1) if self.ranks else None
@@ -167,7 +108,7 @@ class Batcher:
             job = False  # (nothing new: go on with the rows there are)
             self._unpark()
             if not self.live:
-                self._save_k()
+                self.kept.save()
                 if self.ranks and w.watchdog is not None:
                     w.watchdog.idle()  # nothing is expected of the other ranks until a job
                 if self.parked:  # one resumes in a moment, unless a newer request comes
@@ -184,7 +125,7 @@ class Batcher:
                     pass
             if job is None:  # stop: the running requests were cancelled by Worker.stop
                 self._end_all(None)
-                self._save_k()
+                self.kept.save()
                 if self.ranks:
                     w.stop_followers()
                 return
@@ -246,7 +187,7 @@ class Batcher:
                 request = replace(r, use_draft=use_draft, lookup=False, draft_stop=False)
                 gen = w.session.start(r.prompt_ids, request, kv=kv, stats=job.stats)
             else:
-                row, gen, request = join_row(w, self.batch, r, job.stats)
+                row, request = join_row(w, self.batch, r, job.stats)
         except Exception as e:  # noqa: BLE001 - this request's error; the batch goes on
             w.totals.failed += 1
             if self.ranks:  # the other ranks failed it too, or are apart now: all stop
@@ -417,13 +358,6 @@ class Batcher:
                 return True
         return False
 
-    def _save_k(self) -> None:
-        """Keep BatchK's measurements (best effort; only when they changed)."""
-        state = self.k.state()
-        if self.w.choosers.persist and state != self._saved_k:
-            save_json(self.k_path, state, self.w.choosers.warn)
-            self._saved_k = state
-
     def _fatal(self, e: Exception) -> None:
         """With ranks, a failed join or round leaves the ranks apart: stop them all."""
         if self.w.fatal is not None:
@@ -480,54 +414,3 @@ def _k_of(row: Row, auto: int | None) -> int:
     if not row.drafts:
         return 0
     return auto if row.decode.k.auto else row.decode.k.fixed
-
-
-def join_row(worker, batch: Batch, r, stats: Stats) -> tuple[Row, object, object]:
-    """Request ``r`` (a GenRequest) joins ``batch`` as a row, from the worker's prompt cache
-    or a running row's prefix (Batch.share):
-    (its row, its session.Generation, the Request it runs as). Rank 0 and the ranks that
-    follow it join alike."""
-    use_draft = r.drafter == "model" and worker.draft is not None
-    request = replace(r, use_draft=use_draft, lookup=False, draft_stop=False)
-    kv = batch.share(r.prompt_ids, worker.cache.take(r.prompt_ids))
-    gen = worker.session.start(r.prompt_ids, request, kv=kv, stats=stats)
-    row = batch.join(r.prompt_ids, gen.decode(), kv, stats, drafts=use_draft)
-    worker.cache.keep_branch(kv)
-    return row, gen, request
-
-
-class FollowerBatch:
-    """A rank other than 0 running rank 0's batch in step, from its BatchOps (see the
-    module): the same leaves (caches back to this rank's prompt cache), joins and rounds,
-    each round's tokens compared. Nothing is emitted: rank 0 answers the clients."""
-
-    def __init__(self, worker):
-        pair = worker.session.pair
-        self.w = worker
-        self.batch = Batch(pair.target, pair.draft, pair.shared)
-        self.rows: list[Row] = []
-        self.lockstep = Lockstep(worker.world, every=1)
-
-    def apply(self, leave: list[int], join, k: list[int] | None) -> None:
-        """Do what rank 0's batch does: rows ``leave`` (indices, in order), ``join`` (a
-        GenRequest or None), then a round of ``k`` drafts per row (None: no round)."""
-        for i in leave:
-            self.w.cache.put(self.batch.leave(self.rows.pop(i)))
-        if join is not None:
-            row, _, _ = join_row(self.w, self.batch, join, Stats())
-            self.rows.append(row)
-        if k is not None:
-            if self.w.watchdog is not None:
-                self.w.watchdog.beat("generating")
-            events = self.batch.round(k)
-            self.lockstep([e.token for evs in events for e in evs])
-
-
-def can_batch(worker) -> str | None:
-    """Why this worker's pair cannot run as a batch (None: it can)."""
-    pair = worker.session.pair
-    for what, model in (("target", pair.target), ("draft", pair.draft)):
-        why = batchable(model) if model is not None else None
-        if why:
-            return f"the {what} {why}"
-    return None

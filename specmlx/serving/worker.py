@@ -40,7 +40,9 @@ from ..drafting.lookup import LookupMemory
 from ..errors import SpecmlxError
 from ..models.loading import Loaded
 from ..paths import Warn
-from .batcher import Batcher, FollowerBatch, can_batch
+from .batcher import Batcher
+from .follower import FollowerBatch
+from .joining import can_batch
 from .prompt_cache import PromptCache
 
 T = TypeVar("T")

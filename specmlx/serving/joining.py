@@ -1,0 +1,36 @@
+"""How a request becomes a row of the server's batch, the same on rank 0 and on the ranks
+that follow it, and whether a pair can batch at all."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..core.rows import batchable
+from ..core.stats import Stats
+from ..decoding.batch import Batch, Row
+from ..decoding.session import Request
+
+
+def join_row(worker, batch: Batch, r, stats: Stats) -> tuple[Row, Request]:
+    """Request ``r`` (a worker.GenRequest) joins ``batch`` as a row, from the worker's
+    prompt cache or a running row's prefix (Batch.share): (its row, the Request it runs
+    as). Rank 0 and the ranks that follow it join alike.
+
+    worker: the worker (its session, draft and prompt cache); batch: the batch to join;
+    stats: the request's, filled live."""
+    use_draft = r.drafter == "model" and worker.draft is not None
+    request = replace(r, use_draft=use_draft, lookup=False, draft_stop=False)
+    kv = batch.share(r.prompt_ids, worker.cache.take(r.prompt_ids))
+    row = batch.join(r.prompt_ids, worker.session.decode(request), kv, stats, drafts=use_draft)
+    worker.cache.keep_branch(kv)
+    return row, request
+
+
+def can_batch(worker) -> str | None:
+    """Why this worker's pair cannot run as a batch (None: it can)."""
+    pair = worker.session.pair
+    for what, model in (("target", pair.target), ("draft", pair.draft)):
+        why = batchable(model) if model is not None else None
+        if why:
+            return f"the {what} {why}"
+    return None
