@@ -1,8 +1,9 @@
 """The server's ASGI middleware, in front of every route: the Host header (when the server
 names its hosts), the Bearer API key (all but /health), the body size limit (a 413, chunked
-bodies too) and the body timeout (a 408 for a client that stops sending mid-body); and,
-below ASGI, a deadline for a request's headers (HeaderDeadline, uvicorn's HTTP/1.1 protocol
-with one timer added).
+bodies too) and the body deadline (a 408 for a body not whole in time); and, below ASGI,
+uvicorn's HTTP/1.1 protocol with a deadline for a request's headers and the server's own
+answers to what uvicorn refuses itself (HeaderDeadline: malformed HTTP, the connection
+limit).
 
 It answers each refusal itself in OpenAI's error shape; the app sees only requests that
 passed, with their whole body already read.
@@ -21,7 +22,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .api_errors import error_body
 
-BODY_TIMEOUT_S = 30.0  # the longest wait for the next piece of a request body (then a 408)
+BODY_TIMEOUT_S = 30.0  # the longest a request's whole body may take (then a 408)
 HEADER_TIMEOUT_S = 10.0  # the longest a request's line and headers may take (then a 408)
 
 
@@ -38,12 +39,12 @@ def host_name(header: str) -> str:
 class Guard:
     """ASGI middleware: the Host header (when the server names its hosts), the Bearer API
     key (all but /health), the body size limit (413, chunked bodies too) and the body
-    timeout (408).
+    deadline (408).
 
     app: the ASGI app behind it; api_key: the key requests must send as a Bearer token (None
     or empty: none needed); max_body: the largest request body in bytes; hosts: the Host
-    names requests may carry (None: any); body_timeout_s: the longest wait for the next
-    piece of a body."""
+    names requests may carry (None: any); body_timeout_s: the longest the whole body may
+    take to arrive, counted from when its headers are in."""
 
     def __init__(
         self,
@@ -80,9 +81,15 @@ class Guard:
         # read the body here, counting (a chunked one has no length to check first), and
         # hand the app a replay: an oversized body is a 413 before the app sees any of it
         chunks, seen, more = [], 0, True
+        # one deadline for the whole body, not one per piece: a client that sends a byte
+        # every few seconds, each piece in time, held its connection slot for ever (and the
+        # server has few: enough such clients locked everyone else out)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
         while more:
-            try:  # a client that stops sending mid-body must not hold the connection for ever
-                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            try:
+                left = max(0.0, deadline - loop.time())
+                message = await asyncio.wait_for(receive(), left)
             except asyncio.TimeoutError:  # not the builtin TimeoutError before 3.11
                 msg = f"the request body did not arrive within {self.body_timeout_s:g} s"
                 body = error_body(msg, "invalid_request_error", "timeout")
@@ -113,17 +120,67 @@ class Guard:
 
 
 class HeaderDeadline(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline for each request's line and headers.
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's line and headers, and
+    the server's JSON errors where uvicorn answers in plain text.
 
-    uvicorn has none: a client that connects and then trickles its headers (or sends
-    nothing) holds one of the server's few connection slots for as long as it likes
-    (slowloris). The deadline starts when a connection opens and when the first byte of a
-    later request arrives on it (between requests uvicorn's keep-alive timeout applies), and
-    ends when h11 has the whole head; past it the client gets a 408 and the connection
-    closes. ``header_timeout_s`` is a class attribute: serve.run_server makes a subclass
-    with the server's value."""
+    The deadline: uvicorn has none, so a client that connects and then trickles its headers
+    (or sends nothing) held one of the server's few connection slots for as long as it
+    liked (slowloris). It starts when a connection opens and when the first byte of a later
+    request arrives on it (between requests uvicorn's keep-alive timeout applies), and ends
+    when h11 has the whole head; past it the client gets a 408 and the connection closes.
+    ``header_timeout_s`` is a class attribute: serve.run_server makes a subclass with the
+    server's value.
+
+    The answers: a request h11 cannot parse gets a 400, and one past uvicorn's
+    ``limit_concurrency`` a 503 with Retry-After, both in OpenAI's error shape like every
+    other refusal (uvicorn's own are plain text, the 503 with no Retry-After)."""
 
     header_timeout_s = HEADER_TIMEOUT_S
+    retry_after_s = 1  # what a client refused at the connection limit is told to wait
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn picks its plain-text 503 inside handle_events, where no subclass can reach:
+        # take the limit over instead, and check it where each request's app starts
+        self.max_connections, self.limit_concurrency = self.limit_concurrency, None
+        if self.max_connections is not None:
+            self._app, self.app = self.app, self._limited
+
+    async def _limited(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app, or the 503 uvicorn's limit_concurrency gives: this connection counts
+        among the open ones, and this request's task among the running ones (uvicorn counts
+        the tasks before adding the new one: hence ``>``)."""
+        if scope["type"] == "http" and (
+            len(self.connections) >= self.max_connections or len(self.tasks) > self.max_connections
+        ):
+            self.logger.warning("Exceeded concurrency limit.")  # as uvicorn logs it
+            msg = f"the server is serving all the connections it can ({self.max_connections})"
+            body = error_body(msg, "server_error", "overloaded")
+            headers = {"Retry-After": str(self.retry_after_s), "Connection": "close"}
+            return await JSONResponse(body, 503, headers=headers)(scope, receive, send)
+        return await self._app(scope, receive, send)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 cannot parse, in OpenAI's error shape.
+
+        msg: uvicorn's words for it (logged by uvicorn; the client gets its own)."""
+        if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            self.transport.close()  # a response is already under way: no room for another
+            return
+        text = "the request is not valid HTTP/1.1"
+        body = json.dumps(error_body(text, "invalid_request_error", "bad_request")).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
