@@ -9,37 +9,60 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from .api_errors import ApiError
 
 MAX_STOPS = 4  # as OpenAI allows
 MAX_COMPLETIONS = 8  # llama.cpp's n_cmpl, generated one after another
 
-Positive = Annotated[int, Field(gt=0)]
-
+# Numbers and flags are strict: pydantic's lax mode would read "max_tokens": true as one
+# token, "stream": "yes" as a stream and "temperature": "0.5" as 0.5, where OpenAI's API
+# answers a 400. JSON's own ints and floats (what the openai client and the editor plugins
+# send) pass: a strict float takes an int too.
+Positive = Annotated[int, Field(gt=0, strict=True)]
+Count = Annotated[int, Field(ge=0, strict=True)]
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Temperature = Annotated[float, Field(ge=0, strict=True, allow_inf_nan=False)]
+TopP = Annotated[float, Field(gt=0, le=1, strict=True)]
+MinP = Annotated[float, Field(ge=0, lt=1, strict=True)]
 
 # llama.cpp's clients send -1 for "random"; anything else must fit the 64-bit seed MLX takes
-Seed = Annotated[int, Field(ge=-1, le=2**64 - 1)]
+Seed = Annotated[int, Field(ge=-1, le=2**64 - 1, strict=True)]
 
 
 def _no_lone_surrogates(value: Any, where: str = "body") -> None:
     """Refuse text that is not valid Unicode (a lone UTF-16 surrogate such as "\\ud800",
-    which JSON can carry and no tokenizer can encode), wherever it sits in a request."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"{where} holds a lone surrogate at character {e.start}") from None
-    elif isinstance(value, BaseModel):
-        for name in type(value).model_fields:
-            _no_lone_surrogates(getattr(value, name), name)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            _no_lone_surrogates(item, where)
-    elif isinstance(value, dict):
-        for item in value.values():
-            _no_lone_surrogates(item, where)
+    which JSON can carry and no tokenizer can encode), wherever it sits in a request.
+
+    value: what to check (a model, a str, or JSON's lists and dicts, nested as deep as a
+    client likes); where: the field it came from, named in the error.
+
+    The walk keeps its own stack: a client may nest a body deeper than Python's recursion
+    limit (a 950-deep ``stream_options``), which a recursive walk answered with a 500."""
+    stack = [(value, where)]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                msg = f"{where} holds a lone surrogate at character {e.start}"
+                raise ValueError(msg) from None
+        elif isinstance(value, BaseModel):
+            items = [(getattr(value, name), name) for name in type(value).model_fields]
+            stack += reversed(items)  # reversed: the first one in the body is named first
+        elif isinstance(value, (list, tuple, dict)):
+            items = value.values() if isinstance(value, dict) else value
+            stack += reversed([(item, where) for item in items])
 
 
 class _Text(BaseModel):
@@ -59,24 +82,24 @@ class SamplingBody(_Text):
 
     model: str | None = None
     max_tokens: Positive | None = None
-    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
-    min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: Count | None = None
+    min_p: MinP | None = None
     stop: str | list[str] | None = None
     seed: Seed | None = None  # -1 or None: random
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: dict[str, Any] | None = None
-    n: int = 1
+    n: StrictInt = 1
     logprobs: bool | int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Number = 0.0
+    frequency_penalty: Number = 0.0
     logit_bias: dict[str, float] | None = None
     # specmlx extensions
     draft: Literal["model", "lookup", "none"] | None = None
     num_draft: Annotated[int, Field(ge=0)] | Literal["auto"] | None = None
     verify: str | None = None  # "block" or "token" (checked where the engine checks it)
-    return_tokens: bool = False  # token ids in each chunk (specmlx run --server uses it)
+    return_tokens: StrictBool = False  # token ids in each chunk (specmlx run --server uses it)
 
     def refuse_unsupported(self) -> None:
         """A 400 (ApiError) for a field this server accepts but cannot honour."""
@@ -105,8 +128,8 @@ class CompletionBody(SamplingBody):
 
     prompt: str
     suffix: str | None = None
-    echo: bool = False
-    best_of: int | None = None
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
 
 
 class Message(BaseModel):
@@ -116,12 +139,22 @@ class Message(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
 
+    @model_validator(mode="after")
+    def _has_content(self):
+        # OpenAI's API lets only an assistant message (one that made tool calls) go without
+        # content; a user message with none was answered as if it were empty
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
     def text(self) -> str:
         """The message's text; a 400 (ApiError) for a part that is not text."""
         if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
             parts = [p.get("text", "") for p in self.content if p.get("type") == "text"]
             if len(parts) != len(self.content):
                 raise ApiError(400, "only text message content is supported")
+            if not all(isinstance(p, str) for p in parts):  # (JSON lets it be anything)
+                raise ApiError(400, "a text part's text must be a string")
             return "".join(parts)
         return self.content or ""
 
@@ -146,21 +179,22 @@ class LlamaBody(_Text):
 
     model_config = ConfigDict(extra="ignore")
 
-    n_predict: int = -1  # < 0: the server's default; 0: a warm-up, prefill only
-    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
-    top_k: Annotated[int, Field(ge=0)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
+    n_predict: StrictInt = -1  # < 0: the server's default; 0: a warm-up, prefill only
+    temperature: Temperature | None = None
+    top_k: Count | None = None
+    top_p: TopP | None = None
+    min_p: MinP | None = None
     stop: list[str] = []
     seed: Seed = -1  # -1: random
-    stream: bool = False
+    stream: StrictBool = False
     # llama.cpp's editor limits: stop once this long has passed after the first token and a
     # line is done; stop at a line indented less (both finish as "limit"); <= 0: none
-    t_max_predict_ms: float = 0
-    n_indent: int = 0
+    t_max_predict_ms: Number = 0
+    n_indent: StrictInt = 0
     # return just these fields, nested ones flattened as "timings/prompt_n" (llama.vim)
     response_fields: list[str] | None = None
-    n_cmpl: Annotated[int, Field(ge=1, le=MAX_COMPLETIONS)] = 1  # completions, one after another
+    # completions, one after another
+    n_cmpl: Annotated[int, Field(ge=1, le=MAX_COMPLETIONS, strict=True)] = 1
 
     @field_validator("stop")
     @classmethod
@@ -184,4 +218,4 @@ class LlamaCompletionBody(LlamaBody):
     """llama.cpp's native /completion (Continue's and Tabby's llama.cpp providers): a text
     prompt or its token ids."""
 
-    prompt: str | list[Annotated[int, Field(ge=0)]]
+    prompt: str | list[Count]
