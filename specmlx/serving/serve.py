@@ -91,7 +91,10 @@ def create_app(
         finally:
             await asyncio.to_thread(worker.stop)
 
-    app = FastAPI(title="specmlx", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # no /docs, so no /openapi.json either: the schema would only tell a stranger the routes
+    app = FastAPI(
+        title="specmlx", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.add_middleware(
         Guard, api_key=settings.api_key, max_body=settings.max_body, hosts=settings.hosts
     )
@@ -177,10 +180,11 @@ def create_app(
 
     @app.get("/props")
     async def props():
-        # llama.cpp's: what llama.vscode reads for the context size (one slot: one at a time)
+        # llama.cpp's: what llama.vscode reads for the context size; its slots are the
+        # requests decoded at once, here the worker's batch rows (1 where it cannot batch)
         return {
             "default_generation_settings": _generation_settings(settings, settings.max_tokens),
-            "total_slots": 1,
+            "total_slots": worker.slots,
             "model_path": settings.model_name,
         }
 
