@@ -14,8 +14,10 @@ import mlx.core as mx
 from helpers import Script
 
 from specmlx.core.sampling import SamplingParams
-from specmlx.distributed.ranks import Lockstep, LockstepError, SharedK, join
-from specmlx.serving.worker import IDLE, GenRequest, _receive, _send
+from specmlx.distributed.launch import join
+from specmlx.distributed.ranks import Lockstep, LockstepError, SharedK
+from specmlx.distributed.wire import IDLE, receive, send
+from specmlx.serving.worker import GenRequest
 
 world = join()
 calls = {"all_gather": 0, "all_sum": 0}
@@ -59,9 +61,9 @@ def request() -> dict:
     )  # fmt: skip
     if world.rank == 0:
         for r in (sent, IDLE, None):
-            _send(world, r)
+            send(world, r)
         return {"sent": asdict(sent)}
-    got = [_receive(world) for _ in range(3)]
+    got = [receive(world, GenRequest) for _ in range(3)]
     return {"got": asdict(got[0]), "equal": got[0] == sent, "then": [got[1] is IDLE, got[2]]}
 
 

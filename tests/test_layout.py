@@ -116,7 +116,7 @@ def test_the_engine_knows_nothing_of_the_layers_above():
         "errors",
         "decoding",
     }
-    assert own <= {"decoding.request"}, own  # not the session, the stream or FIM
+    assert own <= {"decoding.request", "decoding.stops"}, own  # not the session, stream, FIM
 
 
 def test_only_the_models_build_command_imports_the_standins():

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from ..core.acceptance import DEFAULT_VERIFY
-from ..distributed.ranks import rank_prefix
+from ..distributed.launch import rank_prefix
 from ..drafting.choosers import K
 from ..errors import BadInput
 from ..models.registry import MTP
@@ -107,7 +107,8 @@ def bench(
     from ..bench import suite as b
     from ..core.sampling import SamplingParams
     from ..decoding.stream import encode_prompt
-    from ..distributed.ranks import Watchdog, barrier, join, launched
+    from ..distributed.launch import join, launched
+    from ..distributed.ranks import Watchdog, barrier
     from ..models.loading import load_head_over, load_pair
     from ..models.registry import load_registry
     from .display import bench_table

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand
 
-from ..distributed.ranks import rank_prefix
+from ..distributed.launch import rank_prefix
 from ..drafting.choosers import AUTO, K
 from ..errors import BadInput, SpecmlxError
 from ..models.registry import head_of

@@ -14,7 +14,7 @@ from .common import resolve_models
 def check_split(hosts, hostfile, target) -> None:
     """Before any rank starts: the hosts are well formed and the target can be split over
     them (both one-line errors)."""
-    from ..distributed.ranks import parse_hosts
+    from ..distributed.launch import parse_hosts
     from ..models.inspection import peek
     from ..models.registry import load_registry
     from ..models.sharding import check_shardable, shard_support
@@ -31,7 +31,7 @@ def launch_command(
 ) -> int:
     """Start this same command as ranks with mlx.launch; returns the exit code. ``secret``
     (the server's API key) goes to the ranks on stdin, never on a command line."""
-    from ..distributed.ranks import launch
+    from ..distributed.launch import launch
 
     skip = {"hosts", "hostfile", "prompt", "suffix_file", "api_key"}
     skip |= {"seed"} if command == "run" else set()

@@ -15,7 +15,7 @@ import typer
 
 from ..core.acceptance import DEFAULT_VERIFY
 from ..core.stats import Stats
-from ..distributed.ranks import rank_prefix
+from ..distributed.launch import rank_prefix
 from ..drafting.choosers import K
 from ..errors import BadInput
 from .common import (
@@ -101,7 +101,7 @@ def run(
     """Generate a completion: text on stdout, live stats and a summary on stderr."""
     from ..core.acceptance import sampled_rule
     from ..core.sampling import SamplingParams
-    from ..distributed.ranks import join, launched
+    from ..distributed.launch import join, launched
 
     params = SamplingParams(temp, top_p, top_k, min_p)  # validates before any loading
     if verify is not None:

@@ -8,7 +8,7 @@ import os
 import typer
 
 from ..core.acceptance import DEFAULT_VERIFY
-from ..distributed.ranks import leave, rank_prefix
+from ..distributed.launch import leave, rank_prefix
 from ..drafting.choosers import K
 from ..errors import BadInput, SpecmlxError
 from .common import (
@@ -148,7 +148,8 @@ def serve(
 
     from ..core.acceptance import sampled_rule
     from ..core.sampling import SamplingParams
-    from ..distributed.ranks import Watchdog, barrier, join, launched
+    from ..distributed.launch import join, launched
+    from ..distributed.ranks import Watchdog, barrier
     from ..models.footprint import parse_size
     from ..models.loading import load_pair
     from ..models.registry import load_registry

@@ -13,7 +13,7 @@ choice), until a second one arrives: then it joins the batch as a row, from the 
 has emitted.
 
 With the target split over ranks, rank 0's batch travels to the other ranks as what it does
-(worker.BatchOps: the rows that left, a request that joins, each row's k), sent before it
+(wire.BatchOps: the rows that left, a request that joins, each row's k), sent before it
 does it, and each round's tokens are compared across ranks (one Lockstep check a round); the
 other ranks run the same batch (follower.FollowerBatch). Rank 0 decides everything a rank could
 decide differently (k from its timings, cancels, editor limits, unseeded requests' seeds),

@@ -1,5 +1,5 @@
 """A rank other than 0 when the server batches over ranks: it runs rank 0's batch in
-step, from the messages rank 0 sends before it acts (worker.BatchOps: the rows that left, a
+step, from the messages rank 0 sends before it acts (wire.BatchOps: the rows that left, a
 request that joins, each row's k for the round), so both ranks make the same collective
 calls in the same order; each round's tokens are compared (one Lockstep check a round).
 Nothing is emitted here: rank 0 answers the clients."""

@@ -8,16 +8,12 @@ loop). A job that is cancelled (its client hung up) stops within one round and f
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, is_dataclass, replace
-from functools import cache
-from types import UnionType
-from typing import TypeVar, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
@@ -32,9 +28,8 @@ from ..distributed.ranks import (
     lost_peer,
     ranks_stopped,
     said,
-    share,
-    share_bytes,
 )
+from ..distributed.wire import IDLE, BatchOps, receive, send, send_ops
 from ..drafting.choosers import ChooserStore
 from ..drafting.lookup import LookupMemory
 from ..errors import SpecmlxError
@@ -45,7 +40,9 @@ from .follower import FollowerBatch
 from .joining import can_batch
 from .prompt_cache import PromptCache
 
-T = TypeVar("T")
+# with ranks, between requests: seconds between rank 0's idle ticks (a request waits at most
+# this long for the followers; they spin a tenth of it)
+IDLE_TICK = 0.1
 
 
 class QueueFull(SpecmlxError):
@@ -259,7 +256,7 @@ class Worker:
         match rank 0's, so it stops (and rank 0, whose collectives then fail, stops too)."""
         while True:
             try:
-                request = _receive(self.world)
+                request = receive(self.world, GenRequest)
             except RuntimeError as e:
                 raise RankFailure(f"lost rank 0 ({lost_peer(e) or e})") from None
             if request is None:
@@ -283,12 +280,12 @@ class Worker:
 
     def stop_followers(self) -> None:
         """Rank 0: the other ranks stop following (serving is over)."""
-        _send(self.world, None)
+        send(self.world, None)
 
     def send_ops(self, leave: list[int], join: GenRequest | None, k: list[int] | None) -> None:
         """Rank 0 with a batch: tell the other ranks what its batch does next (see BatchOps),
         before it does it."""
-        _send_ops(self.world, BatchOps(leave, join, k))
+        send_ops(self.world, BatchOps(leave, join, k))
 
     def fail(self, message: str) -> None:
         """Answer the running request with ``message`` (a 503) and give the answer a moment
@@ -303,7 +300,7 @@ class Worker:
             job = self._next()
             if job is None:
                 if self.world.distributed:
-                    _send(self.world, None)  # the other ranks stop following
+                    send(self.world, None)  # the other ranks stop following
                 return
             self.holding = 1
             try:
@@ -356,7 +353,7 @@ class Worker:
             except queue.Empty:
                 if self.watchdog is not None:  # a follower that hangs while idle: bounded
                     self.watchdog.beat("waiting for the other ranks")
-                _send(self.world, IDLE)
+                send(self.world, IDLE)
                 if self.watchdog is not None:
                     self.watchdog.idle()
 
@@ -364,7 +361,7 @@ class Worker:
         r, stats, world = job.request, job.stats, self.world
         if world.distributed and world.leader:
             r.seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(6), "little")
-            _send(world, r)
+            send(world, r)
         use_draft = r.drafter == "model" and self.draft is not None
         lockstep = None
         if world.distributed:  # every round: the tokens compared, rank 0's cancel shared
@@ -429,97 +426,3 @@ class Worker:
         t.decode_s += stats.decode_s
         t.prefill_s += stats.prefill_s
         mx.clear_cache()  # between requests: give the allocator's free blocks back
-
-
-# ---------------------------------------------------------------- requests between ranks
-
-# with ranks, between requests: seconds between rank 0's idle ticks (a request waits at most
-# this long for the followers; they spin a tenth of it)
-IDLE_TICK = 0.1
-IDLE = object()  # _receive's "nothing yet"
-_STOP, _REQUEST, _IDLE, _BATCH = 0, 1, 2, 3  # what rank 0's first collective says comes next
-
-
-@dataclass
-class BatchOps:
-    """What rank 0's batch does next, for the other ranks to do the same, in this order: the
-    rows that left since the last message (their indices in the batch, in the order they
-    left: no collective, so they wait for the next message), then a request that joins (its
-    prefill is collective: sent before rank 0 runs it; None: none), then a round of k[i]
-    drafts for row i (None: no round)."""
-
-    leave: list[int]
-    join: GenRequest | None
-    k: list[int] | None
-
-
-def _send_ops(world: World, ops: BatchOps) -> None:
-    data = json.dumps(
-        {"leave": ops.leave, "join": asdict(ops.join) if ops.join else None, "k": ops.k},
-        separators=(",", ":"),
-    ).encode()
-    share(world, [_BATCH, len(data)])
-    share_bytes(world, data)
-
-
-def _send(world: World, r) -> None:
-    """Rank 0: hand one request (None: stop following; IDLE: nothing yet) to the others:
-    one collective says what comes and its size, a second (a request's) carries it packed."""
-    if r is None or r is IDLE:
-        share(world, [_STOP if r is None else _IDLE, 0])
-        return
-    data = pack(r)
-    share(world, [_REQUEST, len(data)])
-    share_bytes(world, data)
-
-
-def _receive(world: World):
-    """Other ranks: wait for rank 0's next request (None: stop; IDLE: nothing yet; a
-    BatchOps: what its batch does next)."""
-    kind, size = share(world, [], 2)
-    if kind == _STOP:
-        return None
-    if kind == _IDLE:
-        return IDLE
-    if kind == _BATCH:
-        ops = json.loads(share_bytes(world, b"", size))
-        join = _revive(GenRequest, ops["join"]) if ops["join"] is not None else None
-        return BatchOps(ops["leave"], join, ops["k"])
-    return unpack(GenRequest, share_bytes(world, b"", size))
-
-
-def pack(request: object) -> bytes:
-    """A dataclass (a GenRequest) as JSON bytes, every field of it (nested dataclasses as
-    objects): a field added to the class travels with no edit here. The worker then sets
-    use_draft, lookup, draft_stop and the time limit itself on every rank (see _generate)."""
-    return json.dumps(asdict(request), separators=(",", ":")).encode()
-
-
-def unpack(cls: type[T], data: bytes) -> T:
-    """``pack``'s bytes back as a ``cls`` equal to the one packed."""
-    return _revive(cls, json.loads(data))
-
-
-@cache
-def _hints(cls: type) -> dict:
-    return get_type_hints(cls)
-
-
-def _revive(kind, value):
-    """A JSON value as the type ``kind`` says: JSON has no dataclasses or tuples, so those
-    are rebuilt, and a float field rank 0 held as an int (temperature 0) comes back a float;
-    a union is tried member by member; anything else is as JSON gave it (a list, str, int,
-    bool or None)."""
-    if is_dataclass(kind) and isinstance(value, dict):
-        hints = _hints(kind)
-        return kind(**{k: _revive(hints[k], v) for k, v in value.items()})
-    if get_origin(kind) is tuple and isinstance(value, list):
-        return tuple(value)
-    if kind is float and type(value) is int:
-        return float(value)
-    if get_origin(kind) in (Union, UnionType):
-        for member in get_args(kind):
-            revived = _revive(member, value)
-            if revived is not value:
-                return revived
-    return value
