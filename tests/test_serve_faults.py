@@ -138,6 +138,10 @@ STRICT = [
     ("/infill", {"input_prefix": "x", "n_cmpl": True}, "n_cmpl"),
     ("/completion", {"prompt": [True, 5]}, "prompt"),
     ("/completion", {"prompt": "x", "t_max_predict_ms": "250"}, "t_max_predict_ms"),
+    # an uncapped num_draft drafted that many steps a round for every row (capped: K_MAX)
+    ("/v1/completions", {"prompt": "x", "num_draft": 1000}, "num_draft must be an integer from 0 to 32"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "num_draft": 33},
+     "num_draft must be an integer from 0 to 32"),
 ]  # fmt: skip
 
 
