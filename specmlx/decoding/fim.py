@@ -16,7 +16,7 @@ from ..errors import BadInput, IncompatiblePair
 
 
 @dataclass(frozen=True)
-class Family:
+class FimLayout:
     """The token strings of one FIM layout."""
 
     name: str
@@ -29,8 +29,8 @@ class Family:
 
 
 FAMILIES = (
-    Family("codellama", "▁<PRE>", "▁<SUF>", "▁<MID>", ("▁<EOT>",)),
-    Family(
+    FimLayout("codellama", "▁<PRE>", "▁<SUF>", "▁<MID>", ("▁<EOT>",)),
+    FimLayout(
         "qwen-coder",
         "<|fim_prefix|>",
         "<|fim_suffix|>",
@@ -39,7 +39,7 @@ FAMILIES = (
         "<|repo_name|>",
         "<|file_sep|>",
     ),
-    Family(
+    FimLayout(
         "starcoder",
         "<fim_prefix>",
         "<fim_suffix>",
@@ -48,7 +48,7 @@ FAMILIES = (
         "<reponame>",
         "<file_sep>",
     ),
-    Family("deepseek-coder", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", ("<|EOT|>",)),
+    FimLayout("deepseek-coder", "<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", ("<|EOT|>",)),
 )
 
 

@@ -39,10 +39,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..core.hidden import text_model
 from ..errors import BadInput, IncompatiblePair, ModelLoadError
 from .headfiles import ROPES, head_weights, read_head_config, target_dtype
-from .mtp import lm_head
+from .targetparts import TargetParts
 
 KIND = "dflash"
 
@@ -224,14 +223,6 @@ class _Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class _Shared:
-    """The target's embedding and LM head, held by reference (not the drafter's
-    parameters)."""
-
-    def __init__(self, embed: nn.Module, head):
-        self.embed, self.head = embed, head
-
-
 class DFlashHead(nn.Module):
     """A DFlash drafter over a target (see the module's docstring for the math).
 
@@ -245,7 +236,7 @@ class DFlashHead(nn.Module):
         self.hidden_norm = nn.RMSNorm(config.hidden, eps=config.eps)
         self.layers = [_Layer(config) for _ in range(config.layers)]
         self.norm = nn.RMSNorm(config.hidden, eps=config.eps)
-        self._shared = _Shared(text_model(target).embed_tokens, lm_head(target))
+        self._shared = TargetParts.of(target)
 
     @property
     def reads_hidden(self) -> tuple[int, ...]:

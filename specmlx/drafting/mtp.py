@@ -47,8 +47,8 @@ from mlx_lm.models import deepseek_v3, glm4_moe, qwen3_5, qwen3_next
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from ..core.hidden import text_model
 from ..errors import BadInput, IncompatiblePair, ModelLoadError
+from .targetparts import TargetParts
 
 # the checkpoint's names of the head's parts (after "mtp.") -> this module's
 _QWEN_NAMES = {
@@ -80,8 +80,8 @@ _NEXTN_NAMES = {
 
 
 @dataclass(frozen=True)
-class Family:
-    """How one family's head is built, named and run.
+class MTPFamily:
+    """How one model family's MTP head is built, named and run.
 
     layer(args): the family's decoder layer for the head; args(model): the text model's
     ModelArgs; prefix(args): what the head's tensor names start with in the checkpoint (the
@@ -171,37 +171,12 @@ _NEXTN = dict(
 )
 
 FAMILIES = {
-    "qwen3_next": Family(_qwen3_next_layer, lambda m: m.args),
-    "qwen3_5": Family(_qwen3_5_layer, lambda m: m.language_model.args),
-    "qwen3_5_moe": Family(_qwen3_5_layer, lambda m: m.language_model.args),
-    "deepseek_v3": Family(_deepseek_v3_layer, mask=_mla_mask, **_NEXTN),
-    "glm4_moe": Family(_glm4_moe_layer, **_NEXTN),
+    "qwen3_next": MTPFamily(_qwen3_next_layer, lambda m: m.args),
+    "qwen3_5": MTPFamily(_qwen3_5_layer, lambda m: m.language_model.args),
+    "qwen3_5_moe": MTPFamily(_qwen3_5_layer, lambda m: m.language_model.args),
+    "deepseek_v3": MTPFamily(_deepseek_v3_layer, mask=_mla_mask, **_NEXTN),
+    "glm4_moe": MTPFamily(_glm4_moe_layer, **_NEXTN),
 }
-
-
-def lm_head(model: nn.Module) -> Callable[[mx.array], mx.array]:
-    """The target's hidden -> logits: its own LM head (or tied embeddings), gathered across
-    ranks where the head is split."""
-    text = getattr(model, "language_model", model)
-    inner = text_model(model)
-    if getattr(text.args, "tie_word_embeddings", False) or not hasattr(text, "lm_head"):
-        return inner.embed_tokens.as_linear
-    group = getattr(text, "sharding_group", None)
-    if group is None:
-        return text.lm_head
-
-    def gathered(h: mx.array) -> mx.array:
-        return qwen3_5.gather_last_axis(text.lm_head(h), group)
-
-    return gathered
-
-
-class _Shared:
-    """The target's embedding and LM head, held by reference: not the head's parameters
-    (they are the target's, loaded, cast and sharded with it)."""
-
-    def __init__(self, embed: nn.Module, head: Callable[[mx.array], mx.array]):
-        self.embed, self.head = embed, head
 
 
 class MTPHead(nn.Module):
@@ -224,7 +199,7 @@ class MTPHead(nn.Module):
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.layer = FAMILIES[family].layer(args)
         self.norm = nn.RMSNorm(h, eps=eps)
-        self._shared = _Shared(text_model(target).embed_tokens, lm_head(target))
+        self._shared = TargetParts.of(target)
 
     def __call__(
         self, hidden: mx.array, tokens: mx.array, cache: list
