@@ -357,7 +357,7 @@ def _eagle3_over(target):
     """A random EAGLE-3 head (a narrower draft vocabulary) over a tiny llama target."""
     from mlx.utils import tree_map
 
-    from specmlx.distill.heads import head_json
+    from specmlx.distill.published import head_json
     from specmlx.drafting import eagle3
 
     config = head_json("eagle3", dict(target.args.__dict__, model_type="llama"), layers=1,
@@ -376,7 +376,7 @@ def _dflash_over(target):
     """A random DFlash drafter (2 layers, blocks of 8) over a tiny llama target."""
     from mlx.utils import tree_map
 
-    from specmlx.distill.heads import head_json
+    from specmlx.distill.published import head_json
     from specmlx.drafting import dflash
 
     t = {"hidden_size": 32, "num_hidden_layers": 8, "vocab_size": 128, "intermediate_size": 64,

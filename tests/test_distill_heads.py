@@ -21,14 +21,9 @@ from helpers import distill_data, distill_teacher, generate, make_tiny_model
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from specmlx.distill.heads import (
-    check_head,
-    dflash_blocks,
-    draft_columns,
-    eagle3_steps,
-    head_shape,
-    head_trainee,
-)
+from specmlx.distill.forwards import dflash_blocks, draft_columns, eagle3_steps
+from specmlx.distill.heads import head_shape, head_trainee
+from specmlx.distill.published import check_head
 from specmlx.distill.student import DistillConfig
 from specmlx.distill.train import distill
 from specmlx.drafting.dflash import load_dflash

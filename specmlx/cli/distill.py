@@ -98,7 +98,7 @@ def distill_summary(out: Path, console: Console) -> None:
 
     out: the run's directory; console: where to print (stdout's: the facts are what the
     command was run for)."""
-    from ..distill.heads import depth_line
+    from ..distill.forwards import depth_line
 
     facts = json.loads((out / "distill.json").read_text())
     first, last = facts["evals"][0], facts["evals"][-1]
