@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from helpers import make_tiny_model
 
 from specmlx.drafting.choosers import AUTO, K
 from specmlx.errors import RegistryError, UnknownModel
@@ -11,6 +12,7 @@ from specmlx.models.registry import (
     PairSpec,
     Quantize,
     expand_path,
+    head_of,
     load_registry,
     parse_file,
 )
@@ -293,3 +295,131 @@ def test_expand_path_defaults_specmlx_home(monkeypatch):
     monkeypatch.setenv("WHERE", "/srv")
     assert expand_path("$SPECMLX_HOME/a") == Path("~/.cache/specmlx/a").expanduser()
     assert expand_path("${WHERE}/b") == Path("/srv/b")
+
+
+# ---------------------------------------------------------------- published heads
+
+
+def test_shipped_pairs_name_the_published_heads(specmlx_home):
+    """Each published head is an alias fetched from the hub like any model, and its pair
+    names it as kind:ALIAS; the first pair naming a target is what `run --target` drafts
+    with. A Qwen3.6 drafter (sliding-window layers, refused by name) is no target's pair."""
+    reg = load_registry()
+    heads = {
+        "llama3.1-8b": ("eagle3", "lmsys/SGLang-EAGLE3-Llama-3.1-8B-Instruct-SpecForge"),
+        "qwen3-8b": ("dflash", "z-lab/Qwen3-8B-DFlash-b16"),
+        "qwen3-30b-a3b": (
+            "eagle3",
+            "lmsys/SGLang-EAGLE3-Qwen3-30B-A3B-Instruct-2507-SpecForge-Nex",
+        ),
+        "qwen3.5-4b": ("dflash", "z-lab/Qwen3.5-4B-DFlash"),
+        "qwen3.5-9b": ("dflash", "z-lab/Qwen3.5-9B-DFlash"),
+        "qwen3.5-27b": ("dflash", "z-lab/Qwen3.5-27B-DFlash"),
+    }
+    for target, (kind, repo) in heads.items():
+        first = next(p for p in reg.pairs.values() if p.target == target)
+        got_kind, alias = head_of(first.draft)
+        head = reg.models[alias]
+        assert (got_kind, head.kind, head.ref) == (kind, "hf", repo), first
+        assert reg.models[target].kind == "hf"
+    others = {p.draft for p in reg.pairs.values()}
+    assert {"dflash:llama3.1-8b-dflash", "eagle3:qwen3-8b-eagle3"} <= others
+    assert reg.models["qwen3.5-27b"].ref == "Qwen/Qwen3.5-27B"
+    assert reg.models["qwen3.6-27b-dflash"].ref == "z-lab/Qwen3.6-27B-DFlash"
+    assert not any(p.target == "qwen3.6-27b" for p in reg.pairs.values())
+
+
+def test_pair_naming_unknown_head_is_refused(tmp_path, specmlx_home):
+    """A head given by a plain name no alias has is refused when the registry loads, with
+    the closest aliases; paths and hub repos are left to the loader."""
+    path = write(tmp_path, '[pairs.p]\ntarget = "qwen3-8b"\ndraft = "eagle3:qwen3-8b-eagel3"\n')
+    with pytest.raises(RegistryError, match="pair 'p' names unknown eagle3 head 'qwen3-8b-eagel3'"
+                       r".*did you mean qwen3-8b-eagle3"):  # fmt: skip
+        load_registry([path])
+    fine = ["dflash:~/heads/x", "eagle3:./x", "eagle3:org/repo", "dflash:hf:org/repo", "mtp"]
+    for i, draft in enumerate(fine):
+        path = write(tmp_path, f'[pairs.p]\ntarget = "qwen3-8b"\ndraft = "{draft}"\n', f"{i}.toml")
+        assert load_registry([path]).pairs["p"].draft == draft
+
+
+def _in_hub_cache(hub: Path, repo: str) -> Path:
+    """The snapshot directory huggingface_hub's cache would hold for ``repo`` at main."""
+    root = hub / ("models--" + repo.replace("/", "--"))
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text("0" * 40)
+    return root / "snapshots" / ("0" * 40)
+
+
+def _head_json(kind: str, t: dict) -> dict:
+    """The config.json a published head of ``kind`` has (SpecForge's LlamaForCausalLMEagle3,
+    z-lab's DFlashDraftModel), one layer over the target whose config.json is ``t``."""
+    shape = {k: t[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                               "num_key_value_heads", "vocab_size")}  # fmt: skip
+    common = {**shape, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "rope_scaling": None, "torch_dtype": "float32",
+              "max_position_embeddings": t.get("max_position_embeddings", 2048)}  # fmt: skip
+    if kind == "eagle3":
+        return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **common,
+                "draft_vocab_size": t["vocab_size"]}  # fmt: skip
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", **common,
+            "head_dim": t["head_dim"], "attention_bias": False, "layer_types": ["full_attention"],
+            "block_size": 4, "num_target_layers": t["num_hidden_layers"],
+            "dflash_config": {"mask_token_id": t["vocab_size"] - 1}}  # fmt: skip
+
+
+def _head_in_released_layout(out: Path, kind: str, target: Path) -> None:
+    """A random head of ``kind`` over the tiny ``target``, saved as its authors publish one:
+    config.json and model.safetensors under the published tensor names."""
+    import json
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from specmlx.drafting import dflash, eagle3
+    from specmlx.models.loading import load_model
+
+    loaded = load_model(load_registry().resolve(str(target)))
+    config = _head_json(kind, loaded.config)
+    if kind == "eagle3":
+        head = eagle3.Eagle3Head(loaded.model, eagle3.head_config(config, loaded.config, "h"))
+    else:
+        head = dflash.DFlashHead(loaded.model, dflash.head_config(config, loaded.config, "h"))
+    out.mkdir(parents=True)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(head.parameters())))
+    (out / "config.json").write_text(json.dumps(config))
+
+
+QWEN3 = {"model_type": "qwen3", "head_dim": 16, "rope_theta": 10000.0,
+         "max_position_embeddings": 40960}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "target, target_repo, kind, head_repo, family",
+    [
+        ("llama3.1-8b", "meta-llama/Llama-3.1-8B-Instruct", "eagle3",
+         "lmsys/SGLang-EAGLE3-Llama-3.1-8B-Instruct-SpecForge", {}),
+        ("qwen3-8b", "Qwen/Qwen3-8B", "dflash", "z-lab/Qwen3-8B-DFlash-b16", QWEN3),
+    ],
+)  # fmt: skip
+def test_run_target_drafts_with_its_published_head(
+    tmp_path, specmlx_home, monkeypatch, target, target_repo, kind, head_repo, family
+):
+    """`specmlx run --target ALIAS` with nothing else drafts with the head its pair names,
+    fetched through the hub source from the hub's cache: tiny stand-ins under the shipped
+    repo ids, and huggingface_hub offline, so nothing reaches the network."""
+    import json
+
+    from huggingface_hub import constants
+    from typer.testing import CliRunner
+
+    from specmlx.cli import app
+
+    hub = tmp_path / "hub"
+    tiny = make_tiny_model(_in_hub_cache(hub, target_repo), num_hidden_layers=8, **family)
+    _head_in_released_layout(_in_hub_cache(hub, head_repo), kind, tiny)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    r = CliRunner().invoke(app, ["run", "--target", target, "-n", "6", "--json", "def f(x):"])
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["draft"] == f"{kind}:{target}-{kind}" and out["stats"]["drafted"] > 0, out

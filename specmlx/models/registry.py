@@ -403,6 +403,24 @@ def registry_files(extra_paths: list[Path | str] | None = None) -> list[Path]:
     return files
 
 
+def _check_head_name(reg: Registry, pair: PairSpec, kind: str, where: str) -> None:
+    """Refuse a pair whose head is a plain name that no alias has, as a pair naming an
+    unknown draft model is refused: a mistyped alias shows now, not when the pair runs.
+
+    reg: the merged registry; pair: the pair; kind, where: its draft as head_of splits it.
+    A path, a `kind:` source or a hub repo is left to be checked when the head loads."""
+    if kind == MTP or where in reg.models or re.search(r"[/:~$]|^\.", where):
+        return
+    if expand_path(where).exists():  # a directory named relative to here
+        return
+    close = difflib.get_close_matches(where, list(reg.models), n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    files = ", ".join(str(f) for f in reg.files)
+    raise RegistryError(
+        f"pair '{pair.name}' names unknown {kind} head '{where}' (in {files}){hint}"
+    )
+
+
 def load_registry(extra_paths: list[Path | str] | None = None) -> Registry:
     """Merge all registry files (later wins per alias, pair and default) and cross-check."""
     reg = Registry()
@@ -416,7 +434,10 @@ def load_registry(extra_paths: list[Path | str] | None = None) -> Registry:
     for pair in reg.pairs.values():
         for role in ("target", "draft"):
             alias = getattr(pair, role)
-            if role == "draft" and (alias in DRAFT_WORDS or head_of(alias)):
+            if role == "draft" and (head := head_of(alias)):
+                _check_head_name(reg, pair, *head)
+                continue
+            if role == "draft" and alias in DRAFT_WORDS:
                 continue
             if alias not in reg.models:
                 files = ", ".join(str(f) for f in reg.files)
