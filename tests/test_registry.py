@@ -1,5 +1,6 @@
 """models.toml parsing, validation messages, overrides and name resolution."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -423,3 +424,28 @@ def test_run_target_drafts_with_its_published_head(
     assert r.exit_code == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["draft"] == f"{kind}:{target}-{kind}" and out["stats"]["drafted"] > 0, out
+
+
+# ---------------------------------------------------------------- `specmlx models list`
+
+
+@pytest.mark.parametrize("columns", [60, 80, 120])
+def test_models_list_fits_the_terminal_it_is_given(specmlx_home, columns):
+    """In a terminal of ``columns`` (rich reads $COLUMNS; TTY_COMPATIBLE=1 makes it one)
+    no line of `models list` is longer, the table takes that width, and every alias and
+    pair still shows whole: an alias starts a row, nothing is cut short with an ellipsis."""
+    from typer.testing import CliRunner
+
+    from specmlx.cli import app
+
+    env = {"TTY_COMPATIBLE": "1", "COLUMNS": str(columns), "NO_COLOR": "1"}
+    r = CliRunner().invoke(app, ["models", "list"], env=env)
+    assert r.exit_code == 0, r.stderr
+    lines = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", r.stdout).splitlines()
+    assert max(len(ln) for ln in lines) == columns, [ln for ln in lines if len(ln) > columns]
+    assert "…" not in r.stdout
+    reg = load_registry()
+    for alias in reg.models:
+        assert any(ln.startswith(f"│ {alias} ") for ln in lines), alias
+    for name in reg.pairs:
+        assert any(ln.startswith(f"  {name} = ") for ln in lines), name

@@ -179,13 +179,33 @@ def print_error(message: str) -> None:
     err_console().print(Text.assemble(("error: ", "bold red"), line), soft_wrap=True)
 
 
-def models_table(registry) -> Table:
+# `models list`: at this width or more (and in a pipe) each fact has its own column; a
+# narrower terminal gets three, so that each alias still shows whole on its own line
+WIDE_LIST = 140
+
+
+def models_table(registry, width: int = PIPE_WIDTH) -> Table:
     """Aliases with their source, dtype/quantization, size when local ("?" when it cannot be
-    told), and a label."""
-    # "default": left, and not padded out to the table's width (no trailing blanks in a pipe)
-    t = Table(title="models (models.toml)", title_justify="default", caption_justify="default")
-    for col in ("alias", "source", "dtype", "quant", "local", "size", "note"):
-        t.add_column(col)
+    told) and a label, then the pairs, a pair a line.
+
+    registry: the merged models.toml files; width: the columns to fit, the console's (a
+    terminal's, $COLUMNS, or PIPE_WIDTH in a pipe). From WIDE_LIST columns up each fact has
+    its column. Narrower there are three: the alias with its dtype and quantization under
+    it, the source with its label under it, and the size (or "no") saying whether the files
+    are here. Aliases are never cut or wrapped; sources and labels fold."""
+    wide = width >= WIDE_LIST
+    # "default": left, and not padded out to the table's width (no trailing blanks in a pipe);
+    # in a terminal the table takes its width, which the pairs below are broken to fit
+    t = Table(title="models (models.toml)", title_justify="default", caption_justify="default",
+              expand=width < PIPE_WIDTH)  # fmt: skip
+    t.add_column("alias", no_wrap=True)
+    t.add_column("source", overflow="fold")
+    if wide:
+        for col in ("dtype", "quant", "local", "size"):
+            t.add_column(col)
+        t.add_column("note", overflow="fold")
+    else:
+        t.add_column("local", no_wrap=True)
     for alias, spec in sorted(registry.models.items()):
         quant = f"{spec.quantize.bits}-bit g{spec.quantize.group_size}" if spec.quantize else ""
         quant = quant or ("as in file" if spec.keep_quantized else "")
@@ -194,10 +214,27 @@ def models_table(registry) -> Table:
         if local:  # sizing a remote model would mean a download: only local ones
             nbytes = model_size(spec)
             size = "?" if nbytes is None else gb(nbytes)
-        t.add_row(alias, spec.source, spec.dtype, quant, "yes" if local else "no", size, spec.label)
-    # a pair a line, so grep finds a pair whole as it finds a model's row
-    pairs = "".join(
-        f"\n  {p.name} = {p.target} + {p.draft} (k {p.k})" for p in registry.pairs.values()
-    )
-    t.caption = f"pairs:{pairs}"
+        if wide:
+            t.add_row(alias, spec.source, spec.dtype, quant, "yes" if local else "no", size,
+                      spec.label)  # fmt: skip
+            continue
+        name = Text(alias)
+        name.append("\n" + ", ".join(filter(None, (spec.dtype, quant))), style="dim")
+        source = Text(spec.source)
+        if spec.label:
+            source.append("\n" + spec.label, style="dim")
+        t.add_row(name, source, ("yes" if size == "?" else size) if local else "no")
+    t.caption = "pairs:" + "".join(_pair_lines(registry.pairs.values(), width))
     return t
+
+
+def _pair_lines(pairs, width: int) -> list[str]:
+    """A pair a line, so grep finds a pair whole as it finds a model's row; a line longer
+    than ``width`` is broken before its draft rather than wherever rich would wrap it."""
+    lines = []
+    for p in pairs:
+        line = f"\n  {p.name} = {p.target} + {p.draft} (k {p.k})"
+        if len(line) > width + 1:
+            line = f"\n  {p.name} = {p.target}\n      + {p.draft} (k {p.k})"
+        lines.append(line)
+    return lines

@@ -20,7 +20,9 @@ def models_list() -> None:
     from ..models.registry import load_registry
     from .display import models_table
 
-    out_console().print(models_table(load_registry()))
+    console = out_console()
+    # the terminal's width (or $COLUMNS): the table fits it; in a pipe, rows stay whole
+    console.print(models_table(load_registry(), console.width))
 
 
 @cli_errors
