@@ -247,6 +247,17 @@ def save_tiny(path: Path, config: dict, tokenizer, seed: int) -> Path:
     return path
 
 
+# what `specmlx models build cpu-demo` reports of the pair it built (as JSON): for the tests
+# that fake standins.cpu_demo.build_demo (test_cli, test_distill, test_distill_heads)
+DEMO_FACTS = json.dumps(
+    {
+        "target": "/x/target", "draft": "/x/draft", "target_params": 1e9, "draft_params": 1e8,
+        "labels": {"target": "wide", "draft": "q4"}, "max_abs_dlogit": 1e-5,
+        "draft_agreement": 0.8, "tokens_checked": 96,
+    }
+)  # fmt: skip
+
+
 DISTILL_TEXT = (
     "def add(a, b):\n    return a + b\n\n" * 8 + "class Point:\n    x: int\n    y: int\n" * 8
 )

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import make_tiny_model
+from helpers import DEMO_FACTS, make_tiny_model
 from typer.testing import CliRunner
 
 from specmlx.cli import app
@@ -460,7 +460,7 @@ def test_models_build_and_list(registry, monkeypatch):
 
     def fake_build(**kw):
         calls.append(kw)
-        return json.loads(FACTS) | {"built": True}
+        return json.loads(DEMO_FACTS) | {"built": True}
 
     monkeypatch.setattr(standin, "build_demo", fake_build)
     r = run("models", "build", "cpu-demo-target")
@@ -479,15 +479,6 @@ def test_models_build_and_list(registry, monkeypatch):
     assert r.exit_code == 0, r.stderr
     row = next(ln for ln in r.stdout.splitlines() if ln.startswith("│ odd-model "))
     assert "│ ?" in row and "│ yes" in row, row
-
-
-FACTS = json.dumps(
-    {
-        "target": "/x/target", "draft": "/x/draft", "target_params": 1e9, "draft_params": 1e8,
-        "labels": {"target": "wide", "draft": "q4"}, "max_abs_dlogit": 1e-5,
-        "draft_agreement": 0.8, "tokens_checked": 96,
-    }
-)  # fmt: skip
 
 
 def test_the_entry_point_re_execs_before_importing_mlx():

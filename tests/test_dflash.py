@@ -20,17 +20,18 @@ import pytest
 import torch
 from families import build, family_config
 from helpers import generate, save_tiny, served_head_equals_no_draft, tiny_tokenizer
-from mlx.utils import tree_flatten
-from safetensors.torch import save_file
-from test_distributed import same_on_two_ranks
-from test_distribution import (
+from kit_dflash import ROUNDS, LegacyCache, agree, our_rounds, ref_rounds
+from kit_distribution import (
     JOINT_SAMPLING,
     JV,
-    _skips_the_residual,
     engine_sequences,
     pooled_chi2,
     sequence_joint,
+    skips_the_residual,
 )
+from kit_ranks import same_on_two_ranks
+from mlx.utils import tree_flatten
+from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from typer.testing import CliRunner
 
@@ -50,16 +51,6 @@ sys.path.insert(0, str(Path(__file__).parent / "reference"))
 import dflash_model as reference  # noqa: E402
 
 LAYERS = 8  # the target's; the default ids for 2 draft layers are then [1, 5]
-
-
-class LegacyCache(reference.DynamicCache):
-    """transformers' DynamicCache with the ``crop(n)`` the reference was written against
-    (keep the first n positions); transformers 5 takes only ``crop(-removed)``."""
-
-    def crop(self, max_length: int) -> None:
-        removed = self.get_seq_length() - max_length
-        if removed > 0:
-            super().crop(-removed)
 
 
 def dflash_json(vocab: int, layers: int = 2, block: int = 8, target_layers=None, **over) -> dict:
@@ -132,49 +123,6 @@ def _case(tmp_path, target, seed=1, **over):
     config = dflash_json(target.args.vocab_size, **over)
     ref = reference_drafter(config, seed)
     return save_drafter(tmp_path / f"d{seed}", ref, config), ref
-
-
-# rounds of (new context features, the block's first token, its width): the first reads a
-# prompt's worth of context, later ones what a round confirmed, one reads nothing new
-ROUNDS = [(6, 7, 8), (3, 100, 8), (1, 3, 4), (0, 9, 5), (2, 50, 8)]
-
-
-def ref_rounds(model, target, feats: np.ndarray):
-    """The reference drafter over ROUNDS as ``dflash_generate`` calls it: the context cache
-    cropped back to the confirmed positions after each block; logits from the target's LM
-    head on the block's last width - 1 positions."""
-    embed = torch.tensor(np.array(target.model.embed_tokens.weight))
-    head = torch.tensor(np.array(target.lm_head.weight))
-    cache, start, used, out = LegacyCache(), 0, 0, []
-    with torch.no_grad():
-        for new, first, width in ROUNDS:
-            start += new
-            block = torch.tensor([[first] + [model.mask_token_id] * (width - 1)])
-            h = model(
-                target_hidden=torch.tensor(feats[:, used:start]),
-                noise_embedding=embed[block],
-                position_ids=torch.arange(cache.get_seq_length(), start + width)[None],
-                past_key_values=cache,
-                use_cache=True,
-                is_causal=False,
-            )
-            cache.crop(start)
-            used = start
-            out.append((h[:, 1 - width :] @ head.T).numpy())
-    return out
-
-
-def our_rounds(head, feats: np.ndarray):
-    cache, used, out = head.make_cache(), 0, []
-    for new, first, width in ROUNDS:
-        rows = mx.array(feats[:, used : used + new]) if new else None
-        out.append(np.array(head.block(rows, mx.array([first]), width, cache)))
-        used += new
-    return out
-
-
-def agree(ours, ref) -> bool:
-    return all(np.allclose(a, b, atol=2e-4, rtol=1e-4) for a, b in zip(ours, ref, strict=True))
 
 
 def _feats(head, seed=0):
@@ -383,7 +331,7 @@ def test_dflash_sequences_follow_the_target_joint(small):
 def test_the_dflash_sequence_test_rejects_a_wrong_rule(small, monkeypatch):
     target, head = small
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING), PROMPT)
-    monkeypatch.setitem(RULES, "token", _skips_the_residual(sampled_outcome))
+    monkeypatch.setitem(RULES, "token", skips_the_residual(sampled_outcome))
     counts, _ = engine_sequences(target, head, "token", N_DF_WRONG, prompt=PROMPT)
     assert pooled_chi2(counts, joint) < 1e-6
 

@@ -12,16 +12,16 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import distill_data, distill_teacher, generate, make_tiny, make_tiny_model
-from mlx.utils import tree_flatten
-from test_distribution import (
+from helpers import DEMO_FACTS, distill_data, distill_teacher, generate, make_tiny, make_tiny_model
+from kit_distribution import (
     JOINT_SAMPLING,
     JV,
-    _skips_the_residual,
     engine_sequences,
     pooled_chi2,
     sequence_joint,
+    skips_the_residual,
 )
+from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 from specmlx.cli import app
@@ -285,7 +285,7 @@ def test_distilled_sequences_follow_the_target_joint(joint_pair):
 def test_the_distilled_sequence_test_rejects_a_wrong_rule(joint_pair, monkeypatch):
     target, student = joint_pair
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
-    monkeypatch.setitem(RULES, "block", _skips_the_residual(block_outcome))
+    monkeypatch.setitem(RULES, "block", skips_the_residual(block_outcome))
     counts, _ = engine_sequences(target, student, "block", N_SEQ_WRONG)
     assert pooled_chi2(counts, joint) < 1e-6
 
@@ -353,14 +353,15 @@ def test_models_build_cpu_distilled_says_what_it_costs_and_resumes(specmlx_home,
     """`specmlx models build cpu-distilled`: the demo pair first (its target), then the
     student: its size and time said before it starts, an interrupted build resumed, a built
     one left alone. (The 20-minute run itself is BENCHMARKS.md's, not the suite's.)"""
-    from test_cli import FACTS
 
     from specmlx.distill import train as distill_mod
     from specmlx.models import loading
     from specmlx.standins import cpu_demo as standin
     from specmlx.standins import cpu_distilled
 
-    monkeypatch.setattr(standin, "build_demo", lambda **kw: json.loads(FACTS) | {"built": False})
+    monkeypatch.setattr(
+        standin, "build_demo", lambda **kw: json.loads(DEMO_FACTS) | {"built": False}
+    )
     teacher = Loaded(make_tiny(0), None, ModelSpec("smollm2-135m", "gguf", "/x"), {}, 0, 0, 64)
     monkeypatch.setattr(loading, "load_model", lambda spec, progress=None: teacher)
     calls = []

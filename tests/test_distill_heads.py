@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import distill_data, distill_teacher, generate, make_tiny_model
+from helpers import DEMO_FACTS, distill_data, distill_teacher, generate, make_tiny_model
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
@@ -165,8 +165,8 @@ def test_a_distilled_eagle3_head_runs_in_the_reference_code(teacher, data, tmp_p
     what specmlx's loader drafts from it, over a first pass and chained steps."""
     import eagle3_cnets as reference
     import torch
+    from kit_eagle3 import agree, our_steps, ref_steps
     from safetensors.torch import load_file
-    from test_eagle3 import agree, our_steps, ref_steps
 
     config = _config("eagle3", width=width, draft_vocab=40, steps=3)
     _run(teacher, tmp_path / "h", config, data)
@@ -192,7 +192,7 @@ def test_a_distilled_dflash_drafter_runs_in_the_reference_code(teacher, data, tm
     """z-lab's model.py (PyTorch) loads the saved config and tensors strictly and drafts the
     blocks specmlx's loader drafts from them, over rounds of context."""
     import dflash_model as reference
-    from test_dflash import agree, our_rounds, ref_rounds
+    from kit_dflash import agree, our_rounds, ref_rounds
     from transformers import Qwen3Config
 
     _run(teacher, tmp_path / "d", _config("dflash", layers=2, block=8, steps=3), data)
@@ -283,7 +283,6 @@ def test_models_build_cpu_eagle3_trains_the_demo_targets_head(specmlx_home, monk
     """`specmlx models build cpu-eagle3`: the demo pair first, then CPU_EAGLE3's run over
     cpu-demo-target, its size and time said before it starts; a built head left alone; the
     pair names it. (The 25-minute run itself is BENCHMARKS.md's, not the suite's.)"""
-    from test_cli import FACTS
     from typer.testing import CliRunner
 
     from specmlx.cli import app
@@ -293,7 +292,9 @@ def test_models_build_cpu_eagle3_trains_the_demo_targets_head(specmlx_home, monk
     from specmlx.standins import cpu_demo as standin
     from specmlx.standins import cpu_distilled
 
-    monkeypatch.setattr(standin, "build_demo", lambda **kw: json.loads(FACTS) | {"built": False})
+    monkeypatch.setattr(
+        standin, "build_demo", lambda **kw: json.loads(DEMO_FACTS) | {"built": False}
+    )
     target = Loaded(None, None, ModelSpec("cpu-demo-target", "local", "/x"), {}, 0, 0, 64)
     monkeypatch.setattr(loading, "load_model", lambda spec, progress=None: target)
     calls = []

@@ -9,8 +9,16 @@ import numpy as np
 import pytest
 from families import build, noisy_copy
 from helpers import RecurrentTableLM, RowsTableLM, TableLM, WindowTableLM, generate, make_tiny
+from kit_distribution import (
+    JOINT_PROMPT,
+    JOINT_SAMPLING,
+    JV,
+    engine_sequences,
+    pooled_chi2,
+    sequence_joint,
+    skips_the_residual,
+)
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
-from scipy.stats import chisquare
 
 from specmlx.core import caches
 from specmlx.core.acceptance import (
@@ -121,21 +129,6 @@ def accept_everything(target, tcache, last, d, q, process, key):
     return n, sample(process(logits[:, -1]), key)
 
 
-def pooled_chi2(observed, probs):
-    """Chi-square p-value of counts against probabilities, pooling cells expected < 5."""
-    observed = np.asarray(observed, dtype=np.float64)
-    expected = np.asarray(probs, dtype=np.float64) / np.sum(probs) * observed.sum()
-    if observed[expected == 0].sum() > 0:
-        return 0.0  # sampled a token the target cannot produce
-    big = expected >= 5
-    obs, exp = list(observed[big]), list(expected[big])
-    if expected[~big].sum() > 0:
-        obs.append(observed[~big].sum())
-        exp.append(expected[~big].sum())
-    exp = np.array(exp) / np.sum(exp) * np.sum(obs)
-    return chisquare(obs, exp).pvalue
-
-
 def chi2_pvalue(t1, t2, joint):
     return pooled_chi2(np.bincount(t1 * V + t2, minlength=V * V), joint.reshape(-1))
 
@@ -207,9 +200,6 @@ def test_engine_first_token_distribution(pair):
 
 # ------------------------------------------- whole sequences through the public API
 
-JV = 8  # vocabulary: 8**3 = 512 possible sequences, 154 of them possible after the filters
-JOINT_PROMPT = [3]  # one token: nothing to prefill, each generation is just its rounds
-JOINT_SAMPLING = SamplingParams(1.0, top_p=0.9, top_k=6, min_p=0.05)
 # generations per test (the engine's per-round MLX ops make most of each one's time): 12,000
 # over the 154 possible sequences keeps every cell's expected count high for the pooled
 # chi-square, at four times the generations that show each wrong rule below at p < 1e-6; the
@@ -244,16 +234,6 @@ def test_the_table_model_reads_its_cache(small_pair):
     assert not mx.array_equal(target(mx.array([[1]]), cache=stale)[0, -1], whole)
 
 
-def sequence_joint(target, process, prompt=JOINT_PROMPT) -> np.ndarray:
-    """P(t1, t2, t3 | prompt) by enumeration, (JV**3,): one batched pass over every
-    prompt + t1 + t2 gives p(t1), p(t2 | t1) and p(t3 | t1, t2)."""
-    ctx = mx.array([prompt + [a, b] for a in range(JV) for b in range(JV)])
-    p = np.array(process(target(ctx)), dtype=np.float64)  # (JV * JV, 3, JV)
-    p = p[:, -3:]  # the rows that predict t1, t2 and t3
-    p1, p2, p3 = p[0, 0], p[::JV, 1], p[:, 2].reshape(JV, JV, JV)
-    return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
-
-
 class ConfidencePlan(KChooser):
     """A k chooser with per-token stopping by a fixed confidence threshold: start each round
     with one draft, draft on while the last draft's confidence is at least ``bar``. With
@@ -274,35 +254,6 @@ class ConfidencePlan(KChooser):
         return (m - 1 if self.own else m), 0
 
 
-def engine_sequences(
-    target, draft, verify: str, n: int, k=2, draft_stop: bool = False, prompt=JOINT_PROMPT
-) -> tuple[np.ndarray, np.ndarray]:
-    """Counts of the three-token sequences from n seeded generations (k = 2, or a chooser
-    object made afresh per generation), and how many rounds kept 0, 1 and 2 drafts."""
-    counts, kept = np.zeros(JV**3), np.zeros(3)
-    for seed in range(n):
-        stats = Stats()
-        out = [
-            e.token
-            for e in generate(
-                target,
-                draft,
-                prompt,
-                sampling=JOINT_SAMPLING,
-                k=k,
-                max_tokens=3,
-                seed=seed,
-                vocab_size=JV,
-                stats=stats,
-                verify=verify,
-                draft_stop=draft_stop,
-            )
-        ]
-        counts[(out[0] * JV + out[1]) * JV + out[2]] += 1
-        kept[: len(stats.accept_hist)] += stats.accept_hist
-    return counts, kept
-
-
 @pytest.mark.parametrize("verify", ["token", "block"])
 def test_engine_sequences_follow_the_target_joint(small_pair, verify):
     target, draft = small_pair
@@ -313,24 +264,13 @@ def test_engine_sequences_follow_the_target_joint(small_pair, verify):
     assert all(kept > 0.05 * kept.sum()), kept
 
 
-def _skips_the_residual(outcome):
-    """A wrong rule: keep what ``outcome`` keeps, then draw the next token from the target's
-    row there instead of the residual (the correction the rules depend on)."""
-
-    def rule(p, q, draft, u, key):
-        n, _ = outcome(p, q, draft, u)
-        return n, sample(mx.take_along_axis(p, n[..., None, None], axis=-2)[..., 0, :], key)
-
-    return rule
-
-
 @pytest.mark.parametrize("verify,outcome", [("token", sampled_outcome), ("block", block_outcome)])
 def test_the_sequence_test_rejects_a_rule_that_skips_the_residual(
     small_pair, monkeypatch, verify, outcome
 ):
     target, draft = small_pair
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
-    monkeypatch.setitem(RULES, verify, _skips_the_residual(outcome))
+    monkeypatch.setitem(RULES, verify, skips_the_residual(outcome))
     counts, _ = engine_sequences(target, draft, verify, N_WRONG)
     assert pooled_chi2(counts, joint) < 1e-6
 
@@ -420,7 +360,7 @@ def test_the_batch_sequence_test_rejects_a_rule_that_skips_the_residual(
 ):
     target, draft = rows_pair
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
-    monkeypatch.setitem(RULES, verify, _skips_the_residual(outcome))
+    monkeypatch.setitem(RULES, verify, skips_the_residual(outcome))
     counts, _ = batch_sequences(target, draft, verify, N_WRONG)
     assert pooled_chi2(counts, joint) < 1e-6
 

@@ -20,17 +20,18 @@ import pytest
 import torch
 from families import build, family_config
 from helpers import generate, save_tiny, served_head_equals_no_draft, tiny_tokenizer
-from mlx.utils import tree_flatten
-from safetensors.torch import save_file
-from test_distributed import same_on_two_ranks
-from test_distribution import (
+from kit_distribution import (
     JOINT_SAMPLING,
     JV,
-    _skips_the_residual,
     engine_sequences,
     pooled_chi2,
     sequence_joint,
+    skips_the_residual,
 )
+from kit_eagle3 import agree, our_steps, ref_steps
+from kit_ranks import same_on_two_ranks
+from mlx.utils import tree_flatten
+from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import specmlx.core.cursor as cursor
@@ -112,46 +113,6 @@ def target_config(model) -> dict:
     a = model.args
     return {"model_type": "llama", "hidden_size": a.hidden_size, "vocab_size": a.vocab_size,
             "num_hidden_layers": a.num_hidden_layers}  # fmt: skip
-
-
-def ref_steps(model, feats: torch.Tensor, tokens: torch.Tensor, chained: list[int]):
-    """The reference's first pass over (feats, tokens) and one chained step per token in
-    ``chained`` (the previous step's last output fed back, as topK_genrate does): each
-    step's hidden output and its logits over the draft vocabulary."""
-    out = []
-    with torch.no_grad():
-        h, kv = model(feats, input_ids=tokens, use_cache=True)
-        out.append((h, model.lm_head(model.norm(h))))
-        for t in chained:
-            h, kv = model(h[:, -1:], input_ids=torch.tensor([[t]]), past_key_values=kv,
-                          use_cache=True)  # fmt: skip
-            out.append((h, model.lm_head(model.norm(h))))
-    return out
-
-
-def our_steps(head, feats: np.ndarray, tokens: np.ndarray, chained: list[int]):
-    cache = head.make_cache()
-    g, logits = head(mx.array(feats), mx.array(tokens), cache)
-    out = [(g, logits)]
-    for t in chained:
-        g, logits = head(g[:, -1:], mx.array([[t]]), cache)
-        out.append((g, logits))
-    return out
-
-
-def agree(ours, ref, draft_ids) -> bool:
-    """Every step's hidden output and logits within float32 tolerance; logits compared at
-    the draft vocabulary's target ids, -inf at every other id."""
-    for (g, logits), (rh, rl) in zip(ours, ref, strict=True):
-        g, logits = np.array(g), np.array(logits)
-        if not np.allclose(g, rh.numpy(), atol=2e-4, rtol=1e-4):
-            return False
-        if not np.allclose(logits[..., draft_ids], rl.numpy(), atol=2e-4, rtol=1e-4):
-            return False
-        outside = np.setdiff1d(np.arange(logits.shape[-1]), draft_ids)
-        if outside.size and not np.all(np.isneginf(logits[..., outside])):
-            return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +284,7 @@ def test_eagle3_sequences_follow_the_target_joint(small):
 def test_the_eagle3_sequence_test_rejects_a_wrong_rule(small, monkeypatch):
     target, head = small
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING), PROMPT)
-    monkeypatch.setitem(RULES, "block", _skips_the_residual(block_outcome))
+    monkeypatch.setitem(RULES, "block", skips_the_residual(block_outcome))
     counts, _ = engine_sequences(target, head, "block", N_E3_WRONG, prompt=PROMPT)
     assert pooled_chi2(counts, joint) < 1e-6
 

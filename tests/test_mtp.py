@@ -12,18 +12,19 @@ import mlx.nn as nn
 import pytest
 from families import build, family_config
 from helpers import count_host_syncs, generate, save_tiny, tiny_tokenizer
-from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models import qwen3_5_moe
-from mlx_lm.utils import quantize_model, save
-from mtp_toy import toy_head, toy_language, toy_target
-from test_distribution import (
+from kit_distribution import (
     JOINT_SAMPLING,
     JV,
-    _skips_the_residual,
     engine_sequences,
     pooled_chi2,
     sequence_joint,
+    skips_the_residual,
 )
+from kit_mtp import PROMPT, QWEN_HF_NAMES, check_greedy, random_head, raw_checkpoint, tokens
+from mlx.utils import tree_flatten
+from mlx_lm.models import qwen3_5_moe
+from mlx_lm.utils import quantize_model, save
+from mtp_toy import toy_head, toy_language, toy_target
 from typer.testing import CliRunner
 
 import specmlx.core.cursor as cursor
@@ -35,41 +36,17 @@ from specmlx.core.hidden import HiddenTap
 from specmlx.core.sampling import SamplingParams, make_processor
 from specmlx.core.stats import Stats
 from specmlx.decoding.engine import KVState
-from specmlx.drafting.mtp import MTPHead
 from specmlx.errors import BadInput, IncompatiblePair
 from specmlx.models.loading import _load_dir, load_pair
 from specmlx.models.registry import load_registry
 
 FAMILIES = ["qwen3_next", "qwen3_5"]
-PROMPT = list(range(1, 20))
-
-
-def random_head(target, family: str, seed: int = 3, scale: float = 0.3) -> MTPHead:
-    head = MTPHead(target, family)
-    mx.random.seed(seed)
-    head.update(tree_map(lambda p: scale * mx.random.normal(p.shape), head.parameters()))
-    mx.eval(head.parameters())
-    return head
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_pair(request):
     target = build(request.param, 4, 0)
     return request.param, target, random_head(target, request.param)
-
-
-def tokens(target, draft, prompt=PROMPT, **kw):
-    return [e.token for e in generate(target, draft, prompt, **kw)]
-
-
-def check_greedy(target, head, k: int, n: int = 40) -> None:
-    """Greedy speculation with the head at k, alone and with lookup first, is the target's
-    plain decoding, and the head did draft (a random head's drafts are mostly rejected)."""
-    plain = tokens(target, None, k=0, max_tokens=n)
-    stats = Stats()
-    assert tokens(target, head, k=k, max_tokens=n, stats=stats) == plain
-    assert stats.drafted >= (n - 10) * k // 2
-    assert tokens(target, head, k=k, max_tokens=n, lookup=True) == plain
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
@@ -207,7 +184,7 @@ def test_a_trained_head_drafts_and_misaligned_plumbing_collapses_it(monkeypatch)
     assert previous_token < 0.4 * trained, (previous_token, trained)
 
 
-# the whole-sequence chi-square through the public generate_tokens (test_distribution.py)
+# the whole-sequence chi-square through the public generate_tokens (kit_distribution.py)
 N_MTP, N_MTP_WRONG = 3_000, 1_500
 MTP_PROMPT = [3, 5, 1, 3]  # the head reads the prompt's hidden states: it drafts in round one
 
@@ -229,62 +206,17 @@ def test_mtp_sequences_follow_the_target_joint(joint_pair):
 def test_the_mtp_sequence_test_rejects_a_wrong_rule(joint_pair, monkeypatch):
     target, head = joint_pair
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING), MTP_PROMPT)
-    monkeypatch.setitem(RULES, "block", _skips_the_residual(block_outcome))
+    monkeypatch.setitem(RULES, "block", skips_the_residual(block_outcome))
     counts, _ = engine_sequences(target, head, "block", N_MTP_WRONG, prompt=MTP_PROMPT)
     assert pooled_chi2(counts, joint) < 1e-6
 
 
 # ---------------------------------------------------------------- loading and the CLI
 
-_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
-          ".q_norm.weight", ".k_norm.weight")  # fmt: skip
-_HF_NAMES = {"norm_e": "pre_fc_norm_embedding", "norm_h": "pre_fc_norm_hidden", "fc": "fc",
-             "layer": "layers.0", "norm": "norm"}  # fmt: skip
-
-
-def _unstack(name: str, v: mx.array) -> dict[str, mx.array]:
-    """mlx-lm's stacked experts (``...mlp.switch_mlp.{n}.weight``, (E, out, in)) as a
-    checkpoint stores them, one tensor per expert."""
-    if ".switch_mlp." not in name:
-        return {name: v}
-    return {name.replace(".switch_mlp.", f".experts.{e}."): v[e] for e in range(v.shape[0])}
-
-
-def _raw_checkpoint(path, seed=0, family="qwen3_5"):
-    """A tiny Qwen3.5 (or Qwen3-Next) saved as Hugging Face ships it (mlx-lm's conversions
-    undone: key prefixes, experts one tensor each, the conv1d layout, norms stored
-    zero-centred) with an MTP head; returns the model and head as they should load."""
-    tok = tiny_tokenizer()
-    config = {"model_type": family, **family_config(family, 2)}
-    text = config.get("text_config", config)
-    text["vocab_size"] = len(tok)
-    text["mtp_num_hidden_layers" if family == "qwen3_5" else "num_nextn_predict_layers"] = 1
-    save_tiny(path, config, tok, seed)
-    weights = mx.load(str(path / "model.safetensors"))
-    raw = {}
-    for k, v in weights.items():
-        if "conv1d.weight" in k:
-            v = v.moveaxis(2, 1)  # (C, K, 1) -> (C, 1, K), as torch stores it
-        if k.endswith(_NORMS) and v.ndim == 1:
-            v = v - 1.0
-        raw.update(_unstack(k.replace("language_model.model.", "model.language_model."), v))
-    model, _, _ = _load_dir(path)
-    head = random_head(model, family, seed=seed + 5)
-    for k, v in tree_flatten(head.parameters()):
-        first, rest = k.split(".", 1)
-        name = f"mtp.{_HF_NAMES[first]}.{rest}"
-        shifted = rest == "weight" and first.startswith("norm") or k.endswith(_NORMS)
-        raw.update(_unstack(name, v - 1.0 if shifted and v.ndim == 1 else v))
-    for f in path.glob("*.safetensors"):
-        f.unlink()
-    mx.save_safetensors(str(path / "model.safetensors"), raw)
-    (path / "config.json").write_text(json.dumps(config))
-    return model, head
-
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_raw_checkpoints_head_loads_exactly(tmp_path, specmlx_home, family):
-    model, head = _raw_checkpoint(tmp_path / "q", family=family)
+    model, head = raw_checkpoint(tmp_path / "q", family=family)
     target, draft, shared = load_pair(str(tmp_path / "q"), "mtp")
     x = mx.array([[3, 1, 4, 1, 5]])
     assert mx.allclose(target.model(x), model(x), atol=1e-5).item()  # mlx-lm's own loading
@@ -295,7 +227,7 @@ def test_a_raw_checkpoints_head_loads_exactly(tmp_path, specmlx_home, family):
 
 
 def test_run_draft_mtp_and_a_checkpoint_without_heads(tmp_path, specmlx_home):
-    model, head = _raw_checkpoint(tmp_path / "q")
+    model, head = raw_checkpoint(tmp_path / "q")
     runner = CliRunner()
     ok = runner.invoke(app, ["run", "--target", str(tmp_path / "q"), "--draft", "mtp", "-k", "2",
                              "-n", "12", "--temp", "0", "--json", "hello"])  # fmt: skip
@@ -341,7 +273,7 @@ def test_per_token_stopping_is_refused_with_a_head(family_pair, tmp_path, specml
     _, target, head = family_pair
     with pytest.raises(BadInput, match="a head \\(MTP"):
         tokens(target, head, k="auto", draft_stop=True, max_tokens=4)
-    _raw_checkpoint(tmp_path / "q")
+    raw_checkpoint(tmp_path / "q")
     bad = CliRunner().invoke(app, ["run", "--target", str(tmp_path / "q"), "--draft", "mtp",
                                    "--draft-stop", "x"])  # fmt: skip
     assert bad.exit_code == 2 and "a head (MTP" in bad.output
@@ -350,7 +282,7 @@ def test_per_token_stopping_is_refused_with_a_head(family_pair, tmp_path, specml
 def test_a_target_quantized_at_load_gets_a_quantized_head(tmp_path, specmlx_home):
     """The head is read from the checkpoint (mlx-lm saved the quantized copy without it) and
     quantized as the target was, on the first load and on the cached one."""
-    _raw_checkpoint(tmp_path / "q")
+    raw_checkpoint(tmp_path / "q")
     toml = tmp_path / "models.toml"
     toml.write_text(f'[models.qq]\nsource = "local:{tmp_path / "q"}"\n'
                     "quantize = { bits = 4, group_size = 32 }\n")  # fmt: skip
@@ -365,7 +297,7 @@ def test_a_target_quantized_at_load_gets_a_quantized_head(tmp_path, specmlx_home
 def test_a_head_quantized_on_disk_loads_as_it_is(tmp_path, specmlx_home):
     """A checkpoint converted and quantized (the layout PR 990-style conversions keep the
     head in): the head's packed weights, scales and biases are read as they are."""
-    _raw_checkpoint(tmp_path / "q")
+    raw_checkpoint(tmp_path / "q")
     model, tok, config = _load_dir(tmp_path / "q")
     model, config = quantize_model(model, config, 32, 4)
     save(tmp_path / "qd", tmp_path / "q", model, tok, config)
@@ -374,7 +306,7 @@ def test_a_head_quantized_on_disk_loads_as_it_is(tmp_path, specmlx_home):
     w = dict(mx.load(str(tmp_path / "qd" / "model.safetensors")))
     for k, v in tree_flatten(head.parameters()):
         first, rest = k.split(".", 1)
-        w[f"mtp.{_HF_NAMES[first]}.{rest}"] = v  # converted: norms as they are
+        w[f"mtp.{QWEN_HF_NAMES[first]}.{rest}"] = v  # converted: norms as they are
     mx.eval(list(w.values()))
     mx.save_safetensors(str(tmp_path / "qd" / "model.safetensors"), w)
     _, draft, _ = load_pair(str(tmp_path / "qd"), "mtp")

@@ -13,9 +13,15 @@ import mlx.core as mx
 import pytest
 from families import family_config
 from helpers import save_tiny, tiny_tokenizer
+from kit_mtp import (
+    QWEN_HF_NAMES,
+    deepseek_v3_config,
+    glm4_moe_config,
+    nextn_layout,
+    random_head,
+    tokens,
+)
 from mlx.utils import tree_flatten
-from test_mtp import _HF_NAMES, random_head, tokens
-from test_mtp_deepseek import _deepseek_v3, _glm4_moe, _hf_layout
 from typer.testing import CliRunner
 
 from specmlx.cli import app
@@ -42,8 +48,8 @@ DENSE = {
     "qwen3_next": _qwen("qwen3_next"),
     "qwen3_5": _qwen("qwen3_5"),
     "qwen3_5_moe": _qwen("qwen3_5_moe"),
-    "deepseek_v3": _deepseek_v3(2, dense=3),
-    "glm4_moe": {**_glm4_moe(2), "first_k_dense_replace": 3},
+    "deepseek_v3": deepseek_v3_config(2, dense=3),
+    "glm4_moe": {**glm4_moe_config(2), "first_k_dense_replace": 3},
 }
 
 
@@ -59,12 +65,12 @@ def _head_tensors(family: str, head, config: dict, target_weights: dict) -> dict
     if family.startswith("qwen"):
         for k, v in tree_flatten(head.parameters()):
             first, rest = k.split(".", 1)
-            out[f"mtp.{_HF_NAMES[first]}.{rest}"] = v
+            out[f"mtp.{QWEN_HF_NAMES[first]}.{rest}"] = v
             if first == "layer":
                 out[f"mtp.layers.1.{rest}"] = v
         return out
     n = config["num_hidden_layers"]
-    layer = _hf_layout(head)
+    layer = nextn_layout(head)
     # the head's copies of the target's embedding and LM head (not read, dropped all the same)
     layer["embed_tokens.weight"] = target_weights["model.embed_tokens.weight"]
     layer["shared_head.head.weight"] = target_weights["lm_head.weight"]

@@ -1,6 +1,6 @@
 """`--draft mtp` through the front ends: `specmlx serve` (the official openai client),
 `specmlx bench` and `specmlx run` over two local ranks with the target split. One tiny
-Qwen3.5 checkpoint in Hugging Face's raw layout (test_mtp._raw_checkpoint) whose head is made
+Qwen3.5 checkpoint in Hugging Face's raw layout (kit_mtp.raw_checkpoint) whose head is made
 to be right some of the time, so rounds keep none, some and all of their drafts."""
 
 from __future__ import annotations
@@ -12,11 +12,9 @@ import mlx.core as mx
 import openai
 import pytest
 from helpers import Server, make_tiny_model
-from test_distributed import TWO, specmlx, tokens
-from test_mtp import _raw_checkpoint
-from test_mtp_deepseek import _deepseek_v3, _glm4_moe
-from test_mtp_deepseek import _raw_checkpoint as _nextn_checkpoint
-from test_serve import local_json, server_env
+from kit_mtp import deepseek_v3_config, glm4_moe_config, raw_checkpoint, raw_nextn_checkpoint
+from kit_ranks import TWO, specmlx, tokens
+from kit_serve import local_json, server_env
 from typer.testing import CliRunner
 
 from specmlx.cli import app
@@ -48,9 +46,9 @@ def _bigram_head(path: Path) -> None:
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     """The checkpoint under root/q and an empty root/models.toml: the shipped registry alone
-    (test_serve's server_env and local_json read that file)."""
+    (kit_serve's server_env and local_json read that file)."""
     root = tmp_path_factory.mktemp("mtp-fronts")
-    _raw_checkpoint(root / "q")
+    raw_checkpoint(root / "q")
     _bigram_head(root / "q")
     (root / "models.toml").write_text("")
     return root
@@ -187,15 +185,15 @@ def test_two_ranks_with_the_head_equal_one_process(root, env):
 
 
 def _family_checkpoint(family: str, path: Path) -> None:
-    """A tiny raw checkpoint of ``family`` with a random MTP head (test_mtp's builder for
-    the Qwen families, test_mtp_deepseek's for the model.layers.{N} ones)."""
+    """A tiny raw checkpoint of ``family`` with a random MTP head (kit_mtp's raw_checkpoint
+    for the Qwen families, its raw_nextn_checkpoint for the model.layers.{N} ones)."""
     if family.startswith("qwen"):
-        _raw_checkpoint(path, family=family)
+        raw_checkpoint(path, family=family)
     elif family == "deepseek_v3":
         # two layers, the head's tensors in a file of their own, which mlx-lm's loader does
         # not read (model*.safetensors) and specmlx's does (every *.safetensors); a head in
         # the model's own file is left out of the target's load (test_mtp_dense.py)
-        _nextn_checkpoint(path, _deepseek_v3(2), fp8=True)
+        raw_nextn_checkpoint(path, deepseek_v3_config(2), fp8=True)
         w = mx.load(str(path / "model.safetensors"))
         mx.eval(list(w.values()))  # read it all before the file is written over
         head = {k: v for k, v in w.items() if k.startswith("model.layers.2.")}
@@ -203,7 +201,7 @@ def _family_checkpoint(family: str, path: Path) -> None:
                                                                if k not in head})  # fmt: skip
         mx.save_safetensors(str(path / "mtp.safetensors"), head)
     else:
-        _nextn_checkpoint(path, _glm4_moe(2), fp8=False)
+        raw_nextn_checkpoint(path, glm4_moe_config(2), fp8=False)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v3", "glm4_moe"])

@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 from helpers import Server, free_port, tiny_pair
+from kit_serve import local_json, server_env
 from typer.testing import CliRunner
 
 from specmlx.cli import app
@@ -40,14 +41,6 @@ CODE = "import os\nfor i in range(10):\n    print(i, os.getcwd())\n"
 def models_toml(root: Path, fim: bool = True) -> Path:
     """Tiny target and draft (FIM tokens and a chat template unless fim=False)."""
     return tiny_pair(root, fim=fim, chat_template=CHAT)
-
-
-def server_env(root: Path, toml: Path) -> dict:
-    env = dict(os.environ, SPECMLX_MODELS=str(toml), SPECMLX_HOME=str(root / "home"))
-    env["XDG_CONFIG_HOME"] = str(root / "xdg")
-    for name in ("SPECMLX_SERVER", "SPECMLX_API_KEY", "SPECMLX_MEMORY_BUDGET"):
-        env.pop(name, None)
-    return env
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +65,6 @@ def client(server):
 def post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(server.url + path, json=body, headers=headers, timeout=120, **kw)
-
-
-def local_json(root: Path, *args: str) -> dict:
-    """`specmlx run --json` in this process with the same models: the reference."""
-    env = server_env(root, root / "models.toml")
-    r = CliRunner().invoke(app, ["run", "--json", "-q", *args], env=env)
-    assert r.exit_code == 0, r.stderr
-    return json.loads(r.stdout)
 
 
 # ------------------------------------------------------------------ the OpenAI shapes
