@@ -455,7 +455,7 @@ def test_a_row_joining_beside_one_that_holds_its_prefix_starts_from_a_copy(which
         alone = KVState()
         solo(target, draft, prompts[1], 3, 20, kv=alone)
         mine = kept[id(b)]
-        n = min(mine.draft_len, alone.draft_len)
+        n = min(mine.draft_held, alone.draft_held)
         assert n >= len(doc)
         for c, d in zip(mine.draft, alone.draft, strict=True):
             assert mx.allclose(c.keys[..., :n, :], d.keys[..., :n, :], atol=1e-4).item()
@@ -521,7 +521,9 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
         def __init__(self):
             self.said, self.request = (
                 [],
-                SimpleNamespace(drafter="model", max_tokens=8, k=3, seed=None, editor=False),
+                SimpleNamespace(
+                    drafter="model", max_tokens=8, k=3, seed=None, editor=False, warm_up=False
+                ),
             )
             self.cancelled = SimpleNamespace(is_set=lambda: False)
 

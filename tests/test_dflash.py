@@ -357,7 +357,7 @@ def test_the_context_fed_is_the_targets_through_a_prompt_cache(tmp_path, target)
     out = [e.token for e in generate(target, head, prompt, k=5, max_tokens=16, kv=kv)]
     more = prompt + out + [11, 12]
     out2 = [e.token for e in generate(target, head, more, k=5, max_tokens=8, kv=kv)]
-    fed = kv.draft_len
+    fed = kv.draft_held
     assert fed >= len(more) - 1
     want = _offline_keys(target, head, more + out2, fed)
     for c, w in zip(kv.draft, want, strict=True):

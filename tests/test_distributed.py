@@ -21,17 +21,12 @@ from helpers import Script, Server, tiny_pair
 from kit_ranks import PROMPT, TWO, specmlx, tokens
 
 from specmlx.core.sampling import SamplingParams
-from specmlx.distributed.ranks import (
-    _RING_NOISE,
-    Lockstep,
-    SharedK,
-    World,
-    _exit_code,
-    parse_hosts,
-)
+from specmlx.distributed.launch import _RING_NOISE, _exit_code, parse_hosts
+from specmlx.distributed.ranks import Lockstep, SharedK, World
+from specmlx.distributed.wire import pack, unpack
 from specmlx.errors import BadInput
 from specmlx.models.sharding import check_shardable
-from specmlx.serving.worker import GenRequest, pack, unpack
+from specmlx.serving.worker import GenRequest
 
 
 @pytest.fixture(scope="module")
@@ -377,7 +372,7 @@ def test_serve_over_two_ranks(models):
 
 def test_a_batch_over_two_ranks_gives_each_request_its_one_process_text(models):
     """rank 0 batches concurrent requests and the other rank runs the same batch in step
-    (rows joining, a round's k, rows leaving: worker.BatchOps): three requests at once, one
+    (rows joining, a round's k, rows leaving: wire.BatchOps): three requests at once, one
     of them sampled with a seed and one that hangs up halfway, each finished one equal to
     `specmlx run` in one process; the batch did run (/metrics)."""
     from concurrent.futures import ThreadPoolExecutor

@@ -370,20 +370,20 @@ def test_the_head_is_fed_the_right_features_and_token(tmp_path, target, monkeypa
     out = [e.token for e in generate(target, head, prompt, k=3, max_tokens=16, kv=kv)]
     more = prompt + out + [11, 12]  # the next request extends the first: caches reused
     out2 = [e.token for e in generate(target, head, more, k=3, max_tokens=8, kv=kv)]
-    ctx, fed = more + out2, kv.draft_len
+    ctx, fed = more + out2, kv.draft_held
     assert fed >= len(more) - 1
     got = kv.draft[0].state[0][..., :fed, :]
     assert mx.allclose(got, _offline_keys(target, head, ctx, fed), atol=1e-4).item()
     swapped = tuple(reversed(head.reads_hidden))
     assert not mx.allclose(got, _offline_keys(target, head, ctx, fed, swapped), atol=1e-4).item()
-    late = cursor.hidden_rows
+    late = cursor.hidden_states
     monkeypatch.setattr(
-        cursor, "hidden_rows", lambda tap: (lambda r: mx.concatenate([r[:1], r[:-1]]))(late(tap))
+        cursor, "hidden_states", lambda tap: (lambda r: mx.concatenate([r[:1], r[:-1]]))(late(tap))
     )
     kv = KVState()
     out = [e.token for e in generate(target, head, prompt, k=3, max_tokens=16, kv=kv)]
-    got = kv.draft[0].state[0][..., : kv.draft_len, :]
-    want = _offline_keys(target, head, prompt + out, kv.draft_len)
+    got = kv.draft[0].state[0][..., : kv.draft_held, :]
+    want = _offline_keys(target, head, prompt + out, kv.draft_held)
     assert not mx.allclose(got, want, atol=1e-4).item()
 
 

@@ -225,7 +225,7 @@ def test_caches_hold_exactly_the_accepted_context(pair, script, ks, max_tokens, 
     ):
         out.append(e.token)
     _check_caches(target, base_draft, tcache, dcache, prompt + out, False)
-    assert kv.tokens == (prompt + out)[:-1] and dcache[0].offset == kv.draft_len
+    assert kv.tokens == (prompt + out)[:-1] and dcache[0].offset == kv.draft_held
     assert out == tokens(target, None, prompt, max_tokens=max_tokens, eos_ids=eos)
     assert stats.accepted <= stats.drafted and sum(stats.accept_hist) == stats.rounds
 
@@ -542,7 +542,7 @@ def test_kv_state_reuses_the_common_prefix_exactly(pair, mode):
             assert stats.cached_tokens == shared
         _check_prefix(target, kv.target, kv.tokens)
         if use[0] is not None:
-            _check_prefix(draft, kv.draft, kv.tokens[: kv.draft_len])
+            _check_prefix(draft, kv.draft, kv.tokens[: kv.draft_held])
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -561,7 +561,7 @@ def test_closing_the_generator_early_leaves_the_kv_state_consistent(pair, k):
         assert kv.tokens == (PROMPTS[0] + base)[: len(kv.tokens)]
         assert len(kv.tokens) >= len(PROMPTS[0]) + stop_after - 1
         _check_prefix(target, kv.target, kv.tokens)
-        _check_prefix(draft, kv.draft, kv.tokens[: kv.draft_len])
+        _check_prefix(draft, kv.draft, kv.tokens[: kv.draft_held])
         # and the next generation from it is right
         out = tokens(target, draft, PROMPTS[0] + base[:3], k=k, max_tokens=10, kv=kv)
         assert out == base[3:13]
@@ -758,7 +758,7 @@ def test_prefill_alone_leaves_the_caches_a_generation_would_reuse(pair):
     prompt = PROMPTS[2] * 3
     kv, warm = KVState(), Stats()
     prefill(target, draft, prompt, kv=kv, stats=warm)
-    assert kv.tokens == prompt[:-1] and kv.draft_len == len(prompt) - 1
+    assert kv.tokens == prompt[:-1] and kv.draft_held == len(prompt) - 1
     assert warm.prompt_tokens == len(prompt) and warm.generated == 0
     stats = Stats()
     out = tokens(target, draft, prompt, k=3, max_tokens=20, kv=kv, stats=stats)

@@ -246,7 +246,7 @@ def test_two_generations_from_one_copied_entry_each_equal_a_fresh_run(family, mo
     if FAMILIES[family][1] != "recurrent":
         assert a.cached_tokens >= len(LONG)  # the copy was trimmed, not rebuilt
     if family == "llama":
-        assert not both(lambda kv: KVState(kv.target, kv.draft, list(kv.tokens), kv.draft_len))[0]
+        assert not both(lambda kv: KVState(kv.target, kv.draft, list(kv.tokens), kv.draft_held))[0]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_5", "mamba2"])
@@ -263,7 +263,7 @@ def test_a_prefill_leaves_a_branch_where_asked_and_a_prompt_parting_there_goes_o
     prompt = LONG + [3]
     assert tokens(target, draft, prompt, kv=kv, k=3) == tokens(target, None, prompt, k=0)
     branch = kv.branch
-    assert branch.tokens == LONG[:at] and branch.draft_len == at and branch.branch is None
+    assert branch.tokens == LONG[:at] and branch.draft_held == at and branch.branch is None
     other = LONG[:at] + [9, 9, 4]
     stats = Stats()
     got = tokens(target, draft, other, stats, kv=branch.copy(), k=3)

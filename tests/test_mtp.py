@@ -78,7 +78,7 @@ def test_the_prompt_cache_keeps_the_heads_state_exact(family_pair):
     ):
         got = tokens(target, use, prompt, k=3, max_tokens=16, kv=kv)
         assert got == tokens(target, None, prompt, k=0, max_tokens=16), prompt
-        assert kv.draft_len + (0 if kv.hidden is None else kv.hidden.shape[0]) <= len(kv.tokens)
+        assert kv.draft_held + (0 if kv.waiting is None else kv.waiting.shape[0]) <= len(kv.tokens)
 
 
 def test_a_copy_of_a_heads_state_is_its_own(family_pair):
@@ -130,19 +130,21 @@ def test_the_head_is_fed_the_right_hidden_state_and_token(family, monkeypatch):
     kv = KVState()
     out = tokens(target, head, PROMPT, k=3, max_tokens=20, kv=kv)
     ctx = PROMPT + out
-    fed = kv.draft_len
+    fed = kv.draft_held
     assert fed >= len(PROMPT)
     got = kv.draft[0].state[0][..., :fed, :]
     assert mx.allclose(got, _offline_keys(target, head, ctx, fed), atol=1e-4).item()
     # the control: hidden states one position late are caught by the same comparison
-    shifted = cursor.hidden_rows
+    shifted = cursor.hidden_states
     monkeypatch.setattr(
-        cursor, "hidden_rows", lambda tap: (lambda r: mx.concatenate([r[:1], r[:-1]]))(shifted(tap))
+        cursor,
+        "hidden_states",
+        lambda tap: (lambda r: mx.concatenate([r[:1], r[:-1]]))(shifted(tap)),
     )
     kv = KVState()
     out = tokens(target, head, PROMPT, k=3, max_tokens=20, kv=kv)
-    got = kv.draft[0].state[0][..., : kv.draft_len, :]
-    assert not mx.allclose(got, _offline_keys(target, head, PROMPT + out, kv.draft_len), atol=1e-4)
+    got = kv.draft[0].state[0][..., : kv.draft_held, :]
+    assert not mx.allclose(got, _offline_keys(target, head, PROMPT + out, kv.draft_held), atol=1e-4)
 
 
 def _prev_token(ctx, start, m):
@@ -167,12 +169,12 @@ def test_a_trained_head_drafts_and_misaligned_plumbing_collapses_it(monkeypatch)
     untrained = acceptance(toy_head(target, steps=0))
     head = toy_head(target)
     trained = acceptance(head)
-    late = cursor.hidden_rows
+    late = cursor.hidden_states
     monkeypatch.setattr(
-        cursor, "hidden_rows", lambda tap: (lambda r: mx.concatenate([r[:1], r[:-1]]))(late(tap))
+        cursor, "hidden_states", lambda tap: (lambda r: mx.concatenate([r[:1], r[:-1]]))(late(tap))
     )
     hidden_late = acceptance(head)
-    monkeypatch.setattr(cursor, "hidden_rows", late)
+    monkeypatch.setattr(cursor, "hidden_states", late)
     monkeypatch.setattr(drafters, "pair_tokens", _prev_token)
     monkeypatch.setattr(engine, "pair_tokens", _prev_token)
     previous_token = acceptance(head)
@@ -356,9 +358,9 @@ def test_plain_rounds_keep_the_heads_waiting_states_bounded(family_pair):
     kv = KVState()
     out = tokens(target, head, k=0, max_tokens=60, kv=kv)
     assert out == tokens(target, None, k=0, max_tokens=60)
-    assert kv.hidden is not None and kv.hidden.shape[0] <= drafters.FEED_AFTER + 1
+    assert kv.waiting is not None and kv.waiting.shape[0] <= drafters.FEED_AFTER + 1
     ctx = PROMPT + out
-    got = kv.draft[0].state[0][..., : kv.draft_len, :]
-    assert mx.allclose(got, _offline_keys(target, head, ctx, kv.draft_len), atol=1e-4).item()
+    got = kv.draft[0].state[0][..., : kv.draft_held, :]
+    assert mx.allclose(got, _offline_keys(target, head, ctx, kv.draft_held), atol=1e-4).item()
     more = tokens(target, head, ctx + [3], k=3, max_tokens=12, kv=kv)
     assert more == tokens(target, None, ctx + [3], k=0, max_tokens=12)

@@ -70,7 +70,7 @@ def test_the_head_is_fed_the_right_hidden_state_and_token(family_pair):
     _, target, head = family_pair
     kv = KVState()
     ctx = PROMPT + tokens(target, head, k=3, max_tokens=16, kv=kv)
-    fed = kv.draft_len
+    fed = kv.draft_held
     assert fed >= len(PROMPT)
     with HiddenTap(target) as tap:
         target(mx.array(ctx)[None])

@@ -834,7 +834,7 @@ def test_llama_vims_requests_in_their_own_shapes(server):
     assert whole["generation_settings"]["n_ctx"] == 2048 and "timings" in whole
     props = httpx.get(server.url + "/props", headers={"Authorization": f"Bearer {KEY}"}).json()
     assert props["default_generation_settings"]["n_ctx"] == 2048
-    assert props["total_slots"] == 1
+    assert props["total_slots"] >= 1  # (the rows: tests/test_serve_faults.py)
 
 
 def test_llama_cpps_native_completion(server):

@@ -27,19 +27,19 @@ from .caches import Snapshot, needs_replay, recurrent_layers, roll_back, snapsho
 from .hidden import HiddenTap
 from .recurrent import PassRecorder
 
-__all__ = ["Cursor", "Hidden", "hidden_rows"]
+__all__ = ["Cursor", "Hidden", "hidden_states"]
 
 
 @dataclass
 class Hidden:
-    """A target pass's hidden states: rows (L, H) at context positions start..start+L-1,
-    lazy (the round's one host sync computes them with everything else)."""
+    """A target pass's hidden states: ``states`` (L, H) at context positions
+    start..start+L-1, lazy (the round's one host sync computes them with everything else)."""
 
     start: int
-    rows: mx.array
+    states: mx.array
 
 
-def hidden_rows(tap: HiddenTap) -> mx.array:
+def hidden_states(tap: HiddenTap) -> mx.array:
     """The latest tapped pass's hidden states (L, W) at the tap's places side by side (W: their
     widths summed): row i is position start + i of the tokens that pass was fed."""
     return tap.features()[0]
@@ -97,7 +97,7 @@ class Cursor:
             ):
                 logits = self.model(tokens, cache=self.cache)
             if self.tap is not None:
-                self.hidden = Hidden(start, hidden_rows(self.tap))  # (L, H), lazy
+                self.hidden = Hidden(start, hidden_states(self.tap))  # (L, H), lazy
         self.held += n
         return logits
 

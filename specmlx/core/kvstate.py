@@ -3,7 +3,7 @@
 ``KVState`` is both models' caches and the tokens they hold between generations (a prompt
 cache hands one to the engine); ``reuse_prefix`` keeps their longest common prefix with a new
 prompt. A draft that reads the target's hidden states (an MTP head) rides along: its cache
-holds pairs (h_j, t_{j+1}) and ``hidden`` the confirmed states it has not been fed yet, so
+holds pairs (h_j, t_{j+1}) and ``waiting`` the confirmed states it has not been fed yet, so
 what it may keep depends on what the target keeps (``_head_keep``, ``_trim_head``).
 """
 
@@ -24,18 +24,18 @@ __all__ = ["KVState", "common_prefix", "reads_hidden", "reuse_prefix"]
 @dataclass
 class KVState:
     """Both models' KV caches and the tokens they hold. Between generations the target cache
-    holds ``tokens`` and the draft cache tokens[:draft_len]. Pass one to generate_tokens to
+    holds ``tokens`` and the draft cache tokens[:draft_held]. Pass one to generate_tokens to
     reuse its longest common prefix with the prompt (a prompt cache), or to inspect it after.
     ``target`` None means "make fresh caches"."""
 
     target: list | None = None
     draft: list | None = None
     tokens: list[int] = field(default_factory=list)
-    draft_len: int = 0
-    # a draft that reads the target's hidden states (an MTP head): its cache holds draft_len
-    # pairs (h_j, t_{j+1}) and ``hidden`` (m, H) the confirmed hidden states at positions
-    # draft_len..draft_len+m-1 it has not been fed yet (drafters.HeadDrafter)
-    hidden: mx.array | None = None
+    draft_held: int = 0
+    # a draft that reads the target's hidden states (an MTP head): its cache holds draft_held
+    # pairs (h_j, t_{j+1}) and ``waiting`` (m, H) the confirmed hidden states at positions
+    # draft_held..draft_held+m-1 it has not been fed yet (drafters.HeadDrafter)
+    waiting: mx.array | None = None
     reads_hidden: bool = False
     # where the next prefill stops once on its way to leave a copy of the caches in
     # ``branch`` (0: nowhere): a prompt cache asks for one where a prompt parts from an
@@ -58,8 +58,8 @@ class KVState:
     def drop(self) -> None:
         """Forget the caches: the next generation starts from fresh ones (a branch, a copy
         of its own, stays)."""
-        self.target, self.draft, self.tokens, self.draft_len = None, None, [], 0
-        self.hidden, self.reads_hidden = None, False
+        self.target, self.draft, self.tokens, self.draft_held = None, None, [], 0
+        self.waiting, self.reads_hidden = None, False
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -96,12 +96,12 @@ def reuse_prefix(
     if kv.reads_hidden and kv.draft is not None:
         _trim_head(kv, m, keep, reads_hidden(draft))
     elif kv.draft is not None:
-        keep = min(kv.draft_len, m)
-        if keep < kv.draft_len and can_rollback(kv.draft, kv.draft_len - keep):
-            trim(kv.draft, kv.draft_len - keep)
-        elif keep < kv.draft_len:
+        keep = min(kv.draft_held, m)
+        if keep < kv.draft_held and can_rollback(kv.draft, kv.draft_held - keep):
+            trim(kv.draft, kv.draft_held - keep)
+        elif keep < kv.draft_held:
             kv.draft, keep = (make_caches(draft) if draft is not None else None), 0
-        kv.draft_len = keep
+        kv.draft_held = keep
     return m
 
 
@@ -115,8 +115,8 @@ def _head_keep(kv: KVState, m: int, using: bool) -> int:
     recomputes from there. One that does not use the head keeps m."""
     if not using:
         return m
-    fed = kv.draft_len
-    avail = fed + (0 if kv.hidden is None else kv.hidden.shape[0])
+    fed = kv.draft_held
+    avail = fed + (0 if kv.waiting is None else kv.waiting.shape[0])
     if fed + 1 <= min(m, avail):
         return min(m, avail)
     return max(0, min(fed, m - 1))
@@ -128,14 +128,14 @@ def _trim_head(kv: KVState, m: int, keep: int, using: bool) -> None:
     only where that token is shared; pending rows reach no further than the target resumes.
     A generation using the head needs it exactly at the target's length or with rows up to
     it (``_head_keep`` chose ``keep`` so)."""
-    fed = kv.draft_len
+    fed = kv.draft_held
     if using:
         p = min(fed, keep)
     else:
         p = fed if m > fed else max(0, m - 1)
     if p < fed:
         trim(kv.draft, fed - p)
-        kv.draft_len, kv.hidden = p, None
-    elif kv.hidden is not None:
+        kv.draft_held, kv.waiting = p, None
+    elif kv.waiting is not None:
         n = min(keep, m) - fed
-        kv.hidden = kv.hidden[:n] if n > 0 else None
+        kv.waiting = kv.waiting[:n] if n > 0 else None

@@ -32,7 +32,7 @@ def draft_ids(target: nn.Module, draft: nn.Module, vocab_size: int | None) -> tu
     target, draft: the pair's models; vocab_size: the ids the pair shares (None: the
     smaller logit width)."""
     width = logit_width(draft)
-    rows = getattr(getattr(draft, "args", None), "vocab_size", None) or width
+    embeds = getattr(getattr(draft, "args", None), "vocab_size", None) or width
     if vocab_size is None:
         vocab_size = min(logit_width(target), width)
-    return rows, min(vocab_size, rows)
+    return embeds, min(vocab_size, embeds)

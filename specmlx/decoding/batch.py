@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core.acceptance import accept_proposal, sampled_rule
+from ..core.acceptance import Rule, accept_proposal, sampled_rule
 from ..core.caches import make_caches, recurrent_layers
 from ..core.hidden import HiddenTap
 from ..core.kvstate import KVState, common_prefix, reads_hidden
@@ -51,6 +51,7 @@ from ..core.rows import attention_rows, batchable, row_of, rows_of, solo_of
 from ..core.sampling import Processor, make_processor, round_keys, sample
 from ..core.stats import RoundReport, Stats, TokenEvent
 from ..core.vocab import logit_width
+from ..drafting.choosers import K
 from ..drafting.drafters import FEED_AFTER, SAFE_ID
 from ..errors import BadInput, IncompatiblePair
 from .engine import prefill
@@ -60,23 +61,24 @@ from .stops import Stops
 
 @dataclass
 class Row:
-    """One sequence of a batch: its context (prompt + generated), settings, stops, seed,
-    sampler and statistics. ``done``: it reached a stop (it leaves next). Its randomness is
-    its own: each round's keys come from its seed and its length (sampling.round_keys), as
-    a solo generation's do."""
+    """One sequence of a batch: its context (prompt + generated), the k it asked for, its
+    stops, seed, sampler, acceptance rule and statistics. ``done``: it reached a stop (it
+    leaves next). Its randomness is its own: each round's keys come from its seed and its
+    length (sampling.round_keys), as a solo generation's do."""
 
     ctx: list[int]
-    decode: Decode
+    k: K  # (a fixed k is the row's own; "auto" follows what the batch's owner picks)
     stops: Stops
     seed: int
     process: Processor | None
+    rule: Rule
     stats: Stats = field(default_factory=Stats)
     done: bool = False
     drafts: bool = True  # False: it asked for no draft (plain steps in the batch's passes)
     draft_held: int = 0  # how much of ctx the draft's row holds (a prefix of ctx[:-1])
     # a head's row: the target's features at positions draft_held.. it has not been fed
     # yet (m, F), the pairs' hidden states; None: none (a one-token prompt's first round)
-    pending: mx.array | None = None
+    waiting: mx.array | None = None
     own_cache: list | None = None  # a block drafter's row: its context cache, its own
 
 
@@ -98,10 +100,10 @@ class Batch:
         self.block = bool(getattr(draft, "block_size", None))  # a DFlash drafter: per row
         self.tap = HiddenTap(target, draft.reads_hidden) if self.head else None
         width = logit_width(target)
-        self.draft_rows = 0
+        self.draft_embeds = 0
         if draft is not None and not self.head:
             width = min(width, logit_width(draft))
-            self.draft_rows = getattr(getattr(draft, "args", None), "vocab_size", None) or width
+            self.draft_embeds = getattr(getattr(draft, "args", None), "vocab_size", None) or width
         self.vocab = min(vocab_size or width, width)
         self.rows: list[Row] = []
         self.t_cache: list | None = None  # per layer: core.rows' batch caches
@@ -143,7 +145,8 @@ class Batch:
         process = None if decode.sampling.greedy else make_processor(decode.sampling)
         made = prompt[len(prompt) - generated :]
         stops = Stops(decode.eos_ids, decode.stop_ids, decode.max_tokens, made)
-        row = Row(list(prompt), decode, stops, seed, process, stats, drafts=drafts)
+        rule = sampled_rule(decode.verify)
+        row = Row(list(prompt), decode.k, stops, seed, process, rule, stats, drafts=drafts)
         self.t_cache = rows_of(self.t_cache, kv.target)  # it holds prompt[:-1]
         if self.recorder is not None:
             self.recorder.layers = recurrent_layers(self.t_cache)
@@ -152,7 +155,7 @@ class Batch:
         elif self.draft is not None:
             self.d_cache = rows_of(self.d_cache, kv.draft)
         if self.draft is not None:
-            row.draft_held, row.pending = kv.draft_len, kv.hidden
+            row.draft_held, row.waiting = kv.draft_held, kv.waiting
         self.rows.append(row)
         return row
 
@@ -181,8 +184,8 @@ class Batch:
             return kv  # (a head needs its pairs for the prefix the target keeps)
         out = KVState(target=target, tokens=row.ctx[:-1])
         if draft is not None:  # else a draft model prefills the whole prompt afresh
-            out.draft, out.draft_len = draft, row.draft_held
-            out.hidden, out.reads_hidden = row.pending, self.head
+            out.draft, out.draft_held = draft, row.draft_held
+            out.waiting, out.reads_hidden = row.waiting, self.head
         return out
 
     def leave(self, row: Row) -> KVState:
@@ -193,7 +196,7 @@ class Batch:
         kv.target, kv.tokens = solo_of(self.t_cache, i), row.ctx[:-1]
         if self.draft is not None:
             kv.draft = row.own_cache if self.block else solo_of(self.d_cache, i)
-            kv.draft_len, kv.hidden, kv.reads_hidden = row.draft_held, row.pending, self.head
+            kv.draft_held, kv.waiting, kv.reads_hidden = row.draft_held, row.waiting, self.head
         if not self.rows:
             self.t_cache = self.d_cache = None
         return kv
@@ -218,7 +221,7 @@ class Batch:
         ks = [
             max(0, min(ki, r.stops.room, top if top is not None else ki))
             * (self.draft is not None and r.drafts)
-            * (not self.head or r.pending is not None)
+            * (not self.head or r.waiting is not None)
             for r, ki in zip(rows, asked, strict=True)
         ]
         # the drafts one pass verifies: no more than any row can use (a huge k asked for
@@ -251,8 +254,7 @@ class Batch:
             ki = ks[i]
             di = d[i, :ki] if d is not None else mx.zeros((0,), dtype=mx.uint32)
             qi = qs[i][:ki] if qs[i] is not None else None
-            rule = sampled_rule(r.decode.verify)
-            n, nxt = accept_proposal(logits[i, : ki + 1], di, qi, r.process, rule, *keys[i][1:])
+            n, nxt = accept_proposal(logits[i, : ki + 1], di, qi, r.process, r.rule, *keys[i][1:])
             pad = mx.zeros((k - ki,), dtype=mx.uint32)
             outs.append(mx.concatenate([n.astype(mx.uint32).reshape(1), di, nxt.reshape(1), pad]))
         got = mx.stack(outs).tolist()  # the round's one host sync: (B, k + 2)
@@ -265,7 +267,7 @@ class Batch:
             kept.append(len(r.ctx) - 1 - fed)  # of the k + 1 tokens the target was fed
             if self.head:  # the pairs (h_j, t_{j+1}) this pass confirmed wait to be fed
                 new_rows = feats[i, : kept[-1]]
-                r.pending = new_rows if r.pending is None else mx.concatenate([r.pending, new_rows])
+                r.waiting = new_rows if r.waiting is None else mx.concatenate([r.waiting, new_rows])
             elif k:  # the draft fed ctx and k - 1 drafts: it keeps what ctx confirms of them
                 r.draft_held = min(fed + 1 + min(n, k - 1), len(r.ctx) - 1)
                 steps.append(r.draft_held - fed - 1)  # drafting steps kept after its catch-up
@@ -281,7 +283,7 @@ class Batch:
             for c in attention_rows(self.d_cache):
                 c.lens = [r.draft_held for r in rows]
             self._settle_draft(steps)
-        if self.head and max((len_of(r.pending) for r in rows), default=0) > FEED_AFTER:
+        if self.head and max((len_of(r.waiting) for r in rows), default=0) > FEED_AFTER:
             self._catch_up(rows)
         return events
 
@@ -312,11 +314,11 @@ class Batch:
         right-padded to the longest; the pads are given back and each row's draft_held grows
         by what it was fed. Returns the outputs at each row's last pair fed: g (B, 1, H) and
         logits (B, vocab). A row with nothing to feed is fed a zero pair, given back."""
-        counts = [max(0, len_of(r.pending) - keep_last) for r in rows]
+        counts = [max(0, len_of(r.waiting) - keep_last) for r in rows]
         top = max(max(counts), 1)
         feats, toks = [], []
         for r, m in zip(rows, counts, strict=True):
-            f = r.pending[:m] if m else mx.zeros((0, self._feature_width(rows)))
+            f = r.waiting[:m] if m else mx.zeros((0, self._feature_width(rows)))
             feats.append(mx.pad(f, [(0, top - m), (0, 0)]))
             pairs = r.ctx[r.draft_held + 1 : r.draft_held + 1 + m]
             toks.append(pairs + [0] * (top - m))
@@ -328,7 +330,7 @@ class Batch:
         logits = mx.take_along_axis(logits, at, axis=1)[:, 0, : self.vocab]
         for r, m in zip(rows, counts, strict=True):
             r.draft_held += m
-            r.pending = r.pending[m:] if r.pending is not None and m < len_of(r.pending) else None
+            r.waiting = r.waiting[m:] if r.waiting is not None and m < len_of(r.waiting) else None
         return g, logits
 
     def _propose_block(self, rows: list[Row], k: int, ks: list[int], keys):
@@ -338,10 +340,10 @@ class Batch:
         each row's q (ks[i], vocab) or None."""
         tokens, qs = [], []
         for r, ki, key in zip(rows, ks, keys, strict=True):
-            m = len_of(r.pending)
+            m = len_of(r.waiting)
             if m:
-                self.draft(r.pending[None], None, r.own_cache)
-                r.draft_held, r.pending = r.draft_held + m, None
+                self.draft(r.waiting[None], None, r.own_cache)
+                r.draft_held, r.waiting = r.draft_held + m, None
             if not ki:
                 tokens.append(mx.zeros((k,), dtype=mx.uint32))
                 qs.append(None)
@@ -360,17 +362,17 @@ class Batch:
         return d, qs
 
     def _feature_width(self, rows: list[Row]) -> int:
-        return next(r.pending.shape[-1] for r in rows if r.pending is not None)
+        return next(r.waiting.shape[-1] for r in rows if r.waiting is not None)
 
     def _catch_up(self, rows: list[Row]) -> None:
         """Feed each row's waiting pairs but its newest (rounds without proposals, as when
         the batch's k is 0, would pile them up): queued, not waited for."""
         if self.block:  # each row's context, to its own cache
             for r in rows:
-                m = len_of(r.pending) - 1
+                m = len_of(r.waiting) - 1
                 if m > 0:
-                    self.draft(r.pending[None, :m], None, r.own_cache)
-                    r.draft_held, r.pending = r.draft_held + m, r.pending[m:]
+                    self.draft(r.waiting[None, :m], None, r.own_cache)
+                    r.draft_held, r.waiting = r.draft_held + m, r.waiting[m:]
                     mx.async_eval([c.state for c in r.own_cache])
             return
         self._feed_pending(rows, keep_last=True)
@@ -398,7 +400,7 @@ class Batch:
         given back before the chain), then k - 1 one-token steps: its cache grows by its
         unseen tokens and k - 1. A sampled row splits its draft key into its own ks[i] keys,
         as a solo draft of ks[i] tokens does (its drafts past ks[i] are never verified)."""
-        pending = [[t if t < self.draft_rows else SAFE_ID for t in r.ctx[r.draft_held :]]
+        pending = [[t if t < self.draft_embeds else SAFE_ID for t in r.ctx[r.draft_held :]]
                    for r in rows]  # fmt: skip
         width = max(len(p) for p in pending)
         x = mx.array([p + [SAFE_ID] * (width - len(p)) for p in pending], dtype=mx.uint32)
@@ -419,7 +421,7 @@ class Batch:
         tokens, qs = [], []
         for j in range(k):
             if j:
-                fed = mx.where(tokens[-1] < self.draft_rows, tokens[-1], SAFE_ID)
+                fed = mx.where(tokens[-1] < self.draft_embeds, tokens[-1], SAFE_ID)
                 logits = self.draft(fed[:, None], cache=self.d_cache)[:, -1, : self.vocab]
                 if recurrent:
                     self._draft_states.append(keep())

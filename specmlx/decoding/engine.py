@@ -123,14 +123,14 @@ def generate_tokens(
             if head:
                 width = min(parts.vocab_size or logit_width(target), logit_width(target))
                 model_drafter = head_drafter(
-                    draft, kv.draft, kv.draft_len, kv.hidden, width, process
+                    draft, kv.draft, kv.draft_held, kv.waiting, width, process
                 )
                 drafters.append(model_drafter)
             elif draft is not None:
-                rows, vocab = draft_ids(target, draft, parts.vocab_size)
+                embeds, vocab = draft_ids(target, draft, parts.vocab_size)
                 plan = next_k.draft_plan if decode.draft_stop else None
                 model_drafter = ModelDrafter(
-                    draft, kv.draft, kv.draft_len, vocab, rows, process, plan
+                    draft, kv.draft, kv.draft_held, vocab, embeds, process, plan
                 )
                 drafters.append(model_drafter)
             drafter = drafters[0] if len(drafters) == 1 else Chain(drafters)
@@ -180,7 +180,7 @@ def _ready(kv: KVState | None, target, draft, prompt: list[int], stats: Stats) -
         kv.target = make_caches(target)
     head = reads_hidden(draft)
     if draft is not None and (kv.draft is None or kv.reads_hidden != head):
-        kv.draft, kv.draft_len, kv.hidden, kv.reads_hidden = make_caches(draft), 0, None, head
+        kv.draft, kv.draft_held, kv.waiting, kv.reads_hidden = make_caches(draft), 0, None, head
     stats.caches = {"target": cache_kinds(kv.target)}
     if draft is not None:
         stats.caches["draft"] = cache_kinds(kv.draft)
@@ -190,7 +190,7 @@ def _ready(kv: KVState | None, target, draft, prompt: list[int], stats: Stats) -
 def _fill(target, draft, prompt: list[int], kv: KVState, stats: Stats, step: int, tap) -> None:
     """Prefill both models with the prompt minus its last token, reusing what kv holds. A
     head over the target's hidden states (read through ``tap``, a HiddenTap) is fed each
-    chunk's pairs as the target makes them, all but the newest, which waits in kv.hidden for
+    chunk's pairs as the target makes them, all but the newest, which waits in kv.waiting for
     the first proposal."""
     t0 = time.perf_counter()
     stats.cached_tokens = reuse_prefix(kv, prompt[:-1], target, draft)
@@ -209,16 +209,16 @@ def _feed(target, draft, prompt: list[int], kv: KVState, step: int, tap) -> None
     target_at = Cursor(target, kv.target, len(kv.tokens), tap=tap)
     for _ in _prefill(target_at, prompt[len(kv.tokens) : -1], step):
         if head:  # rows (c, H): the chunk's hidden states
-            rows = target_at.hidden.rows
-            rows = rows if kv.hidden is None else mx.concatenate([kv.hidden, rows])
-            n, fed = rows.shape[0] - 1, kv.draft_len
+            rows = target_at.hidden.states
+            rows = rows if kv.waiting is None else mx.concatenate([kv.waiting, rows])
+            n, fed = rows.shape[0] - 1, kv.draft_held
             if n > 0:  # pairs (h_j, t_{j+1}) at positions fed..fed+n-1
                 draft(rows[None, :n], pair_tokens(prompt, fed, n), kv.draft)
                 mx.eval([c.state for c in kv.draft])
-            kv.hidden, kv.draft_len = rows[n:], fed + n
+            kv.waiting, kv.draft_held = rows[n:], fed + n
     if draft is not None and not head:
-        list(_prefill(Cursor(draft, kv.draft, kv.draft_len), prompt[kv.draft_len : -1], step))
-        kv.draft_len = len(prompt) - 1
+        list(_prefill(Cursor(draft, kv.draft, kv.draft_held), prompt[kv.draft_held : -1], step))
+        kv.draft_held = len(prompt) - 1
     kv.tokens = prompt[:-1]
 
 
@@ -227,7 +227,7 @@ def _prefill(cursor: Cursor, tokens: list[int], step: int) -> Iterator[None]:
     (with a tap, its hidden states too); yields after each chunk."""
     for i in range(0, len(tokens), step):
         cursor.feed(mx.array(tokens[i : i + step], dtype=mx.uint32)[None], undoable=False)
-        rows = [] if cursor.hidden is None else [cursor.hidden.rows]
+        rows = [] if cursor.hidden is None else [cursor.hidden.states]
         mx.eval([c.state for c in cursor.cache], *rows)
         yield
 
@@ -299,9 +299,9 @@ def _end(kv: KVState, ctx: list[int], drafter, settled: bool) -> None:
         return
     kv.tokens = ctx[:-1]
     if isinstance(drafter, HeadDrafter):
-        kv.draft_len, kv.hidden = drafter.fed, drafter.rows
+        kv.draft_held, kv.waiting = drafter.held, drafter.waiting
     elif drafter is not None:
-        kv.draft_len = drafter.cursor.held
+        kv.draft_held = drafter.cursor.held
 
 
 class _Speculation:

@@ -7,7 +7,7 @@ the bench call it; none of them assembles a generation itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import mlx.nn as nn
@@ -105,7 +105,7 @@ class Session:
         """What the engine (or a batch's row) is asked for under ``req``: its settings, k
         (0 when nothing drafts) and every id that ends it (the tokenizer's EOS too).
 
-        req: the request's settings (max_tokens > 0: a warm-up generates nothing)."""
+        req: the request's settings."""
         drafting = (req.use_draft and self.pair.draft is not None) or req.lookup
         eos = set(req.extra_eos)
         if self.pair.tokenizer is not None:
@@ -157,8 +157,7 @@ class Session:
             # rank 0 decides k for all (each rank's timings differ); the lockstep hash
             # travels in the same collective
             chooser = SharedK(chooser, world, lockstep)
-        # (made when the tokens are asked for: a warm-up, max_tokens 0, only prefills)
-        decode = lambda: self.decode(req)  # noqa: E731
+        decode = self.decode(req)
         parts = Parts(
             kv=kv,
             stats=stats if stats is not None else Stats(),
@@ -176,7 +175,7 @@ class Generation:
     what the adaptive chooser learned. ``stats`` is filled live; ``lockstep`` is the ranks'
     check (None when not distributed)."""
 
-    def __init__(self, session, ids, draft, req, decode: Callable[[], Decode], parts: Parts, saved):
+    def __init__(self, session, ids, draft, req, decode: Decode, parts: Parts, saved):
         self.session, self.ids, self.draft, self.req = session, ids, draft, req
         self._decode, self.parts, self._saved = decode, parts, saved
         self.stats, self.lockstep = parts.stats, parts.lockstep
@@ -188,7 +187,7 @@ class Generation:
 
     def decode(self) -> Decode:
         """What the engine is asked for (request.Decode): a batch runs the same settings."""
-        return self._decode()
+        return self._decode
 
     def text(self) -> Iterator[TokenEvent]:
         """Token events with the text each completed (UTF-8 safe), ending at a stop string;

@@ -90,15 +90,15 @@ class ModelDrafter:
     2-token catch-up after a fully accepted round and whatever lookup accepted meanwhile.
 
     model, cache: the draft and its caches, which hold ``held`` tokens; vocab: how many ids
-    it may propose; rows: ids it can embed (others are fed as SAFE_ID); process: the sampling
+    it may propose; embeds: ids it can embed (others are fed as SAFE_ID); process: the sampling
     processor (None: greedy); plan: per-token stopping (an AdaptiveK's draft_plan) or None."""
 
-    def __init__(self, model, cache, held, vocab, rows, process, plan=None):
-        self.vocab, self.rows, self.process, self.plan = vocab, rows, process, plan
+    def __init__(self, model, cache, held, vocab, embeds, process, plan=None):
+        self.vocab, self.embeds, self.process, self.plan = vocab, embeds, process, plan
         self.cursor = Cursor(model, cache, held, own_ids=self.own_ids)
 
     def own_ids(self, ids: Sequence[int]) -> list[int]:
-        return [t if t < self.rows else SAFE_ID for t in ids]
+        return [t if t < self.embeds else SAFE_ID for t in ids]
 
     def propose(self, ctx, k, room, key, timed) -> Proposal:
         if k <= 0:
@@ -212,30 +212,31 @@ class HeadDrafter:
     the target's hidden state at the position before the newest token, each further step
     the head's own output (chained to depth k, the same layer reused).
 
-    The head's cache holds ``fed`` pairs (h_j, t_{j+1}), j < fed; ``rows`` are the target's
-    hidden states at positions fed..fed+m-1 that are confirmed but not yet fed (they are
-    fed, with their tokens, at the next proposal: the last one's output is draft 1).
+    The head's cache holds ``held`` pairs (h_j, t_{j+1}), j < held; ``waiting`` are the
+    target's hidden states at positions held..held+m-1 that are confirmed but not yet fed
+    (they are fed, with their tokens, at the next proposal: the last one's output is draft
+    1).
 
     head: the head, called as head(hidden (B, L, H), tokens (B, L), cache) -> (g, logits);
-    cache: its caches; fed, rows: what it holds and what waits (a KVState's draft_len and
-    hidden); vocab: how many ids it may propose; process: the sampling processor (None:
+    cache: its caches; held, waiting: what it holds and what waits (a KVState's draft_held
+    and waiting); vocab: how many ids it may propose; process: the sampling processor (None:
     greedy)."""
 
-    def __init__(self, head, cache, fed: int, rows: mx.array | None, vocab: int, process):
-        self.head, self.cache, self.fed, self.rows = head, cache, fed, rows
+    def __init__(self, head, cache, held: int, waiting: mx.array | None, vocab: int, process):
+        self.head, self.cache, self.held, self.waiting = head, cache, held, waiting
         self.vocab, self.process = vocab, process
         self.reads_hidden = head.reads_hidden
         self.ahead = 0  # chained steps' entries in the cache (unconfirmed)
 
     def propose(self, ctx, k, room, key, timed) -> Proposal:
-        if k <= 0 or self.rows is None:
+        if k <= 0 or self.waiting is None:
             return Proposal()  # (the first round of a one-token prompt: nothing to read)
         t0 = time.perf_counter()
-        m = self.rows.shape[0]
-        pairs = pair_tokens(ctx, self.fed, m)  # (1, m)
-        d, q = head_propose(self.head, self.cache, self.rows[None], pairs, k, self.vocab,
+        m = self.waiting.shape[0]
+        pairs = pair_tokens(ctx, self.held, m)  # (1, m)
+        d, q = head_propose(self.head, self.cache, self.waiting[None], pairs, k, self.vocab,
                             self.process, key)  # fmt: skip
-        self.fed, self.rows, self.ahead = self.fed + m, None, k - 1
+        self.held, self.waiting, self.ahead = self.held + m, None, k - 1
         if timed:
             mx.eval(d if q is None else [d, q])
         seconds = time.perf_counter() - t0 if timed else None
@@ -247,25 +248,25 @@ class HeadDrafter:
             self.ahead = 0
         if hidden is None:
             return
-        pending = self.fed + (0 if self.rows is None else self.rows.shape[0])
+        pending = self.held + (0 if self.waiting is None else self.waiting.shape[0])
         if hidden.start != pending:  # a pass the head did not see: it cannot go on exactly
             raise RuntimeError(f"hidden states from {hidden.start}, the head waits at {pending}")
         # a pair needs its hidden state confirmed (j < right) and its token in ctx
         n = min(right, len(ctx) - 1) - hidden.start
         if n > 0:
-            new = hidden.rows[:n]
-            self.rows = new if self.rows is None else mx.concatenate([self.rows, new])
-        if self.rows is not None and self.rows.shape[0] > FEED_AFTER:
+            new = hidden.states[:n]
+            self.waiting = new if self.waiting is None else mx.concatenate([self.waiting, new])
+        if self.waiting is not None and self.waiting.shape[0] > FEED_AFTER:
             self.catch_up(ctx)
 
     def catch_up(self, ctx) -> None:
         """Feed the head every waiting pair but the newest (rounds without proposals, as when
         adaptive k has stopped drafting, would otherwise pile them up): queued, not waited
         for, so the round keeps its one host sync."""
-        m = self.rows.shape[0] - 1
-        self.head(self.rows[None, :m], pair_tokens(ctx, self.fed, m), self.cache)
+        m = self.waiting.shape[0] - 1
+        self.head(self.waiting[None, :m], pair_tokens(ctx, self.held, m), self.cache)
         mx.async_eval([c.state for c in self.cache])
-        self.fed, self.rows = self.fed + m, self.rows[m:]
+        self.held, self.waiting = self.held + m, self.waiting[m:]
 
     def close(self) -> None:
         pass
@@ -274,8 +275,8 @@ class HeadDrafter:
 class BlockDrafter(HeadDrafter):
     """A block drafter over the target's hidden states (a DFlash drafter: dflash.DFlashHead):
     one forward drafts a whole block after the newest token, reading the context features
-    the head has been fed (its cache) and those waiting in ``rows``. The cache holds
-    context entries j < fed and only those: the block itself is never cached, so nothing is
+    the head has been fed (its cache) and those in ``waiting``. The cache holds
+    context entries j < held and only those: the block itself is never cached, so nothing is
     given back after a round (``ahead`` stays 0). k is capped at the head's block_size - 1.
 
     head: called as head.block(hidden, first, width, cache) -> logits and head(hidden,
@@ -285,21 +286,21 @@ class BlockDrafter(HeadDrafter):
         k = min(k, self.head.block_size - 1)
         if k <= 0:
             return Proposal()
-        m = 0 if self.rows is None else self.rows.shape[0]
-        if self.fed + m != len(ctx) - 1:  # the block must follow the context it reads
+        m = 0 if self.waiting is None else self.waiting.shape[0]
+        if self.held + m != len(ctx) - 1:  # the block must follow the context it reads
             raise RuntimeError(
-                f"context features up to {self.fed + m}, the block at {len(ctx) - 1}"
+                f"context features up to {self.held + m}, the block at {len(ctx) - 1}"
             )
         t0 = time.perf_counter()
         first = mx.array(ctx[-1:], dtype=mx.uint32)  # (1,)
-        rows = None if self.rows is None else self.rows[None]  # (1, m, n*H)
+        rows = None if self.waiting is None else self.waiting[None]  # (1, m, n*H)
         logits = self.head.block(rows, first, k + 1, self.cache)[0, :, : self.vocab]  # (k, V)
         if self.process is None:
             d, q = mx.argmax(logits, axis=-1).astype(mx.uint32), None
         else:  # each position has its own q, drawn independently (the block reads masks)
             q = self.process(logits)
             d = sample(q, key)
-        self.fed, self.rows = self.fed + m, None
+        self.held, self.waiting = self.held + m, None
         if timed:
             mx.eval(d if q is None else [d, q])
         else:
@@ -308,12 +309,14 @@ class BlockDrafter(HeadDrafter):
         return Proposal(d, q, "model", draft_s=seconds)
 
 
-def head_drafter(head, cache, fed: int, rows: mx.array | None, vocab: int, process) -> HeadDrafter:
+def head_drafter(
+    head, cache, held: int, waiting: mx.array | None, vocab: int, process
+) -> HeadDrafter:
     """The drafter for a head over the target's hidden states: a block drafter for a head
     that drafts blocks (DFlash), a chained one otherwise (MTP, EAGLE-3); arguments as for
     HeadDrafter."""
     cls = BlockDrafter if getattr(head, "block_size", None) else HeadDrafter
-    return cls(head, cache, fed, rows, vocab, process)
+    return cls(head, cache, held, waiting, vocab, process)
 
 
 def pair_tokens(ctx: Sequence[int], start: int, m: int) -> mx.array:

@@ -149,7 +149,7 @@ class Batcher:
         if w._stopping:
             w.refuse(job)
             return
-        if r.drafter == "lookup" or r.max_tokens == 0 or w.draft_stop:
+        if r.drafter == "lookup" or r.warm_up or w.draft_stop:
             if self.ranks and self.left:  # the other ranks put those rows' caches back first
                 try:
                     w.send_ops(self.left, None, None)
@@ -277,7 +277,8 @@ class Batcher:
             kv, lv.kv = lv.kv, None
         else:
             row = lv.row
-            p = _Parked(list(row.ctx), replace(row.decode, seed=row.seed), row.stops.count)
+            decode = self.w.session.decode(replace(lv.request, seed=row.seed))
+            p = _Parked(list(row.ctx), decode, row.stops.count)
             kv, lv.row = self.batch.leave(row), None
         self.live.remove(lv)
         self.w.cache.put(kv)
@@ -311,7 +312,7 @@ class Batcher:
     def _round(self) -> None:
         # a row that asked for a fixed k drafts it (its text then does not depend on what
         # runs beside it); the rest draft what BatchK picks for this width
-        auto = [lv for lv in self.live if lv.row.drafts and lv.row.decode.k.auto]
+        auto = [lv for lv in self.live if lv.row.drafts and lv.row.k.auto]
         k = self.k(len(self.live)) if auto else None
         ks = [_k_of(lv.row, k) for lv in self.live]
         t0 = time.perf_counter()
@@ -413,4 +414,4 @@ def _k_of(row: Row, auto: int | None) -> int:
     batch's choice ``auto`` for a row that asked for adaptive k."""
     if not row.drafts:
         return 0
-    return auto if row.decode.k.auto else row.decode.k.fixed
+    return auto if row.k.auto else row.k.fixed

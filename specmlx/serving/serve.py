@@ -307,10 +307,9 @@ def _llama_request(
     sampling = _sampling(body, settings)
     budget = body.n_predict if body.n_predict > 0 else None
     max_tokens = _budget(len(ids), budget, settings)  # (also: the prompt fits the context)
-    if body.n_predict == 0:  # llama.vim's warm-up: fill the prompt cache, predict nothing
-        max_tokens = 0
     return GenRequest(
         prompt_ids=ids, sampling=sampling, max_tokens=max_tokens,
+        warm_up=body.n_predict == 0,  # llama.vim's: fill the prompt cache, predict nothing
         seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s],
         drafter=_drafter(None, settings, worker), k=settings.k,
         extra_eos=tuple(eos), verify=settings.verify,
@@ -440,7 +439,7 @@ async def _stream(events: _Events, base: dict, chat: bool, usage: bool, with_tok
 async def _respond_llama(request, worker, gen: GenRequest, body: LlamaBody, settings):
     """llama.cpp's response (or, for n_cmpl > 1, a list of them: each completion a seed
     further, so sampled ones differ; greedy ones are the same)."""
-    shown = _generation_settings(settings, gen.max_tokens)
+    shown = _generation_settings(settings, 0 if gen.warm_up else gen.max_tokens)
     if body.n_cmpl == 1:
         return await _respond_infill(request, worker, gen, body.stream, body.response_fields, shown)
     if body.stream:

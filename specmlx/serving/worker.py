@@ -62,6 +62,7 @@ class GenRequest(Request):
     prompt_ids: list[int] = field(default_factory=list)
     drafter: str = "model"  # "model" (the loaded draft), "lookup" or "none"
     editor: bool = False  # an editor's request (/infill): the newest runs first when batched
+    warm_up: bool = False  # llama.vim's n_predict 0: fill the prompt cache, generate nothing
 
 
 # ("piece", TokenEvent with its text) | ("done", Stats) | ("error", exc)
@@ -381,7 +382,7 @@ class Worker:
         )  # fmt: skip
         kv = self.cache.take(r.prompt_ids)
         gen = self.session.start(r.prompt_ids, request, kv=kv, stats=stats, lockstep=lockstep)
-        if r.max_tokens == 0:  # a warm-up (llama.vim's n_predict 0): the prompt cache only
+        if r.warm_up:  # the prompt cache only
             try:
                 gen.prefill()
             finally:
