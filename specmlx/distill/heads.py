@@ -12,6 +12,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..drafting import eagle3
+from ..drafting.headfiles import text_config
 from ..errors import BadInput
 from ..models.sources import fetch
 from .forwards import (
@@ -23,7 +24,7 @@ from .forwards import (
     mtp_estimate,
     mtp_loss,
 )
-from .published import check_head, make_head, save_head, save_mtp, text_config
+from .published import check_head, make_head, save_head, save_mtp
 from .student import LOSS, DistillConfig, Trainee, check_target, trainable
 
 

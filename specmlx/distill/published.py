@@ -27,7 +27,8 @@ from mlx.utils import tree_flatten
 
 from ..core.hidden import text_model
 from ..drafting import dflash, eagle3, mtp
-from ..drafting.headfiles import ROPES
+from ..drafting.headfiles import ROPES, rope_kind, text_config
+from ..drafting.targetparts import lm_head_weight
 from ..errors import BadInput, IncompatiblePair
 from ..paths import atomic_write
 
@@ -35,16 +36,10 @@ DRAFT_VOCAB = 32000  # EAGLE-3's draft vocabulary when not asked (SpecForge's de
 DFLASH_MIN_READ = 3  # a DFlash drafter reads at least this many target layers
 
 
-def text_config(config: dict) -> dict:
-    """The text model's part of a config.json (a multimodal one keeps it under text_config)."""
-    return config.get("text_config") or config
-
-
 def _rope_scaling(t: dict) -> dict | None:
     # the head's RoPE as the target's where the head kinds can run it (their loaders check)
     s = t.get("rope_scaling")
-    kind = (s or {}).get("rope_type") or (s or {}).get("type")
-    return s if s is None or kind in ROPES else None
+    return s if s is None or rope_kind(s) in ROPES else None
 
 
 def _attention_shape(t: dict, width: int) -> dict:
@@ -193,7 +188,7 @@ def make_head(kind: str, target, config: dict, rows: np.ndarray):
     d2t = mx.array(ids - np.arange(len(ids)))
     t2d = np.zeros(c.vocab, dtype=bool)
     t2d[ids] = True
-    w_out = _out_weight(model).astype(mx.float32)  # (V, T)
+    w_out = lm_head_weight(model).astype(mx.float32)  # (V, T)
     if own:  # a narrower head: the target's embedding and LM head carried into its space
         p = _projection(w_out, c.hidden)  # (T, H)
         head.embed_tokens.weight = inner.embed_tokens.weight.astype(mx.float32) @ p
@@ -206,14 +201,6 @@ def make_head(kind: str, target, config: dict, rows: np.ndarray):
     if own:
         head.embed_tokens.freeze()  # the target's embedding, carried over: not trained
     return head, {"d2t": d2t.astype(mx.int64), "t2d": mx.array(t2d)}
-
-
-def _out_weight(model: nn.Module) -> mx.array:
-    """The target's LM head weight (V, T): its lm_head's, or the embedding's when tied."""
-    text = getattr(model, "language_model", model)
-    if getattr(text.args, "tie_word_embeddings", False) or not hasattr(text, "lm_head"):
-        return text_model(model).embed_tokens.weight
-    return text.lm_head.weight
 
 
 def save_head(out: Path, head: nn.Module, config: dict, extra: dict[str, mx.array]) -> None:

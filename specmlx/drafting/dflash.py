@@ -40,7 +40,15 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..errors import BadInput, IncompatiblePair, ModelLoadError
-from .headfiles import ROPES, head_weights, read_head_config, target_dtype
+from .headfiles import (
+    check_architecture,
+    check_layer_kind,
+    head_weights,
+    layer_shape,
+    read_head_config,
+    target_dtype,
+    text_config,
+)
 from .targetparts import TargetParts
 
 KIND = "dflash"
@@ -91,32 +99,20 @@ def head_config(config: dict, target_config: dict, where) -> DFlashConfig:
     either model loads.
 
     config: the drafter's config.json; target_config: the target's; where: names it."""
-    arch = " ".join(config.get("architectures") or [])
-    if "dflash" not in arch.lower():
-        raise BadInput(
-            f"{where} is not a DFlash drafter (its config's architectures are "
-            f"{arch or 'missing'}; DFlash drafters say DFlashDraftModel)"
-        )
-    t = target_config.get("text_config") or target_config
+    check_architecture(
+        config, "dflash", where, "a DFlash drafter", "DFlash drafters say DFlashDraftModel"
+    )
+    t = text_config(target_config)
     try:
-        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        shape = layer_shape(config)
         depth, t_hidden = int(t["num_hidden_layers"]), int(t["hidden_size"])
         layers = int(config["num_hidden_layers"])
         own_depth = int(config.get("num_target_layers") or depth)
         dflash = config.get("dflash_config") or {}
-        scaling = config.get("rope_scaling")
         c = DFlashConfig(
-            hidden=hidden,
+            **shape,
             layers=layers,
-            heads=heads,
-            kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
             bias=bool(config.get("attention_bias", False)),
-            intermediate=int(config["intermediate_size"]),
-            eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
-            rope_scaling=scaling,
-            max_positions=int(config.get("max_position_embeddings") or 2048),
             vocab=int(config["vocab_size"]),
             block_size=int(config["block_size"]),
             mask_id=int(dflash["mask_token_id"]),
@@ -126,11 +122,7 @@ def head_config(config: dict, target_config: dict, where) -> DFlashConfig:
         )
     except (KeyError, TypeError, ValueError) as e:
         raise BadInput(f"{where}: its config.json lacks or garbles {e}") from None
-    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
-    if scaling is not None and kind not in ROPES:
-        raise BadInput(f"{where}: rope scaling {kind!r} is not supported (known: {ROPES})")
-    if config.get("hidden_act", "silu") != "silu":
-        raise BadInput(f"{where}: activation {config['hidden_act']!r} (DFlash layers use silu)")
+    check_layer_kind(config, where, "DFlash layers")
     if "sliding_attention" in (config.get("layer_types") or []):
         raise BadInput(
             f"{where} has sliding-window layers, which specmlx's DFlash does not run yet"

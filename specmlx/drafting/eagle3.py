@@ -39,7 +39,15 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..core.hidden import text_model
 from ..errors import BadInput, IncompatiblePair, ModelLoadError
-from .headfiles import ROPES, head_weights, read_head_config, target_dtype
+from .headfiles import (
+    check_architecture,
+    check_layer_kind,
+    head_weights,
+    layer_shape,
+    read_head_config,
+    target_dtype,
+    text_config,
+)
 
 KIND = "eagle3"
 
@@ -69,10 +77,6 @@ class Eagle3Config:
     layers: tuple[int, ...]
 
 
-def _text_config(config: dict) -> dict:
-    return config.get("text_config") or config
-
-
 def head_config(config: dict, target_config: dict, where) -> Eagle3Config:
     """The head's shape from its config.json, refused in one line (IncompatiblePair) where it
     does not fit the target whose config.json is ``target_config``: another hidden size or
@@ -80,31 +84,19 @@ def head_config(config: dict, target_config: dict, where) -> Eagle3Config:
     Runs before either model loads.
 
     config: the head's config.json; target_config: the target's; where: names the head."""
-    arch = " ".join(config.get("architectures") or [])
-    if "eagle3" not in arch.lower():
-        raise BadInput(
-            f"{where} is not an EAGLE-3 head (its config's architectures are "
-            f"{arch or 'missing'}; EAGLE-3 heads say LlamaForCausalLMEagle3)"
-        )
-    t = _text_config(target_config)
+    check_architecture(
+        config, "eagle3", where, "an EAGLE-3 head", "EAGLE-3 heads say LlamaForCausalLMEagle3"
+    )
+    t = text_config(target_config)
     try:
-        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        shape = layer_shape(config)
         depth, t_hidden = int(t["num_hidden_layers"]), int(t["hidden_size"])
         vocab = int(config["vocab_size"])
-        scaling = config.get("rope_scaling")
         c = Eagle3Config(
-            hidden=hidden,
-            heads=heads,
-            kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            intermediate=int(config["intermediate_size"]),
-            eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
-            rope_scaling=scaling,
-            max_positions=int(config.get("max_position_embeddings") or 2048),
+            **shape,
             vocab=vocab,
             draft_vocab=int(config.get("draft_vocab_size") or vocab),
-            target_hidden=int(config.get("target_hidden_size") or hidden),
+            target_hidden=int(config.get("target_hidden_size") or shape["hidden"]),
             layers=tuple(
                 (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
                 or (1, depth // 2 - 1, depth - 4)
@@ -112,11 +104,7 @@ def head_config(config: dict, target_config: dict, where) -> Eagle3Config:
         )
     except (KeyError, TypeError, ValueError) as e:
         raise BadInput(f"{where}: its config.json lacks or garbles {e}") from None
-    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
-    if scaling is not None and kind not in ROPES:
-        raise BadInput(f"{where}: rope scaling {kind!r} is not supported (known: {ROPES})")
-    if config.get("hidden_act", "silu") != "silu":
-        raise BadInput(f"{where}: activation {config['hidden_act']!r} (EAGLE-3 heads use silu)")
+    check_layer_kind(config, where, "EAGLE-3 heads")
     if c.target_hidden != t_hidden:
         raise IncompatiblePair(
             f"{where} reads hidden states {c.target_hidden} wide; the target's are {t_hidden}"
@@ -140,7 +128,7 @@ def head_config(config: dict, target_config: dict, where) -> Eagle3Config:
 def check_embedding(c: Eagle3Config, names: set[str], target_config: dict, where) -> None:
     """A head that ships no ``embed_tokens`` embeds with the target's: only when the widths
     agree (IncompatiblePair otherwise). names: the head's tensor names."""
-    t_hidden = int(_text_config(target_config)["hidden_size"])
+    t_hidden = int(text_config(target_config)["hidden_size"])
     if "embed_tokens.weight" not in names and c.hidden != t_hidden:
         raise IncompatiblePair(
             f"{where} is {c.hidden} wide and ships no embed_tokens; the target's embedding "

@@ -1,8 +1,9 @@
 """A head checkpoint's directory as its authors publish it: config.json and safetensors.
 
 Shared by the head kinds that ship as their own directory (eagle3.py, dflash.py): reading the
-config, the tensor names from the headers alone (for the checks made before anything loads),
-the tensors, their bytes on disk and the dtype the head takes from its target."""
+config and the decoder-layer shape it gives, the tensor names from the headers alone (for the
+checks made before anything loads), the tensors, their bytes on disk and the dtype the head
+takes from its target."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..errors import ModelLoadError
+from ..errors import BadInput, ModelLoadError
 
 # rope scalings mlx-lm's initialize_rope computes as the head kinds' references
 # (transformers, EAGLE's cnets.py) do
@@ -30,6 +31,58 @@ def read_head_config(path: Path, kind: str = "a head") -> dict:
         raise ModelLoadError(f"{path} has no config.json ({kind} needs one)") from None
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {path / 'config.json'}: {e}") from None
+
+
+def text_config(config: dict) -> dict:
+    """The text model's part of a config.json (a multimodal one keeps it under text_config)."""
+    return config.get("text_config") or config
+
+
+def rope_kind(scaling: dict | None) -> str | None:
+    """The kind of a config's ``rope_scaling`` (its rope_type, or the older name type)."""
+    return (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+
+
+def check_architecture(config: dict, mark: str, where, kind: str, says: str) -> None:
+    """BadInput unless an architecture a head's config.json names contains ``mark`` (in any
+    case). where: names the head; kind: what it should be ("a DFlash drafter"); says: what
+    such heads name ("DFlash drafters say DFlashDraftModel")."""
+    arch = " ".join(config.get("architectures") or [])
+    if mark not in arch.lower():
+        raise BadInput(
+            f"{where} is not {kind} (its config's architectures are {arch or 'missing'}; {says})"
+        )
+
+
+def layer_shape(config: dict) -> dict:
+    """A head's decoder-layer shape from its config.json (transformers' Llama and Qwen3 names),
+    by the field names of Eagle3Config and DFlashConfig: hidden, heads, kv_heads, head_dim,
+    intermediate, eps, rope_theta, rope_scaling, max_positions. KeyError, TypeError or
+    ValueError where one is missing or garbled."""
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    return dict(
+        hidden=hidden,
+        heads=heads,
+        kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        intermediate=int(config["intermediate_size"]),
+        eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(config.get("rope_theta", 10000.0)),
+        rope_scaling=config.get("rope_scaling"),
+        max_positions=int(config.get("max_position_embeddings") or 2048),
+    )
+
+
+def check_layer_kind(config: dict, where, kind: str) -> None:
+    """BadInput where a head's config.json asks for what its layers do not run: a RoPE
+    scaling outside ROPES, an activation other than silu. where: names the head; kind: what
+    the error says uses silu ("EAGLE-3 heads")."""
+    scaling = config.get("rope_scaling")
+    rope = rope_kind(scaling)
+    if scaling is not None and rope not in ROPES:
+        raise BadInput(f"{where}: rope scaling {rope!r} is not supported (known: {ROPES})")
+    if config.get("hidden_act", "silu") != "silu":
+        raise BadInput(f"{where}: activation {config['hidden_act']!r} ({kind} use silu)")
 
 
 def tensor_names(path: Path) -> set[str]:
