@@ -231,11 +231,20 @@ def load_head(target: Loaded, progress: Progress | None = None) -> Loaded:
     say(progress, f"loading {spec.alias}'s MTP head from {src}")
     q = (spec.quantize.bits, spec.quantize.group_size) if spec.quantize else None
     head = load_mtp(target.model, target.config, src, quantize=q)  # fmt: skip
+    alias, identity = f"{spec.alias}:{MTP}", f"{target.identity}|{MTP}"
+    return _head_as_draft(target, head, spec, alias, identity, start)
+
+
+def _head_as_draft(
+    target: Loaded, head, spec: ModelSpec, alias: str, identity: str, start: float
+) -> Loaded:
+    """A head loaded over ``target`` as a draft: the target's tokenizer, config and vocabulary,
+    the head's own parameters' bytes, ``spec`` under ``alias``; start: when its load began
+    (time.perf_counter)."""
     nbytes = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
     return Loaded(
-        head, target.tokenizer, dataclasses.replace(spec, alias=f"{spec.alias}:{MTP}"),
-        target.config, time.perf_counter() - start, nbytes, target.vocab_size,
-        f"{target.identity}|{MTP}",
+        head, target.tokenizer, dataclasses.replace(spec, alias=alias), target.config,
+        time.perf_counter() - start, nbytes, target.vocab_size, identity,
     )  # fmt: skip
 
 
@@ -277,12 +286,8 @@ def _load_head_kind(kind: str, target: Loaded, path: Path, spec: ModelSpec, prog
     label, _, load = _HEADS[kind]
     say(progress, f"loading the {label} {spec.alias} from {path}")
     head = load(target.model, target.config, path)
-    nbytes = sum(v.nbytes for _, v in tree_flatten(head.parameters()))
-    return Loaded(
-        head, target.tokenizer, dataclasses.replace(spec, alias=f"{kind}:{spec.alias}"),
-        target.config, time.perf_counter() - start, nbytes, target.vocab_size,
-        f"{target.identity}|{kind}|{spec.identity}|{file_facts(path)}",
-    )  # fmt: skip
+    identity = f"{target.identity}|{kind}|{spec.identity}|{file_facts(path)}"
+    return _head_as_draft(target, head, spec, f"{kind}:{spec.alias}", identity, start)
 
 
 def load_head_over(
