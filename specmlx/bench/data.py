@@ -32,7 +32,8 @@ class System:
 
     @property
     def label(self) -> str:
-        # rows of the default rule are labelled as before there was a choice
+        # the default rule goes unnamed: a row's label (which also keys its saved k chooser)
+        # is the same whether or not --verify named the rule
         rule = "" if self.verify == DEFAULT_VERIFY else f" verify={self.verify}"
         return f"{self.system} {self.drafter} k={self.k}{rule}"
 

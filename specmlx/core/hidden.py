@@ -1,7 +1,7 @@
 """The hidden-state seam: a target pass hands back its hidden states, not only its logits.
 
-A drafter that reads the target's features (an MTP head today; an EAGLE-3 head or a DFlash
-block drafter later) needs the hidden state at every position a verify pass computed. The
+A drafter that reads the target's features (an MTP head, an EAGLE-3 head, a DFlash block
+drafter) needs the hidden state at every position a verify pass computed. The
 tap records them as the pass runs: while a ``with tap:`` block is open, each module that
 makes them is, as that one instance, of a one-line subclass whose call keeps a reference to
 its output; the block's end gives the instance its own class back. Nothing else in the

@@ -1,4 +1,4 @@
-"""What a distillation run trains with (distill.py runs it): its settings (DistillConfig),
+"""What a distillation run trains with (train.py runs it): its settings (DistillConfig),
 the data's token rows, the target's top-k labels on them (or its own samples), the student
 cut down from the target, and the losses and held-out estimates a step and an evaluation
 take. Nothing here writes to disk or prints."""
@@ -395,7 +395,7 @@ def trainable(student: nn.Module) -> dict[str, mx.array]:
 
 @dataclass
 class Trainee:
-    """What a run trains, and how (distill.py runs it): a student model here, a head in
+    """What a run trains, and how (train.py runs it): a student model here, a head in
     heads.py.
 
     model: what the steps train (its trainable parameters); reads: the target places its

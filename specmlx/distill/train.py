@@ -3,7 +3,7 @@
 The student is the target cut down: the target's own embeddings, final norm and LM head (so
 the vocabulary is the same by construction) and L of its blocks, picked evenly (same widths),
 trained with MLX to match the target's next-token distribution. Or, with ``--head``, a head
-over the target's hidden states (EAGLE-3 or DFlash, heads.py) trained to match the same
+over the target's hidden states (EAGLE-3, DFlash or MTP, heads.py) trained to match the same
 distributions from the target's features. The target labels the data once: the top-k of its
 log-probabilities at every position (and, for a head, its features at the head's layers),
 kept on disk with the run, so a step costs one pass of what is trained and its backward pass,

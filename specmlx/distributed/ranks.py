@@ -138,8 +138,8 @@ class SharedK(KChooser):
         self.inner, self.world, self._plain = inner, world, False
         self.lockstep = lockstep if lockstep is not None and not lockstep.stoppable else None
         if self.lockstep is not None:
-            # it no longer checks on its own between rounds, and its last check carries as
-            # many integers as an exchange, so ranks that end a round apart still pair up
+            # carried, it does not check on its own between rounds, and its last check carries
+            # as many integers as an exchange, so ranks that end a round apart still pair up
             self.lockstep.carried = self.WIDTH
 
     def __call__(self, last: RoundReport | None) -> int:

@@ -156,9 +156,9 @@ class Acceptance:
         """a_later for lookup after a ``match``-token n-gram: copied text tends to go on
         being copied, more so after a long match. Shrunk towards lookup_first(match,
         ``explore``) while it has few trials: an untried match is as hopeful past its first
-        token as at it (issue 36: with the point estimate there, the later tokens of a
-        verbatim copy looked no better than 0.8 each, a near-linear pass-cost curve said
-        no, and a lookup never verified never learned otherwise)."""
+        token as at it (with the point estimate there, the later tokens of a verbatim copy
+        would look no better than 0.8 each, a near-linear pass-cost curve would say no, and
+        a lookup never verified would never learn otherwise)."""
         wins, tries = self.lookup.get(match, [0.0] * 4)[2:]
         prior = self.lookup_first(match, explore)
         return (prior * self.prior_weight + wins) / (self.prior_weight + tries)
@@ -291,7 +291,7 @@ class CostCurve:
         r = self.pass_ratio
         if r and k < len(r):
             return r[k]
-        # +10% a token past what was probed (a curve saved before lookup ran longer ends at 8)
+        # +10% a token past what was probed (a saved curve may end at 8, short of a long lookup)
         return (r[-1] if r else 1.0) + 0.1 * (k - (len(r) - 1 if r else 0))
 
     def shape(self, k: int) -> float:
@@ -314,8 +314,8 @@ def _chunk(m: int) -> int:
 STATE_VERSION = 2
 # what a saved state holds: the estimates learned from rounds and the measured pass-cost curve.
 # Each is (its key in the file, where it is kept: AdaptiveK's part "accept" or "cost", or
-# "own" for AdaptiveK itself, its name there); the keys are the names these had when AdaptiveK
-# was one class, so files saved then still load.
+# "own" for AdaptiveK itself, its name there); the keys are the file format's own names, apart
+# from where the parts keep them, so a file of this version loads whatever the parts call them.
 LEARNED = (
     ("verify_ratio", "cost", "pass_ratio"), ("t_draft", "cost", "t_draft"),
     ("level", "cost", "level"), ("t_plain", "cost", "t_plain"), ("_first", "accept", "first"),
@@ -530,8 +530,8 @@ class AdaptiveK(KChooser):
 
     @classmethod
     def resume(cls, state: dict, **settings) -> AdaptiveK:
-        """The chooser ``state()`` described (a key it lacks starts afresh), with today's
-        settings. ``settings``: AdaptiveK's own (k_max, explore, ...) to use instead; the
+        """The chooser ``state()`` described (a key it lacks starts afresh), with the caller's
+        settings, not the saved ones. ``settings``: AdaptiveK's own (k_max, explore, ...) to use instead; the
         parts' settings (decays, prior) are their defaults. ValueError for a state of another
         format version."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:

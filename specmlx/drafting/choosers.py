@@ -213,8 +213,8 @@ class ChooserStore:
 
 
 def sampling_key(s: SamplingParams) -> str:
-    """The sampler's part of a chooser's key, field by field: a field added to SamplingParams
-    later does not change the keys of the samplers saved before it."""
+    """The sampler's part of a chooser's key, field by field, so that a new field of
+    SamplingParams leaves the keys already saved as they are."""
     return f"temp={s.temperature:g}|top_p={s.top_p:g}|top_k={s.top_k}|min_p={s.min_p:g}"
 
 

@@ -29,8 +29,9 @@ first_k_dense_replace); plain RMSNorms; the embedding of the pair at position 0 
 vLLM does. Their ``shared_head.head`` and ``embed_tokens`` copy the target's and are not
 read. A chained step feeds back the output after ``shared_head.norm``, as SGLang does (vLLM
 feeds the layer's output before it; the head was trained for one step only, either way).
-Only the first of several MTP layers is read. Not yet: MiMo (``mtp_layers``), Qwen3.6's fused
-expert tensors inside the head, and mlx-lm's other MLA families (deepseek_v2, kimi, glm4_moe_lite).
+Only the first of several MTP layers is read. Not read: MiMo's heads (``mtp_layers``), Qwen3.6's
+fused expert tensors inside the head, and mlx-lm's other MLA families (deepseek_v2, kimi,
+glm4_moe_lite).
 """
 
 from __future__ import annotations
