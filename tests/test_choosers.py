@@ -12,7 +12,15 @@ from helpers import Feed, make_tiny, steady
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import KChooser
 from specmlx.drafting.adaptive import LOOKUP_MAX, STATE_VERSION, AdaptiveK
-from specmlx.drafting.choosers import AUTO, ChooserStore, FixedK, K, make_chooser, sampling_key
+from specmlx.drafting.choosers import (
+    AUTO,
+    K_MAX,
+    ChooserStore,
+    FixedK,
+    K,
+    make_chooser,
+    sampling_key,
+)
 from specmlx.errors import BadInput
 from specmlx.models.registry import load_registry
 from specmlx.paths import atomic_write, load_json, save_json
@@ -25,8 +33,9 @@ def test_k_is_parsed_once_and_makes_its_chooser():
     assert str(K(3)) == "3" and str(AUTO) == "auto" and K(2).value == 2 and AUTO.value == "auto"
     assert isinstance(make_chooser(K(3)), FixedK) and make_chooser(K(0)).plain_next()
     assert isinstance(make_chooser(AUTO), AdaptiveK)
-    for bad in (-1, "many", 2.5, True, "-2", None):
-        with pytest.raises(BadInput, match="k must be an integer >= 0 or 'auto'"):
+    assert K.of(K_MAX) == K(K_MAX)
+    for bad in (-1, "many", 2.5, True, "-2", None, K_MAX + 1, "1000"):
+        with pytest.raises(BadInput, match=f"k must be an integer from 0 to {K_MAX} or 'auto'"):
             K.of(bad)
 
 
