@@ -147,20 +147,20 @@ def test_a_k_past_what_the_rows_can_emit_drafts_only_what_they_can_use(pair):
     batch = Batch(target, draft)
     rows = [batch.join(p, Decode(k=K(3), max_tokens=8)) for p in PROMPTS[:3]]
     calls = []
-    real = batch.draft
+    real = batch.drafter.model
 
     class Counting:  # the draft model, counting its forward passes
         def __call__(self, x, cache=None):
             calls.append(x.shape)
             return real(x, cache=cache)
 
-    batch.draft = Counting()
+    batch.drafter.model = Counting()
     out: dict = {}
     for r, events in zip(list(batch.rows), batch.round([1000, 2, 0]), strict=True):
         out[id(r)] = [e.token for e in events]
     assert len(calls) == 7, calls  # the catch-up, then 6 one-token steps
     assert [r.stats.drafted for r in rows] == [7, 2, 0]
-    batch.draft = real
+    batch.drafter.model = real
     drain(batch, 1000, rows, out)
     assert [r.ctx[len(p) :] for r, p in zip(rows, PROMPTS[:3], strict=True)] == [
         solo(target, None, p, 0, 8) for p in PROMPTS[:3]

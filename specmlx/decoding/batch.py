@@ -32,7 +32,6 @@ on nothing of another row): the target's pass is still one for all rows.
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 from collections.abc import Sequence
@@ -45,14 +44,14 @@ import mlx.nn as nn
 from ..core.acceptance import Rule, accept_proposal, sampled_rule
 from ..core.caches import make_caches, recurrent_layers
 from ..core.hidden import HiddenTap
-from ..core.kvstate import KVState, common_prefix, reads_hidden
+from ..core.kvstate import KVState, common_prefix
 from ..core.recurrent import PassRecorder
 from ..core.rows import attention_rows, batchable, row_of, rows_of, solo_of
-from ..core.sampling import Processor, make_processor, round_keys, sample
+from ..core.sampling import Processor, make_processor, round_keys
 from ..core.stats import RoundReport, Stats, TokenEvent
 from ..core.vocab import logit_width
 from ..drafting.choosers import K
-from ..drafting.drafters import FEED_AFTER, SAFE_ID
+from ..drafting.row_drafters import RowDrafter, row_drafter
 from ..errors import BadInput, IncompatiblePair
 from .engine import prefill
 from .request import Decode, token_ids
@@ -96,22 +95,18 @@ class Batch:
             if why:
                 raise IncompatiblePair(f"the {what} cannot decode in a batch: {why}")
         self.target, self.draft = target, draft
-        self.head = reads_hidden(draft)
-        self.block = bool(getattr(draft, "block_size", None))  # a DFlash drafter: per row
-        self.tap = HiddenTap(target, draft.reads_hidden) if self.head else None
-        width = logit_width(target)
-        self.draft_embeds = 0
-        if draft is not None and not self.head:
-            width = min(width, logit_width(draft))
-            self.draft_embeds = getattr(getattr(draft, "args", None), "vocab_size", None) or width
-        self.vocab = min(vocab_size or width, width)
+        # what drafts for the rows (drafting.row_drafters: one class a kind of drafter)
+        self.drafter: RowDrafter | None = None
+        self.vocab = min(vocab_size or logit_width(target), logit_width(target))
+        if draft is not None:
+            self.drafter, self.vocab = row_drafter(target, draft, vocab_size)
+        places = self.drafter.reads_hidden if self.drafter is not None else ()
+        self.tap = HiddenTap(target, places) if places else None
         self.rows: list[Row] = []
         self.t_cache: list | None = None  # per layer: core.rows' batch caches
-        self.d_cache: list | None = None
         # the target's recurrent mixers, recorded each verify pass (None: none to roll back)
         layers = recurrent_layers(make_caches(target))
         self.recorder = PassRecorder(target, layers) if layers else None
-        self._draft_states: list[list[list]] = []  # the draft's states after each step
 
     def join(
         self,
@@ -150,12 +145,8 @@ class Batch:
         self.t_cache = rows_of(self.t_cache, kv.target)  # it holds prompt[:-1]
         if self.recorder is not None:
             self.recorder.layers = recurrent_layers(self.t_cache)
-        if self.block:  # its context cache stays the row's own
-            row.own_cache = kv.draft
-        elif self.draft is not None:
-            self.d_cache = rows_of(self.d_cache, kv.draft)
-        if self.draft is not None:
-            row.draft_held, row.waiting = kv.draft_held, kv.waiting
+        if self.drafter is not None:
+            self.drafter.join(row, kv.draft, kv.draft_held, kv.waiting)
         self.rows.append(row)
         return row
 
@@ -176,16 +167,15 @@ class Batch:
         if target is None:
             return kv
         row, draft = self.rows[best], None
-        if self.block:  # its own context cache (a copy is free until written)
-            draft = copy.deepcopy(row.own_cache)
-        elif self.draft is not None:
-            draft = row_of(self.d_cache, best)
-        if self.head and draft is None:
+        if self.drafter is not None:
+            draft = self.drafter.copy_of(best, row)
+        head = self.tap is not None
+        if head and draft is None:
             return kv  # (a head needs its pairs for the prefix the target keeps)
         out = KVState(target=target, tokens=row.ctx[:-1])
         if draft is not None:  # else a draft model prefills the whole prompt afresh
             out.draft, out.draft_held = draft, row.draft_held
-            out.waiting, out.reads_hidden = row.waiting, self.head
+            out.waiting, out.reads_hidden = row.waiting, head
         return out
 
     def leave(self, row: Row) -> KVState:
@@ -194,11 +184,13 @@ class Batch:
         self.rows.pop(i)
         kv = KVState()
         kv.target, kv.tokens = solo_of(self.t_cache, i), row.ctx[:-1]
-        if self.draft is not None:
-            kv.draft = row.own_cache if self.block else solo_of(self.d_cache, i)
-            kv.draft_held, kv.waiting, kv.reads_hidden = row.draft_held, row.waiting, self.head
+        if self.drafter is not None:
+            kv.draft, kv.draft_held = self.drafter.leave(i, row), row.draft_held
+            kv.waiting, kv.reads_hidden = row.waiting, self.tap is not None
         if not self.rows:
-            self.t_cache = self.d_cache = None
+            self.t_cache = None
+            if self.drafter is not None:
+                self.drafter.empty()
         return kv
 
     def round(self, k: int | Sequence[int]) -> list[list[TokenEvent]]:
@@ -214,29 +206,19 @@ class Batch:
         asked = [k] * len(rows) if isinstance(k, int) else list(k)
         if len(asked) != len(rows):
             raise ValueError(f"{len(asked)} k for {len(rows)} rows")
-        # a row near its budget verifies fewer (as a solo generation would: the same keys); a
-        # head's row with nothing to read yet drafts nothing; a block drafts at most
-        # block_size - 1
-        top = self.draft.block_size - 1 if self.block else None
-        ks = [
-            max(0, min(ki, r.stops.room, top if top is not None else ki))
-            * (self.draft is not None and r.drafts)
-            * (not self.head or r.waiting is not None)
-            for r, ki in zip(rows, asked, strict=True)
-        ]
+        # a row near its budget verifies fewer (as a solo generation would: the same keys);
+        # the drafter may allow fewer (a head's row with nothing to read yet, a block's cap)
+        ks = [0] * len(rows)
+        if self.drafter is not None:
+            for i, (r, ki) in enumerate(zip(rows, asked, strict=True)):
+                top = self.drafter.limit(r)
+                ks[i] = max(0, min(ki, r.stops.room, ki if top is None else top)) * r.drafts
         # the drafts one pass verifies: no more than any row can use (a huge k asked for
         # costs nothing past what the rows' budgets let them emit)
         k = max(ks)
         keys = [_split(r) for r in rows]  # per row (draft, u, draw), all None when greedy
-        propose = (
-            self._propose_block
-            if self.block
-            else self._propose_head
-            if self.head
-            else self._propose
-        )
         if k:
-            d, qs = propose(rows, k, ks, [kk[0] for kk in keys])
+            d, qs = self.drafter.propose(rows, k, ks, [kk[0] for kk in keys])
         else:
             d, qs = None, [None] * len(rows)
         last = mx.array([[r.ctx[-1]] for r in rows], dtype=mx.uint32)  # (B, 1)
@@ -248,7 +230,7 @@ class Batch:
             self.tap or nullcontext(),
         ):
             logits = self.target(x, cache=self.t_cache)  # (B, k + 1, V)
-        feats = self.tap.features() if self.head else None  # (B, k + 1, F), lazy
+        feats = self.tap.features() if self.tap is not None else None  # (B, k + 1, F), lazy
         outs = []
         for i, r in enumerate(rows):  # each row by its own rule, sampler, keys and k
             ki = ks[i]
@@ -259,18 +241,13 @@ class Batch:
             outs.append(mx.concatenate([n.astype(mx.uint32).reshape(1), di, nxt.reshape(1), pad]))
         got = mx.stack(outs).tolist()  # the round's one host sync: (B, k + 2)
         seconds = time.perf_counter() - t0
-        events, kept, steps = [], [], []
-        for i, (r, ki, (n, *tokens)) in enumerate(zip(rows, ks, got, strict=True)):
-            fed = len(r.ctx) - 1  # where this round's drafts start, in both models
+        events, kept, fed, accepted = [], [], [], []
+        for r, ki, (n, *tokens) in zip(rows, ks, got, strict=True):
+            fed.append(len(r.ctx) - 1)  # where this round's drafts start, in both models
+            accepted.append(n)
             new, reason = r.stops.cut(tokens[:n] + [tokens[ki]])
             r.ctx += new
-            kept.append(len(r.ctx) - 1 - fed)  # of the k + 1 tokens the target was fed
-            if self.head:  # the pairs (h_j, t_{j+1}) this pass confirmed wait to be fed
-                new_rows = feats[i, : kept[-1]]
-                r.waiting = new_rows if r.waiting is None else mx.concatenate([r.waiting, new_rows])
-            elif k:  # the draft fed ctx and k - 1 drafts: it keeps what ctx confirms of them
-                r.draft_held = min(fed + 1 + min(n, k - 1), len(r.ctx) - 1)
-                steps.append(r.draft_held - fed - 1)  # drafting steps kept after its catch-up
+            kept.append(len(r.ctx) - 1 - fed[-1])  # of the k + 1 tokens the target was fed
             r.stats.record(RoundReport(ki, n, seconds), r.stops.count)
             r.stats.finish_reason, r.done = reason, bool(reason)
             events.append([TokenEvent(t, j < n) for j, t in enumerate(new)])
@@ -279,166 +256,9 @@ class Batch:
             c.lens = [len(r.ctx) - 1 for r in rows]
         if recurrent:  # each row's state after its kept steps (lazy: the next round's sync)
             self.recorder.settle_rows(kept, before)
-        if k and not self.block:  # a head's chained entries are never kept: its pairs are
-            for c in attention_rows(self.d_cache):
-                c.lens = [r.draft_held for r in rows]
-            self._settle_draft(steps)
-        if self.head and max((len_of(r.waiting) for r in rows), default=0) > FEED_AFTER:
-            self._catch_up(rows)
+        if self.drafter is not None:  # each row's draft state to what its ctx confirms
+            self.drafter.settle(rows, k, fed, accepted, feats)
         return events
-
-    def _propose_head(self, rows: list[Row], k: int, ks: list[int], keys):
-        """k drafts per row from a chained head: every row's waiting pairs fed at once,
-        right-padded (the pads given back), then k - 1 chained steps, all rows together, as
-        drafters.head_propose does for one. d (B, k), each row's q (k, vocab) or None."""
-        g, logits = self._feed_pending(rows, keep_last=False)  # (B, 1, H), (B, vocab)
-        steps = [mx.random.split(kk, ki) if kk is not None and ki else None
-                 for kk, ki in zip(keys, ks, strict=True)]  # fmt: skip
-        tokens, qs = [], []
-        for j in range(k):
-            if j:
-                g, logits = self.draft(g, tokens[-1][:, None], self.d_cache)
-                g, logits = g[:, -1:], logits[:, -1, : self.vocab]
-            step_keys = [s[j] if s is not None and j < s.shape[0] else None for s in steps]
-            t, q = _draw(rows, logits, step_keys)
-            tokens.append(t)
-            qs.append(q)
-            mx.async_eval(t)
-        d = mx.stack(tokens, axis=1)  # (B, k)
-        per_row = [None if r.process is None else mx.stack([q[i] for q in qs])
-                   for i, r in enumerate(rows)]  # fmt: skip
-        return d, per_row
-
-    def _feed_pending(self, rows: list[Row], keep_last: bool):
-        """Feed every row's waiting pairs (all but each row's newest when ``keep_last``),
-        right-padded to the longest; the pads are given back and each row's draft_held grows
-        by what it was fed. Returns the outputs at each row's last pair fed: g (B, 1, H) and
-        logits (B, vocab). A row with nothing to feed is fed a zero pair, given back."""
-        counts = [max(0, len_of(r.waiting) - keep_last) for r in rows]
-        top = max(max(counts), 1)
-        feats, toks = [], []
-        for r, m in zip(rows, counts, strict=True):
-            f = r.waiting[:m] if m else mx.zeros((0, self._feature_width(rows)))
-            feats.append(mx.pad(f, [(0, top - m), (0, 0)]))
-            pairs = r.ctx[r.draft_held + 1 : r.draft_held + 1 + m]
-            toks.append(pairs + [0] * (top - m))
-        g, logits = self.draft(mx.stack(feats), mx.array(toks, dtype=mx.uint32), self.d_cache)
-        for c in attention_rows(self.d_cache):
-            c.give_back([top - m for m in counts])
-        at = mx.array([max(m - 1, 0) for m in counts])[:, None, None]
-        g = mx.take_along_axis(g, at, axis=1)  # (B, 1, H)
-        logits = mx.take_along_axis(logits, at, axis=1)[:, 0, : self.vocab]
-        for r, m in zip(rows, counts, strict=True):
-            r.draft_held += m
-            r.waiting = r.waiting[m:] if r.waiting is not None and m < len_of(r.waiting) else None
-        return g, logits
-
-    def _propose_block(self, rows: list[Row], k: int, ks: list[int], keys):
-        """Each row's block, as drafters.BlockDrafter drafts it for one sequence: the row's
-        waiting context fed to its own cache, then a block of its own ks[i] + 1 positions
-        after its newest token, drawn with the row's draft key. d (B, k) (zeros past ks[i]),
-        each row's q (ks[i], vocab) or None."""
-        tokens, qs = [], []
-        for r, ki, key in zip(rows, ks, keys, strict=True):
-            m = len_of(r.waiting)
-            if m:
-                self.draft(r.waiting[None], None, r.own_cache)
-                r.draft_held, r.waiting = r.draft_held + m, None
-            if not ki:
-                tokens.append(mx.zeros((k,), dtype=mx.uint32))
-                qs.append(None)
-                continue
-            first = mx.array(r.ctx[-1:], dtype=mx.uint32)  # (1,)
-            logits = self.draft.block(None, first, ki + 1, r.own_cache)[0, :, : self.vocab]
-            if r.process is None:
-                d, q = mx.argmax(logits, axis=-1).astype(mx.uint32), None
-            else:  # (each position has its own q, drawn independently)
-                q = r.process(logits)
-                d = sample(q, key)
-            tokens.append(mx.concatenate([d, mx.zeros((k - ki,), dtype=mx.uint32)]))
-            qs.append(q)
-        d = mx.stack(tokens)  # (B, k)
-        mx.async_eval(d)
-        return d, qs
-
-    def _feature_width(self, rows: list[Row]) -> int:
-        return next(r.waiting.shape[-1] for r in rows if r.waiting is not None)
-
-    def _catch_up(self, rows: list[Row]) -> None:
-        """Feed each row's waiting pairs but its newest (rounds without proposals, as when
-        the batch's k is 0, would pile them up): queued, not waited for."""
-        if self.block:  # each row's context, to its own cache
-            for r in rows:
-                m = len_of(r.waiting) - 1
-                if m > 0:
-                    self.draft(r.waiting[None, :m], None, r.own_cache)
-                    r.draft_held, r.waiting = r.draft_held + m, r.waiting[m:]
-                    mx.async_eval([c.state for c in r.own_cache])
-            return
-        self._feed_pending(rows, keep_last=True)
-        mx.async_eval([c.state for c in attention_rows(self.d_cache)])
-
-    def _settle_draft(self, steps: list[int]) -> None:
-        """Each draft row's recurrent layers to their state after its catch-up and steps[i]
-        drafting steps, from the states kept after each (``_draft_states``)."""
-        states, self._draft_states = self._draft_states, []
-        if not states:
-            return
-        rows = mx.arange(len(steps))
-        at = mx.array(steps, dtype=mx.int32)
-        for layer, c in enumerate(recurrent_layers(self.d_cache)):
-            c.cache = [
-                None if states[0][layer][e] is None
-                else mx.stack([s[layer][e] for s in states])[at, rows]  # (B, ...)
-                for e in range(len(c.cache))
-            ]  # fmt: skip
-
-    def _propose(self, rows: list[Row], k: int, ks: list[int], keys) -> tuple[mx.array, list]:
-        """k drafts per row: d (B, k) uint32 and each row's q (k, vocab), None when greedy.
-        Each draft row is fed its unseen tokens first, right-padded to the longest (a pad
-        sits after a row's real tokens, where causal attention keeps it from them, and is
-        given back before the chain), then k - 1 one-token steps: its cache grows by its
-        unseen tokens and k - 1. A sampled row splits its draft key into its own ks[i] keys,
-        as a solo draft of ks[i] tokens does (its drafts past ks[i] are never verified)."""
-        pending = [[t if t < self.draft_embeds else SAFE_ID for t in r.ctx[r.draft_held :]]
-                   for r in rows]  # fmt: skip
-        width = max(len(p) for p in pending)
-        x = mx.array([p + [SAFE_ID] * (width - len(p)) for p in pending], dtype=mx.uint32)
-        recurrent = recurrent_layers(self.d_cache)
-        for c in recurrent:  # the pads leave each row's state as its real tokens left it
-            c.lengths = mx.array([len(p) for p in pending])
-        logits = self.draft(x, cache=self.d_cache)  # (B, width, V)
-        for c in recurrent:
-            c.lengths = None
-        at = mx.array([len(p) - 1 for p in pending])[:, None, None]  # each row's last real
-        logits = mx.take_along_axis(logits, at, axis=1)[:, 0, : self.vocab]  # (B, vocab)
-        for c in attention_rows(self.d_cache):
-            c.give_back([width - len(p) for p in pending])  # the pads
-        keep = lambda: [list(c.cache) for c in recurrent]  # noqa: E731 - references only
-        self._draft_states = [keep()] if recurrent else []
-        steps = [mx.random.split(kk, ki) if kk is not None and ki else None
-                 for kk, ki in zip(keys, ks, strict=True)]  # fmt: skip
-        tokens, qs = [], []
-        for j in range(k):
-            if j:
-                fed = mx.where(tokens[-1] < self.draft_embeds, tokens[-1], SAFE_ID)
-                logits = self.draft(fed[:, None], cache=self.d_cache)[:, -1, : self.vocab]
-                if recurrent:
-                    self._draft_states.append(keep())
-            step_keys = [s[j] if s is not None and j < s.shape[0] else None for s in steps]
-            t, q = _draw(rows, logits, step_keys)
-            tokens.append(t)
-            qs.append(q)
-            mx.async_eval(t)  # the host builds the next step while this one runs
-        d = mx.stack(tokens, axis=1)  # (B, k)
-        per_row = [None if r.process is None else mx.stack([q[i] for q in qs])
-                   for i, r in enumerate(rows)]  # fmt: skip
-        return d, per_row
-
-
-def len_of(x: mx.array | None) -> int:
-    """Rows of an array, 0 for None."""
-    return 0 if x is None else x.shape[0]
 
 
 def _split(row: Row) -> tuple:
@@ -447,20 +267,3 @@ def _split(row: Row) -> tuple:
     if row.process is None:
         return None, None, None
     return round_keys(row.seed, len(row.ctx))
-
-
-def _draw(rows: list[Row], logits: mx.array, keys: list) -> tuple[mx.array, list]:
-    """One draft token per row from logits (B, vocab): argmax for greedy rows, a draw from
-    the row's processed q otherwise; (tokens (B,), each row's q (vocab,) or None)."""
-    if all(r.process is None for r in rows):
-        return mx.argmax(logits, axis=-1).astype(mx.uint32), [None] * len(rows)
-    tokens, qs = [], []
-    for i, r in enumerate(rows):
-        if r.process is None:
-            tokens.append(mx.argmax(logits[i], axis=-1).astype(mx.uint32))
-            qs.append(None)
-        else:
-            q = r.process(logits[i : i + 1])  # (1, vocab): drawn as a solo draft draws it
-            tokens.append(sample(q, keys[i])[0])
-            qs.append(q[0])
-    return mx.stack(tokens), qs

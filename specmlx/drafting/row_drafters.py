@@ -1,0 +1,380 @@
+"""Drafters for the rows of a batch (decoding/batch.py): each proposes for B rows at once
+and brings each row's own state to what the round's target pass confirmed. One class a kind
+of drafter, behind one small interface (RowDrafter), so the batch's round has one drafting
+path: a new drafter is written here once, never as a branch of the round.
+
+- ModelRows: a draft model. Each row is fed its unseen tokens (right-padded, the pads given
+  back), then k - 1 one-token steps for all rows together; a recurrent draft keeps its state
+  after each step, and each row takes the one at its kept length.
+- HeadRows: a chained head over the target's hidden states (MTP, EAGLE-3): every row's
+  waiting pairs fed at once (right-padded, the pads given back), then k - 1 chained steps;
+  the chained entries are given back after the round.
+- BlockRows: a block drafter (DFlash): each row keeps its own context cache and drafts its
+  block in a pass of its own, at its own width (a block attends to itself both ways, so its
+  logits depend on its width and on nothing of another row).
+
+A row (decoding.batch.Row) carries the per-row draft state these classes read and write:
+``draft_held`` (how much of its context the draft's row holds), ``waiting`` (a head's
+confirmed features not yet fed) and ``own_cache`` (a block drafter's context cache). A
+sampled row draws its drafts with its own draft key, split into its own k keys, as a solo
+drafter does (drafters.py): its drafts past its k are never verified.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..core.caches import recurrent_layers
+from ..core.kvstate import reads_hidden
+from ..core.rows import attention_rows, row_of, rows_of, solo_of
+from ..core.sampling import Processor, sample
+from ..core.vocab import logit_width
+from .drafters import FEED_AFTER, SAFE_ID
+
+
+class DraftRow(Protocol):
+    """What a row drafter reads and writes of a row (decoding.batch.Row)."""
+
+    ctx: list[int]
+    process: Processor | None
+    draft_held: int
+    waiting: mx.array | None
+    own_cache: list | None
+
+
+class RowDrafter:
+    """The interface: ``limit`` a row's drafts this round, ``propose`` for every row,
+    ``settle`` each row after the round; ``join``, ``leave`` and ``copy_of`` move a row's
+    draft state in and out of the batch (as a KVState's draft caches, draft_held and
+    waiting). ``reads_hidden``: the places in the target whose hidden states the round must
+    tap for ``settle`` (empty: none)."""
+
+    reads_hidden: tuple = ()
+
+    def limit(self, row: DraftRow) -> int | None:
+        """The most drafts ``row`` may get this round (None: no limit of the drafter's)."""
+        return None
+
+    def join(self, row: DraftRow, draft: list, held: int, waiting: mx.array | None) -> None:
+        """Take a joining row's draft caches (holding ``held`` of its context) and waiting
+        features."""
+        raise NotImplementedError
+
+    def leave(self, i: int, row: DraftRow) -> list:
+        """Row ``i`` leaves: its draft caches, as a solo generation's."""
+        raise NotImplementedError
+
+    def copy_of(self, i: int, row: DraftRow) -> list | None:
+        """A copy of row ``i``'s draft caches (None: they cannot be copied)."""
+        raise NotImplementedError
+
+    def empty(self) -> None:
+        """Every row has left."""
+
+    def propose(
+        self, rows: Sequence[DraftRow], k: int, ks: list[int], keys: list
+    ) -> tuple[mx.array, list]:
+        """k drafts for every row: d (B, k) uint32 (a row's past ks[i] are never verified)
+        and each row's q (ks[i] or k, vocab), None for a greedy row. keys: each row's draft
+        key (None when greedy)."""
+        raise NotImplementedError
+
+    def settle(
+        self,
+        rows: Sequence[DraftRow],
+        k: int,
+        fed: list[int],
+        accepted: list[int],
+        feats: mx.array | None,
+    ) -> None:
+        """The round is over and each row's ctx holds what it kept: bring each row's draft
+        state there. k: the drafts proposed (0: none); fed[i]: where row i's drafts started
+        (its ctx length before the round, less one); accepted[i]: its drafts accepted;
+        feats: the tapped features of the pass (B, k + 1, F), lazy, for a drafter that reads
+        them."""
+        raise NotImplementedError
+
+
+def row_drafter(
+    target: nn.Module, draft: nn.Module, vocab_size: int | None = None
+) -> tuple[RowDrafter, int]:
+    """The row drafter for ``draft`` (a model, a chained head or a block drafter) and the ids
+    it may propose: the smaller logit width, or ``vocab_size`` when fewer.
+
+    target: the target model; draft: the draft model or head; vocab_size: the ids the pair
+    shares (None: the smaller logit width)."""
+    width = logit_width(target)
+    if not reads_hidden(draft):
+        width = min(width, logit_width(draft))
+        embeds = getattr(getattr(draft, "args", None), "vocab_size", None) or width
+        vocab = min(vocab_size or width, width)
+        return ModelRows(draft, vocab, embeds), vocab
+    vocab = min(vocab_size or width, width)
+    if getattr(draft, "block_size", None):
+        return BlockRows(draft, vocab), vocab
+    return HeadRows(draft, vocab), vocab
+
+
+class _SharedCache(RowDrafter):
+    """A drafter whose rows share one batch cache per layer (core.rows)."""
+
+    def __init__(self, model, vocab: int):
+        self.model, self.vocab = model, vocab
+        self.cache: list | None = None  # per layer: core.rows' batch caches
+
+    def join(self, row, draft, held, waiting) -> None:
+        self.cache = rows_of(self.cache, draft)
+        row.draft_held, row.waiting = held, waiting
+
+    def leave(self, i, row) -> list:
+        return solo_of(self.cache, i)
+
+    def copy_of(self, i, row) -> list | None:
+        return row_of(self.cache, i)
+
+    def empty(self) -> None:
+        self.cache = None
+
+
+class ModelRows(_SharedCache):
+    """A draft model for every row (see the module). model: the draft; vocab: the ids it
+    may propose; embeds: the ids it can embed (others are fed as SAFE_ID)."""
+
+    def __init__(self, model, vocab: int, embeds: int):
+        super().__init__(model, vocab)
+        self.embeds = embeds
+        self._states: list[list[list]] = []  # recurrent layers' states after each step
+
+    def propose(self, rows, k, ks, keys):
+        """Each draft row is fed its unseen tokens first, right-padded to the longest (a pad
+        sits after a row's real tokens, where causal attention keeps it from them, and is
+        given back before the chain), then k - 1 one-token steps: its cache grows by its
+        unseen tokens and k - 1."""
+        unseen = [[t if t < self.embeds else SAFE_ID for t in r.ctx[r.draft_held :]]
+                  for r in rows]  # fmt: skip
+        width = max(len(p) for p in unseen)
+        x = mx.array([p + [SAFE_ID] * (width - len(p)) for p in unseen], dtype=mx.uint32)
+        recurrent = recurrent_layers(self.cache)
+        for c in recurrent:  # the pads leave each row's state as its real tokens left it
+            c.lengths = mx.array([len(p) for p in unseen])
+        logits = self.model(x, cache=self.cache)  # (B, width, V)
+        for c in recurrent:
+            c.lengths = None
+        at = mx.array([len(p) - 1 for p in unseen])[:, None, None]  # each row's last real
+        logits = mx.take_along_axis(logits, at, axis=1)[:, 0, : self.vocab]  # (B, vocab)
+        for c in attention_rows(self.cache):
+            c.give_back([width - len(p) for p in unseen])  # the pads
+        keep = lambda: [list(c.cache) for c in recurrent]  # noqa: E731 - references only
+        self._states = [keep()] if recurrent else []
+        steps = _step_keys(keys, ks)
+        tokens, qs = [], []
+        for j in range(k):
+            if j:
+                fed = mx.where(tokens[-1] < self.embeds, tokens[-1], SAFE_ID)
+                logits = self.model(fed[:, None], cache=self.cache)[:, -1, : self.vocab]
+                if recurrent:
+                    self._states.append(keep())
+            t, q = _draw(rows, logits, [s[j] if s is not None and j < s.shape[0] else None
+                                        for s in steps])  # fmt: skip
+            tokens.append(t)
+            qs.append(q)
+            mx.async_eval(t)  # the host builds the next step while this one runs
+        return mx.stack(tokens, axis=1), _per_row(rows, qs)
+
+    def settle(self, rows, k, fed, accepted, feats) -> None:
+        """The draft fed ctx and k - 1 drafts: each row keeps what its ctx confirms of them
+        (its recurrent layers: the state after that many steps)."""
+        if not k:
+            return
+        steps = []
+        for r, f, n in zip(rows, fed, accepted, strict=True):
+            r.draft_held = min(f + 1 + min(n, k - 1), len(r.ctx) - 1)
+            steps.append(r.draft_held - f - 1)  # drafting steps kept after its catch-up
+        for c in attention_rows(self.cache):
+            c.lens = [r.draft_held for r in rows]
+        states, self._states = self._states, []
+        if not states:
+            return
+        index = mx.arange(len(steps))
+        at = mx.array(steps, dtype=mx.int32)
+        for layer, c in enumerate(recurrent_layers(self.cache)):
+            c.cache = [
+                None if states[0][layer][e] is None
+                else mx.stack([s[layer][e] for s in states])[at, index]  # (B, ...)
+                for e in range(len(c.cache))
+            ]  # fmt: skip
+
+
+class HeadRows(_SharedCache):
+    """A chained head over the target's hidden states for every row (see the module):
+    head(hidden (B, L, H), tokens (B, L), cache) -> (g, logits). vocab: the ids it may
+    propose."""
+
+    def __init__(self, head, vocab: int):
+        super().__init__(head, vocab)
+        self.reads_hidden = head.reads_hidden
+
+    def limit(self, row) -> int | None:
+        return 0 if row.waiting is None else None  # (nothing to read yet: no drafts)
+
+    def propose(self, rows, k, ks, keys):
+        g, logits = self._feed_waiting(rows, keep_last=False)  # (B, 1, H), (B, vocab)
+        steps = _step_keys(keys, ks)
+        tokens, qs = [], []
+        for j in range(k):
+            if j:
+                g, logits = self.model(g, tokens[-1][:, None], self.cache)
+                g, logits = g[:, -1:], logits[:, -1, : self.vocab]
+            t, q = _draw(rows, logits, [s[j] if s is not None and j < s.shape[0] else None
+                                        for s in steps])  # fmt: skip
+            tokens.append(t)
+            qs.append(q)
+            mx.async_eval(t)
+        return mx.stack(tokens, axis=1), _per_row(rows, qs)
+
+    def settle(self, rows, k, fed, accepted, feats) -> None:
+        """The pairs (h_j, t_{j+1}) this pass confirmed wait to be fed; the chained entries
+        are never kept (they read drafts)."""
+        _add_waiting(rows, fed, feats)
+        if k:
+            for c in attention_rows(self.cache):
+                c.lens = [r.draft_held for r in rows]
+        if max(len_of(r.waiting) for r in rows) > FEED_AFTER:
+            # rounds without proposals would pile them up: all but each row's newest, queued
+            self._feed_waiting(rows, keep_last=True)
+            mx.async_eval([c.state for c in attention_rows(self.cache)])
+
+    def _feed_waiting(self, rows, keep_last: bool):
+        """Feed every row's waiting pairs (all but each row's newest when ``keep_last``),
+        right-padded to the longest; the pads are given back and each row's draft_held grows
+        by what it was fed. Returns the outputs at each row's last pair fed: g (B, 1, H) and
+        logits (B, vocab). A row with nothing to feed is fed a zero pair, given back."""
+        counts = [max(0, len_of(r.waiting) - keep_last) for r in rows]
+        top = max(max(counts), 1)
+        width = next(r.waiting.shape[-1] for r in rows if r.waiting is not None)
+        feats, toks = [], []
+        for r, m in zip(rows, counts, strict=True):
+            f = r.waiting[:m] if m else mx.zeros((0, width))
+            feats.append(mx.pad(f, [(0, top - m), (0, 0)]))
+            pairs = r.ctx[r.draft_held + 1 : r.draft_held + 1 + m]
+            toks.append(pairs + [0] * (top - m))
+        g, logits = self.model(mx.stack(feats), mx.array(toks, dtype=mx.uint32), self.cache)
+        for c in attention_rows(self.cache):
+            c.give_back([top - m for m in counts])
+        at = mx.array([max(m - 1, 0) for m in counts])[:, None, None]
+        g = mx.take_along_axis(g, at, axis=1)  # (B, 1, H)
+        logits = mx.take_along_axis(logits, at, axis=1)[:, 0, : self.vocab]
+        for r, m in zip(rows, counts, strict=True):
+            r.draft_held += m
+            r.waiting = r.waiting[m:] if r.waiting is not None and m < len_of(r.waiting) else None
+        return g, logits
+
+
+class BlockRows(RowDrafter):
+    """A block drafter over the target's hidden states, each row with its own context cache
+    (see the module): head.block(hidden, first, width, cache) -> logits drafts a block,
+    head(hidden, tokens, cache) feeds context. vocab: the ids it may propose."""
+
+    def __init__(self, head, vocab: int):
+        self.model, self.vocab = head, vocab
+        self.reads_hidden = head.reads_hidden
+
+    def limit(self, row) -> int | None:
+        return 0 if row.waiting is None else self.model.block_size - 1
+
+    def join(self, row, draft, held, waiting) -> None:
+        row.own_cache, row.draft_held, row.waiting = draft, held, waiting
+
+    def leave(self, i, row) -> list:
+        return row.own_cache
+
+    def copy_of(self, i, row) -> list | None:
+        return copy.deepcopy(row.own_cache)  # (free until written)
+
+    def propose(self, rows, k, ks, keys):
+        """Each row's block, as drafters.BlockDrafter drafts it for one sequence: its waiting
+        context fed to its own cache, then a block of its own ks[i] + 1 positions after its
+        newest token (zeros past ks[i])."""
+        tokens, qs = [], []
+        for r, ki, key in zip(rows, ks, keys, strict=True):
+            m = len_of(r.waiting)
+            if m:
+                self.model(r.waiting[None], None, r.own_cache)
+                r.draft_held, r.waiting = r.draft_held + m, None
+            if not ki:
+                tokens.append(mx.zeros((k,), dtype=mx.uint32))
+                qs.append(None)
+                continue
+            first = mx.array(r.ctx[-1:], dtype=mx.uint32)  # (1,)
+            logits = self.model.block(None, first, ki + 1, r.own_cache)[0, :, : self.vocab]
+            if r.process is None:
+                d, q = mx.argmax(logits, axis=-1).astype(mx.uint32), None
+            else:  # (each position has its own q, drawn independently)
+                q = r.process(logits)
+                d = sample(q, key)
+            tokens.append(mx.concatenate([d, mx.zeros((k - ki,), dtype=mx.uint32)]))
+            qs.append(q)
+        d = mx.stack(tokens)  # (B, k)
+        mx.async_eval(d)
+        return d, qs
+
+    def settle(self, rows, k, fed, accepted, feats) -> None:
+        """The context this pass confirmed waits to be fed; a row that piles up more than
+        FEED_AFTER (rounds without drafts) feeds all but its newest, queued."""
+        _add_waiting(rows, fed, feats)
+        if max(len_of(r.waiting) for r in rows) <= FEED_AFTER:
+            return
+        for r in rows:
+            m = len_of(r.waiting) - 1
+            if m > 0:
+                self.model(r.waiting[None, :m], None, r.own_cache)
+                r.draft_held, r.waiting = r.draft_held + m, r.waiting[m:]
+                mx.async_eval([c.state for c in r.own_cache])
+
+
+def len_of(x: mx.array | None) -> int:
+    """Rows of an array, 0 for None."""
+    return 0 if x is None else x.shape[0]
+
+
+def _add_waiting(rows, fed: list[int], feats: mx.array) -> None:
+    """Each row's features at the positions this pass confirmed, (kept, F), join its
+    waiting ones: the pass fed ctx[fed] and the drafts, and ctx[:-1] is confirmed."""
+    for i, (r, f) in enumerate(zip(rows, fed, strict=True)):
+        new = feats[i, : len(r.ctx) - 1 - f]
+        r.waiting = new if r.waiting is None else mx.concatenate([r.waiting, new])
+
+
+def _step_keys(keys: list, ks: list[int]) -> list:
+    """A sampled row's draft key split into its own ks[i] keys, one a step (None: greedy, or
+    no drafts), as a solo drafter splits its own."""
+    return [mx.random.split(kk, ki) if kk is not None and ki else None
+            for kk, ki in zip(keys, ks, strict=True)]  # fmt: skip
+
+
+def _per_row(rows, qs: list[list]) -> list:
+    """Each row's q over the steps (k, vocab), None for a greedy row; qs: per step, per row."""
+    return [None if r.process is None else mx.stack([q[i] for q in qs])
+            for i, r in enumerate(rows)]  # fmt: skip
+
+
+def _draw(rows, logits: mx.array, keys: list) -> tuple[mx.array, list]:
+    """One draft token per row from logits (B, vocab): argmax for greedy rows, a draw from
+    the row's processed q otherwise; (tokens (B,), each row's q (vocab,) or None)."""
+    if all(r.process is None for r in rows):
+        return mx.argmax(logits, axis=-1).astype(mx.uint32), [None] * len(rows)
+    tokens, qs = [], []
+    for i, r in enumerate(rows):
+        if r.process is None:
+            tokens.append(mx.argmax(logits[i], axis=-1).astype(mx.uint32))
+            qs.append(None)
+        else:
+            q = r.process(logits[i : i + 1])  # (1, vocab): drawn as a solo draft draws it
+            tokens.append(sample(q, keys[i])[0])
+            qs.append(q[0])
+    return mx.stack(tokens), qs
