@@ -5,12 +5,13 @@ cache's prefix), leaves when it is done, cancelled or its client hung up (its ca
 to the prompt cache), and its text, stop strings and editor limits are its own.
 
 A row that asked for a fixed k drafts it; the others draft the batch's choice (batch_k.BatchK:
-what rounds of each k made per second at this many rows, measured as they run). A request that cannot be a row (prompt lookup, per-token stopping,
-an editor's warm-up) runs alone between two rounds, as the serial worker runs it. A request
-that arrives to an empty batch runs alone too, through the engine as the serial worker runs
-it (a batch of one costs a little more a round, and k is then the request's own adaptive
-choice), until a second one arrives: then it joins the batch as a row, from the tokens it
-has emitted.
+what rounds of each k made per second at this many rows, measured as they run). A request
+that cannot be a row (prompt lookup, per-token stopping) runs alone between two rounds, as
+the serial worker runs it; an editor's warm-up too, but only once no editor request runs or
+waits (warmups.py), so its prefill never holds up a suggestion. A request that arrives to an
+empty batch runs alone too, through the engine as the serial worker runs it (a batch of one
+costs a little more a round, and k is then the request's own adaptive choice), until a
+second one arrives: then it joins the batch as a row, from the tokens it has emitted.
 
 With the target split over ranks, rank 0's batch travels to the other ranks as what it does
 (wire.BatchOps: the rows that left, a request that joins, each row's k), sent before it
@@ -45,6 +46,7 @@ from ..decoding.stream import EditorLimits, TextStream
 from ..distributed.ranks import Lockstep, ranks_stopped
 from .batch_k import BatchK, KeptBatchK
 from .joining import join_row
+from .warmups import WarmUps
 
 # seconds a parked editor request waits, after an editor request ends, before it resumes:
 # an editor sends its next request as soon as it has an answer (llama.vim's follow-up), and
@@ -95,6 +97,7 @@ class Batcher:
         # KV of the batch's (theirs is in the prompt cache, within its budget)
         self.parked: list[_Live] = []
         self._quiet_from = 0.0  # (monotonic) when a parked request may resume
+        self.warmups = WarmUps(worker)  # editors' warm-ups, run once the editors are quiet
         store = worker.choosers
         self.kept = KeptBatchK(pair.target_id, pair.draft_id, store.persist, store.warn, k)
         self.k = self.kept.k
@@ -107,11 +110,13 @@ class Batcher:
         while True:
             job = False  # (nothing new: go on with the rows there are)
             self._unpark()
+            self._warm_up()
             if not self.live:
                 self.kept.save()
                 if self.ranks and w.watchdog is not None:
                     w.watchdog.idle()  # nothing is expected of the other ranks until a job
-                if self.parked:  # one resumes in a moment, unless a newer request comes
+                if self.parked or self.warmups.waiting:
+                    # one resumes (or warms up) in a moment, unless a newer request comes
                     try:
                         job = w._queue.get(timeout=RESUME_GRACE)
                     except queue.Empty:
@@ -149,18 +154,12 @@ class Batcher:
         if w._stopping:
             w.refuse(job)
             return
-        if r.drafter == "lookup" or r.warm_up or w.draft_stop:
-            if self.ranks and self.left:  # the other ranks put those rows' caches back first
-                try:
-                    w.send_ops(self.left, None, None)
-                except Exception as e:  # noqa: BLE001 - a rank went away: all stop
-                    failure = ranks_stopped(e)
-                    self._end_all(failure)
-                    job.emit("error", failure)
-                    self._fatal(failure)
-                    return
-                self.left = []
-            w._serve_alone(job)  # (between two rounds: the rows wait for it)
+        if r.warm_up:  # it waits until the editors are quiet (_warm_up); it parks nothing
+            self.warmups.add(job)
+            return
+        if r.drafter == "lookup" or w.draft_stop:
+            if self._send_left(job):
+                w._serve_alone(job)  # (between two rounds: the rows wait for it)
             return
         if len(self.live) >= self.max_batch:  # (run() admits only while there is room)
             raise RuntimeError("the batch is full")
@@ -205,6 +204,47 @@ class Batcher:
         if alone:
             lv.solo, lv.kv = gen.tokens(), kv
         self.live.append(lv)
+
+    def _send_left(self, job) -> bool:
+        """With ranks, before a request runs alone: the other ranks put the caches of the
+        rows that left back first. False when a rank went away (then all stop, and ``job``
+        hears why)."""
+        if not (self.ranks and self.left):
+            return True
+        try:
+            self.w.send_ops(self.left, None, None)
+        except Exception as e:  # noqa: BLE001 - a rank went away: all stop
+            failure = ranks_stopped(e)
+            self._end_all(failure)
+            job.emit("error", failure)
+            self._fatal(failure)
+            return False
+        self.left = []
+        return True
+
+    def _editors_busy(self) -> bool:
+        """Whether an editor request runs, is set aside, waits in the queue, or may come
+        next (one ended within RESUME_GRACE: its client's follow-up)."""
+        if any(lv.request.editor for lv in self.live) or self.parked:
+            return True
+        if time.monotonic() < self._quiet_from:
+            return True
+        with self.w._queue.mutex:  # (a peek: the queue is the worker's FIFO)
+            queued = list(self.w._queue.queue)
+        return any(j is not None and j.request.editor and not j.request.warm_up for j in queued)
+
+    def _warm_up(self) -> None:
+        """Run the newest waiting warm-up alone, when the editors are quiet: a warm-up fills
+        the prompt cache for later, and must never delay a suggestion someone is waiting
+        for. Not a row, not an editor request that ends (``_quiet_from`` stays), so it
+        parks nothing and holds no parked one back."""
+        self.warmups.drop_gone()
+        if not self.warmups.waiting or self._editors_busy():
+            return
+        job = self.warmups.take()
+        self.w.holding = self._held() + 1
+        if self._send_left(job):
+            self.w._serve_alone(job)
 
     def _step_alone(self, lv: _Live) -> None:
         """The lone request's next token (the engine runs a round when it needs one)."""
@@ -262,8 +302,9 @@ class Batcher:
         return _Parked(list(lv.request.prompt_ids) + lv.made, decode, len(lv.made))
 
     def _held(self) -> int:
-        """Requests the MLX thread holds (Worker.holding): the live ones and the parked."""
-        return len(self.live) + len(self.parked)
+        """Requests the MLX thread holds (Worker.holding): the live ones, the parked and
+        the waiting warm-ups."""
+        return len(self.live) + len(self.parked) + len(self.warmups.waiting)
 
     def _park(self, lv: _Live) -> None:
         """Set a running editor request aside for a newer one: its caches go to the prompt
@@ -394,6 +435,11 @@ class Batcher:
                 self.w.totals.failed += 1
                 lv.job.emit("error", error)
         self.parked = []
+        for job in self.warmups.waiting:
+            if error is not None:
+                self.w.totals.failed += 1
+                job.emit("error", error)
+        self.warmups.waiting = []
         for lv in list(self.live):
             if error is not None:
                 self.w.totals.failed += 1
@@ -406,7 +452,7 @@ class Batcher:
         self.batch = Batch(self.batch.target, self.batch.draft, self.batch.vocab)
 
     def jobs(self) -> list:
-        return [lv.job for lv in self.live + self.parked]
+        return [lv.job for lv in self.live + self.parked] + self.warmups.waiting
 
 
 def _k_of(row: Row, auto: int | None) -> int:

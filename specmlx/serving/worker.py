@@ -35,10 +35,11 @@ from ..drafting.lookup import LookupMemory
 from ..errors import SpecmlxError
 from ..models.loading import Loaded
 from ..paths import Warn
-from .batcher import Batcher
+from .batcher import RESUME_GRACE, Batcher
 from .follower import FollowerBatch
 from .joining import can_batch
 from .prompt_cache import PromptCache
+from .warmups import WarmUps
 
 # with ranks, between requests: seconds between rank 0's idle ticks (a request waits at most
 # this long for the followers; they spin a tenth of it)
@@ -163,6 +164,7 @@ class Worker:
         self._lock = threading.Lock()
         self._stopping = False
         self._current: Job | None = None
+        self._warmups = WarmUps(self)  # one at a time: warm-ups wait for the queue (_run)
         self.max_batch, self.batch_refused, self._batcher = max_batch, None, None
         self._follower: FollowerBatch | None = None  # a rank other than 0: rank 0's batch
         if max_batch > 1:
@@ -216,8 +218,9 @@ class Worker:
                     job.emit("error", ShuttingDown("the server is shutting down"))
 
     def running(self) -> list[Job]:
-        """The jobs generating now (one, or a batch's rows)."""
-        jobs = self._batcher.jobs() if self._batcher is not None else []
+        """The jobs generating now (one, or a batch's rows), and those the MLX thread holds
+        set aside (parked editor requests, warm-ups waiting)."""
+        jobs = self._batcher.jobs() if self._batcher is not None else list(self._warmups.waiting)
         return jobs + ([self._current] if self._current is not None else [])
 
     def interrupt(self) -> None:
@@ -297,18 +300,40 @@ class Worker:
             time.sleep(1.0)
 
     def _run(self) -> None:
+        """One job at a time, in order, except an editor's warm-up: it runs once nothing
+        waits in the queue and no editor request ended within RESUME_GRACE (its client's
+        next request may be coming), so its prefill never holds up a suggestion."""
+        warmups = self._warmups
         while True:
-            job = self._next()
+            warmups.drop_gone()
+            held = False  # (a warm-up taken off the waiting list: its turn now)
+            if warmups.waiting and self._queue.empty():
+                wait = warmups.until_quiet()
+                if wait == 0:
+                    job, held = warmups.take(), True
+                else:
+                    try:
+                        job = self._queue.get(timeout=wait)
+                    except queue.Empty:
+                        continue
+            else:
+                job = self._next()
             if job is None:
                 if self.world.distributed:
                     send(self.world, None)  # the other ranks stop following
                 return
-            self.holding = 1
+            if job.request.warm_up and not held:
+                warmups.add(job)  # after what waits (the loop takes it when nothing does)
+                self.holding = len(warmups.waiting)
+                continue
+            self.holding = 1 + len(warmups.waiting)
             try:
                 if self._serve_alone(job) is False:
                     return
             finally:
-                self.holding = 0
+                self.holding = len(warmups.waiting)
+            if job.request.editor and not job.request.warm_up:
+                warmups.editor_ended(RESUME_GRACE)
 
     def _serve_alone(self, job: Job) -> bool:
         """Run one job by itself; False when serving must stop (ranks out of step)."""
