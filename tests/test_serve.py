@@ -394,8 +394,7 @@ _ROUTE_BAD = [
     ("/completion", {"prompt": ""}, 400, "empty"),
     ("/completion", {"prompt": [-1]}, 400, "prompt"),
     ("/completion", {"prompt": "x", "n_cmpl": 2, "stream": True}, 400, "n_cmpl"),
-    ("/completion", {"prompt": "word " * 3000}, 400, "context"),
-    ("/completion", {"prompt": "x", "n_predict": 5000}, 400, "context"),
+    ("/completion", {"prompt": "x", "n_keep": -2}, 400, "n_keep"),
     ("/completion", '{"prompt": "\\udc00"}', 400, "surrogate"),
     ("/completion", "[1, 2, 3]", 400, "body"),
     ("/infill", "", 400, "body"),
@@ -856,6 +855,70 @@ def test_llama_cpps_native_completion(server):
     assert post(server, "/completion", {"prompt": [], "n_predict": 2}).status_code == 400
     assert post(server, "/completion", {"prompt": [10**9], "n_predict": 2}).status_code == 400
     assert post(server, "/completion", {**body, "stream": True, "n_cmpl": 2}).status_code == 400
+
+
+# ------------------------------------------------------------------ a small context
+
+
+@pytest.fixture(scope="module")
+def tight_server(tmp_path_factory):
+    """A context of 512 tokens, as small as an editor's model can be; the log as text."""
+    root = tmp_path_factory.mktemp("serve-tight")
+    s = Server(server_env(root, models_toml(root)), "--context", "512")
+    yield s
+    code, err = s.stop()
+    assert code == 0, err
+
+
+def vim_ring(chunks: int = 16, lines: int = 64) -> list[dict]:
+    """llama.vim's ring of extra context at its defaults (ring_n_chunks 16, ring_chunk_size
+    64 lines), as its requests carry it."""
+    return [{"text": "".join(f"    value_{c}_{i} = compute({i}, {c})\n" for i in range(lines)),
+             "time": 0, "filename": f"src/m{c}.py"} for c in range(chunks)]  # fmt: skip
+
+
+def test_llama_vims_default_sizes_are_fitted_to_a_small_context(tight_server):
+    """With llama.vim's defaults (256 lines before the cursor, 64 after, 16 chunks of 64
+    lines) every request passed the context and got a 400 the plugin shows nowhere. Now it
+    is cut as llama-server cuts it and answered, with truncated true; its warm-up too; a
+    request that fits is left whole (truncated false). /completion is fitted the same way."""
+    s = tight_server
+    ring = vim_ring()
+    warm = post(s, "/infill", {
+        "input_prefix": "", "input_suffix": "", "input_extra": ring, "prompt": "",
+        "n_predict": 0, "temperature": 0.0, "stream": False, "samplers": [], "cache_prompt": True,
+        "t_max_prompt_ms": 1, "t_max_predict_ms": 1, "response_fields": [""],
+    })  # fmt: skip
+    assert warm.status_code == 200 and warm.json() == {}, warm.text
+    before = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(128))
+    after = "".join(f"# note {i}\n" for i in range(64))
+    fim = {
+        "id_slot": 0, "input_prefix": before, "input_suffix": "\n" + after, "input_extra": ring,
+        "prompt": "    re", "n_predict": 128, "n_indent": 4, "top_k": 40, "top_p": 0.99,
+        "stream": False, "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True,
+        "t_max_prompt_ms": 500, "t_max_predict_ms": 1000, "response_fields": VIM_FIELDS,
+    }  # fmt: skip
+    r = post(s, "/infill", fim)
+    assert r.status_code == 200, r.text  # (was a 400 context_length_exceeded)
+    got = r.json()
+    assert set(got) == set(VIM_FIELDS) and got["truncated"] is True, got
+    whole = post(s, "/infill", {**fim, "response_fields": None}).json()
+    assert whole["tokens_evaluated"] + 128 <= 512 and whole["truncated"] is True
+    # the control: a request that fits is not cut
+    small = {**fim, "input_prefix": "def f(x):\n", "input_suffix": "\n", "input_extra": []}
+    fits = post(s, "/infill", small)
+    assert fits.status_code == 200 and fits.json()["truncated"] is False, fits.text
+    # /completion: text or ids past the context, and a budget past what it leaves
+    long = post(s, "/completion", {"prompt": CODE * 60, "n_predict": 8, "temperature": 0})
+    assert long.status_code == 200 and long.json()["truncated"] is True, long.text
+    assert long.json()["tokens_evaluated"] + 8 <= 512
+    ids = post(s, "/completion", {"prompt": [5] * 900, "n_predict": 4, "n_keep": 10}).json()
+    assert ids["truncated"] is True and ids["tokens_evaluated"] < 512
+    budget = post(s, "/completion", {"prompt": "def f():\n", "n_predict": 5000}).json()
+    assert budget["truncated"] is False and budget["generation_settings"]["n_predict"] < 512
+    # the OpenAI routes still refuse what does not fit: their clients say so
+    refused = post(s, "/v1/completions", {"prompt": CODE * 60, "max_tokens": 8})
+    assert refused.status_code == 400, refused.text
 
 
 def test_a_body_that_stops_coming_is_a_408():

@@ -105,6 +105,54 @@ def _encode_inner(tokenizer, text: str) -> list[int]:
     return ids[len(head) :] if ids[: len(head)] == head else ids
 
 
+@dataclass(frozen=True)
+class InfillPieces:
+    """An infill prompt's token ids, piece by piece, so a server can cut each to fit its
+    context (serving/fitting.py): ``ids()`` lays them out as encode_infill does."""
+
+    template: FimTemplate
+    head: list[int]  # [BOS] where the tokenizer adds one
+    extra: list[int]  # the other files' records, markers included
+    prefix: list[int]
+    suffix: list[int]
+    middle: list[int]
+
+    def ids(self) -> list[int]:
+        """[BOS] [extra] PRE prefix SUF suffix MID middle."""
+        t = self.template
+        return (
+            self.head + self.extra + [t.prefix] + self.prefix + [t.suffix] + self.suffix
+            + [t.middle] + self.middle
+        )  # fmt: skip
+
+
+def infill_pieces(
+    tokenizer,
+    template: FimTemplate,
+    prefix: str,
+    suffix: str,
+    *,
+    extra: Sequence[tuple[str, str]] = (),
+    middle: str = "",
+) -> InfillPieces:
+    """The pieces of encode_infill's prompt, each tokenized (the parameters are its)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    probe = list(tokenizer.encode("a"))
+    head = [bos] if bos is not None and probe[:1] == [bos] else []
+    records: list[int] = []
+    if extra and template.repo is not None:
+        records += [template.repo] + _encode(tokenizer, "specmlx\n")
+        for filename, text in extra:
+            records += [template.file_sep] + _encode(tokenizer, f"{filename}\n{text}")
+        records += [template.file_sep]
+    elif extra:
+        records += _encode(tokenizer, "".join(f"{text}\n" for _, text in extra))
+    return InfillPieces(
+        template, head, records, _encode(tokenizer, prefix), _encode_inner(tokenizer, suffix),
+        _encode_inner(tokenizer, middle),
+    )  # fmt: skip
+
+
 def encode_infill(
     tokenizer,
     template: FimTemplate,
@@ -119,17 +167,5 @@ def encode_infill(
     tokenizer: the target's; template: from fim_template; prefix, suffix: the text before
     and after the cursor; extra: (filename, text) records of other files, first; middle: text
     already typed after the cursor position's start (llama.cpp's `prompt` for /infill)."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    probe = list(tokenizer.encode("a"))
-    ids = [bos] if bos is not None and probe[:1] == [bos] else []
-    if extra and template.repo is not None:
-        ids += [template.repo] + _encode(tokenizer, "specmlx\n")
-        for filename, text in extra:
-            ids += [template.file_sep] + _encode(tokenizer, f"{filename}\n{text}")
-        ids += [template.file_sep]
-    elif extra:
-        ids += _encode(tokenizer, "".join(f"{text}\n" for _, text in extra))
-    ids += [template.prefix] + _encode(tokenizer, prefix)
-    ids += [template.suffix] + _encode_inner(tokenizer, suffix)
-    ids += [template.middle] + _encode_inner(tokenizer, middle)
-    return ids
+    pieces = infill_pieces(tokenizer, template, prefix, suffix, extra=extra, middle=middle)
+    return pieces.ids()

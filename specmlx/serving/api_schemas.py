@@ -219,3 +219,5 @@ class LlamaCompletionBody(LlamaBody):
     prompt or its token ids."""
 
     prompt: str | list[Count]
+    # tokens kept from the prompt's start when it is cut to fit the context (-1: all it can)
+    n_keep: Annotated[int, Field(ge=-1, strict=True)] = 0

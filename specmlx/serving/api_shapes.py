@@ -128,11 +128,14 @@ def generation_settings(model: str, context: int, max_tokens: int) -> dict:
     return {"n_ctx": context, "n_predict": max_tokens, "model": model}
 
 
-def llama_completion(content: str, stats: Stats, job: Job, settings: dict | None) -> dict:
+def llama_completion(
+    content: str, stats: Stats, job: Job, settings: dict | None, truncated: bool = False
+) -> dict:
     """llama.cpp's /completion (and /infill) answer: content, stop, tokens, timings.
 
     content: the generated text (empty in a stream's last event); stats: the figures;
-    job: the worker's job; settings: the generation_settings to report (None: {})."""
+    job: the worker's job; settings: the generation_settings to report (None: {});
+    truncated: whether the prompt was cut to fit the context."""
     stop_type = {"length": "limit", "limit": "limit", "stop": "eos"}.get(
         stats.finish_reason or "", "eos"
     )
@@ -144,7 +147,7 @@ def llama_completion(content: str, stats: Stats, job: Job, settings: dict | None
         "tokens_predicted": stats.generated,
         "tokens_evaluated": stats.prompt_tokens,
         "tokens_cached": stats.cached_tokens,
-        "truncated": False,
+        "truncated": truncated,
         "timings": {
             "prompt_n": prompt_n,
             "prompt_ms": stats.prefill_s * 1000,

@@ -41,6 +41,13 @@ from .api_schemas import (
     LlamaCompletionBody,
     SamplingBody,
 )
+from .fitting import (
+    MAX_CHARS_PER_TOKEN,
+    answer_room,
+    completion_ids,
+    fit_completion,
+    fit_infill,
+)
 from .guard import HEADER_TIMEOUT_S, Guard, HeaderDeadline
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .worker import GenRequest, QueueFull, ShuttingDown, Worker
@@ -150,33 +157,43 @@ def create_app(
         gen = _request(body, ids, (), budget, settings, worker)
         return await _respond(request, worker, gen, body, "chat.completion", settings)
 
+    # the editors' routes fit every prompt to the context as llama-server does (fitting.py),
+    # where the OpenAI routes refuse one that does not fit: an editor shows no error, so a
+    # refusal there was a suggestion that never came
+    room = answer_room(settings.context, settings.max_tokens)
+
     @app.post("/infill")
     async def infill(body: InfillBody, request: Request):
         template = require_fim(tok, _draft_tok(worker, None, settings))
         extra = [(c.filename, c.text) for c in body.input_extra]
-        texts = (body.input_prefix, body.input_suffix, body.prompt, *(t for _, t in extra))
-        _bounded(settings, *texts)
-        ids = await _off_loop(
-            lambda: encode_infill(
-                tok, template, body.input_prefix, body.input_suffix, extra=extra, middle=body.prompt
+        fit = await _off_loop(
+            lambda: fit_infill(
+                tok, template, body.input_prefix, body.input_suffix, extra=extra,
+                middle=body.prompt, context=settings.context, room=room,
             )
-        )
-        gen = replace(_llama_request(body, ids, settings, worker, template.stops), editor=True)
-        return await _respond_llama(request, worker, gen, body, settings)
+        )  # fmt: skip
+        gen = replace(_llama_request(body, fit.ids, settings, worker, template.stops), editor=True)
+        return await _respond_llama(request, worker, gen, body, settings, fit.truncated)
 
     @app.post("/completion")
     async def completion(body: LlamaCompletionBody, request: Request):
+        cut = False
         if isinstance(body.prompt, str):
-            _bounded(settings, body.prompt)
-            ids = await _off_loop(lambda: _encode(tok, body.prompt))
+            if not body.prompt:
+                raise ApiError(400, "the prompt is empty")
+            ids, cut = await _off_loop(
+                lambda: completion_ids(tok, body.prompt, settings.context, body.n_keep)
+            )
         else:
             ids = list(body.prompt)
             if not ids:
                 raise ApiError(400, "the prompt is empty")
             if max(ids) >= len(tok):
                 raise ApiError(400, f"token id {max(ids)} is past the vocabulary")
-        gen = _llama_request(body, ids, settings, worker, ())
-        return await _respond_llama(request, worker, gen, body, settings)
+        bos = getattr(tok, "bos_token_id", None)
+        fit = fit_completion(ids, settings.context, room, body.n_keep, bos)
+        gen = _llama_request(body, fit.ids, settings, worker, ())
+        return await _respond_llama(request, worker, gen, body, settings, cut or fit.truncated)
 
     @app.get("/props")
     async def props():
@@ -195,14 +212,9 @@ def create_app(
     return app
 
 
-# no tokenizer averages more characters a token than this over a whole prompt (code and prose
-# run at 3-5; long runs of spaces at most 16 or so): text longer than the context times this
-# cannot fit, and is refused before any tokenizing
-MAX_CHARS_PER_TOKEN = 32
-
-
 def _bounded(settings: ServerSettings, *texts: str) -> None:
-    """A 400 before tokenizing when the request's text cannot fit the context."""
+    """A 400 before tokenizing when the request's text cannot fit the context (the OpenAI
+    routes: the editors' routes fit theirs instead)."""
     chars = sum(len(t) for t in texts)
     if chars > settings.context * MAX_CHARS_PER_TOKEN:
         raise ApiError(
@@ -303,10 +315,12 @@ def _verify(asked: str | None, settings: ServerSettings) -> str:
 def _llama_request(
     body, ids: list[int], settings: ServerSettings, worker: Worker, eos
 ) -> GenRequest:
-    """A llama.cpp-shaped body (/completion, /infill) as one generation of ``ids``."""
+    """A llama.cpp-shaped body (/completion, /infill) as one generation of ``ids``, a prompt
+    fitted to the context (fitting.py): an answer asked longer than the room it left stops
+    at the context's end, as llama-server's does."""
     sampling = _sampling(body, settings)
-    budget = body.n_predict if body.n_predict > 0 else None
-    max_tokens = _budget(len(ids), budget, settings)  # (also: the prompt fits the context)
+    asked = body.n_predict if body.n_predict > 0 else settings.max_tokens
+    max_tokens = max(1, min(asked, settings.context - len(ids)))
     return GenRequest(
         prompt_ids=ids, sampling=sampling, max_tokens=max_tokens,
         warm_up=body.n_predict == 0,  # llama.vim's: fill the prompt cache, predict nothing
@@ -436,19 +450,23 @@ async def _stream(events: _Events, base: dict, chat: bool, usage: bool, with_tok
         events.job.cancel()  # no-op when it finished; frees the slot when the client left
 
 
-async def _respond_llama(request, worker, gen: GenRequest, body: LlamaBody, settings):
+async def _respond_llama(
+    request, worker, gen: GenRequest, body: LlamaBody, settings, truncated: bool = False
+):
     """llama.cpp's response (or, for n_cmpl > 1, a list of them: each completion a seed
-    further, so sampled ones differ; greedy ones are the same)."""
+    further, so sampled ones differ; greedy ones are the same); ``truncated``: the prompt
+    was cut to fit the context."""
     shown = _generation_settings(settings, 0 if gen.warm_up else gen.max_tokens)
+    fields = body.response_fields
     if body.n_cmpl == 1:
-        return await _respond_infill(request, worker, gen, body.stream, body.response_fields, shown)
+        return await _respond_infill(request, worker, gen, body.stream, fields, shown, truncated)
     if body.stream:
         raise ApiError(400, "n_cmpl > 1 cannot stream", code="unsupported")
     seed = gen.seed if gen.seed is not None else random.getrandbits(63)
     out = []
     for i in range(body.n_cmpl):
         one = replace(gen, seed=(seed + i) % 2**64)
-        got = await _respond_infill(request, worker, one, False, body.response_fields, shown)
+        got = await _respond_infill(request, worker, one, False, fields, shown, truncated)
         if isinstance(got, Response):  # the client left
             return got
         out.append(got)
@@ -466,13 +484,14 @@ async def _respond_infill(
     stream: bool,
     fields: list[str] | None = None,
     generation_settings: dict | None = None,
+    truncated: bool = False,
 ):
     """llama.cpp's /completion response shape: content, stop, tokens, timings (just
-    ``fields`` when given)."""
+    ``fields`` when given); ``truncated``: the prompt was cut to fit the context."""
     events = _Events(worker, gen)
 
     def final(content: str, stats: Stats) -> dict:
-        out = shapes.llama_completion(content, stats, events.job, generation_settings)
+        out = shapes.llama_completion(content, stats, events.job, generation_settings, truncated)
         return out if fields is None else shapes.pick_fields(out, fields)
 
     if stream:
