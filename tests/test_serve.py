@@ -836,6 +836,29 @@ def test_llama_vims_requests_in_their_own_shapes(server):
     assert props["total_slots"] >= 1  # (the rows: tests/test_serve_faults.py)
 
 
+def test_llama_vims_instruct_warm_up_on_the_chat_route_generates_nothing(server):
+    """llama.vim's instruct mode posts its warm-up (n_predict 0, response_fields) to
+    /v1/chat/completions, which ignored both and generated its 256 tokens. n_predict is
+    llama-server's budget there (0: prefill only); the chat after it finds its prompt
+    cached; response_fields leaves OpenAI's answer whole, as llama-server does."""
+    messages = [{"role": "system", "content": "You edit code. " * 20},
+                {"role": "user", "content": "Rename x to y in: x = x + 1"}]  # fmt: skip
+    warm = post(server, "/v1/chat/completions", {
+        "messages": messages, "n_predict": 0, "cache_prompt": True, "stream": False,
+        "response_fields": [""], "temperature": 0.0,
+    })  # fmt: skip
+    assert warm.status_code == 200, warm.text
+    out = warm.json()
+    assert out["usage"]["completion_tokens"] == 0 and out["choices"][0]["message"]["content"] == ""
+    real = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 4}).json()
+    usage = real["usage"]
+    assert usage["prompt_tokens"] == out["usage"]["prompt_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - 1, usage
+    capped = post(server, "/v1/chat/completions", {"messages": messages, "n_predict": 2,
+                                                   "max_tokens": 50}).json()  # fmt: skip
+    assert capped["usage"]["completion_tokens"] <= 2
+
+
 def test_llama_cpps_native_completion(server):
     """llama.cpp's /completion, as Continue's and Tabby's llama.cpp providers post it: a
     text or token-id prompt, n_predict, SSE chunks of "content" ending with "stop": true;

@@ -164,6 +164,11 @@ class ChatBody(SamplingBody):
 
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: Positive | None = None
+    # llama-server's own fields, which llama.vim's instruct mode sends: n_predict wins over
+    # max_tokens (0: a warm-up, the prompt cache filled and nothing generated; < 0: the
+    # default); response_fields is accepted and, as there, leaves OpenAI's answer whole
+    n_predict: StrictInt | None = None
+    response_fields: list[str] | None = None
 
 
 class ExtraChunk(BaseModel):

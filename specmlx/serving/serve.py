@@ -153,8 +153,14 @@ def create_app(
             return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
         ids = await _off_loop(build)
+        # llama-server's own n_predict wins over OpenAI's fields there (llama.vim's instruct
+        # mode sends 0 as a warm-up: prefill, generate nothing); < 0 is the default budget
+        n_predict = body.n_predict
         budget = body.max_completion_tokens or body.max_tokens
+        if n_predict is not None:
+            budget = n_predict if n_predict > 0 else None
         gen = _request(body, ids, (), budget, settings, worker)
+        gen.warm_up = n_predict == 0
         return await _respond(request, worker, gen, body, "chat.completion", settings)
 
     # the editors' routes fit every prompt to the context as llama-server does (fitting.py),
