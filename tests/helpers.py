@@ -457,19 +457,31 @@ def free_port() -> int:
 
 
 class Server:
-    """`specmlx serve ARGS` in its own process on a free loopback port, with ``env``."""
+    """`specmlx serve ARGS` in its own process on a free loopback port, with ``env``. Its
+    stderr is read as it comes (``stderr()``: so far), so a server that logs every request
+    never fills the pipe and blocks."""
 
     def __init__(self, env: dict, *args: str):
+        import threading
+
         import httpx
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "specmlx", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self._err: list[bytes] = []
+        self._readers = [
+            threading.Thread(target=self._read, args=(pipe, keep), daemon=True)
+            for pipe, keep in ((self.proc.stderr, self._err), (self.proc.stdout, []))
+        ]
+        for r in self._readers:
+            r.start()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stderr.read().decode()}")
+                self._readers[0].join(10)
+                raise RuntimeError(f"server exited: {self.stderr()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
@@ -477,10 +489,23 @@ class Server:
                 time.sleep(0.2)
         raise RuntimeError("server did not start")
 
+    @staticmethod
+    def _read(pipe, keep: list) -> None:
+        for line in iter(pipe.readline, b""):
+            keep.append(line)
+
+    def stderr(self, ended: bool = False) -> str:
+        """What the server has written to stderr so far (``ended``: it has exited, so all
+        of it, once the readers have it)."""
+        if ended:
+            for r in self._readers:
+                r.join(10)
+        return b"".join(self._err).decode()
+
     def stop(self, sig=signal.SIGTERM) -> tuple[int, str]:
         self.proc.send_signal(sig)
-        _, err = self.proc.communicate(timeout=60)
-        return self.proc.returncode, err.decode()
+        self.proc.wait(timeout=60)
+        return self.proc.returncode, self.stderr(ended=True)
 
 
 class Script(KChooser):

@@ -458,7 +458,7 @@ def test_a_follower_that_dies_or_hangs_while_serving_stops_every_rank(models, ho
             os.kill(rank1, signal.SIGCONT)
         if server.proc.poll() is None:
             server.proc.kill()
-    err = server.proc.stderr.read().decode()
+    err = server.stderr(ended=True)
     assert code != 0, err
     errors = [json.loads(ln[6:]) for ln in rest if ln.startswith("data: {") and '"error"' in ln]
     assert errors and errors[-1]["error"]["code"] == "rank_failed", rest[-3:]

@@ -671,12 +671,12 @@ def test_the_bearer_scheme_is_case_insensitive_and_the_key_exact(server):
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", wrong
 
 
-def test_a_500_names_no_exception_text(capsys):
+def test_a_500_names_no_exception_text(caplog):
     from specmlx.serving.api_errors import as_api_error
 
     err = as_api_error(RuntimeError("cannot open /home/someone/secret.safetensors"))
     assert err.status == 500 and "secret" not in err.message and "logged" in err.message
-    assert "secret.safetensors" in capsys.readouterr().err  # the server's log has it
+    assert "secret.safetensors" in caplog.text  # the server's log has it
 
 
 def test_sigterm_answers_the_queued_and_ends_the_running_stream_cleanly(root):
@@ -942,6 +942,42 @@ def test_llama_vims_default_sizes_are_fitted_to_a_small_context(tight_server):
     # the OpenAI routes still refuse what does not fit: their clients say so
     refused = post(s, "/v1/completions", {"prompt": CODE * 60, "max_tokens": 8})
     assert refused.status_code == 400, refused.text
+
+
+def test_each_request_leaves_one_access_log_line(tight_server):
+    """A line on stderr per request: route, status, time, and its prompt, cached and
+    generated tokens, or the error's message."""
+    s = tight_server
+    seen = len(s.stderr().splitlines())
+    ok = post(s, "/infill", {"input_prefix": "def g(y):\n", "n_predict": 3, "temperature": 0})
+    bad = post(s, "/infill", {"input_prefix": "x", "temperature": -3})
+    assert ok.status_code == 200 and bad.status_code == 400
+    end = time.monotonic() + 10
+    while len(s.stderr().splitlines()) < seen + 2 and time.monotonic() < end:
+        time.sleep(0.05)
+    lines = s.stderr().splitlines()[seen:]
+    assert len(lines) == 2, lines
+    out = ok.json()
+    assert " POST /infill 200 " in lines[0], lines
+    assert (f"prompt={out['tokens_evaluated']} cached={out['tokens_cached']} "
+            f"generated={out['tokens_predicted']}") in lines[0]  # fmt: skip
+    assert " POST /infill 400 " in lines[1] and "error: temperature" in lines[1], lines
+
+
+def test_the_access_log_as_json_one_object_a_line(tmp_path):
+    s = Server(server_env(tmp_path, models_toml(tmp_path)), "--log-format", "json")
+    try:
+        assert post(s, "/completion", {"prompt": "def f():\n", "n_predict": 2}).status_code == 200
+        assert post(s, "/completion", {"prompt": ""}).status_code == 400
+    finally:
+        code, err = s.stop()
+    assert code == 0, err
+    lines = [json.loads(line) for line in err.splitlines()]  # every line, the CLI's too
+    access = [x for x in lines if x.get("route") == "/completion"]
+    assert [x["status"] for x in access] == [200, 400], lines
+    assert access[0]["generated_tokens"] <= 2 and access[0]["prompt_tokens"] > 0
+    assert access[0]["error"] is None and "empty" in access[1]["error"]
+    assert {"ts", "method", "time_s", "cached_tokens"} <= set(access[0])
 
 
 def test_a_body_that_stops_coming_is_a_408():

@@ -125,7 +125,15 @@ def serve(
         help="Lookup requests also search (and keep) recent outputs, per tokenizer under "
         "$SPECMLX_HOME/lookup.",
     ),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No loading progress."),
+    quiet: bool = typer.Option(
+        False, "--quiet", "-q", help="No loading progress and no access log (errors still)."
+    ),
+    log_format: str = typer.Option(
+        "text",
+        "--log-format",
+        help="The server's log on stderr, a line per request: text, or json (one object a "
+        "line, for tools).",
+    ),
     grace: float = typer.Option(
         10.0,
         "--shutdown-grace",
@@ -146,6 +154,8 @@ def serve(
     import ipaddress
     import signal
 
+    from rich.markup import escape
+
     from ..core.acceptance import sampled_rule
     from ..core.sampling import SamplingParams
     from ..distributed.launch import join, launched
@@ -153,6 +163,7 @@ def serve(
     from ..models.footprint import parse_size
     from ..models.loading import load_pair
     from ..models.registry import load_registry
+    from ..serving import access_log
     from ..serving.serve import ServerSettings, create_app, run_server
     from ..serving.worker import Worker
 
@@ -166,6 +177,8 @@ def serve(
             "--max-tokens must be > 0, --max-queue >= 0, --port in 0..65535 and "
             "--shutdown-grace > 0"
         )
+    if log_format not in ("text", "json"):
+        raise BadInput(f"--log-format must be text or json, got {log_format!r}")
     if context is not None and context <= 0:
         raise BadInput(f"--context must be > 0, got {context}")
     if max_batch is not None and max_batch < 1:
@@ -203,7 +216,14 @@ def serve(
             leave(1)
 
         watchdog = Watchdog(rank_timeout(), lambda m: worker.fail(m) or print_error(m))
+    # the server's log on stderr: a line per request and its failures; with json, every
+    # line from here on is one JSON object (the loading progress and warnings too)
+    log = access_log.install(log_format, access=not quiet)
+    json_log = log_format == "json"
+    warn = log.warning if json_log else print_warning
     say = None if quiet else (lambda m: console.print(m, style="dim", soft_wrap=True, markup=False))
+    if json_log and not quiet:
+        say = log.info
     tspec = registry.resolve(models.target)
     limit = context or registry.context_for(tspec, draft_spec(registry, models))
     rows, per_row = batch_rows(tspec, draft_spec(registry, models), limit, cache_budget,
@@ -218,11 +238,11 @@ def serve(
         progress=say,
     )
     worker = Worker(tgt, drf, shared, max_queue=max_queue, cache_budget=cache_budget,
-                    warn=print_warning, world=world, lookup_memory=lookup_memory,
+                    warn=warn, world=world, lookup_memory=lookup_memory,
                     draft_stop=draft_stop, watchdog=watchdog, fatal=fatal,
                     max_batch=rows)  # fmt: skip
     if worker.batch_refused and max_batch is not None and not quiet:  # (asked for, not had)
-        print_warning(f"--max-batch {max_batch}: one request at a time, {worker.batch_refused}")
+        warn(f"--max-batch {max_batch}: one request at a time, {worker.batch_refused}")
     if world.distributed:
         watchdog.beat("loading the models on the other ranks")
         barrier(world)
@@ -251,8 +271,8 @@ def serve(
     draft_name = drf.spec.alias if drf else drafter
 
     def ready() -> None:
-        console.print(
-            f"[green]specmlx serve[/green] listening on http://{shown}:{port}  "
+        said = (
+            f"listening on http://{shown}:{port}  "
             f"({tgt.spec.alias} ← {draft_name}, k {settings.k}, context {limit}"
             + (f", {world.size} ranks" if world.distributed else "")
             + (
@@ -260,11 +280,17 @@ def serve(
                 if worker.max_batch > 1 and not worker.batch_refused
                 else ""
             )
-            + "); Ctrl-C stops",
-            soft_wrap=True,
+            + "); Ctrl-C stops"
         )
+        if json_log:
+            log.info(f"specmlx serve {said}")
+        else:
+            console.print(f"[green]specmlx serve[/green] {escape(said)}", soft_wrap=True)
 
     run_server(create_app(worker, settings, on_ready=ready), host, port, grace_s=grace)
-    console.print("specmlx serve: stopped", style="dim")
+    if json_log:
+        log.info("specmlx serve: stopped")
+    else:
+        console.print("specmlx serve: stopped", style="dim")
     if world.distributed:
         leave(0)

@@ -7,7 +7,7 @@ a 500 names no exception text, which can name paths: the server's log has it).
 
 from __future__ import annotations
 
-import sys
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -62,10 +62,11 @@ def as_api_error(e: BaseException) -> ApiError:
 
 
 def log_failure(what: str, e: BaseException) -> None:
-    """One line on the server's stderr for a failure the client gets only a 500 for.
+    """One line in the server's log (its stderr) for a failure the client gets only a 500
+    for: through logging, so `specmlx serve --log-format json` writes it as JSON too.
 
     what: what failed, in a few words; e: the exception (its type and message are logged)."""
-    print(f"specmlx serve: {what}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+    logging.getLogger("specmlx.serve").error(f"specmlx serve: {what}: {type(e).__name__}: {e}")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -32,6 +32,7 @@ from ..decoding.stream import encode_prompt
 from ..drafting.choosers import AUTO, K
 from ..errors import BadInput
 from . import api_shapes as shapes
+from .access_log import AccessLog, note_error, note_job
 from .api_errors import ApiError, as_api_error, error_body, install_error_handlers
 from .api_schemas import (
     ChatBody,
@@ -105,6 +106,7 @@ def create_app(
     app.add_middleware(
         Guard, api_key=settings.api_key, max_body=settings.max_body, hosts=settings.hosts
     )
+    app.add_middleware(AccessLog)  # outside the Guard: its refusals get a line too
     prometheus = ServerMetrics(worker)
     app.state.worker, app.state.settings, app.state.metrics = worker, settings, prometheus
     install_error_handlers(app)
@@ -344,8 +346,9 @@ def _llama_request(
 class _Events:
     """The worker's events for one job, delivered into this event loop."""
 
-    def __init__(self, worker: Worker, gen: GenRequest):
+    def __init__(self, worker: Worker, gen: GenRequest, request: Request | None = None):
         loop = asyncio.get_running_loop()
+        self.request = request
         self.queue: asyncio.Queue = asyncio.Queue()
 
         def emit(kind: str, value: object) -> None:
@@ -357,6 +360,8 @@ class _Events:
             raise ApiError(503, str(e), "server_error", "overloaded") from None
         except ShuttingDown as e:
             raise ApiError(503, str(e), "server_error", "shutting_down") from None
+        if request is not None:  # its figures go into the request's access log line
+            note_job(request, self.job)
 
         self.checked = time.monotonic()
         self.held: tuple | None = None
@@ -395,7 +400,7 @@ async def _respond(
     request: Request, worker: Worker, gen: GenRequest, body: SamplingBody, kind: str, settings
 ):
     """OpenAI's answer to a completion or chat completion: whole, or streamed as chunks."""
-    events = _Events(worker, gen)
+    events = _Events(worker, gen, request)
     rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     base = {"id": rid, "created": int(time.time()), "model": settings.model_name}
     chat = kind == "chat.completion"
@@ -441,6 +446,7 @@ async def _stream(events: _Events, base: dict, chat: bool, usage: bool, with_tok
                     yield sse(shapes.chunk(base, chat, piece.text, None, shown))
             elif what == "error":
                 err = as_api_error(value)
+                note_error(events.request, err.message)
                 yield sse(error_body(err.message, err.kind, err.code))
                 break
             else:
@@ -494,7 +500,7 @@ async def _respond_infill(
 ):
     """llama.cpp's /completion response shape: content, stop, tokens, timings (just
     ``fields`` when given); ``truncated``: the prompt was cut to fit the context."""
-    events = _Events(worker, gen)
+    events = _Events(worker, gen, request)
 
     def final(content: str, stats: Stats) -> dict:
         out = shapes.llama_completion(content, stats, events.job, generation_settings, truncated)
@@ -510,6 +516,7 @@ async def _respond_infill(
                         yield shapes.sse({"content": value.text, "stop": False})
                     elif what == "error":
                         err = as_api_error(value)
+                        note_error(request, err.message)
                         yield shapes.sse(error_body(err.message, err.kind, err.code))
                         return
                     elif what == "done":
