@@ -6,7 +6,9 @@ chunk format (api_shapes). Endpoints: /health, /v1/models, /v1/completions (with
 for fill-in-the-middle), /v1/chat/completions, llama.cpp's /infill (editor plugins), and
 /metrics (Prometheus: metrics). Every error is OpenAI's {"error": {"message", "type",
 "code"}} with a 4xx status for bad input (api_errors), and the server keeps serving; the
-Host check, API key and body limits sit in front of every route (guard).
+Host check, API key and body limits sit in front of every route (guard), and every request
+leaves an access log line (access_log). The editors' routes fit a prompt past the context
+as llama-server does (fitting), where the OpenAI routes refuse it.
 """
 
 from __future__ import annotations
