@@ -37,12 +37,14 @@ class Scripted(nn.Module):
     def __init__(self, base, script):
         super().__init__()
         self.base, self.script = base, itertools.cycle(script)
+        self.cache = None  # the caches of the last call: the draft's live ones
 
     @property
     def layers(self):
         return self.base.layers
 
     def __call__(self, x, cache=None):
+        self.cache = cache if cache is not None else self.cache  # (not a width probe's)
         logits = self.base(x, cache=cache)
         if next(self.script):
             return logits
@@ -195,7 +197,7 @@ def test_caches_hold_exactly_the_accepted_context(pair, script, ks, max_tokens, 
     draft = Scripted(base_draft, script)
     prompt = PROMPTS[0]
     kv = KVState(make_prompt_cache(target), make_prompt_cache(draft))
-    tcache, dcache = kv.target, kv.draft
+    tcache = kv.target
     out: list[int] = []
     schedule = itertools.cycle(ks)
     upcoming = [next(schedule)]
@@ -204,7 +206,8 @@ def test_caches_hold_exactly_the_accepted_context(pair, script, ks, max_tokens, 
     def choose(last):  # called between rounds: check the state, then pick k
         ctx = prompt + out
         drafted = last is not None and last.k > 0
-        _check_caches(target, base_draft, tcache, dcache, ctx, drafted, queued[0])
+        # (the draft drafts on its own copy of the caches, a batch's row of one: the live ones)
+        _check_caches(target, base_draft, tcache, draft.cache, ctx, drafted, queued[0])
         k = upcoming.pop()
         upcoming.append(next(schedule))
         # a plain round that promised a plain next one queues its pass, budget permitting
@@ -224,8 +227,8 @@ def test_caches_hold_exactly_the_accepted_context(pair, script, ks, max_tokens, 
         stats=stats,
     ):
         out.append(e.token)
-    _check_caches(target, base_draft, tcache, dcache, prompt + out, False)
-    assert kv.tokens == (prompt + out)[:-1] and dcache[0].offset == kv.draft_held
+    _check_caches(target, base_draft, tcache, kv.draft, prompt + out, False)
+    assert kv.tokens == (prompt + out)[:-1] and kv.draft[0].offset == kv.draft_held
     assert out == tokens(target, None, prompt, max_tokens=max_tokens, eos_ids=eos)
     assert stats.accepted <= stats.drafted and sum(stats.accept_hist) == stats.rounds
 

@@ -1,5 +1,5 @@
 """The checkpoint's own drafter: MTP heads over the target's hidden states (specmlx/drafting/mtp.py,
-hidden.py, drafters.HeadDrafter). Tiny random Qwen3-Next and Qwen3.5 targets from mlx-lm's
+hidden.py, row_drafters.HeadRows). Tiny random Qwen3-Next and Qwen3.5 targets from mlx-lm's
 own classes; exactness (greedy identical, the whole-sequence chi-square with its wrong-rule
 control), the plumbing (the head's cache is exactly what feeding it the right pairs gives;
 a trained head beats an untrained one and collapses when fed the previous token), loading
@@ -30,6 +30,7 @@ from typer.testing import CliRunner
 import specmlx.core.cursor as cursor
 import specmlx.decoding.engine as engine
 import specmlx.drafting.drafters as drafters
+import specmlx.drafting.row_drafters as row_drafters
 from specmlx.cli import app
 from specmlx.core.acceptance import RULES, block_outcome
 from specmlx.core.hidden import HiddenTap
@@ -148,7 +149,7 @@ def test_the_head_is_fed_the_right_hidden_state_and_token(family, monkeypatch):
 
 
 def _prev_token(ctx, start, m):
-    return mx.array(ctx[start : start + m], dtype=mx.uint32)[None]
+    return list(ctx[start : start + m])
 
 
 def test_a_trained_head_drafts_and_misaligned_plumbing_collapses_it(monkeypatch):
@@ -175,8 +176,8 @@ def test_a_trained_head_drafts_and_misaligned_plumbing_collapses_it(monkeypatch)
     )
     hidden_late = acceptance(head)
     monkeypatch.setattr(cursor, "hidden_states", late)
-    monkeypatch.setattr(drafters, "pair_tokens", _prev_token)
-    monkeypatch.setattr(engine, "pair_tokens", _prev_token)
+    monkeypatch.setattr(row_drafters, "pair_ids", _prev_token)
+    monkeypatch.setattr(engine, "pair_ids", _prev_token)
     previous_token = acceptance(head)
     # measured (k = 3): untrained 0.006; trained 0.64, hidden late 0.34, previous token 0.10
     # with OpenBLAS (as scripts/test runs it), 0.77, 0.34 and 0.21 with MLX's own BLAS: the

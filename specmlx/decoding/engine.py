@@ -31,21 +31,14 @@ from ..core.cursor import Cursor
 from ..core.hidden import HiddenTap
 from ..core.kvstate import KVState, reads_hidden, reuse_prefix
 from ..core.mlx_lm_api import set_wired_limit
+from ..core.rows import batchable
 from ..core.sampling import make_processor, round_keys, sample
 from ..core.stats import KChooser, RoundReport, Stats, TokenEvent
-from ..core.vocab import draft_ids, logit_width
+from ..core.vocab import draft_ids
 from ..drafting.choosers import make_chooser
-from ..drafting.drafters import (
-    Chain,
-    Drafter,
-    HeadDrafter,
-    LookupDrafter,
-    ModelDrafter,
-    Proposal,
-    head_drafter,
-    pair_tokens,
-)
+from ..drafting.drafters import Chain, Drafter, LookupDrafter, ModelDrafter, Proposal
 from ..drafting.lookup import Lookup
+from ..drafting.row_drafters import OneRow, pair_ids, row_drafter
 from ..errors import BadInput, RollbackError
 from .request import Decode, Parts, token_ids
 from .stops import Stops
@@ -120,18 +113,19 @@ def generate_tokens(
                 finder = Lookup(ctx, parts.lookup_memory)
                 drafters.append(LookupDrafter(finder, next_k, fallback=draft is not None))
             model_drafter = None
-            if head:
-                width = min(parts.vocab_size or logit_width(target), logit_width(target))
-                model_drafter = head_drafter(
-                    draft, kv.draft, kv.draft_held, kv.waiting, width, process
-                )
-                drafters.append(model_drafter)
-            elif draft is not None:
+            # per-token stopping reads the draft's confidences chunk by chunk (a lone
+            # option), and a draft whose caches have no batch kind (core.rows.batchable)
+            # drafts over its own: both through a cursor; every other draft as a batch's row
+            if decode.draft_stop or (draft is not None and not head and batchable(draft)):
                 embeds, vocab = draft_ids(target, draft, parts.vocab_size)
                 plan = next_k.draft_plan if decode.draft_stop else None
                 model_drafter = ModelDrafter(
                     draft, kv.draft, kv.draft_held, vocab, embeds, process, plan
                 )
+                drafters.append(model_drafter)
+            elif draft is not None:  # the batch's drafter, as one row
+                rows, _ = row_drafter(target, draft, parts.vocab_size)
+                model_drafter = OneRow(rows, kv.draft, kv.draft_held, kv.waiting, process)
                 drafters.append(model_drafter)
             drafter = drafters[0] if len(drafters) == 1 else Chain(drafters)
             cursor = Cursor(target, kv.target, len(kv.tokens), record=True, tap=tap)
@@ -213,7 +207,8 @@ def _feed(target, draft, prompt: list[int], kv: KVState, step: int, tap) -> None
             rows = rows if kv.waiting is None else mx.concatenate([kv.waiting, rows])
             n, fed = rows.shape[0] - 1, kv.draft_held
             if n > 0:  # pairs (h_j, t_{j+1}) at positions fed..fed+n-1
-                draft(rows[None, :n], pair_tokens(prompt, fed, n), kv.draft)
+                pairs = mx.array(pair_ids(prompt, fed, n), dtype=mx.uint32)[None]  # (1, n)
+                draft(rows[None, :n], pairs, kv.draft)
                 mx.eval([c.state for c in kv.draft])
             kv.waiting, kv.draft_held = rows[n:], fed + n
     if draft is not None and not head:
@@ -298,8 +293,8 @@ def _end(kv: KVState, ctx: list[int], drafter, settled: bool) -> None:
         kv.drop()
         return
     kv.tokens = ctx[:-1]
-    if isinstance(drafter, HeadDrafter):
-        kv.draft_held, kv.waiting = drafter.held, drafter.waiting
+    if isinstance(drafter, OneRow):
+        kv.draft, kv.draft_held, kv.waiting = drafter.state()
     elif drafter is not None:
         kv.draft_held = drafter.cursor.held
 
@@ -354,7 +349,7 @@ class _Speculation:
                 right = len(ctx) - 1  # what this round's pass confirmed
                 ahead = self.target.queued is not None and not reason  # a queued pass stays
                 self.stats.replayed += self.target.give_back(right + ahead, ctx)
-                self.drafter.settle(ctx, right, self.target.hidden)
+                self.drafter.settle(ctx, right, self.target.hidden, n)
                 settled = True
                 last = RoundReport(
                     proposal.k, n, time.perf_counter() - t0, proposal.draft_s, proposal.match,

@@ -6,9 +6,11 @@ greedy drafter) and how they were drafted. When the round is settled it is told 
 what it has seen is still right and brings its own state (a KV cache, an index) there.
 Verification, acceptance and the target's rollback are the same for every drafter, which is
 what keeps all of them lossless: a drafter can only change how many tokens a target pass
-yields. Here: the draft model, prompt lookup, a chain (lookup first, then the model), and a
-head that reads the target's hidden states and chains (a checkpoint's MTP head, mtp.py; an
-EAGLE-3 head, eagle3.py), and one that drafts a whole block in one forward (DFlash, dflash.py).
+yields. Here: prompt lookup, a chain (lookup first, then the model), and the draft model with
+per-token stopping (its chunks read the draft's confidences, which only a lone sequence
+does). The draft model, the heads over the target's hidden states (MTP, EAGLE-3) and the
+block drafter (DFlash) draft through row_drafters.py, the batch's own code, as one row
+(row_drafters.OneRow): each is written once for a lone sequence and a batch.
 
 A drafter whose ``reads_hidden`` names places in the target (hidden.HiddenTap's "final" or
 layer indices) is handed each verify pass's hidden states at those places in ``settle``
@@ -25,7 +27,6 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from ..core.caches import trim
 from ..core.cursor import Cursor, Hidden
 from ..core.sampling import Processor, sample
 from ..core.stats import KChooser
@@ -72,11 +73,14 @@ class Drafter(Protocol):
         drafting apart (one host sync), for the statistics and adaptive k."""
         ...
 
-    def settle(self, ctx: list[int], right: int, hidden: Hidden | None = None) -> None:
+    def settle(
+        self, ctx: list[int], right: int, hidden: Hidden | None = None, accepted: int = 0
+    ) -> None:
         """The round is over: ``ctx`` is the whole context now, and its first ``right``
         tokens are what this round's target pass confirmed; anything the drafter has seen
         past them is wrong and is given back. ``hidden``: the pass's hidden states, for a
-        drafter that reads them (rows past ``right`` - 1 saw unconfirmed tokens)."""
+        drafter that reads them (rows past ``right`` - 1 saw unconfirmed tokens);
+        ``accepted``: how many of the round's drafts the target accepted."""
         ...
 
     def close(self) -> None:
@@ -150,7 +154,7 @@ class ModelDrafter:
             made=len(confs) if len(confs) > keep else None,
         )
 
-    def settle(self, ctx, right, hidden=None) -> None:
+    def settle(self, ctx, right, hidden=None, accepted=0) -> None:
         self.cursor.give_back(min(self.cursor.held, right), ctx)
 
     def close(self) -> None:
@@ -173,7 +177,7 @@ class LookupDrafter:
             return Proposal()
         return Proposal(mx.array(found, dtype=mx.uint32), None, "lookup", match=match)
 
-    def settle(self, ctx, right, hidden=None) -> None:
+    def settle(self, ctx, right, hidden=None, accepted=0) -> None:
         self.finder.sync()  # ctx is the index's own list: index what joined it
 
     def close(self) -> None:
@@ -198,157 +202,13 @@ class Chain:
     def reads_hidden(self) -> tuple:
         return next((d.reads_hidden for d in self.drafters if getattr(d, "reads_hidden", ())), ())
 
-    def settle(self, ctx, right, hidden=None) -> None:
+    def settle(self, ctx, right, hidden=None, accepted=0) -> None:
         for d in self.drafters:
-            d.settle(ctx, right, hidden)
+            d.settle(ctx, right, hidden, accepted)
 
     def close(self) -> None:
         for d in self.drafters:
             d.close()
-
-
-class HeadDrafter:
-    """A head over the target's hidden states (an MTP head: mtp.MTPHead): step one reads
-    the target's hidden state at the position before the newest token, each further step
-    the head's own output (chained to depth k, the same layer reused).
-
-    The head's cache holds ``held`` pairs (h_j, t_{j+1}), j < held; ``waiting`` are the
-    target's hidden states at positions held..held+m-1 that are confirmed but not yet fed
-    (they are fed, with their tokens, at the next proposal: the last one's output is draft
-    1).
-
-    head: the head, called as head(hidden (B, L, H), tokens (B, L), cache) -> (g, logits);
-    cache: its caches; held, waiting: what it holds and what waits (a KVState's draft_held
-    and waiting); vocab: how many ids it may propose; process: the sampling processor (None:
-    greedy)."""
-
-    def __init__(self, head, cache, held: int, waiting: mx.array | None, vocab: int, process):
-        self.head, self.cache, self.held, self.waiting = head, cache, held, waiting
-        self.vocab, self.process = vocab, process
-        self.reads_hidden = head.reads_hidden
-        self.ahead = 0  # chained steps' entries in the cache (unconfirmed)
-
-    def propose(self, ctx, k, room, key, timed) -> Proposal:
-        if k <= 0 or self.waiting is None:
-            return Proposal()  # (the first round of a one-token prompt: nothing to read)
-        t0 = time.perf_counter()
-        m = self.waiting.shape[0]
-        pairs = pair_tokens(ctx, self.held, m)  # (1, m)
-        d, q = head_propose(self.head, self.cache, self.waiting[None], pairs, k, self.vocab,
-                            self.process, key)  # fmt: skip
-        self.held, self.waiting, self.ahead = self.held + m, None, k - 1
-        if timed:
-            mx.eval(d if q is None else [d, q])
-        seconds = time.perf_counter() - t0 if timed else None
-        return Proposal(d[0], None if q is None else q[0], "model", draft_s=seconds)
-
-    def settle(self, ctx, right, hidden=None) -> None:
-        if self.ahead:
-            trim(self.cache, self.ahead)  # chained steps read drafts: never kept
-            self.ahead = 0
-        if hidden is None:
-            return
-        pending = self.held + (0 if self.waiting is None else self.waiting.shape[0])
-        if hidden.start != pending:  # a pass the head did not see: it cannot go on exactly
-            raise RuntimeError(f"hidden states from {hidden.start}, the head waits at {pending}")
-        # a pair needs its hidden state confirmed (j < right) and its token in ctx
-        n = min(right, len(ctx) - 1) - hidden.start
-        if n > 0:
-            new = hidden.states[:n]
-            self.waiting = new if self.waiting is None else mx.concatenate([self.waiting, new])
-        if self.waiting is not None and self.waiting.shape[0] > FEED_AFTER:
-            self.catch_up(ctx)
-
-    def catch_up(self, ctx) -> None:
-        """Feed the head every waiting pair but the newest (rounds without proposals, as when
-        adaptive k has stopped drafting, would otherwise pile them up): queued, not waited
-        for, so the round keeps its one host sync."""
-        m = self.waiting.shape[0] - 1
-        self.head(self.waiting[None, :m], pair_tokens(ctx, self.held, m), self.cache)
-        mx.async_eval([c.state for c in self.cache])
-        self.held, self.waiting = self.held + m, self.waiting[m:]
-
-    def close(self) -> None:
-        pass
-
-
-class BlockDrafter(HeadDrafter):
-    """A block drafter over the target's hidden states (a DFlash drafter: dflash.DFlashHead):
-    one forward drafts a whole block after the newest token, reading the context features
-    the head has been fed (its cache) and those in ``waiting``. The cache holds
-    context entries j < held and only those: the block itself is never cached, so nothing is
-    given back after a round (``ahead`` stays 0). k is capped at the head's block_size - 1.
-
-    head: called as head.block(hidden, first, width, cache) -> logits and head(hidden,
-    tokens, cache) to feed context; the rest as for HeadDrafter."""
-
-    def propose(self, ctx, k, room, key, timed) -> Proposal:
-        k = min(k, self.head.block_size - 1)
-        if k <= 0:
-            return Proposal()
-        m = 0 if self.waiting is None else self.waiting.shape[0]
-        if self.held + m != len(ctx) - 1:  # the block must follow the context it reads
-            raise RuntimeError(
-                f"context features up to {self.held + m}, the block at {len(ctx) - 1}"
-            )
-        t0 = time.perf_counter()
-        first = mx.array(ctx[-1:], dtype=mx.uint32)  # (1,)
-        rows = None if self.waiting is None else self.waiting[None]  # (1, m, n*H)
-        logits = self.head.block(rows, first, k + 1, self.cache)[0, :, : self.vocab]  # (k, V)
-        if self.process is None:
-            d, q = mx.argmax(logits, axis=-1).astype(mx.uint32), None
-        else:  # each position has its own q, drawn independently (the block reads masks)
-            q = self.process(logits)
-            d = sample(q, key)
-        self.held, self.waiting = self.held + m, None
-        if timed:
-            mx.eval(d if q is None else [d, q])
-        else:
-            mx.async_eval(d)
-        seconds = time.perf_counter() - t0 if timed else None
-        return Proposal(d, q, "model", draft_s=seconds)
-
-
-def head_drafter(
-    head, cache, held: int, waiting: mx.array | None, vocab: int, process
-) -> HeadDrafter:
-    """The drafter for a head over the target's hidden states: a block drafter for a head
-    that drafts blocks (DFlash), a chained one otherwise (MTP, EAGLE-3); arguments as for
-    HeadDrafter."""
-    cls = BlockDrafter if getattr(head, "block_size", None) else HeadDrafter
-    return cls(head, cache, held, waiting, vocab, process)
-
-
-def pair_tokens(ctx: Sequence[int], start: int, m: int) -> mx.array:
-    """The tokens of a head's pairs at positions start..start+m-1, (1, m): the pair at j is
-    (h_j, t_{j+1}), the hidden state and the token that followed it."""
-    return mx.array(ctx[start + 1 : start + 1 + m], dtype=mx.uint32)[None]
-
-
-def head_propose(
-    head, cache: list, hidden: mx.array, tokens: mx.array, k: int, vocab: int,
-    process: Processor | None, key: mx.array | None,
-) -> tuple[mx.array, mx.array | None]:  # fmt: skip
-    """Feed a head the pairs (hidden (B, L, H), tokens (B, L)) and chain it k steps: step 1
-    is the last pair's output, step i + 1 reads step i's output and token. Nothing waits
-    (async_eval per step, like draft_model_propose). Returns d (B, k) uint32 and q (B, k,
-    vocab) (None when greedy); the cache grows by L + k - 1 (the last step is not fed)."""
-    keys = mx.random.split(key, k) if process is not None else None
-    tokens_out, qs = [], []
-    for i in range(k):
-        g, logits = head(hidden, tokens, cache)
-        logits = logits[:, -1, :vocab]  # (B, vocab)
-        if process is None:
-            t = mx.argmax(logits, axis=-1).astype(mx.uint32)
-        else:
-            q = process(logits)
-            t = sample(q, keys[i])
-            qs.append(q)
-        tokens_out.append(t)
-        if i + 1 < k:
-            hidden, tokens = g[:, -1:], t[:, None]  # (B, 1, H), (B, 1)
-        mx.async_eval(t)
-    return mx.stack(tokens_out, axis=1), (mx.stack(qs, axis=1) if qs else None)
 
 
 def draft_model_propose(

@@ -23,7 +23,9 @@ drafter does (drafters.py): its drafts past its k are never verified.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
@@ -33,8 +35,8 @@ from ..core.caches import recurrent_layers
 from ..core.kvstate import reads_hidden
 from ..core.rows import attention_rows, row_of, rows_of, solo_of
 from ..core.sampling import Processor, sample
-from ..core.vocab import logit_width
-from .drafters import FEED_AFTER, SAFE_ID
+from ..core.vocab import draft_ids, logit_width
+from .drafters import FEED_AFTER, SAFE_ID, Proposal
 
 
 class DraftRow(Protocol):
@@ -108,12 +110,10 @@ def row_drafter(
 
     target: the target model; draft: the draft model or head; vocab_size: the ids the pair
     shares (None: the smaller logit width)."""
-    width = logit_width(target)
     if not reads_hidden(draft):
-        width = min(width, logit_width(draft))
-        embeds = getattr(getattr(draft, "args", None), "vocab_size", None) or width
-        vocab = min(vocab_size or width, width)
+        embeds, vocab = draft_ids(target, draft, vocab_size)
         return ModelRows(draft, vocab, embeds), vocab
+    width = logit_width(target)
     vocab = min(vocab_size or width, width)
     if getattr(draft, "block_size", None):
         return BlockRows(draft, vocab), vocab
@@ -261,8 +261,7 @@ class HeadRows(_SharedCache):
         for r, m in zip(rows, counts, strict=True):
             f = r.waiting[:m] if m else mx.zeros((0, width))
             feats.append(mx.pad(f, [(0, top - m), (0, 0)]))
-            pairs = r.ctx[r.draft_held + 1 : r.draft_held + 1 + m]
-            toks.append(pairs + [0] * (top - m))
+            toks.append(pair_ids(r.ctx, r.draft_held, m) + [0] * (top - m))
         g, logits = self.model(mx.stack(feats), mx.array(toks, dtype=mx.uint32), self.cache)
         for c in attention_rows(self.cache):
             c.give_back([top - m for m in counts])
@@ -337,6 +336,14 @@ class BlockRows(RowDrafter):
                 mx.async_eval([c.state for c in r.own_cache])
 
 
+def pair_ids(ctx: Sequence[int], start: int, m: int) -> list[int]:
+    """The tokens of a head's pairs at positions start..start+m-1: the pair at j is (h_j,
+    t_{j+1}), the hidden state and the token that followed it.
+
+    ctx: the context; start: the first pair's position; m: how many pairs."""
+    return list(ctx[start + 1 : start + 1 + m])
+
+
 def len_of(x: mx.array | None) -> int:
     """Rows of an array, 0 for None."""
     return 0 if x is None else x.shape[0]
@@ -378,3 +385,60 @@ def _draw(rows, logits: mx.array, keys: list) -> tuple[mx.array, list]:
             tokens.append(sample(q, keys[i])[0])
             qs.append(q[0])
     return mx.stack(tokens), qs
+
+
+@dataclass
+class _Lone:
+    """The one row of a lone sequence (a DraftRow)."""
+
+    ctx: list[int]
+    process: Processor | None
+    draft_held: int = 0
+    waiting: mx.array | None = None
+    own_cache: list | None = None
+
+
+class OneRow:
+    """A row drafter drafting for one sequence: the solo round's drafter (drafters.Drafter)
+    is B = 1 of the batch's own code, so each kind of drafter is written once. Its caches
+    are the batch kind's (core.rows: a row of one computes what a solo cache does) from
+    ``join`` to ``state``.
+
+    rows: the row drafter (row_drafter's); draft: the draft's caches as a solo generation
+    holds them (a KVState's), holding ``held`` tokens of the context; waiting: a head's
+    confirmed features not yet fed (a KVState's); process: the sampling processor (None:
+    greedy)."""
+
+    def __init__(self, rows: RowDrafter, draft: list, held: int, waiting, process):
+        self.rows, self.row = rows, _Lone([], process)
+        rows.join(self.row, draft, held, waiting)
+        self.reads_hidden = rows.reads_hidden
+        self.k, self.fed = 0, 0  # this round's drafts and where they started
+
+    def propose(self, ctx, k, room, key, timed) -> Proposal:
+        self.row.ctx = ctx  # (the engine's list, grown in place)
+        top = self.rows.limit(self.row)
+        self.k, self.fed = max(0, min(k, k if top is None else top)), len(ctx) - 1
+        if not self.k:
+            return Proposal()
+        t0 = time.perf_counter()
+        d, qs = self.rows.propose([self.row], self.k, [self.k], [key])
+        d, q = d[0], qs[0]  # (k,), (k, vocab) or None
+        if timed:
+            mx.eval(d if q is None else [d, q])
+        return Proposal(d, q, "model", draft_s=time.perf_counter() - t0 if timed else None)
+
+    def settle(self, ctx, right, hidden=None, accepted=0) -> None:
+        # a head reads the pass wherever it started, whoever proposed (lookup, in a chain)
+        fed = hidden.start if hidden is not None else self.fed
+        feats = hidden.states[None] if hidden is not None else None  # (1, k + 1, F)
+        self.rows.settle([self.row], self.k, [fed], [accepted], feats)
+        self.k = 0
+
+    def close(self) -> None:
+        pass
+
+    def state(self) -> tuple[list, int, mx.array | None]:
+        """The draft's caches back as a solo generation's, what they hold, and a head's
+        waiting features: for a KVState, once the generation is over."""
+        return self.rows.leave(0, self.row), self.row.draft_held, self.row.waiting
