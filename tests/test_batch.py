@@ -537,8 +537,8 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
         session=SimpleNamespace(pair=Pair(target, draft, target_id="t", draft_id="d")),
         choosers=ChooserStore(persist=False, warn=print),
         world=World(None, rank=0, size=2),
-        watchdog=None, fatal=stopped.append, send_ops=fail, draft_stop=False, _stopping=False,
-        totals=SimpleNamespace(failed=0, cancelled=0), draft=None, _queue=queue.Queue(),
+        watchdog=None, fatal=stopped.append, send_ops=fail, draft_stop=False, stopping=False,
+        totals=SimpleNamespace(failed=0, cancelled=0), draft=None, queue=queue.Queue(),
     )  # fmt: skip
     batcher = Batcher(w, 4)
     rows = [Job(), Job()]

@@ -621,7 +621,7 @@ def test_max_queue_zero_serves_when_idle_and_refuses_while_busy():
     worker.submit(None, lambda *_: None)  # idle: taken (the thread would start it now)
     with pytest.raises(QueueFull):
         worker.submit(None, lambda *_: None)  # one is already there: it would wait
-    worker._queue.get()
+    worker.queue.get()
     worker.holding = 1  # the thread took it (its prefill may not have begun)
     with pytest.raises(QueueFull):
         worker.submit(None, lambda *_: None)

@@ -118,14 +118,14 @@ class Batcher:
                 if self.parked or self.warmups.waiting:
                     # one resumes (or warms up) in a moment, unless a newer request comes
                     try:
-                        job = w._queue.get(timeout=RESUME_GRACE)
+                        job = w.queue.get(timeout=RESUME_GRACE)
                     except queue.Empty:
                         continue
                 else:
-                    job = w._next()  # (with ranks, idle ticks while none comes)
-            elif len(self.live) < self.max_batch or w._stopping:
+                    job = w.next_job()  # (with ranks, idle ticks while none comes)
+            elif len(self.live) < self.max_batch or w.stopping:
                 try:  # (past max_batch, requests wait in the queue, up to --max-queue)
-                    job = w._queue.get_nowait()
+                    job = w.queue.get_nowait()
                 except queue.Empty:
                     pass
             if job is None:  # stop: the running requests were cancelled by Worker.stop
@@ -137,7 +137,7 @@ class Batcher:
             if job is not False:
                 w.holding = self._held() + 1
                 self._admit(job)
-                if len(self.live) < self.max_batch and not w._queue.empty():
+                if len(self.live) < self.max_batch and not w.queue.empty():
                     continue  # take what waits before the next round
             if self.live and self.live[0].solo is not None:
                 self._step_alone(self.live[0])  # one token, then the queue is looked at
@@ -151,7 +151,7 @@ class Batcher:
         if job.cancelled.is_set():
             w.totals.cancelled += 1
             return
-        if w._stopping:
+        if w.stopping:
             w.refuse(job)
             return
         if r.warm_up:  # it waits until the editors are quiet (_warm_up); it parks nothing
@@ -159,7 +159,7 @@ class Batcher:
             return
         if r.drafter == "lookup" or w.draft_stop:
             if self._send_left(job):
-                w._serve_alone(job)  # (between two rounds: the rows wait for it)
+                w.serve_alone(job)  # (between two rounds: the rows wait for it)
             return
         if len(self.live) >= self.max_batch:  # (run() admits only while there is room)
             raise RuntimeError("the batch is full")
@@ -174,7 +174,7 @@ class Batcher:
         # a lone request runs as the serial worker runs it (the engine, its own adaptive k)
         # until another arrives: a batch of one costs a little more a round (with ranks,
         # every request is a row: the other ranks follow the batch)
-        alone = not self.live and w._queue.empty() and not self.ranks
+        alone = not self.live and w.queue.empty() and not self.ranks
         kv = gen = row = None
         try:
             if self.ranks:  # the other ranks join it too, with rank 0's seed
@@ -229,8 +229,8 @@ class Batcher:
             return True
         if time.monotonic() < self._quiet_from:
             return True
-        with self.w._queue.mutex:  # (a peek: the queue is the worker's FIFO)
-            queued = list(self.w._queue.queue)
+        with self.w.queue.mutex:  # (a peek: the queue is the worker's FIFO)
+            queued = list(self.w.queue.queue)
         return any(j is not None and j.request.editor and not j.request.warm_up for j in queued)
 
     def _warm_up(self) -> None:
@@ -244,7 +244,7 @@ class Batcher:
         job = self.warmups.take()
         self.w.holding = self._held() + 1
         if self._send_left(job):
-            self.w._serve_alone(job)
+            self.w.serve_alone(job)
 
     def _step_alone(self, lv: _Live) -> None:
         """The lone request's next token (the engine runs a round when it needs one)."""
@@ -332,10 +332,10 @@ class Batcher:
         caches from the prompt cache: a prefill of what a newer one took, if any)."""
         for lv in [lv for lv in self.parked if lv.job.cancelled.is_set()]:
             self.parked.remove(lv)
-            self.w._count(lv.job.stats, True)
+            self.w.count(lv.job.stats, True)
         if not self.parked or any(lv.request.editor for lv in self.live):
             return
-        if not self.w._queue.empty() or time.monotonic() < self._quiet_from:
+        if not self.w.queue.empty() or time.monotonic() < self._quiet_from:
             return  # what waits, or what an editor sends next, may be newer: its turn first
         lv = self.parked.pop()
         p, lv.parked = lv.parked, None
@@ -421,7 +421,7 @@ class Batcher:
         w.cache.put(kv)
         if lv.gen is not None:
             lv.gen.finish()
-        w._count(lv.job.stats, cancelled)
+        w.count(lv.job.stats, cancelled)
         t = w.totals
         t.cache_bytes, t.cache_entries = w.cache.nbytes, len(w.cache.entries)
         if not cancelled:

@@ -32,7 +32,7 @@ class WarmUps:
         while len(self.waiting) > MAX_WAITING:
             old = self.waiting.pop(0)
             old.stats.finish_reason = "length"
-            self.w._count(old.stats, False)
+            self.w.count(old.stats, False)
             old.emit("done", old.stats)
 
     def drop_gone(self) -> None:

@@ -160,9 +160,9 @@ class Worker:
         self.totals = Totals()
         self.last: Stats | None = None
         self.busy = False
-        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self.queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
-        self._stopping = False
+        self.stopping = False
         self._current: Job | None = None
         self._warmups = WarmUps(self)  # one at a time: warm-ups wait for the queue (_run)
         self.max_batch, self.batch_refused, self._batcher = max_batch, None, None
@@ -184,33 +184,33 @@ class Worker:
     @property
     def queued(self) -> int:
         """Requests waiting (the running one excluded)."""
-        return self._queue.qsize()
+        return self.queue.qsize()
 
     def submit(self, request: GenRequest, emit: Emit) -> Job:
         """Queue a generation; QueueFull past max_queue, ShuttingDown once stopping."""
         job = Job(request, emit)
         with self._lock:
-            if self._stopping:
+            if self.stopping:
                 raise ShuttingDown("the server is shutting down")
             # up to max_queue wait beyond the rows free now (--max-queue 0: served while a
             # row is free, refused while every row runs); ``holding`` counts from the moment
             # the MLX thread takes a job, before its prefill, so none is counted twice or not
             # at all
-            waiting = self._queue.qsize()
+            waiting = self.queue.qsize()
             if waiting >= self.max_queue + max(0, self.slots - self.holding):
                 self.totals.rejected += 1
                 raise QueueFull(f"{self.max_queue} requests are already waiting; retry shortly")
-            self._queue.put(job)
+            self.queue.put(job)
         return job
 
     def drain(self) -> None:
         """Refuse new jobs and answer the queued ones with ShuttingDown; the running one goes
         on (a server stopping lets it finish within its grace)."""
         with self._lock:
-            self._stopping = True
+            self.stopping = True
             while True:
                 try:
-                    job = self._queue.get_nowait()
+                    job = self.queue.get_nowait()
                 except queue.Empty:
                     break
                 if job is not None:
@@ -238,7 +238,7 @@ class Worker:
         self.drain()
         for job in self.running():
             job.cancel()
-        self._queue.put(None)
+        self.queue.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -307,17 +307,17 @@ class Worker:
         while True:
             warmups.drop_gone()
             held = False  # (a warm-up taken off the waiting list: its turn now)
-            if warmups.waiting and self._queue.empty():
+            if warmups.waiting and self.queue.empty():
                 wait = warmups.until_quiet()
                 if wait == 0:
                     job, held = warmups.take(), True
                 else:
                     try:
-                        job = self._queue.get(timeout=wait)
+                        job = self.queue.get(timeout=wait)
                     except queue.Empty:
                         continue
             else:
-                job = self._next()
+                job = self.next_job()
             if job is None:
                 if self.world.distributed:
                     send(self.world, None)  # the other ranks stop following
@@ -328,19 +328,19 @@ class Worker:
                 continue
             self.holding = 1 + len(warmups.waiting)
             try:
-                if self._serve_alone(job) is False:
+                if self.serve_alone(job) is False:
                     return
             finally:
                 self.holding = len(warmups.waiting)
             if job.request.editor and not job.request.warm_up:
                 warmups.editor_ended(RESUME_GRACE)
 
-    def _serve_alone(self, job: Job) -> bool:
+    def serve_alone(self, job: Job) -> bool:
         """Run one job by itself; False when serving must stop (ranks out of step)."""
         if job.cancelled.is_set():
             self.totals.cancelled += 1
             return True
-        if self._stopping:  # taken off the queue just as the server began to stop
+        if self.stopping:  # taken off the queue just as the server began to stop
             self.refuse(job)
             return True
         self._current, self.busy = job, True
@@ -366,16 +366,16 @@ class Worker:
                 self.watchdog.idle()
         return True
 
-    def _next(self) -> Job | None:
+    def next_job(self) -> Job | None:
         """The next job. With ranks, while none comes, rank 0 sends an idle tick every
         IDLE_TICK seconds: a follower waiting inside a collective spins a core, so it waits
         for each tick asleep instead, and enters the collective just before it is due (a
         request then waits at most one tick for the followers)."""
         if not self.world.distributed:
-            return self._queue.get()
+            return self.queue.get()
         while True:
             try:
-                return self._queue.get(timeout=IDLE_TICK)
+                return self.queue.get(timeout=IDLE_TICK)
             except queue.Empty:
                 if self.watchdog is not None:  # a follower that hangs while idle: bounded
                     self.watchdog.beat("waiting for the other ranks")
@@ -413,7 +413,7 @@ class Worker:
             finally:
                 self.cache.put(kv)
             stats.finish_reason = "length"
-            self._count(stats, False)
+            self.count(stats, False)
             self.last = stats
             job.emit("done", stats)
             return
@@ -432,13 +432,16 @@ class Worker:
             events.close()  # the engine leaves kv holding exactly what it says
             self.cache.put(kv)
         gen.finish()
-        self._count(stats, cancelled)
+        self.count(stats, cancelled)
         if cancelled:
             return
         self.last = stats
         job.emit("done", stats)
 
-    def _count(self, stats: Stats, cancelled: bool) -> None:
+    def count(self, stats: Stats, cancelled: bool) -> None:
+        """A request has ended: its figures into the server's totals (/metrics).
+
+        stats: the request's; cancelled: it ended because its client hung up."""
         t = self.totals
         t.requests += 1
         t.cancelled += cancelled
