@@ -31,14 +31,13 @@ from ..core.cursor import Cursor
 from ..core.hidden import HiddenTap
 from ..core.kvstate import KVState, reads_hidden, reuse_prefix
 from ..core.mlx_lm_api import set_wired_limit
-from ..core.rows import batchable
 from ..core.sampling import make_processor, round_keys, sample
 from ..core.stats import KChooser, RoundReport, Stats, TokenEvent
 from ..core.vocab import draft_ids
 from ..drafting.choosers import make_chooser
 from ..drafting.drafters import Chain, Drafter, LookupDrafter, ModelDrafter, Proposal
 from ..drafting.lookup import Lookup
-from ..drafting.row_drafters import OneRow, pair_ids, row_drafter
+from ..drafting.row_drafters import OneRow, fits_one_row, pair_ids, row_drafter
 from ..errors import BadInput, RollbackError
 from .request import Decode, Parts, token_ids
 from .stops import Stops
@@ -114,9 +113,10 @@ def generate_tokens(
                 drafters.append(LookupDrafter(finder, next_k, fallback=draft is not None))
             model_drafter = None
             # per-token stopping reads the draft's confidences chunk by chunk (a lone
-            # option), and a draft whose caches have no batch kind (core.rows.batchable)
-            # drafts over its own: both through a cursor; every other draft as a batch's row
-            if decode.draft_stop or (draft is not None and not head and batchable(draft)):
+            # option), and a draft that does not fit a row of one (row_drafters.fits_one_row)
+            # drafts over its own caches: both through a cursor; every other as a batch's row
+            as_row = head or (draft is not None and fits_one_row(draft, kv.draft))
+            if decode.draft_stop or (draft is not None and not as_row):
                 embeds, vocab = draft_ids(target, draft, parts.vocab_size)
                 plan = next_k.draft_plan if decode.draft_stop else None
                 model_drafter = ModelDrafter(

@@ -31,9 +31,9 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core.caches import recurrent_layers
+from ..core.caches import WindowKVCache, layer_caches, recurrent_layers
 from ..core.kvstate import reads_hidden
-from ..core.rows import attention_rows, row_of, rows_of, solo_of
+from ..core.rows import attention_rows, batchable, row_of, rows_of, solo_of
 from ..core.sampling import Processor, sample
 from ..core.vocab import draft_ids, logit_width
 from .drafters import FEED_AFTER, SAFE_ID, Proposal
@@ -118,6 +118,18 @@ def row_drafter(
     if getattr(draft, "block_size", None):
         return BlockRows(draft, vocab), vocab
     return HeadRows(draft, vocab), vocab
+
+
+def fits_one_row(draft: nn.Module, caches: list) -> bool:
+    """Whether a lone sequence's draft model drafts as a batch's row of one (OneRow): its
+    caches have a batch kind (core.rows.batchable), and none is a sliding window (a row
+    keeps every key of a window layer, masking queries to the window, so a long generation
+    would hold more than a solo window cache and the memory plan count).
+
+    draft: the draft model; caches: its layer caches as a solo generation holds them."""
+    if batchable(draft) is not None:
+        return False
+    return not any(isinstance(c, WindowKVCache) for c in layer_caches(caches))
 
 
 class _SharedCache(RowDrafter):
