@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 import socket
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -406,3 +407,23 @@ def test_malformed_http_gets_a_json_400(request_):
         assert json.loads(body)["error"]["code"] == "bad_request"
         assert headers["connection"] == "close"
         assert parts(ask(port, GET))[0] == 200  # and the server serves on
+
+
+def test_the_server_log_writes_to_stderr_as_it_is_at_each_line(monkeypatch, capsys):
+    """A command run earlier in the same process (a CLI runner, which swaps stderr and closes
+    its own) installed the server's log: its lines still reach the stderr of now, never a
+    closed stream (that was a "Logging error" traceback in a later test's stderr)."""
+    import io
+    import logging
+
+    from specmlx.serving import access_log
+
+    old = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", old)
+    log = access_log.install()
+    old.close()
+    monkeypatch.undo()
+    log.info("after the swap")
+    err = capsys.readouterr().err
+    assert "after the swap" in err and "Logging error" not in err, err
+    logging.getLogger(access_log.SERVER).handlers.clear()

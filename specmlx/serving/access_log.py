@@ -155,13 +155,31 @@ class _Text(logging.Formatter):
         return f"{time.strftime('%H:%M:%S', time.localtime(record.created))} {record.getMessage()}"
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler on whatever sys.stderr is when a line is written: one installed by an
+    earlier command in the same process (a test's CLI runner swaps stderr and closes its
+    own) never writes to a stream closed since."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass  # (always the current stderr)
+
+
 def install(form: str = "text", access: bool = True, stream=None) -> logging.Logger:
     """Send the server's log (its access lines among them) to ``stream`` as ``form``.
 
     form: "text" (the time of day and a terse line) or "json" (one object a line); access:
-    whether each request gets a line; stream: where to (None: stderr, as it is then).
+    whether each request gets a line; stream: where to (None: stderr, as it is at each
+    line).
     Returns the server's logger, for the CLI's own lines."""
-    handler = logging.StreamHandler(stream if stream is not None else sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _Stderr()
     handler.setFormatter(JsonLines() if form == "json" else _Text())
     log = logging.getLogger(SERVER)
     for old in list(log.handlers):  # (installed twice in one process: one handler)
