@@ -282,6 +282,35 @@ def test_recurrent_rows_equal_their_solo_runs(family):
     assert rows[0].ctx[len(prompts[0]) :] + more == solo(target, None, prompts[0], 0, 22)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "mamba2"])
+def test_a_recurrent_draft_row_that_keeps_nothing_hands_back_the_state_it_holds(family):
+    """A row whose round keeps no token (its first is an EOS: it ends) cannot give back its
+    draft's catch-up in a recurrent layer: the state handed back is the one after all of its
+    context, and draft_held says so (one past the target's). Taking the state after the
+    last drafting step instead (the index -1) fails."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    target, draft = build(family, 4, 0), noisy_copy(family, 4, 0, 0.3)
+    prompt = list(range(3, 17))
+    first = solo(target, None, prompt, 0, 1)[0]
+    batch = Batch(target, draft)
+    row = batch.join(prompt, Decode(k=K(3), max_tokens=16, eos_ids=(first,)))
+    batch.join([1, 5, 9], Decode(k=K(3), max_tokens=16))  # a neighbour that drafts on
+    batch.round(3)
+    assert row.done and row.ctx == prompt
+    kv = batch.leave(row)
+    assert kv.tokens == prompt[:-1] and kv.draft_held == len(prompt)
+    fresh = make_prompt_cache(draft)
+    draft(mx.array(prompt)[None], cache=fresh)
+    got = [c for c in kv.draft if hasattr(c, "cache")]
+    want = [c for c in fresh if hasattr(c, "cache")]
+    assert got and len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g.cache, w.cache, strict=True):
+            if b is not None:
+                np.testing.assert_allclose(np.array(a), np.array(b), atol=1e-4)
+
+
 def test_a_row_state_rolled_back_as_if_every_row_kept_alike_diverges(monkeypatch):
     """The same rows with every row's state recomputed over the longest kept count (the
     per-row mask dropped) diverge from their solo runs: the recurrent test can fail."""

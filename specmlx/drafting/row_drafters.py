@@ -204,12 +204,17 @@ class ModelRows(_SharedCache):
         if not k:
             return
         steps = []
+        states, self._states = self._states, []
         for r, f, n in zip(rows, fed, accepted, strict=True):
             r.draft_held = min(f + 1 + min(n, k - 1), len(r.ctx) - 1)
             steps.append(r.draft_held - f - 1)  # drafting steps kept after its catch-up
+            if steps[-1] < 0 and states:
+                # it kept nothing (its first token ended it: an EOS), and a recurrent layer
+                # cannot give back its catch-up's last token: it holds all of ctx, and says
+                # so (one past ctx[:-1]: a later prompt starts its draft afresh)
+                steps[-1], r.draft_held = 0, f + 1
         for c in attention_rows(self.cache):
             c.lens = [r.draft_held for r in rows]
-        states, self._states = self._states, []
         if not states:
             return
         index = mx.arange(len(steps))
