@@ -1,14 +1,15 @@
 """The round loop: prefill, then rounds of propose -> verify -> accept -> keep -> settle;
 yields token events.
 
-Bookkeeping, in one place: ``ctx`` is every token so far (prompt + generated). Each model's
-position is its Cursor's (cursor.py): between rounds the target's holds ctx[:-1] (the last
-token is fed at the start of the next pass), or all of ctx when a plain round already
-queued the next plain pass; a draft model's cursor holds a prefix of ctx[:-1]. A drafter is
-anything with drafters.Drafter's three methods: the draft model, prompt lookup, a head over
-the target's hidden states, or a chain of them; the round sees only its Proposal. When
-generation ends, or the caller closes the generator early, the target holds ctx[:-1] and
-KVState says so.
+Bookkeeping, in one place: ``ctx`` is every token so far (prompt + generated). The target's
+position is its Cursor's (cursor.py): between rounds it holds ctx[:-1] (the last token is fed
+at the start of the next pass), or all of ctx when a plain round already queued the next
+plain pass; a draft holds a prefix of ctx[:-1]. A drafter is anything with drafters.Drafter's
+three methods: the draft model, a head over the target's hidden states or a block drafter
+(the batch's row drafters as one row: row_drafters.OneRow), prompt lookup, the draft model
+with per-token stopping, or a chain; the round sees only its Proposal. When generation ends,
+or the caller closes the generator early, the target holds ctx[:-1] and KVState says so
+(the draft's caches given back as solo ones).
 
 Plain rounds (k = 0) overlap like target-only decoding: when the chooser says the next round
 is plain too (``plain_next``), the next target pass is queued before this round is read back,
