@@ -5,6 +5,8 @@ cache hands one to the engine); ``reuse_prefix`` keeps their longest common pref
 prompt. A draft that reads the target's hidden states (an MTP head) rides along: its cache
 holds pairs (h_j, t_{j+1}) and ``waiting`` the confirmed states it has not been fed yet, so
 what it may keep depends on what the target keeps (``_head_keep``, ``_trim_head``).
+``moved`` builds a KVState from runs of a cached sequence moved to new positions (shift.py:
+llama-server's --cache-reuse).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .caches import can_rollback, make_caches, trim
+from .shift import Piece, Shifter, Unshiftable, reused
 
-__all__ = ["KVState", "common_prefix", "reads_hidden", "reuse_prefix"]
+__all__ = ["KVState", "common_prefix", "moved", "reads_hidden", "reuse_prefix"]
 
 
 @dataclass
@@ -34,7 +37,7 @@ class KVState:
     draft_held: int = 0
     # a draft that reads the target's hidden states (an MTP head): its cache holds draft_held
     # pairs (h_j, t_{j+1}) and ``waiting`` (m, H) the confirmed hidden states at positions
-    # draft_held..draft_held+m-1 it has not been fed yet (drafters.HeadDrafter)
+    # draft_held..draft_held+m-1 it has not been fed yet (row_drafters.HeadRows)
     waiting: mx.array | None = None
     reads_hidden: bool = False
     # where the next prefill stops once on its way to leave a copy of the caches in
@@ -139,3 +142,48 @@ def _trim_head(kv: KVState, m: int, keep: int, using: bool) -> None:
     elif kv.waiting is not None:
         n = min(keep, m) - fed
         kv.waiting = kv.waiting[:n] if n > 0 else None
+
+
+def moved(kv: KVState, pieces: Sequence[Piece], target: Shifter, draft: Shifter | None) -> KVState:
+    """A new KVState holding the new prompt's first reused(pieces) tokens, its caches made
+    from ``kv``'s (never changed) by moving each piece (shift.chunks) into place: the
+    target's by ``target``; the draft model's by ``draft`` over what it holds of them, or,
+    where it cannot move, cut back to the common prefix (or made afresh: the draft then
+    prefills the prompt, its part being the cheap one). Raises Unshiftable where the
+    target's caches cannot move so, or a head rides along: a head is fed the target's
+    hidden state at every position, which only a prefill makes."""
+    if kv.reads_hidden:
+        raise Unshiftable(
+            "a head drafter is fed the target's hidden state at every position, which only "
+            "a prefill of the target makes"
+        )
+    tokens = [t for s, _, n in pieces for t in kv.tokens[s : s + n]]
+    out = KVState(target=target.move(kv.target, pieces, len(kv.tokens)), tokens=tokens)
+    if kv.draft is not None:
+        out.draft, out.draft_held = _draft_moved(kv, pieces, draft)
+    return out
+
+
+def _draft_moved(kv: KVState, pieces: Sequence[Piece], draft: Shifter | None):
+    """(draft caches, tokens they hold) for ``moved``: the pieces within what the draft
+    holds (a prefix of the target's tokens), moved; else its share of the common prefix."""
+    held, within = kv.draft_held, []
+    for s, d, n in pieces:
+        take = min(n, held - s)
+        if take <= 0:
+            break
+        within.append((s, d, take))
+        if take < n:
+            break
+    if draft is not None:
+        try:
+            return draft.move(kv.draft, within, held), reused(within)
+        except Unshiftable:
+            pass
+    prefix = pieces[0][2] if pieces and pieces[0][0] == 0 else 0
+    keep = min(prefix, held)
+    caches = copy.deepcopy(kv.draft)
+    if can_rollback(caches, held - keep):
+        trim(caches, held - keep)
+        return caches, keep
+    return None, 0  # the engine makes fresh ones
