@@ -111,6 +111,14 @@ def serve(
     prompt_cache: str = typer.Option(
         "4GB", "--prompt-cache", help="Memory for KV caches kept across requests (0: off)."
     ),
+    cache_reuse: int = typer.Option(
+        0,
+        "--cache-reuse",
+        help="Also reuse cached runs of at least N tokens that a prompt has at another "
+        "position, their keys moved there (llama-server's --cache-reuse; llama.vim asks for "
+        "256). Not a fresh prefill's cache: past the first layer a moved run keeps the "
+        "context it was computed in, so text can differ. 0: off.",
+    ),
     max_body: str = typer.Option("16MB", "--max-body", help="Largest request body (then 413)."),
     allow_host: list[str] = typer.Option(
         [],
@@ -183,6 +191,8 @@ def serve(
         raise BadInput(f"--context must be > 0, got {context}")
     if max_batch is not None and max_batch < 1:
         raise BadInput(f"--max-batch must be >= 1, got {max_batch}")
+    if cache_reuse < 0:
+        raise BadInput(f"--cache-reuse must be >= 0, got {cache_reuse}")
     loopback = host == "localhost"
     try:
         loopback = loopback or ipaddress.ip_address(host).is_loopback
@@ -240,9 +250,12 @@ def serve(
     worker = Worker(tgt, drf, shared, max_queue=max_queue, cache_budget=cache_budget,
                     warn=warn, world=world, lookup_memory=lookup_memory,
                     draft_stop=draft_stop, watchdog=watchdog, fatal=fatal,
-                    max_batch=rows)  # fmt: skip
+                    max_batch=rows, cache_reuse=cache_reuse)  # fmt: skip
     if worker.batch_refused and max_batch is not None and not quiet:  # (asked for, not had)
         warn(f"--max-batch {max_batch}: one request at a time, {worker.batch_refused}")
+    if cache_reuse and worker.cache.refused and world.leader:
+        warn(f"--cache-reuse {cache_reuse}: only common prefixes are reused, "
+             f"{worker.cache.refused}")  # fmt: skip
     if world.distributed:
         watchdog.beat("loading the models on the other ranks")
         barrier(world)

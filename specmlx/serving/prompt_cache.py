@@ -14,23 +14,60 @@ from an entry further on, its prefill stops there once and leaves a copy (KVStat
 kept as an entry of its own: the next prompt that parts there (another chat with the same
 system prompt on a hybrid model) starts from it. A newer entry that cannot give back to an
 older one's end does not replace it.
+
+With ``reuse`` N > 0 (llama-server's --cache-reuse N), a prompt also takes the runs of at
+least N tokens an entry holds further on, moved to where the prompt has them
+(core/shift.py): an editor's window that slid, a ring of other files that lost its first
+chunk. The entry giving the most tokens is taken; a moved copy is a new KVState (the entry
+stays as it was). Moved keys are rotated exactly, but past the first layer they still carry
+the context they were computed in, so text generated from them can differ from a fresh
+prefill's: off unless asked. Not for recurrent state or head drafters (``refused`` says
+why); a window that no longer holds what the moved prompt needs falls back to the prefix.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..core.caches import can_rollback
-from ..core.kvstate import KVState, common_prefix
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..core.caches import can_rollback, layer_caches
+from ..core.kvstate import KVState, common_prefix, moved, reads_hidden
+from ..core.shift import Shifter, Unshiftable, chunks, reused
 
 
 class PromptCache:
     """LRU of KVState entries, at most ``budget_bytes`` of KV caches (0: keep none).
-    Not thread-safe: the server's one generation thread owns it."""
+    Not thread-safe: the server's one generation thread owns it.
 
-    def __init__(self, budget_bytes: int):
+    reuse: the shortest run of cached tokens moved to another position (0: none, only the
+    common prefix is kept); target, draft: the models whose caches are moved (needed with
+    reuse; each is probed once here: shift.Shifter)."""
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        reuse: int = 0,
+        target: nn.Module | None = None,
+        draft: nn.Module | None = None,
+    ):
         self.budget = budget_bytes
         self.entries: list[KVState] = []  # least recently used first
+        self.reuse = reuse
+        self.refused: str | None = None  # why runs are not moved with reuse > 0
+        self.moved_tokens = 0  # tokens taken from moved runs (not the common prefixes)
+        self._target = self._draft = None
+        if reuse > 0 and target is not None:
+            self._target = Shifter(target)
+            self.refused = self._target.refused
+            if draft is not None and reads_hidden(draft):
+                self.refused = self.refused or (
+                    "a head drafter is fed the target's hidden state at every position, "
+                    "which only a prefill of the target makes"
+                )
+            elif draft is not None:
+                self._draft = Shifter(draft)  # one that cannot move prefills its part
 
     @property
     def nbytes(self) -> int:
@@ -47,12 +84,43 @@ class PromptCache:
             parts = max(parts, m)
             if m > best_len and can_rollback(kv.target, len(kv.tokens) - m):
                 best, best_len = i, m
+        if self._target is not None and self.refused is None:
+            out = self._moved(context, best_len)
+            if out is not None:
+                if parts > len(out.tokens):  # (as below)
+                    out.branch_at = parts
+                return out
         out = KVState()
         if best >= 0:
             self.entries.append(self.entries.pop(best))  # by place: KVStates compare by value
             out = self.entries[-1].copy()
         if parts > best_len:  # an entry it parts from cannot give back that far: the
             out.branch_at = parts  # prefill leaves a copy there for the next (put, keep_branch)
+        return out
+
+    def _moved(self, context: Sequence[int], floor: int) -> KVState | None:
+        """A moved copy of the entry whose runs give ``context`` the most tokens, if that
+        is more than ``floor`` (what the common prefix alone gives); None otherwise, or
+        where its caches cannot move so (a window that dropped them)."""
+        best, pieces, most = -1, [], floor
+        for i in reversed(range(len(self.entries))):  # the most recent first among equals
+            kv = self.entries[i]
+            if kv.target is None or kv.reads_hidden:
+                continue
+            found = chunks(kv.tokens, context, common_prefix(kv.tokens, context), self.reuse)
+            if reused(found) > most:
+                best, pieces, most = i, found, reused(found)
+        if best < 0:
+            return None
+        entry = self.entries[best]
+        try:
+            out = moved(entry, pieces, self._target, self._draft)
+        except Unshiftable:
+            return None
+        self.entries.append(self.entries.pop(best))
+        made = layer_caches((out.target or []) + (out.draft or []))
+        mx.eval([(c.keys, c.values) for c in made if c.keys is not None])  # copied now
+        self.moved_tokens += sum(n for s, d, n in pieces if s != d)
         return out
 
     def put(self, kv: KVState) -> None:

@@ -125,7 +125,8 @@ class Worker:
     started it (they may be out of step): it must end this rank (the CLI exits 1);
     max_batch: up to this many requests decode together, one target pass a round
     (batcher.py), where the pair can batch (``batch_refused`` says why not: then one at a
-    time)."""
+    time); cache_reuse: the prompt cache moves cached runs of at least this many tokens to
+    where a prompt has them (0: off; ``cache.refused`` says why a pair cannot)."""
 
     def __init__(
         self,
@@ -143,13 +144,15 @@ class Worker:
         watchdog: Watchdog | None = None,
         fatal: Callable[[str], None] | None = None,
         max_batch: int = 1,
+        cache_reuse: int = 0,
     ):
         self.watchdog, self.fatal = watchdog, fatal
         self.target, self.draft, self.shared = target, draft, shared
         self.draft_stop = draft_stop
         self.max_queue = max_queue
         self.world = world or World(None)
-        self.cache = PromptCache(cache_budget)
+        models = (target.model, draft.model if draft else None) if cache_reuse else ()
+        self.cache = PromptCache(cache_budget, cache_reuse, *models)
         self.choosers = ChooserStore(persist=persist and self.world.leader, warn=warn)
         self.memory = None
         if lookup_memory and not self.world.distributed:
