@@ -116,7 +116,20 @@ def test_the_engine_knows_nothing_of_the_layers_above():
         "errors",
         "decoding",
     }
-    assert own <= {"decoding.request", "decoding.stops"}, own  # not the session, stream, FIM
+    # the round and its verifiers, what a request asks, its stops: not the session, stream, FIM
+    assert own <= {"decoding.request", "decoding.stops", "decoding.round", "decoding.verifiers"}, (
+        own
+    )
+
+
+def test_one_round_serves_a_lone_request_and_a_batch():
+    """The round is written once (round.one_round): the engine and the batch call it and
+    neither builds a round of its own (no acceptance, no drafting, no target pass)."""
+    graph = imports(2)
+    for m in ("decoding.engine", "decoding.batch"):
+        assert "decoding.round" in graph[m], m
+        text = (PACKAGE / (m.replace(".", "/") + ".py")).read_text()
+        assert "accept_proposal" not in text and ".propose(" not in text, m
 
 
 def test_only_the_models_build_command_imports_the_standins():

@@ -1,47 +1,58 @@
-"""The round loop: prefill, then rounds of propose -> verify -> accept -> keep -> settle;
-yields token events.
+"""A lone generation: prefill, then rounds (round.one_round over a row of one) until a
+stop; yields token events.
 
-Bookkeeping, in one place: ``ctx`` is every token so far (prompt + generated). The target's
-position is its Cursor's (cursor.py): between rounds it holds ctx[:-1] (the last token is fed
-at the start of the next pass), or all of ctx when a plain round already queued the next
-plain pass; a draft holds a prefix of ctx[:-1]. A drafter is anything with drafters.Drafter's
-three methods: the draft model, a head over the target's hidden states or a block drafter
-(the batch's row drafters as one row: row_drafters.OneRow), prompt lookup, the draft model
-with per-token stopping, or a chain; the round sees only its Proposal. When generation ends,
-or the caller closes the generator early, the target holds ctx[:-1] and KVState says so
-(the draft's caches given back as solo ones).
+Bookkeeping, in one place: the row's ``ctx`` is every token so far (prompt + generated).
+The target's position is its Cursor's (cursor.py, behind verifiers.LoneTarget): between
+rounds it holds ctx[:-1] (the last token is fed at the start of the next pass), or all of
+ctx when a plain round already queued the next plain pass; a draft holds a prefix of
+ctx[:-1]. What drafts is a row drafter (drafting.row_drafters): the draft model, a head over
+the target's hidden states or a block drafter, as a batch's row drafts; prompt lookup, the
+lookup-first chain and the draft model over its own cursor (per-token stopping, caches with
+no batch kind) as lone options. When generation ends, or the caller closes the generator
+early, the target holds ctx[:-1] and KVState says so (the draft's caches given back as solo
+ones).
 
-Plain rounds (k = 0) overlap like target-only decoding: when the chooser says the next round
-is plain too (``plain_next``), the next target pass is queued before this round is read back,
-so the host's work between rounds runs while the target computes.
+Plain rounds (k = 0, and target-only decoding) overlap like mlx-lm's generate_step: when the
+chooser says the next round is plain too (``plain_next``), the next target pass is queued
+before this round is read back, so the host's work between rounds runs while the target
+computes.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core.acceptance import Rule, accept_proposal, sampled_rule
+from ..core.acceptance import sampled_rule
 from ..core.caches import cache_kinds, check_kinds, make_caches
 from ..core.cursor import Cursor
 from ..core.hidden import HiddenTap
 from ..core.kvstate import KVState, reads_hidden, reuse_prefix
 from ..core.mlx_lm_api import set_wired_limit
-from ..core.sampling import make_processor, round_keys, sample
-from ..core.stats import KChooser, RoundReport, Stats, TokenEvent
+from ..core.sampling import make_processor
+from ..core.stats import Stats, TokenEvent
 from ..core.vocab import draft_ids
 from ..drafting.choosers import make_chooser
-from ..drafting.drafters import Chain, Drafter, LookupDrafter, ModelDrafter, Proposal
+from ..drafting.drafters import LookupDrafter, ModelDrafter
 from ..drafting.lookup import Lookup
-from ..drafting.row_drafters import OneRow, fits_one_row, pair_ids, row_drafter
+from ..drafting.row_drafters import (
+    ChainRows,
+    LoneRows,
+    RowDrafter,
+    fits_one_row,
+    pair_ids,
+    row_drafter,
+)
 from ..errors import BadInput, RollbackError
 from .request import Decode, Parts, token_ids
+from .round import Row, one_round
 from .stops import Stops
+from .verifiers import LoneTarget
 
 __all__ = [
     "Decode", "KVState", "Parts", "Stats", "TokenEvent", "TIME_DRAFT_EVERY", "generate_tokens",
@@ -88,7 +99,6 @@ def generate_tokens(
             "per-token stopping needs a draft model and adaptive k in one process"
             + (": a head (MTP, EAGLE-3, DFlash) drafts the chooser's k" if head else "")
         )
-    accept = sampled_rule(decode.verify)
     stats = parts.stats if parts.stats is not None else Stats()
     kv = _ready(parts.kv, target, draft, prompt, stats)
     speculating = draft is not None or decode.lookup
@@ -103,41 +113,53 @@ def generate_tokens(
         tap = HiddenTap(target, draft.reads_hidden) if head else None
         _fill(target, draft, prompt, kv, stats, parts.prefill_step, tap)
         process = None if decode.sampling.greedy else make_processor(decode.sampling)
-        check = parts.lockstep or (lambda _tokens: None)
-        if not speculating:
-            loop = _plain(target, kv, prompt, process, seed, stops, stats, check)
-        else:
-            ctx = list(prompt)  # the context, grown each round (lookup indexes this list)
-            drafters: list[Drafter] = []
-            if decode.lookup:
-                finder = Lookup(ctx, parts.lookup_memory)
-                drafters.append(LookupDrafter(finder, next_k, fallback=draft is not None))
-            model_drafter = None
-            # per-token stopping reads the draft's confidences chunk by chunk (a lone
-            # option), and a draft that does not fit a row of one (row_drafters.fits_one_row)
-            # drafts over its own caches: both through a cursor; every other as a batch's row
-            as_row = head or (draft is not None and fits_one_row(draft, kv.draft))
-            if decode.draft_stop or (draft is not None and not as_row):
-                embeds, vocab = draft_ids(target, draft, parts.vocab_size)
-                plan = next_k.draft_plan if decode.draft_stop else None
-                model_drafter = ModelDrafter(
-                    draft, kv.draft, kv.draft_held, vocab, embeds, process, plan
-                )
-                drafters.append(model_drafter)
-            elif draft is not None:  # the batch's drafter, as one row
-                rows, _ = row_drafter(target, draft, parts.vocab_size)
-                model_drafter = OneRow(rows, kv.draft, kv.draft_held, kv.waiting, process)
-                drafters.append(model_drafter)
-            drafter = drafters[0] if len(drafters) == 1 else Chain(drafters)
-            cursor = Cursor(target, kv.target, len(kv.tokens), record=True, tap=tap)
-            # a lookup match can turn up any round, and a head reads every pass: no queueing
-            overlap = not (isinstance(drafter, (LookupDrafter, Chain)) or head)
-            spec = _Speculation(cursor, drafter, process, accept, stats, next_k, overlap)
-            loop = spec.run(ctx, seed, stops, check, lambda ok: _end(kv, ctx, model_drafter, ok))
+        rule = sampled_rule(decode.verify)
+        row = Row(list(prompt), decode.k, stops, seed, process, rule, stats)
+        drafter, holder = _drafter(target, draft, decode, parts, kv, row, next_k)
+        cursor = Cursor(target, kv.target, len(kv.tokens), record=drafter is not None, tap=tap)
+        # plain rounds overlap when the chooser says the next is plain too; a lookup match
+        # can turn up any round, and a head reads every pass: no queueing then
+        plain_next = (
+            (lambda: True) if drafter is None
+            else None if decode.lookup or head else next_k.plain_next
+        )  # fmt: skip
+        loop = _rounds(
+            row, LoneTarget(cursor), drafter, next_k if drafter is not None else None,
+            plain_next, parts.lockstep or (lambda _tokens: None),
+            lambda ok: _end(kv, row, holder, ok),
+        )  # fmt: skip
         try:
             yield from loop
         finally:
             stats.peak_memory = mx.get_peak_memory()
+
+
+def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row, next_k):
+    """What drafts for a lone generation (None: nothing) and what holds the draft's state
+    at the end (a ModelDrafter's cursor or a row drafter's row; None: none): lookup first
+    when asked, then the draft model or head as a row of one; the draft model over its own
+    cursor for per-token stopping (its chunks read the draft's confidences, a lone option)
+    and for caches with no batch kind (row_drafters.fits_one_row)."""
+    drafters: list[RowDrafter] = []
+    if decode.lookup:
+        finder = Lookup(row.ctx, parts.lookup_memory)  # (it indexes the row's own list)
+        lookup = LookupDrafter(finder, next_k, fallback=draft is not None)
+        drafters.append(LoneRows(lookup, "prompt lookup"))
+    holder = None
+    if draft is not None:
+        head = reads_hidden(draft)
+        if decode.draft_stop or not (head or fits_one_row(draft, kv.draft)):
+            embeds, vocab = draft_ids(target, draft, parts.vocab_size)
+            plan = next_k.draft_plan if decode.draft_stop else None
+            holder = ModelDrafter(draft, kv.draft, kv.draft_held, vocab, embeds, row.process, plan)
+            drafters.append(LoneRows(holder, "the draft model over its own caches"))
+        else:  # the batch's drafter, as one row
+            holder, _ = row_drafter(target, draft, parts.vocab_size)
+            holder.join(row, kv.draft, kv.draft_held, kv.waiting)
+            drafters.append(holder)
+    if not drafters:
+        return None, None
+    return (drafters[0] if len(drafters) == 1 else ChainRows(drafters)), holder
 
 
 def prefill(
@@ -241,138 +263,49 @@ def _wired() -> Iterator[None]:
             mx.set_wired_limit(old)
 
 
-def _plain(target, kv, prompt, process, seed, stops, stats, check) -> Iterator[TokenEvent]:
-    """Target-only decoding, overlapping the next step with the host like mlx-lm's
-    generate_step: step i+1 is queued (async_eval) before token i is read back. A step
-    draws with its position's draw key, as a plain round of speculation does (round_keys):
-    the same seed gives the same text either way."""
-    cursor = Cursor(target, kv.target, len(kv.tokens))
-    at = len(prompt)  # the position of the token the next step makes
-
-    def step(y: mx.array) -> mx.array:
-        nonlocal at
-        logits = cursor.feed(y.reshape(1, -1), undoable=False)[0, -1]  # (V,)
-        at += 1
-        if process is None:
-            return mx.argmax(logits, axis=-1).astype(mx.uint32)
-        return sample(process(logits), round_keys(seed, at - 1)[2])
-
-    t0 = time.perf_counter()
-    y = step(mx.array(prompt[-1:], dtype=mx.uint32))
-    mx.async_eval(y)
-    ctx = list(prompt)
-    try:
-        while True:
-            if stops.count + 1 < stops.max_tokens:
-                nxt = step(y)
-                mx.async_eval(nxt)
-            new, reason = stops.cut([y.item()])
-            ctx += new
-            elapsed = time.perf_counter() - t0
-            stats.record(RoundReport(0, 0, elapsed), stops.count)
-            stats.finish_reason = reason
-            check(new)
-            if new:
-                yield TokenEvent(new[0], False)
-            if reason:
-                return
-            t0 = time.perf_counter()
-            y = nxt
-    finally:
-        # undo what queued steps fed past the kept context: the cache holds ctx[:-1]
-        try:
-            cursor.give_back(len(ctx) - 1, ctx)
-            kv.tokens = ctx[:-1]
-        except RollbackError:  # recurrent state cannot give tokens back: start afresh next time
-            kv.drop()
-
-
-def _end(kv: KVState, ctx: list[int], drafter, settled: bool) -> None:
+def _end(kv: KVState, row: Row, holder, settled: bool) -> None:
     """Write where the generation left both models into ``kv``, for the next one; after an
-    exception mid-round (not ``settled``) what the caches hold is unknown: forget them."""
+    exception mid-round (not ``settled``) what the caches hold is unknown: forget them.
+    holder: what holds the draft's state (a ModelDrafter, a row drafter, None)."""
     if not settled:
         kv.drop()
         return
-    kv.tokens = ctx[:-1]
-    if isinstance(drafter, OneRow):
-        kv.draft, kv.draft_held, kv.waiting = drafter.state()
-    elif drafter is not None:
-        kv.draft_held = drafter.cursor.held
+    kv.tokens = row.ctx[:-1]
+    if isinstance(holder, ModelDrafter):
+        kv.draft_held = holder.cursor.held
+    elif holder is not None:
+        kv.draft, kv.draft_held, kv.waiting = holder.leave(0, row), row.draft_held, row.waiting
 
 
-class _Speculation:
-    """One speculative generation: the target's cursor, a drafter (which moves its own),
-    the sampling setup, the acceptance rule and the k chooser.
-
-    overlap: queue the next plain pass early when the chooser says the next round is plain
-    too (its plain_next)."""
-
-    def __init__(self, target: Cursor, drafter, process, accept: Rule, stats: Stats,
-                 next_k: KChooser, overlap: bool):  # fmt: skip
-        self.target, self.drafter, self.stats = target, drafter, stats
-        self.process, self.accept, self.next_k = process, accept, next_k
-        self.plain_next: Callable[[], bool] = next_k.plain_next if overlap else (lambda: False)
-
-    def run(self, ctx, seed, stops, check, end) -> Iterator[TokenEvent]:
-        """Rounds until a stop. ctx: the context, grown in place; seed: the sampling seed
-        (each round's keys come from it and the round's position: round_keys); stops: the
-        Stops; check: the lockstep (may raise); end: called once at the end, with whether
-        the caches match ctx."""
-        drafting, last, settled = 0, None, True  # settled: the caches match ctx
-        try:
-            while True:
-                t0 = time.perf_counter()
-                room = stops.room  # a round emits up to k + 1 tokens
-                k = max(0, min(self.next_k(last), room))
-                settled = False  # (a chooser that raises leaves the caches as they were)
-                drafting = 0 if last is not None and last.k == 0 else drafting  # time a probe
-                # a queued pass would be waited for inside the draft's timing: time the next
-                queued = self.target.queued is not None
-                timed = k > 0 and not queued and drafting % TIME_DRAFT_EVERY == 0
-                drafting += k > 0 and not queued
-                draft_key = u_key = draw_key = None  # greedy rounds draw nothing
-                if self.process is not None:  # the draft's, u's, the draw's: this round's own
-                    draft_key, u_key, draw_key = round_keys(seed, len(ctx))
-                # propose -> verify -> accept: one lazy graph
-                proposal = self.drafter.propose(ctx, k, room, draft_key, timed)
-                logits = self.target.verify(ctx[-1], proposal.tokens)  # (k+1, V_target)
-                n, nxt = self.accept_from(logits, proposal, u_key, draw_key)
-                out = mx.concatenate(
-                    [n.astype(mx.uint32).reshape(1), proposal.tokens, nxt.reshape(1)]
-                )
-                if proposal.k == 0 and room > 0 and self.plain_next():
-                    mx.async_eval(out)  # the next plain pass runs while the host reads this one
-                    self.target.queue(nxt)
-                n, *tokens = out.tolist()  # the round's one host sync
-                # keep the accepted drafts and the target's token, up to a stop; settle both
-                new, reason = stops.cut(tokens[:n] + [tokens[proposal.k]])
-                ctx += new
-                right = len(ctx) - 1  # what this round's pass confirmed
-                ahead = self.target.queued is not None and not reason  # a queued pass stays
-                self.stats.replayed += self.target.give_back(right + ahead, ctx)
-                self.drafter.settle(ctx, right, self.target.hidden, n)
-                settled = True
-                last = RoundReport(
-                    proposal.k, n, time.perf_counter() - t0, proposal.draft_s, proposal.match,
-                    proposal.confidences, proposal.made,
-                )  # fmt: skip
-                self.stats.record(last, stops.count)
-                self.stats.finish_reason = reason
-                check(new)
-                for i, t in enumerate(new):
-                    yield TokenEvent(t, i < n)
-                if reason:
-                    return
-        finally:
-            self.drafter.close()
-            if settled:  # closed early with a plain pass queued: give it back
-                self.stats.replayed += self.target.give_back(len(ctx) - 1, ctx)
-            end(settled)
-
-    def accept_from(
-        self, logits: mx.array, proposal: Proposal, u_key, draw_key
-    ) -> tuple[mx.array, mx.array]:
-        """(n accepted, the next token), lazy (acceptance.accept_proposal)."""
-        return accept_proposal(
-            logits, proposal.tokens, proposal.q, self.process, self.accept, u_key, draw_key
-        )
+def _rounds(row: Row, target: LoneTarget, drafter, next_k, plain_next, check, end):
+    """A lone generation's rounds (round.one_round over a row of one) until a stop; yields
+    its token events. next_k: the k chooser (None: no drafter, plain steps); plain_next:
+    queue the next plain pass early (round.one_round); check: the lockstep (may raise); end:
+    called once at the end, with whether the caches match the row's context."""
+    drafting, last, settled = 0, None, True  # settled: the caches match ctx
+    try:
+        while True:
+            k = max(0, min(next_k(last), row.stops.room)) if next_k is not None else 0
+            settled = False  # (a chooser that raises leaves the caches as they were)
+            drafting = 0 if last is not None and last.k == 0 else drafting  # time a probe
+            # a queued pass would be waited for inside the draft's timing: time the next
+            queued = target.cursor.queued is not None
+            timed = k > 0 and not queued and drafting % TIME_DRAFT_EVERY == 0
+            drafting += k > 0 and not queued
+            [(events, last)] = one_round(
+                [row], target, drafter, [k], timed=timed, plain_next=plain_next
+            )
+            settled = True
+            check([e.token for e in events])
+            yield from events
+            if row.done:
+                return
+    finally:
+        if drafter is not None:
+            drafter.close()
+        if settled:  # closed early with a plain pass queued: give it back
+            try:
+                row.stats.replayed += target.cursor.give_back(len(row.ctx) - 1, row.ctx)
+            except RollbackError:  # a cache with no known rollback (plain decoding only)
+                settled = False
+        end(settled)

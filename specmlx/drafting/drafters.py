@@ -6,16 +6,12 @@ greedy drafter) and how they were drafted. When the round is settled it is told 
 what it has seen is still right and brings its own state (a KV cache, an index) there.
 Verification, acceptance and the target's rollback are the same for every drafter, which is
 what keeps all of them lossless: a drafter can only change how many tokens a target pass
-yields. Here: prompt lookup, a chain (lookup first, then the model), and the draft model with
-per-token stopping (its chunks read the draft's confidences, which only a lone sequence
-does). The draft model, the heads over the target's hidden states (MTP, EAGLE-3) and the
-block drafter (DFlash) draft through row_drafters.py, the batch's own code, as one row
-(row_drafters.OneRow): each is written once for a lone sequence and a batch.
-
-A drafter whose ``reads_hidden`` names places in the target (hidden.HiddenTap's "final" or
-layer indices) is handed each verify pass's hidden states at those places in ``settle``
-(lazy: no host sync, no second pass): an MTP head reads the final one, an EAGLE-3 head three
-layers, a DFlash drafter several.
+yields. Here, what drafts for a lone sequence only: prompt lookup and the draft model over
+its own cursor (with per-token stopping, whose chunks read the draft's confidences, or with
+caches that have no batch kind). The round sees them as rows of one
+(row_drafters.LoneRows); the draft model, the heads over the target's hidden states (MTP,
+EAGLE-3) and the block drafter (DFlash) are row drafters themselves (row_drafters.py), each
+written once for a lone sequence and a batch.
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from ..core.cursor import Cursor, Hidden
+from ..core.cursor import Cursor
 from ..core.sampling import Processor, sample
 from ..core.stats import KChooser
 from .lookup import Lookup
@@ -62,25 +58,20 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    """What the engine's round sees of a drafter. One that reads the target's hidden states
-    says where in ``reads_hidden`` (e.g. ("final",)) and gets them in ``settle``."""
+    """A lone sequence's drafter. ``needs_k``: it proposes only when the round's k > 0
+    (lookup may verify a match when k is 0)."""
 
-    def propose(
-        self, ctx: list[int], k: int, room: int, key: mx.array | None, timed: bool
-    ) -> Proposal:
+    needs_k: bool
+
+    def propose(self, ctx: list[int], k: int, room: int, key: mx.array | None) -> Proposal:
         """Up to k tokens to follow ``ctx`` (an adaptive chooser may let lookup verify up to
-        ``room``); key: randomness for sampling (None when greedy); timed: time the
-        drafting apart (one host sync), for the statistics and adaptive k."""
+        ``room``); key: randomness for sampling (None when greedy)."""
         ...
 
-    def settle(
-        self, ctx: list[int], right: int, hidden: Hidden | None = None, accepted: int = 0
-    ) -> None:
+    def settle(self, ctx: list[int], right: int) -> None:
         """The round is over: ``ctx`` is the whole context now, and its first ``right``
         tokens are what this round's target pass confirmed; anything the drafter has seen
-        past them is wrong and is given back. ``hidden``: the pass's hidden states, for a
-        drafter that reads them (rows past ``right`` - 1 saw unconfirmed tokens);
-        ``accepted``: how many of the round's drafts the target accepted."""
+        past them is wrong and is given back."""
         ...
 
     def close(self) -> None:
@@ -97,6 +88,8 @@ class ModelDrafter:
     it may propose; embeds: ids it can embed (others are fed as SAFE_ID); process: the sampling
     processor (None: greedy); plan: per-token stopping (an AdaptiveK's draft_plan) or None."""
 
+    needs_k = True
+
     def __init__(self, model, cache, held, vocab, embeds, process, plan=None):
         self.vocab, self.embeds, self.process, self.plan = vocab, embeds, process, plan
         self.cursor = Cursor(model, cache, held, own_ids=self.own_ids)
@@ -104,7 +97,7 @@ class ModelDrafter:
     def own_ids(self, ids: Sequence[int]) -> list[int]:
         return [t if t < self.embeds else SAFE_ID for t in ids]
 
-    def propose(self, ctx, k, room, key, timed) -> Proposal:
+    def propose(self, ctx, k, room, key) -> Proposal:
         if k <= 0:
             return Proposal()
         t0 = time.perf_counter()
@@ -119,10 +112,7 @@ class ModelDrafter:
         d, q, conf = draft_model_propose(cur.feed, x, k, self.vocab, self.process, key)
         if self.plan is not None:
             return self.stop_or_extend(d, q, conf, room, more, t0)
-        if timed:
-            mx.eval(d if q is None else [d, q])
-        seconds = time.perf_counter() - t0 if timed else None
-        return Proposal(d[0], None if q is None else q[0], "model", draft_s=seconds)
+        return Proposal(d[0], None if q is None else q[0], "model")
 
     def stop_or_extend(self, d, q, conf, room: int, key: mx.array | None, t0: float) -> Proposal:
         """Per-token stopping: read the draft's confidences (one host sync), draft more while
@@ -154,7 +144,7 @@ class ModelDrafter:
             made=len(confs) if len(confs) > keep else None,
         )
 
-    def settle(self, ctx, right, hidden=None, accepted=0) -> None:
+    def settle(self, ctx, right) -> None:
         self.cursor.give_back(min(self.cursor.held, right), ctx)
 
     def close(self) -> None:
@@ -167,48 +157,23 @@ class LookupDrafter:
     ``room`` tokens to verify, weighed against k from a draft model (``fallback``: one
     follows in the chain) or a plain step: a fixed k verifies up to k."""
 
+    needs_k = False
+
     def __init__(self, finder: Lookup, chooser: KChooser, fallback: bool = False):
         self.finder, self.chooser, self.fallback = finder, chooser, fallback
 
-    def propose(self, ctx, k, room, key, timed) -> Proposal:
+    def propose(self, ctx, k, room, key) -> Proposal:
         match, found = self.finder.find(room)
         found = found[: self.chooser.lookup_length(match, len(found), k, self.fallback)]
         if not found:
             return Proposal()
         return Proposal(mx.array(found, dtype=mx.uint32), None, "lookup", match=match)
 
-    def settle(self, ctx, right, hidden=None, accepted=0) -> None:
+    def settle(self, ctx, right) -> None:
         self.finder.sync()  # ctx is the index's own list: index what joined it
 
     def close(self) -> None:
         self.finder.remember()
-
-
-class Chain:
-    """Drafters tried in order each round: the first that proposes anything drafts it (the
-    hybrid: lookup first, the draft model when lookup finds nothing worth verifying)."""
-
-    def __init__(self, drafters: Sequence[Drafter]):
-        self.drafters = list(drafters)
-
-    def propose(self, ctx, k, room, key, timed) -> Proposal:
-        for d in self.drafters:
-            proposal = d.propose(ctx, k, room, key, timed)
-            if proposal.k:
-                return proposal
-        return Proposal()
-
-    @property
-    def reads_hidden(self) -> tuple:
-        return next((d.reads_hidden for d in self.drafters if getattr(d, "reads_hidden", ())), ())
-
-    def settle(self, ctx, right, hidden=None, accepted=0) -> None:
-        for d in self.drafters:
-            d.settle(ctx, right, hidden, accepted)
-
-    def close(self) -> None:
-        for d in self.drafters:
-            d.close()
 
 
 def draft_model_propose(

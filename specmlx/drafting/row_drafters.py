@@ -1,7 +1,8 @@
-"""Drafters for the rows of a batch (decoding/batch.py): each proposes for B rows at once
-and brings each row's own state to what the round's target pass confirmed. One class a kind
-of drafter, behind one small interface (RowDrafter), so the batch's round has one drafting
-path: a new drafter is written here once, never as a branch of the round.
+"""Drafters for the rows of a round (decoding/round.py): each proposes for B rows at once
+(B = 1: a lone generation) and brings each row's own state to what the round's target pass
+confirmed. One class a kind of drafter, behind one small interface (RowDrafter), so the
+round has one drafting path: a new drafter is written here once, never as a branch of the
+round.
 
 - ModelRows: a draft model. Each row is fed its unseen tokens (right-padded, the pads given
   back), then k - 1 one-token steps for all rows together; a recurrent draft keeps its state
@@ -12,8 +13,13 @@ path: a new drafter is written here once, never as a branch of the round.
 - BlockRows: a block drafter (DFlash): each row keeps its own context cache and drafts its
   block in a pass of its own, at its own width (a block attends to itself both ways, so its
   logits depend on its width and on nothing of another row).
+- LoneRows: a lone sequence's drafter (drafters.py: prompt lookup; the draft model over its
+  own cursor, for per-token stopping or caches with no batch kind) as a row of one; it
+  refuses a second row by name.
+- ChainRows: drafters tried in order each round, the first that proposes drafts (the
+  hybrid: lookup first, the draft model when lookup finds nothing worth verifying).
 
-A row (decoding.batch.Row) carries the per-row draft state these classes read and write:
+A row (decoding.round.Row) carries the per-row draft state these classes read and write:
 ``draft_held`` (how much of its context the draft's row holds), ``waiting`` (a head's
 confirmed features not yet fed) and ``own_cache`` (a block drafter's context cache). A
 sampled row draws its drafts with its own draft key, split into its own k keys, as a solo
@@ -23,7 +29,6 @@ drafter does (drafters.py): its drafts past its k are never verified.
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -36,11 +41,48 @@ from ..core.kvstate import reads_hidden
 from ..core.rows import attention_rows, batchable, row_of, rows_of, solo_of
 from ..core.sampling import Processor, sample
 from ..core.vocab import draft_ids, logit_width
-from .drafters import FEED_AFTER, SAFE_ID, Proposal
+from ..errors import BadInput
+from .drafters import FEED_AFTER, SAFE_ID, Drafter, Proposal
+
+_MODEL = Proposal(source="model")  # how a row drafter's drafts were made: nothing to add
+_NOTHING = Proposal()
+
+
+@dataclass
+class Drafts:
+    """A round's drafts for B rows. tokens (B, k) uint32, maybe lazy (row i's past ks[i] are
+    never verified; None: k = 0); q: each row's (ks[i] or k, V_q) distribution its drafts
+    were drawn from, None for a greedy row or a point mass (lookup); ks: each row's drafts
+    to verify; how: each row's drafters.Proposal saying how they were made (its source, a
+    lookup's match, per-token stopping's confidences and timing; its tokens unused)."""
+
+    tokens: mx.array | None
+    q: list
+    ks: list[int]
+    how: list[Proposal]
+
+    @property
+    def k(self) -> int:
+        return 0 if self.tokens is None else self.tokens.shape[1]
+
+    @classmethod
+    def none(cls, b: int) -> Drafts:
+        """No drafts for any of b rows."""
+        return cls(None, [None] * b, [0] * b, [_NOTHING] * b)
+
+    @classmethod
+    def one(cls, p: Proposal) -> Drafts:
+        """A lone row's proposal as the drafts of a round of one."""
+        return cls(p.tokens[None] if p.k else None, [p.q], [p.k], [p])
+
+    @classmethod
+    def model(cls, tokens: mx.array, q: list, ks: list[int]) -> Drafts:
+        """A row drafter's drafts (B, k), its q per row and ks."""
+        return cls(tokens, q, list(ks), [_MODEL] * len(ks))
 
 
 class DraftRow(Protocol):
-    """What a row drafter reads and writes of a row (decoding.batch.Row)."""
+    """What a row drafter reads and writes of a row (decoding.round.Row)."""
 
     ctx: list[int]
     process: Processor | None
@@ -51,12 +93,14 @@ class DraftRow(Protocol):
 
 class RowDrafter:
     """The interface: ``limit`` a row's drafts this round, ``propose`` for every row,
-    ``settle`` each row after the round; ``join``, ``leave`` and ``copy_of`` move a row's
-    draft state in and out of the batch (as a KVState's draft caches, draft_held and
-    waiting). ``reads_hidden``: the places in the target whose hidden states the round must
-    tap for ``settle`` (empty: none)."""
+    ``settle`` each row after the round, ``close`` when the generation ends; ``join``,
+    ``leave`` and ``copy_of`` move a row's draft state in and out of the batch (as a
+    KVState's draft caches, draft_held and waiting). ``reads_hidden``: the places in the
+    target whose hidden states the round must tap for ``settle`` (empty: none);
+    ``needs_k``: propose only in rounds with k > 0 (lookup may verify a match at k = 0)."""
 
     reads_hidden: tuple = ()
+    needs_k: bool = True
 
     def limit(self, row: DraftRow) -> int | None:
         """The most drafts ``row`` may get this round (None: no limit of the drafter's)."""
@@ -78,12 +122,13 @@ class RowDrafter:
     def empty(self) -> None:
         """Every row has left."""
 
-    def propose(
-        self, rows: Sequence[DraftRow], k: int, ks: list[int], keys: list
-    ) -> tuple[mx.array, list]:
-        """k drafts for every row: d (B, k) uint32 (a row's past ks[i] are never verified)
-        and each row's q (ks[i] or k, vocab), None for a greedy row. keys: each row's draft
-        key (None when greedy)."""
+    def close(self) -> None:
+        """The generation ended (or stopped early)."""
+
+    def propose(self, rows: Sequence[DraftRow], k: int, ks: list[int], keys: list) -> Drafts:
+        """Up to k drafts for every row (row i: ks[i], a lone drafter may propose fewer, or
+        lookup up to the row's room), as Drafts. keys: each row's draft key (None when
+        greedy)."""
         raise NotImplementedError
 
     def settle(
@@ -121,7 +166,7 @@ def row_drafter(
 
 
 def fits_one_row(draft: nn.Module, caches: list) -> bool:
-    """Whether a lone sequence's draft model drafts as a batch's row of one (OneRow): its
+    """Whether a lone sequence's draft model drafts as a row of one (a row drafter): its
     caches have a batch kind (core.rows.batchable), and none is a sliding window (a row
     keeps every key of a window layer, masking queries to the window, so a long generation
     would hold more than a solo window cache and the memory plan count).
@@ -196,7 +241,7 @@ class ModelRows(_SharedCache):
             tokens.append(t)
             qs.append(q)
             mx.async_eval(t)  # the host builds the next step while this one runs
-        return mx.stack(tokens, axis=1), _per_row(rows, qs)
+        return Drafts.model(mx.stack(tokens, axis=1), _per_row(rows, qs), ks)
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The draft fed ctx and k - 1 drafts: each row keeps what its ctx confirms of them
@@ -252,7 +297,7 @@ class HeadRows(_SharedCache):
             tokens.append(t)
             qs.append(q)
             mx.async_eval(t)
-        return mx.stack(tokens, axis=1), _per_row(rows, qs)
+        return Drafts.model(mx.stack(tokens, axis=1), _per_row(rows, qs), ks)
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The pairs (h_j, t_{j+1}) this pass confirmed wait to be fed; the chained entries
@@ -313,9 +358,8 @@ class BlockRows(RowDrafter):
         return copy.deepcopy(row.own_cache)  # (free until written)
 
     def propose(self, rows, k, ks, keys):
-        """Each row's block, as drafters.BlockDrafter drafts it for one sequence: its waiting
-        context fed to its own cache, then a block of its own ks[i] + 1 positions after its
-        newest token (zeros past ks[i])."""
+        """Each row's block: its waiting context fed to its own cache, then a block of its
+        own ks[i] + 1 positions after its newest token (zeros past ks[i])."""
         tokens, qs = [], []
         for r, ki, key in zip(rows, ks, keys, strict=True):
             m = len_of(r.waiting)
@@ -337,7 +381,7 @@ class BlockRows(RowDrafter):
             qs.append(q)
         d = mx.stack(tokens)  # (B, k)
         mx.async_eval(d)
-        return d, qs
+        return Drafts.model(d, qs, ks)
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The context this pass confirmed waits to be fed; a row that piles up more than
@@ -404,58 +448,58 @@ def _draw(rows, logits: mx.array, keys: list) -> tuple[mx.array, list]:
     return mx.stack(tokens), qs
 
 
-@dataclass
-class _Lone:
-    """The one row of a lone sequence (a DraftRow)."""
+class LoneRows(RowDrafter):
+    """A lone sequence's drafter (drafters.Drafter: prompt lookup, or the draft model over
+    its own cursor) as a row drafter of one row; it keeps its own state, so it never joins a
+    batch, and refuses a second row by name.
 
-    ctx: list[int]
-    process: Processor | None
-    draft_held: int = 0
-    waiting: mx.array | None = None
-    own_cache: list | None = None
+    drafter: the lone drafter; name: what it is, for the refusal."""
 
+    def __init__(self, drafter: Drafter, name: str):
+        self.drafter, self.name = drafter, name
+        self.needs_k = drafter.needs_k
 
-class OneRow:
-    """A row drafter drafting for one sequence: the solo round's drafter (drafters.Drafter)
-    is B = 1 of the batch's own code, so each kind of drafter is written once. Its caches
-    are the batch kind's (core.rows: a row of one computes what a solo cache does) from
-    ``join`` to ``state``.
+    def propose(self, rows, k, ks, keys) -> Drafts:
+        if len(rows) != 1:
+            raise BadInput(f"{self.name} drafts for a lone request only, not for {len(rows)} rows")
+        r = rows[0]
+        return Drafts.one(self.drafter.propose(r.ctx, ks[0], r.stops.room, keys[0]))
 
-    rows: the row drafter (row_drafter's); draft: the draft's caches as a solo generation
-    holds them (a KVState's), holding ``held`` tokens of the context; waiting: a head's
-    confirmed features not yet fed (a KVState's); process: the sampling processor (None:
-    greedy)."""
-
-    def __init__(self, rows: RowDrafter, draft: list, held: int, waiting, process):
-        self.rows, self.row = rows, _Lone([], process)
-        rows.join(self.row, draft, held, waiting)
-        self.reads_hidden = rows.reads_hidden
-        self.k, self.fed = 0, 0  # this round's drafts and where they started
-
-    def propose(self, ctx, k, room, key, timed) -> Proposal:
-        self.row.ctx = ctx  # (the engine's list, grown in place)
-        top = self.rows.limit(self.row)
-        self.k, self.fed = max(0, min(k, k if top is None else top)), len(ctx) - 1
-        if not self.k:
-            return Proposal()
-        t0 = time.perf_counter()
-        d, qs = self.rows.propose([self.row], self.k, [self.k], [key])
-        d, q = d[0], qs[0]  # (k,), (k, vocab) or None
-        if timed:
-            mx.eval(d if q is None else [d, q])
-        return Proposal(d, q, "model", draft_s=time.perf_counter() - t0 if timed else None)
-
-    def settle(self, ctx, right, hidden=None, accepted=0) -> None:
-        # a head reads the pass wherever it started, whoever proposed (lookup, in a chain)
-        fed = hidden.start if hidden is not None else self.fed
-        feats = hidden.states[None] if hidden is not None else None  # (1, k + 1, F)
-        self.rows.settle([self.row], self.k, [fed], [accepted], feats)
-        self.k = 0
+    def settle(self, rows, k, fed, accepted, feats) -> None:
+        self.drafter.settle(rows[0].ctx, len(rows[0].ctx) - 1)
 
     def close(self) -> None:
-        pass
+        self.drafter.close()
 
-    def state(self) -> tuple[list, int, mx.array | None]:
-        """The draft's caches back as a solo generation's, what they hold, and a head's
-        waiting features: for a KVState, once the generation is over."""
-        return self.rows.leave(0, self.row), self.row.draft_held, self.row.waiting
+
+class ChainRows(RowDrafter):
+    """Row drafters tried in order each round; the first that proposes anything drafts it
+    (each within its own limit). The others settle as drafters that proposed nothing.
+
+    drafters: in the order they are tried (lookup first)."""
+
+    def __init__(self, drafters: Sequence[RowDrafter]):
+        self.drafters = list(drafters)
+        self.reads_hidden = next((d.reads_hidden for d in drafters if d.reads_hidden), ())
+        self.needs_k = all(d.needs_k for d in drafters)
+        self.used: RowDrafter | None = None  # this round's
+
+    def propose(self, rows, k, ks, keys) -> Drafts:
+        self.used = None
+        for d in self.drafters:
+            own = [ki if (top := d.limit(r)) is None else max(0, min(ki, top))
+                   for r, ki in zip(rows, ks, strict=True)]  # fmt: skip
+            if max(own) or not d.needs_k:
+                drafts = d.propose(rows, max(own), own, keys)
+                if drafts.k:
+                    self.used = d
+                    return drafts
+        return Drafts.none(len(rows))
+
+    def settle(self, rows, k, fed, accepted, feats) -> None:
+        for d in self.drafters:
+            d.settle(rows, k if d is self.used else 0, fed, accepted, feats)
+
+    def close(self) -> None:
+        for d in self.drafters:
+            d.close()

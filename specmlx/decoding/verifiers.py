@@ -1,0 +1,82 @@
+"""The target's side of a round (round.Verifier): a lone row's target over its Cursor, or
+the rows of a batch over their batch caches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..core.caches import make_caches, recurrent_layers
+from ..core.cursor import Cursor
+from ..core.hidden import HiddenTap
+from ..core.recurrent import PassRecorder
+from ..core.rows import attention_rows
+from .round import Row
+
+
+class LoneTarget:
+    """A lone row's target: its Cursor, over every cache kind (a rollback each kind knows),
+    with the queued plain pass (Cursor.queue). cursor: the target's cursor (recording its
+    verify passes; its tap, if any, gives the features)."""
+
+    def __init__(self, cursor: Cursor):
+        self.cursor = cursor
+
+    def verify(self, rows: Sequence[Row], drafts: mx.array | None):
+        d = drafts[0] if drafts is not None else mx.zeros((0,), dtype=mx.uint32)
+        logits = self.cursor.verify(rows[0].ctx[-1], d)  # (k + 1, V)
+        hidden = self.cursor.hidden
+        return logits[None], (hidden.states[None] if hidden is not None else None)
+
+    def queue(self, token: mx.array) -> None:
+        self.cursor.queue(token)
+
+    def keep(self, rows: Sequence[Row], fed: list[int], kept: list[int]) -> None:
+        r = rows[0]
+        ahead = self.cursor.queued is not None and not r.done  # a queued pass stays
+        r.stats.replayed += self.cursor.give_back(len(r.ctx) - 1 + ahead, r.ctx)
+
+
+class RowsTarget:
+    """The rows of a batch: the target over core.rows' batch caches (``cache``, None while
+    no row is in), a row's rollback its own length; recurrent layers recorded each pass and
+    each row's state recomputed over its kept steps. target: the model; tap: a HiddenTap
+    for a drafter that reads the target's hidden states (None: none)."""
+
+    def __init__(self, target: nn.Module, tap: HiddenTap | None):
+        self.model, self.tap = target, tap
+        self.cache: list | None = None  # per layer: core.rows' batch caches
+        layers = recurrent_layers(make_caches(target))
+        self.recorder = PassRecorder(target, layers) if layers else None
+        self._before: list = []  # the recurrent states before the latest pass
+
+    def rows_changed(self) -> None:
+        """A row joined: the recorder follows the new batch caches."""
+        if self.recorder is not None:
+            self.recorder.layers = recurrent_layers(self.cache)
+
+    def verify(self, rows: Sequence[Row], drafts: mx.array | None):
+        last = mx.array([[r.ctx[-1]] for r in rows], dtype=mx.uint32)  # (B, 1)
+        x = last if drafts is None else mx.concatenate([last, drafts], axis=1)  # (B, k + 1)
+        recurrent = recurrent_layers(self.cache) if self.recorder is not None else []
+        self._before = [list(c.cache) for c in recurrent]  # (references: mixers assign anew)
+        with (
+            self.recorder.recording(x.shape[1]) if recurrent else nullcontext(),
+            self.tap or nullcontext(),
+        ):
+            logits = self.model(x, cache=self.cache)  # (B, k + 1, V)
+        return logits, (self.tap.features() if self.tap is not None else None)
+
+    def queue(self, token: mx.array) -> None:
+        raise NotImplementedError("a batch queues no plain pass")
+
+    def keep(self, rows: Sequence[Row], fed: list[int], kept: list[int]) -> None:
+        # a row fed ctx[-1] and its drafts; it keeps what its new ctx[:-1] holds
+        for c in attention_rows(self.cache):
+            c.lens = [len(r.ctx) - 1 for r in rows]
+        if self._before:  # each row's state after its kept steps (lazy: the next sync)
+            self.recorder.settle_rows(kept, self._before)
+            self._before = []
