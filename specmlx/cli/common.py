@@ -15,6 +15,7 @@ from typer.core import TyperCommand
 
 from ..distributed.launch import rank_prefix
 from ..drafting.choosers import AUTO, K
+from ..drafting.self_draft import is_self
 from ..errors import BadInput, SpecmlxError
 from ..models.registry import head_of
 from .display import err_console, print_error
@@ -153,7 +154,9 @@ HostfileOpt = Annotated[
 def draft_spec(registry, models):
     """The draft model's spec (None: no draft model, or a head over the target's hidden
     states: its MTP head, an EAGLE-3 head)."""
-    return None if models.draft is None or head_of(models.draft) else registry.resolve(models.draft)
+    if models.draft is None or head_of(models.draft) or is_self(models.draft):
+        return None  # (self-drafting: the target's own layers)
+    return registry.resolve(models.draft)
 
 
 def check_draft_stop(models, draft_stop: bool, ranks: bool = False) -> None:

@@ -20,8 +20,19 @@ from ..core.mlx_lm_api import model_classes
 from ..drafting import dflash, eagle3
 from ..drafting.headfiles import head_nbytes, read_head_config, tensor_names
 from ..drafting.mtp import check_family, load_mtp, without_head
+from ..drafting.self_draft import (
+    EXIT_FRACTIONS,
+    PROBE_TEXT,
+    SelfDraft,
+    SelfSpec,
+    choose_exit,
+    is_self,
+    layer_list,
+    parse_self,
+)
 from ..errors import BadInput, IncompatiblePair, ModelLoadError
-from .footprint import plan_memory, require_fit
+from ..paths import load_json, save_json, specmlx_home
+from .footprint import kv_bytes, plan_memory, require_fit
 from .gguf import load_gguf, read_gguf_header
 from .gguf_tokenizer import gguf_tokenizer
 from .inspection import peek, read_config, resolve_dtype
@@ -307,6 +318,43 @@ def load_head_over(
     return _load_head_kind(head[0], target, path, spec, progress)
 
 
+def load_self(target: Loaded, name: str, progress: Progress | None = None) -> Loaded:
+    """``--draft self[:exit=E|:skip=LIST]`` over a loaded target (drafting/self_draft.py):
+    the target's own layers, no weights of its own; auto picks the exit the chooser store
+    keeps for this target, or measures one (choose_exit) and keeps it.
+
+    target: the loaded target; name: the --draft value; progress: gets a line before slow
+    steps."""
+    start = time.perf_counter()
+    depth = len(layer_list(target.model))
+    spec = parse_self(name, depth)
+    if spec.auto:
+        spec = kept_exit(target, progress)
+    draft = SelfDraft(target.model, spec)
+    alias = f"{target.spec.alias}:{spec.name()}"
+    return Loaded(
+        draft, target.tokenizer, dataclasses.replace(target.spec, alias=alias), target.config,
+        time.perf_counter() - start, 0, target.vocab_size, f"{target.identity}|{spec.name()}",
+    )  # fmt: skip
+
+
+def kept_exit(target: Loaded, progress: Progress | None = None) -> SelfSpec:
+    """Auto's exit for ``target``: the one kept under $SPECMLX_HOME for its identity, else
+    measured on a fixed passage (self_draft.choose_exit) and kept (best-effort: a read-only
+    home measures it again next time)."""
+    path = specmlx_home() / "self_exits.json"
+    kept = load_json(path) or {}
+    exit_ = kept.get(target.identity)
+    depth = len(layer_list(target.model))
+    if isinstance(exit_, int) and 1 <= exit_ < depth:
+        return SelfSpec(exit=exit_)
+    say(progress, f"choosing {target.spec.alias}'s exit layer for self-drafting")
+    spec = choose_exit(target.model, target.tokenizer.encode(PROBE_TEXT))
+    kept[target.identity] = spec.exit
+    save_json(path, kept)
+    return spec
+
+
 def load_pair(
     target_name: str,
     draft_name: str | None = None,
@@ -331,6 +379,21 @@ def load_pair(
     slow steps."""
     registry = registry or load_registry()
     target = registry.resolve(target_name)
+    if is_self(draft_name):  # the target drafts for itself: its own layers, extra KV only
+        planned = context or registry.context_for(target)
+        config = peek(target, progress=progress)[0]
+        depth, share = config.get("num_hidden_layers"), max(EXIT_FRACTIONS)  # (auto's most)
+        if isinstance(depth, int):  # a bad spec: refused before anything loads
+            spec = parse_self(draft_name, depth)
+            share = share if spec.auto else len(spec.run(depth)) / depth
+        shards = group.size() if group is not None else 1
+        # the draft's own KV: its share of the target's layers (the weights are the target's)
+        extra = int(kv_bytes(config, planned, resolve_dtype(target.dtype).size) * share) // shards
+        plan = plan_memory(target, None, planned, reserve=reserve + extra, shards=shards,
+                           progress=progress)  # fmt: skip
+        require_fit(plan, target, None)
+        t = load_model(target, progress=progress, group=group)
+        return t, load_self(t, draft_name, progress), t.vocab_size
     if draft_name == MTP:
         check_family(peek(target, progress=progress)[0], target.alias)  # before loading
         plan = plan_memory(target, None, context or registry.context_for(target), reserve=reserve,

@@ -1,0 +1,216 @@
+"""drafting/self_draft.py: the target drafts for itself (an early exit, layers skipped).
+Greedy output equals the target's alone, for a lone request and a batch, over mlx-lm's
+families; sampled whole sequences follow the target's joint distribution (with the
+wrong-rule control); bad specs and families that cannot leave layers out are refused by
+name; the CLI runs it."""
+
+import json
+
+import mlx.core as mx
+import pytest
+from families import build
+from helpers import generate, make_tiny, make_tiny_model
+from kit_distribution import (
+    JOINT_SAMPLING,
+    JV,
+    engine_sequences,
+    pooled_chi2,
+    sequence_joint,
+    skips_the_residual,
+)
+from typer.testing import CliRunner
+
+from specmlx.cli import app
+from specmlx.core.acceptance import RULES, block_outcome
+from specmlx.core.sampling import make_processor
+from specmlx.core.stats import Stats
+from specmlx.decoding.batch import Batch
+from specmlx.decoding.request import Decode
+from specmlx.drafting.self_draft import (
+    SelfDraft,
+    SelfSpec,
+    choose_exit,
+    layer_list,
+    parse_self,
+)
+from specmlx.errors import BadInput, IncompatiblePair
+
+PROMPT = list(range(3, 23))
+
+
+@pytest.mark.parametrize(
+    "name,words",
+    [
+        ("self:exit=0", "1 to 5"),
+        ("self:exit=6", "1 to 5"),
+        ("self:exit=x", "layer count"),
+        ("self:skip=0-5", "every layer"),
+        ("self:skip=7", "not 7"),
+        ("self:skip=a", "not a layer"),
+        ("self:deep=2", "self:exit=E"),
+    ],
+)
+def test_bad_specs_are_refused_in_one_line(name, words):
+    with pytest.raises(BadInput, match=words) as e:
+        parse_self(name, 6)
+    assert "\n" not in str(e.value)
+
+
+def test_specs_parse():
+    assert parse_self("self", 6).auto
+    assert parse_self("self:exit=2", 6).run(6) == [0, 1]
+    assert parse_self("self:skip=1,3-4", 6).run(6) == [0, 2, 5]
+    assert parse_self("self:skip=4,1", 6).name() == "self:skip=1,4"
+
+
+@pytest.mark.parametrize(
+    "family", ["llama", "llama_swa", "gemma3_text", "exaone4", "qwen3_next", "mamba2"]
+)
+@pytest.mark.parametrize("name", ["self:exit=2", "self:skip=1"])
+def test_greedy_output_is_the_targets_alone_and_in_a_batch(family, name):
+    target = build(family, 4, 1, scale=3.0)
+    plain = [e.token for e in generate(target, None, PROMPT, max_tokens=24)]
+    draft = SelfDraft(target, parse_self(name, 4))
+    stats = Stats()
+    events = list(generate(target, draft, PROMPT, k=3, max_tokens=24, stats=stats))
+    assert [e.token for e in events] == plain
+    assert stats.drafted > 0  # it drafted (random layers: kept or not)
+    batch = Batch(target, draft)
+    row = batch.join(PROMPT, Decode(k=3, max_tokens=24))
+    other = batch.join(PROMPT[5:], Decode(k=2, max_tokens=10))
+    got = []
+    while not row.done:
+        got += [e.token for e in batch.round(3)[0]]
+        if other.done and other in batch.rows:
+            batch.leave(other)
+    assert got == plain
+
+
+def test_the_target_is_left_as_it_was():
+    """The left-out layers are the target's own again after every call: nothing is
+    patched, and the target alone computes what it did."""
+    target = make_tiny(3, layers=4)
+    layers = list(layer_list(target))
+    x = mx.array([PROMPT])
+    before = target(x)
+    SelfDraft(target, SelfSpec(skip=(1, 2)))(x)
+    assert all(a is b for a, b in zip(layer_list(target), layers, strict=True))
+    assert mx.array_equal(target(x), before)
+    # the draft owns no weights of its own: its parameters are the run layers' (by reference)
+    draft = SelfDraft(target, SelfSpec(exit=1))
+    assert draft.layers[0] is layers[0]
+
+
+def test_an_exit_is_the_first_layers_then_the_head():
+    """Exit at E: the target's own forward over its first E layers, then its norm and head
+    (computed here by hand)."""
+    target = make_tiny(4, layers=4)
+    x = mx.array([PROMPT])
+    inner = target.model
+    h = inner.embed_tokens(x)
+    from mlx_lm.models.base import create_attention_mask
+
+    mask = create_attention_mask(h, None)
+    for layer in inner.layers[:2]:
+        h = layer(h, mask, None)
+    want = target.lm_head(inner.norm(h))
+    got = SelfDraft(target, SelfSpec(exit=2))(x)
+    assert mx.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gemma4_text", "nemotron_h", "rwkv7"])
+def test_families_that_cannot_leave_layers_out_are_refused_by_name(family):
+    target = build(family, 4, 1)
+    with pytest.raises(IncompatiblePair, match=family):
+        SelfDraft(target, SelfSpec(exit=2))
+
+
+def test_auto_picks_one_of_the_quarter_exits():
+    target = make_tiny(5, layers=8, sharpen=3.0)
+    spec = choose_exit(target, PROMPT * 3)
+    assert spec.exit in (2, 4, 6)
+
+
+# ------------------------------------------------- sampled: the target's joint distribution
+
+N_SELF = 4_000
+N_SELF_WRONG = 2_000
+
+
+@pytest.fixture(scope="module")
+def self_pair():
+    """A tiny llama over the kit's JV ids, its head sharpened, drafting from its first
+    layer."""
+    target = make_tiny(11, vocab=JV, layers=3, hidden=16, sharpen=2.0)
+    return target, SelfDraft(target, SelfSpec(exit=1))
+
+
+def test_self_drafted_sequences_follow_the_target_joint(self_pair):
+    target, draft = self_pair
+    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
+    counts, kept = engine_sequences(target, draft, "block", N_SELF)
+    assert pooled_chi2(counts, joint) > 1e-3
+    assert all(kept > 0.03 * kept.sum()), kept  # every path ran
+
+
+def test_the_self_draft_test_rejects_a_rule_that_skips_the_residual(self_pair, monkeypatch):
+    target, draft = self_pair
+    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
+    monkeypatch.setitem(RULES, "block", skips_the_residual(block_outcome))
+    counts, _ = engine_sequences(target, draft, "block", N_SELF_WRONG)
+    assert pooled_chi2(counts, joint) < 1e-6
+
+
+# ------------------------------------------------------------------------------ the CLI
+
+
+@pytest.fixture
+def tiny_target(tmp_path, specmlx_home):
+    return make_tiny_model(tmp_path / "t", seed=0, num_hidden_layers=4)
+
+
+def test_run_drafts_from_the_targets_own_layers(tiny_target):
+    runner = CliRunner()
+    plain = runner.invoke(
+        app, ["run", "--target", str(tiny_target), "--draft", "none", "-n", "24", "--json", "def f"]
+    )
+    out = runner.invoke(
+        app,
+        [
+            "run",
+            "--target",
+            str(tiny_target),
+            "--draft",
+            "self:exit=2",
+            "-k",
+            "3",
+            "-n",
+            "24",
+            "--json",
+            "def f",
+        ],
+    )
+    assert plain.exit_code == 0 and out.exit_code == 0, out.output
+    a, b = json.loads(plain.stdout), json.loads(out.stdout)
+    assert a["text"] == b["text"]
+    assert b["stats"]["drafted"] > 0
+
+
+def test_auto_keeps_its_choice(tiny_target, specmlx_home):
+    runner = CliRunner()
+    out = runner.invoke(
+        app, ["run", "--target", str(tiny_target), "--draft", "self", "-n", "8", "def f"]
+    )
+    assert out.exit_code == 0, out.output
+    kept = json.loads((specmlx_home / "self_exits.json").read_text())
+    assert list(kept.values())[0] in (1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    "name,words", [("self:exit=4", "1 to 3"), ("self:skip=0-3", "every layer")]
+)
+def test_run_refuses_a_bad_spec_in_one_line(tiny_target, name, words):
+    out = CliRunner().invoke(app, ["run", "--target", str(tiny_target), "--draft", name, "x"])
+    assert out.exit_code == 2, out.output
+    lines = out.stderr.strip().splitlines()
+    assert lines == [ln for ln in lines if ln.startswith("error:")] and words in lines[0], lines
