@@ -95,7 +95,7 @@ def moved_and_fresh(model, shifter: Shifter | None = None, old=OLD, step: int | 
     pieces = chunks(old, NEW, len(P), 8)
     assert pieces == [(0, 0, len(P)), (len(P) + len(G), len(P), len(C))]
     shifter = shifter or Shifter(model)
-    moved = shifter.move(cache, pieces, len(old))
+    moved = shifter.move([(cache, p) for p in pieces], len(old))
     n = reused(pieces)
     got = feed(model, NEW[n:], moved)
     fresh = feed(model, NEW, make_caches(model))[:, n:]
@@ -180,12 +180,36 @@ def test_past_the_first_layer_a_moved_run_keeps_its_old_context():
     feed(model, OLD, cache)
     feed(model, NEW[:-1], fresh)
     pieces = chunks(OLD, NEW[:-1], len(P), 8)
-    moved = Shifter(model).move(cache, pieces, len(OLD))
+    moved = Shifter(model).move([(cache, p) for p in pieces], len(OLD))
     n = reused(pieces)
     first, second = moved
     assert apart(first.keys, fresh[0].keys[..., :n, :]) < EXACT
     assert apart(first.values, fresh[0].values[..., :n, :]) < EXACT
     assert apart(second.keys, fresh[1].keys[..., :n, :]) > 1e-3
+
+
+def test_runs_after_an_insertion_come_from_another_entry():
+    """llama.vim's ring dropped its first chunk and took a new one, and its warm-up filled
+    the cache for it: the suggestion's prompt starts with the warm-up's prompt, then the
+    window the entry before holds (at another position). One sequence's scan stops at the
+    new chunk (an insertion); the runs after it come from the other entry, moved: still a
+    fresh prefill's logits."""
+    model = one_layer()
+    r1, r2, r3, window = ids(15, 11), ids(10, 12), ids(10, 13), ids(20, 14)
+    before = r1 + r2 + window + X  # the suggestion before, ring (r1, r2)
+    warm = r2 + r3 + [3]  # the warm-up of ring (r2, r3)
+    new = r2 + r3 + window + Q
+    cache = PromptCache(10**9, 8, model)
+    for tokens in (before, warm):
+        kv = KVState(target=make_caches(model), tokens=tokens)
+        feed(model, tokens, kv.target)
+        cache.put(kv)
+    got = cache.take(new + [9])
+    assert got.tokens == r2 + r3 + window and cache.moved_tokens == len(window)
+    logits = feed(model, new[len(got.tokens) :], got.target)
+    fresh = feed(model, new, make_caches(model))[:, len(got.tokens) :]
+    assert apart(logits, fresh) < EXACT
+    assert [e.tokens for e in cache.entries] == [before, warm]  # both used, unchanged
 
 
 # ------------------------------------------------------------------ refused by name

@@ -144,46 +144,59 @@ def _trim_head(kv: KVState, m: int, keep: int, using: bool) -> None:
         kv.waiting = kv.waiting[:n] if n > 0 else None
 
 
-def moved(kv: KVState, pieces: Sequence[Piece], target: Shifter, draft: Shifter | None) -> KVState:
-    """A new KVState holding the new prompt's first reused(pieces) tokens, its caches made
-    from ``kv``'s (never changed) by moving each piece (shift.chunks) into place: the
-    target's by ``target``; the draft model's by ``draft`` over what it holds of them, or,
-    where it cannot move, cut back to the common prefix (or made afresh: the draft then
+def moved(
+    sources: Sequence[KVState],
+    runs: Sequence[tuple[int, Piece]],
+    target: Shifter,
+    draft: Shifter | None,
+) -> KVState:
+    """A new KVState holding the new prompt's first tokens, made from runs of cached
+    sequences (an index into ``sources``, a piece of that one: shift.chunks), in the new
+    prompt's order; the sources are never changed. The target's caches are moved by
+    ``target``; the draft model's by ``draft`` over the runs it holds, or, where it cannot
+    move, cut back to the first source's common prefix (or made afresh: the draft then
     prefills the prompt, its part being the cheap one). Raises Unshiftable where the
     target's caches cannot move so, or a head rides along: a head is fed the target's
-    hidden state at every position, which only a prefill makes."""
-    if kv.reads_hidden:
+    hidden state at every position, which only a prefill of the target makes."""
+    if any(kv.reads_hidden for kv in sources):
         raise Unshiftable(
             "a head drafter is fed the target's hidden state at every position, which only "
             "a prefill of the target makes"
         )
-    tokens = [t for s, _, n in pieces for t in kv.tokens[s : s + n]]
-    out = KVState(target=target.move(kv.target, pieces, len(kv.tokens)), tokens=tokens)
-    if kv.draft is not None:
-        out.draft, out.draft_held = _draft_moved(kv, pieces, draft)
+    tokens = [t for i, (s, _, n) in runs for t in sources[i].tokens[s : s + n]]
+    held = max(len(kv.tokens) for kv in sources)
+    caches = target.move([(sources[i].target, piece) for i, piece in runs], held)
+    out = KVState(target=caches, tokens=tokens)
+    if any(kv.draft is not None for kv in sources):
+        out.draft, out.draft_held = _draft_moved(sources, runs, draft)
     return out
 
 
-def _draft_moved(kv: KVState, pieces: Sequence[Piece], draft: Shifter | None):
-    """(draft caches, tokens they hold) for ``moved``: the pieces within what the draft
-    holds (a prefix of the target's tokens), moved; else its share of the common prefix."""
-    held, within = kv.draft_held, []
-    for s, d, n in pieces:
-        take = min(n, held - s)
+def _draft_moved(sources: Sequence[KVState], runs: Sequence[tuple[int, Piece]], draft):
+    """(draft caches, tokens they hold) for ``moved``: the runs within what each source's
+    draft holds (a prefix of its target's tokens), moved, up to the first that is not;
+    else the first source's share of the common prefix."""
+    within = []
+    for i, (s, d, n) in runs:
+        take = min(n, sources[i].draft_held - s) if sources[i].draft is not None else 0
         if take <= 0:
             break
-        within.append((s, d, take))
+        within.append((sources[i].draft, (s, d, take)))
         if take < n:
             break
-    if draft is not None:
+    if draft is not None and within:
         try:
-            return draft.move(kv.draft, within, held), reused(within)
+            held = max(kv.draft_held for kv in sources)
+            return draft.move(within, held), reused([p for _, p in within])
         except Unshiftable:
             pass
-    prefix = pieces[0][2] if pieces and pieces[0][0] == 0 else 0
-    keep = min(prefix, held)
-    caches = copy.deepcopy(kv.draft)
-    if can_rollback(caches, held - keep):
-        trim(caches, held - keep)
+    if not runs or runs[0][1][0] != 0:  # no common prefix (its first run moved)
+        return None, 0  # the engine makes fresh ones
+    i, (_, _, n) = runs[0]
+    first = sources[i]
+    keep = min(n, first.draft_held)
+    caches = copy.deepcopy(first.draft)
+    if caches is not None and can_rollback(caches, first.draft_held - keep):
+        trim(caches, first.draft_held - keep)
         return caches, keep
-    return None, 0  # the engine makes fresh ones
+    return None, 0

@@ -51,20 +51,21 @@ class Unshiftable(Exception):
     """These caches cannot be moved exactly; the message says which layer and why."""
 
 
-def chunks(held: Sequence[int], context: Sequence[int], start: int, least: int) -> list[Piece]:
+def chunks(
+    held: Sequence[int], context: Sequence[int], start: int, least: int, at: int | None = None
+) -> list[Piece]:
     """The runs of ``held`` (cached tokens) that ``context`` (the new prompt less its last
     token) takes, as llama-server's --cache-reuse scans for them: the common prefix
     (``start`` tokens, moved nowhere), then from there each run of at least ``least`` tokens
     the cache holds further on, in order, the cached tokens before it skipped; it stops at
     the first new-prompt token no such run starts with (an insertion ends it). The pieces
-    fill context[:n] for n their total length (``reused``)."""
-    pieces = [(0, 0, start)] if start else []
+    fill context[:n] for n their total length (``reused``). With ``at``: the runs that
+    continue context from ``at`` on, found anywhere in ``held`` (another cached sequence
+    than the one the start came from), with no common prefix."""
+    pieces = [(0, 0, start)] if start and at is None else []
     h, c = np.asarray(held, dtype=np.int64), np.asarray(context, dtype=np.int64)
-    at_h = at_c = start
-    while least > 0 and at_h < len(h) and at_c < len(c):
-        n_min = min(least, len(c) - at_c)
-        if n_min < least:
-            break  # what is left of the prompt is shorter than a run may be
+    at_h, at_c = (start, start) if at is None else (0, at)
+    while least > 0 and at_h < len(h) and len(c) - at_c >= least:
         # candidates: cached positions from at_h on holding the next prompt token, in order
         found = None
         for s in np.flatnonzero(h[at_h:] == c[at_c]) + at_h:
@@ -224,12 +225,13 @@ class Shifter:
                 )
         return turns
 
-    def move(self, cache: Sequence, pieces: Sequence[Piece], held: int) -> list:
-        """New layer caches holding the new prompt's first ``reused(pieces)`` tokens, made
-        from ``cache`` (holding ``held`` tokens; never changed): each piece's keys and
-        values, keys rotated by (new - old) positions. A window layer keeps the last of them
-        it needs; raises Unshiftable where it no longer holds them, or where the model
-        cannot move its caches at all."""
+    def move(self, runs: Sequence[tuple[Sequence, Piece]], held: int) -> list:
+        """New layer caches holding the new prompt's first tokens, made from runs (a source's
+        layer caches, a piece of it: chunks' pieces, in the new prompt's order, from one
+        cached sequence or several); their caches are never changed. Each run's keys are
+        rotated by (new - old) positions, its values copied. A window layer keeps the last
+        of them it needs. ``held``: the longest source's length. Raises Unshiftable where a
+        window no longer holds them, or where the model cannot move its caches at all."""
         if self.refused:
             raise Unshiftable(self.refused)
         if self.limit is not None and held > self.limit:
@@ -237,17 +239,25 @@ class Shifter:
                 f"{self.name}: DynamicNTKScalingRoPE rotates by another base past "
                 f"{self.limit} tokens"
             )
-        total = reused(pieces)
+        runs = [(caches, piece) for caches, piece in runs if piece[2]]
+        if not runs:
+            raise Unshiftable("no tokens to move")
+        total = sum(n for _, (_, _, n) in runs)
         out = []
-        for c, turn in zip(cache, self.turns, strict=True):
-            if c is None:
+        for layer, turn in enumerate(self.turns):
+            here = [(caches[layer], piece) for caches, piece in runs]
+            first = runs[0][0][layer]
+            kind = type(first)
+            if any(type(c) is not kind for c, _ in here):
+                raise Unshiftable(f"{self.name}: layer {layer}'s caches are of mixed kinds")
+            if first is None:
                 out.append(None)
-            elif isinstance(c, WindowKVCache):
-                out.append(_window(c, pieces, total, turn))
-            elif type(c) is KVCache:
-                out.append(_full(c, pieces, total, turn))
+            elif kind is WindowKVCache:
+                out.append(_window(here, total, turn))
+            elif kind is KVCache:
+                out.append(_full(here, total, turn))
             else:
-                raise Unshiftable(f"{self.name}: a {type(c).__name__} cannot be moved")
+                raise Unshiftable(f"{self.name}: a {kind.__name__} cannot be moved")
         return out
 
 
@@ -259,32 +269,35 @@ def _take(keys, values, lo: int, n: int, by: int, turn: Rotate | None):
     return k, values[..., lo : lo + n, :]
 
 
-def _full(c: KVCache, pieces: Sequence[Piece], total: int, turn: Rotate | None) -> KVCache:
+def _full(runs: Sequence[tuple[KVCache, Piece]], total: int, turn: Rotate | None) -> KVCache:
     out = KVCache()
-    if total == 0 or c.keys is None:
+    if total == 0:
         return out
-    parts = [_take(c.keys, c.values, s, n, d - s, turn) for s, d, n in pieces if n]
+    if any(c.keys is None or s + n > c.offset for c, (s, _, n) in runs):
+        raise Unshiftable("a cache holds fewer tokens than its run")
+    parts = [_take(c.keys, c.values, s, n, d - s, turn) for c, (s, d, n) in runs]
     out.keys = mx.concatenate([k for k, _ in parts], axis=2)
     out.values = mx.concatenate([v for _, v in parts], axis=2)
     out.offset = total
     return out
 
 
-def _window(c: WindowKVCache, pieces, total: int, turn: Rotate | None) -> WindowKVCache:
+def _window(runs, total: int, turn: Rotate | None) -> WindowKVCache:
     """The window's share of the moved tokens: the last window - 1 (+ slack, where held)
-    positions of the new prompt, taken from where the window still holds them."""
-    out = WindowKVCache(c.window, c.slack)
-    need = min(total, c.window - 1)  # what the next query at ``total`` may see
-    want = min(total, c.window - 1 + c.slack)
+    positions of the new prompt, taken from where each run's window still holds them."""
+    window, slack = runs[0][0].window, runs[0][0].slack
+    out = WindowKVCache(window, slack)
+    need = min(total, window - 1)  # what the next query at ``total`` may see
+    want = min(total, window - 1 + slack)
     parts, got = [], 0
-    for s, d, n in reversed([p for p in pieces if p[2]]):
-        # the piece's new positions within [total - want, total), latest first
+    for c, (s, d, n) in reversed(runs):
+        # the run's new positions within [total - want, total), latest first
         lo = max(d, total - want)
         if lo >= d + n:
             break
         old_lo, old_hi = s + (lo - d), s + n
-        first = max(old_lo, c.start)  # what the window still holds of them
-        if first >= old_hi:
+        first = max(old_lo, c.start)  # what this window still holds of them
+        if first >= old_hi or old_hi > c.offset:
             break
         parts.append(_take(c.keys, c.values, first - c.start, old_hi - first, d - s, turn))
         got += old_hi - first
@@ -292,8 +305,8 @@ def _window(c: WindowKVCache, pieces, total: int, turn: Rotate | None) -> Window
             break  # the window dropped what comes before: the held run ends here
     if got < need:
         raise Unshiftable(
-            f"a sliding window of {c.window} no longer holds the {need} keys the moved "
-            f"prompt's next token sees (it holds positions {c.start} to {c.offset - 1})"
+            f"a sliding window of {window} no longer holds the {need} keys the moved "
+            f"prompt's next token sees"
         )
     if got:
         parts.reverse()

@@ -18,8 +18,11 @@ older one's end does not replace it.
 With ``reuse`` N > 0 (llama-server's --cache-reuse N), a prompt also takes the runs of at
 least N tokens an entry holds further on, moved to where the prompt has them
 (core/shift.py): an editor's window that slid, a ring of other files that lost its first
-chunk. The entry giving the most tokens is taken; a moved copy is a new KVState (the entry
-stays as it was). Moved keys are rotated exactly, but past the first layer they still carry
+chunk. The runs come from the entry giving the most tokens, scanned as llama-server scans
+its one sequence, and where an insertion ends that scan (a ring's new chunk), from other
+entries that go on from there (the warm-up that laid out the new ring, the suggestion
+before it that holds the window). The moved caches are a new KVState: entries stay as they
+were. Moved keys are rotated exactly, but past the first layer they still carry
 the context they were computed in, so text generated from them can differ from a fresh
 prefill's: off unless asked. Not for recurrent state or head drafters (``refused`` says
 why); a window that no longer holds what the moved prompt needs falls back to the prefix.
@@ -99,28 +102,43 @@ class PromptCache:
         return out
 
     def _moved(self, context: Sequence[int], floor: int) -> KVState | None:
-        """A moved copy of the entry whose runs give ``context`` the most tokens, if that
-        is more than ``floor`` (what the common prefix alone gives); None otherwise, or
-        where its caches cannot move so (a window that dropped them)."""
-        best, pieces, most = -1, [], floor
-        for i in reversed(range(len(self.entries))):  # the most recent first among equals
-            kv = self.entries[i]
-            if kv.target is None or kv.reads_hidden:
-                continue
-            found = chunks(kv.tokens, context, common_prefix(kv.tokens, context), self.reuse)
-            if reused(found) > most:
-                best, pieces, most = i, found, reused(found)
-        if best < 0:
+        """A moved copy of the runs that give ``context`` the most tokens, if that is more
+        than ``floor`` (what the common prefix alone gives); None otherwise, or where the
+        caches cannot move so (a window that dropped them). First the entry whose prefix
+        and runs, as llama-server scans one sequence, give the most; then, where an
+        insertion ended that scan, runs of the other entries that go on from there (a
+        warm-up holds a ring's new chunk, the entry before it the window after it)."""
+        live = [i for i, kv in enumerate(self.entries) if kv.target is not None]
+        if any(self.entries[i].reads_hidden for i in live):
             return None
-        entry = self.entries[best]
+        runs, end = [], 0
+        for i in reversed(live):  # the most recent first among equals
+            kv = self.entries[i]
+            found = chunks(kv.tokens, context, common_prefix(kv.tokens, context), self.reuse)
+            if reused(found) > end:
+                runs, end = [(i, p) for p in found], reused(found)
+        going = True
+        while going and end < len(context):
+            going = False
+            for i in reversed(live):
+                more = chunks(self.entries[i].tokens, context, 0, self.reuse, at=end)
+                if more:
+                    runs += [(i, p) for p in more]
+                    end, going = end + reused(more), True
+                    break
+        if not runs or end <= floor:
+            return None
         try:
-            out = moved(entry, pieces, self._target, self._draft)
+            out = moved(self.entries, runs, self._target, self._draft)
         except Unshiftable:
             return None
-        self.entries.append(self.entries.pop(best))
+        used = {i for i, _ in runs}  # now the most recently used, in their order
+        self.entries = [e for i, e in enumerate(self.entries) if i not in used] + [
+            e for i, e in enumerate(self.entries) if i in used
+        ]
         made = layer_caches((out.target or []) + (out.draft or []))
         mx.eval([(c.keys, c.values) for c in made if c.keys is not None])  # copied now
-        self.moved_tokens += sum(n for s, d, n in pieces if s != d)
+        self.moved_tokens += sum(n for _, (s, d, n) in runs if s != d)
         return out
 
     def put(self, kv: KVState) -> None:
