@@ -170,6 +170,8 @@ def replay(
         if first is not None and "content" in first:
             row["predicted"] = first.get("timings/predicted_n")
             row["cached"] = first.get("tokens_cached")
+            row["prompt_n"] = first.get("timings/prompt_n")
+            row["content"] = first["content"]
             body = fim(p, 1000, p["prompt"] + first["content"])
             if beside:  # the next pause's first request will run beside it
 
