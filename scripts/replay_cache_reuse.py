@@ -1,7 +1,8 @@
 """Replay llama.vim editing a real file against `specmlx serve --cache-reuse 0` and
-`--cache-reuse N`, one after the other in one run: the time from each pause's request to
-its suggestion, the prompt tokens prefilled and taken from the cache, and whether the two
-servers suggested the same text.
+`--cache-reuse N` in one run: the time from each pause's request to its suggestion, the
+prompt tokens prefilled and taken from the cache, and whether the two servers suggested the
+same text. Both servers are up for the whole run and take each pause in turn (the order
+alternating), one at a time, so load from elsewhere falls on both alike.
 
 The session is scripts/replay_llamavim.py's: the cursor walks down a source file two lines
 a pause, half a line typed; llama.vim's default sizes (256 lines before the cursor, 64
@@ -32,6 +33,8 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -94,6 +97,29 @@ def same_text(a: str | None, b: str | None) -> bool:
     return a[:n] == b[:n]
 
 
+def pause(url: str, p: dict, timeout: float, debounce: float) -> dict:
+    """One pause as llama.vim makes it (replay_llamavim.replay's, one pause): its warm-up
+    when the ring changed (not waited for), the debounce, the suggestion, its follow-up;
+    the warm-up's answer is waited for before the other server's turn."""
+    warm = None
+    if p["ring_changed"]:
+        warm = threading.Thread(target=vim.post, args=(url, vim.warm_up(p), timeout))
+        warm.start()
+    time.sleep(debounce)
+    first_s, first = vim.post(url, vim.fim(p, 250), timeout)
+    row = {"first_s": first_s, "starved": first is None}
+    if first is not None and "content" in first:
+        row.update(predicted=first.get("timings/predicted_n"), cached=first.get("tokens_cached"),
+                   prompt_n=first.get("timings/prompt_n"), content=first["content"])  # fmt: skip
+        second_s, second = vim.post(url, vim.fim(p, 1000, p["prompt"] + first["content"]), timeout)
+        row.update(second_s=second_s, second_starved=second is None)
+    elif first is not None:
+        row["error"] = first.get("status")
+    if warm is not None:
+        warm.join(timeout)
+    return row
+
+
 def main() -> int:
     a = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     a.add_argument("--reuse", type=int, default=256, help="--cache-reuse of the second server")
@@ -114,16 +140,26 @@ def main() -> int:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SPECMLX_SERVER")}
     env["PYTHONPATH"] = str(tree)
     models = ["--target", str(model), "--draft", "none", "--context", str(args.context)]
-    results = {}
-    for reuse in (0, args.reuse):
-        server, url = vim.start_server([sys.executable], env, models, ["--cache-reuse", str(reuse)])
-        try:
-            rows = vim.replay(url, pauses, args.timeout, args.debounce)
-        finally:
+    servers = {}
+    try:
+        for reuse in (0, args.reuse):
+            extra = ["--cache-reuse", str(reuse)]
+            servers[reuse] = vim.start_server([sys.executable], env, models, extra)
+        load = os.getloadavg()[0]
+        results = {reuse: [] for reuse in servers}
+        for i, p in enumerate(pauses):
+            for reuse in sorted(servers, reverse=i % 2 == 1):  # ABBA: neither always first
+                row = pause(servers[reuse][1], p, args.timeout, args.debounce)
+                results[reuse].append(row)
+                print(json.dumps({"pause": i, "cache_reuse": reuse, **row}), flush=True)
+        load = (load, os.getloadavg()[0])
+    finally:
+        for server, _ in servers.values():
             server.terminate()
-            server.wait(60)
-        results[reuse] = rows
-        print(json.dumps({"cache_reuse": reuse, "rows": rows}), flush=True)
+            try:
+                server.wait(120)
+            except subprocess.TimeoutExpired:
+                server.kill()
 
     def column(rows, key):
         return [r[key] for r in rows if r.get(key) is not None]
@@ -135,7 +171,8 @@ def main() -> int:
     moved = Path(args.file).name
     print(f"\n{args.pauses} pauses in {moved} from line {args.start_line} (two lines a pause), "
           f"ring from {Path(args.extra).name}; SmolLM2-135M (FIM names), no draft, context "
-          f"{args.context}, at {rev}; {platform.machine()}, {os.cpu_count()} cores\n")  # fmt: skip
+          f"{args.context}, at {rev}; {platform.machine()}, {os.cpu_count()} cores, load "
+          f"average {load[0]:.1f} at the start, {load[1]:.1f} at the end\n")  # fmt: skip
     print("| server | suggestion p50 | mean | max | prompt tokens prefilled (mean) | "
           "from the cache (mean) | starved |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
@@ -146,6 +183,13 @@ def main() -> int:
               f"{statistics.mean(column(rows, 'prompt_n') or [0]):.0f} | "
               f"{statistics.mean(column(rows, 'cached') or [0]):.0f} | "
               f"{sum(r['starved'] for r in rows)} |")  # fmt: skip
+    print(f"\n| pause | ring changed | --cache-reuse 0 | --cache-reuse {args.reuse} | "
+          "prefilled, 0 | prefilled, N | same text |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for i, (x, y) in enumerate(zip(before, after, strict=True)):
+        print(f"| {i} | {'yes' if pauses[i]['ring_changed'] else ''} | {x['first_s']:.1f} s | "
+              f"{y['first_s']:.1f} s | {x.get('prompt_n')} | {y.get('prompt_n')} | "
+              f"{'yes' if same_text(x.get('content'), y.get('content')) else 'no'} |")  # fmt: skip
     p50 = [statistics.median([r["first_s"] for r in rows]) for rows in (before, after)]
     print(
         f"\np50 --cache-reuse {args.reuse} / --cache-reuse 0: {p50[1] / p50[0]:.2f}x; "
