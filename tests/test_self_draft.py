@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 
 from specmlx.cli import app
 from specmlx.core.acceptance import RULES, block_outcome
+from specmlx.core.kvstate import KVState
 from specmlx.core.sampling import make_processor
 from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
@@ -32,6 +33,7 @@ from specmlx.drafting.self_draft import (
     choose_exit,
     layer_list,
     parse_self,
+    shares_caches,
 )
 from specmlx.errors import BadInput, IncompatiblePair
 
@@ -116,6 +118,46 @@ def test_an_exit_is_the_first_layers_then_the_head():
     want = target.lm_head(inner.norm(h))
     got = SelfDraft(target, SelfSpec(exit=2))(x)
     assert mx.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("exit_", [1, 3])
+def test_the_exit_shares_the_targets_caches(family, exit_):
+    """A lone generation's exit drafts over the target's own caches (SharedExit): it keeps
+    none of its own, and afterwards the target's caches hold what a plain generation's hold
+    for the same tokens (within float32 tolerance: the verify pass is split at the exit)."""
+    target = build(family, 4, 1, scale=3.0)
+    plain_kv, kv, stats = KVState(), KVState(), Stats()
+    plain = [e.token for e in generate(target, None, PROMPT, max_tokens=30, kv=plain_kv)]
+    draft = SelfDraft(target, SelfSpec(exit=exit_))
+    assert shares_caches(draft)
+    out = [e.token for e in generate(target, draft, PROMPT, k=3, max_tokens=30, kv=kv, stats=stats)]
+    assert out == plain and stats.drafted > 0
+    assert kv.draft is None and "draft" not in stats.caches  # nothing of its own
+    assert kv.tokens == plain_kv.tokens
+    for mine, theirs in zip(kv.target, plain_kv.target, strict=True):
+        assert mine.offset == theirs.offset
+        for a, b in zip(mine.state[:2], theirs.state[:2], strict=True):  # keys, values
+            assert a.shape == b.shape and mx.allclose(a, b, atol=1e-4)
+    # the next request from these caches (a prompt cache's) is the target's: the layers
+    # below the exit hold what the exit wrote there, kept or given back with the rest
+    again = [e.token for e in generate(target, draft, PROMPT + out[:5], k=3, max_tokens=12, kv=kv)]
+    want = [e.token for e in generate(target, None, PROMPT + out[:5], max_tokens=12)]
+    assert again == want
+    # it moves into a batch (as a served request joined by another): there the exit keeps
+    # caches of its own, caught up from nothing
+    batch = Batch(target, draft)
+    row = batch.join(PROMPT + out[:5], Decode(k=3, max_tokens=12), kv=kv)
+    got = []
+    while not row.done:
+        got += [e.token for e in batch.round(3)[0]]
+    assert got == want
+
+
+def test_an_exit_over_windows_or_recurrent_layers_keeps_its_own_caches():
+    for family in ("gemma3_text", "qwen3_next"):
+        target = build(family, 4, 1)
+        assert not shares_caches(SelfDraft(target, SelfSpec(exit=2)))
 
 
 @pytest.mark.parametrize("family", ["gemma4_text", "nemotron_h", "rwkv7"])

@@ -48,6 +48,7 @@ from ..drafting.row_drafters import (
     pair_ids,
     row_drafter,
 )
+from ..drafting.self_draft import SharedExit, shares_caches
 from ..errors import BadInput, RollbackError
 from .request import Decode, Parts, token_ids
 from .round import Row, one_round
@@ -100,7 +101,10 @@ def generate_tokens(
             + (": a head (MTP, EAGLE-3, DFlash) drafts the chooser's k" if head else "")
         )
     stats = parts.stats if parts.stats is not None else Stats()
-    kv = _ready(parts.kv, target, draft, prompt, stats)
+    # an early exit over the target's own caches keeps no caches of its own
+    shared = shares_caches(draft) and not decode.draft_stop
+    own = None if shared else draft  # the draft whose caches kv holds
+    kv = _ready(parts.kv, target, own, prompt, stats)
     speculating = draft is not None or decode.lookup
     for what, c in (("target", kv.target), ("draft", kv.draft)) if speculating else ():
         if c is not None:
@@ -111,17 +115,20 @@ def generate_tokens(
 
     with mx.stream(_STREAM), _wired():
         tap = HiddenTap(target, draft.reads_hidden) if head else None
-        _fill(target, draft, prompt, kv, stats, parts.prefill_step, tap)
+        _fill(target, own, prompt, kv, stats, parts.prefill_step, tap)
         process = None if decode.sampling.greedy else make_processor(decode.sampling)
         rule = sampled_rule(decode.verify)
         row = Row(list(prompt), decode.k, stops, seed, process, rule, stats)
-        drafter, holder = _drafter(target, draft, decode, parts, kv, row, next_k)
-        cursor = Cursor(target, kv.target, len(kv.tokens), record=drafter is not None, tap=tap)
+        drafter, holder = _drafter(target, draft, decode, parts, kv, row, next_k, shared)
+        # the shared exit's verify pass is split at its layer: the cursor runs it through it
+        model = holder.verifies if shared else target
+        record = drafter is not None and not shared
+        cursor = Cursor(model, kv.target, len(kv.tokens), record=record, tap=tap)
         # plain rounds overlap when the chooser says the next is plain too; a lookup match
         # can turn up any round, and a head reads every pass: no queueing then
         plain_next = (
             (lambda: True) if drafter is None
-            else None if decode.lookup or head else next_k.plain_next
+            else None if decode.lookup or head or shared else next_k.plain_next
         )  # fmt: skip
         loop = _rounds(
             row, LoneTarget(cursor), drafter, next_k if drafter is not None else None,
@@ -134,19 +141,25 @@ def generate_tokens(
             stats.peak_memory = mx.get_peak_memory()
 
 
-def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row, next_k):
+def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row, next_k,
+             shared: bool):  # fmt: skip
     """What drafts for a lone generation (None: nothing) and what holds the draft's state
     at the end (a ModelDrafter's cursor or a row drafter's row; None: none): lookup first
     when asked, then the draft model or head as a row of one; the draft model over its own
     cursor for per-token stopping (its chunks read the draft's confidences, a lone option)
-    and for caches with no batch kind (row_drafters.fits_one_row)."""
+    and for caches with no batch kind (row_drafters.fits_one_row); an early exit over the
+    target's caches when ``shared`` (self_draft.SharedExit)."""
     drafters: list[RowDrafter] = []
     if decode.lookup:
         finder = Lookup(row.ctx, parts.lookup_memory)  # (it indexes the row's own list)
         lookup = LookupDrafter(finder, next_k, fallback=draft is not None)
         drafters.append(LoneRows(lookup, "prompt lookup"))
     holder = None
-    if draft is not None:
+    if shared:
+        vocab = draft_ids(target, draft, parts.vocab_size)[1]
+        holder = SharedExit(draft, kv.target, row.process, vocab)
+        drafters.append(LoneRows(holder, "an early exit over the target's caches"))
+    elif draft is not None:
         head = reads_hidden(draft)
         if decode.draft_stop or not (head or fits_one_row(draft, kv.draft)):
             embeds, vocab = draft_ids(target, draft, parts.vocab_size)
@@ -266,11 +279,14 @@ def _wired() -> Iterator[None]:
 def _end(kv: KVState, row: Row, holder, settled: bool) -> None:
     """Write where the generation left both models into ``kv``, for the next one; after an
     exception mid-round (not ``settled``) what the caches hold is unknown: forget them.
-    holder: what holds the draft's state (a ModelDrafter, a row drafter, None)."""
+    holder: what holds the draft's state (a ModelDrafter, a row drafter, a SharedExit
+    (nothing of its own), None)."""
     if not settled:
         kv.drop()
         return
     kv.tokens = row.ctx[:-1]
+    if isinstance(holder, SharedExit):
+        return
     if isinstance(holder, ModelDrafter):
         kv.draft_held = holder.cursor.held
     elif holder is not None:

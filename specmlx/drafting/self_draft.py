@@ -16,8 +16,9 @@ left-out layer's cache entry is a stand-in that answers mask questions as a run 
 same kind does (every run layer holds the same positions), so a family that builds its
 masks from a given layer's cache builds the same ones.
 
-Not yet: the exit does not share the target's caches for its layers (LayerSkip's exit
-cache); it keeps its own, so a draft step costs E/L of a target step and its KV is extra.
+An exit shares the target's caches for its layers in a lone generation (SharedExit,
+LayerSkip's exit cache) where those layers keep full attention; in a batch, and below E
+layers with windows or recurrent state, it keeps caches of its own.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
+from ..core.sampling import sample
 from ..errors import BadInput, IncompatiblePair
+from .drafters import Proposal
 
 SELF = "self"
 # auto: the exits it weighs, as fractions of the depth
@@ -146,18 +149,37 @@ def layer_list(target: nn.Module) -> list:
 
 
 class _Skip(nn.Module):
-    """A left-out layer: its input back. It answers what a family's forward reads of a
-    layer to pick a mask (is_sliding, is_linear, self_attn.sliding_window...) as the layer
-    does: the layer's attributes and parts, by reference (not children: no weights)."""
+    """A left-out layer: its input back (kept in ``seen`` when given). It answers what a
+    family's forward reads of a layer to pick a mask (is_sliding, is_linear,
+    self_attn.sliding_window...) as the layer does: the layer's attributes and parts, by
+    reference (not children: no weights)."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, seen: list | None = None):
         super().__init__()
         for key, value in [*vars(layer).items(), *layer.items()]:
             if not key.startswith("_"):
                 self.__dict__[key] = value
+        self.__dict__["_seen"] = seen
 
     def __call__(self, x, *args, **kwargs):
+        if self._seen is not None:
+            self._seen.append(x)
         return x
+
+
+class _Inject(nn.Module):
+    """A run layer fed ``h`` instead of what reaches it (the hidden states the layers below
+    it computed in an earlier pass), with the layer's own attributes."""
+
+    def __init__(self, layer: nn.Module, h: mx.array):
+        super().__init__()
+        for key, value in [*vars(layer).items(), *layer.items()]:
+            if not key.startswith("_"):
+                self.__dict__[key] = value
+        self.__dict__["_layer"], self.__dict__["_h"] = layer, h
+
+    def __call__(self, x, *args, **kwargs):
+        return self._layer(self._h, *args, **kwargs)
 
 
 class _Mirror:
@@ -168,6 +190,51 @@ class _Mirror:
 
     def __getattr__(self, name):
         return getattr(self._source, name)
+
+
+class Partial:
+    """The target's own forward over some of its layers (``run``), the others given an
+    identity for the call and a cache entry that mirrors a run layer of the same kind.
+
+    target: the target model; run: the layers to run (sorted); kinds: each layer's cache
+    kind (type, window), for the mirrors."""
+
+    def __init__(self, target: nn.Module, run: Sequence[int], kinds: Sequence[tuple]):
+        self.target, self.run = target, list(run)
+        by_kind = {kinds[i]: i for i in reversed(self.run)}
+        # each left-out layer's mirror: the run layer whose cache is of its kind, else an
+        # empty cache of its kind (no run layer reads a mask of that kind: any will do)
+        fresh = _fresh(target, layer_list(target))
+        self.mirror = {i: by_kind.get(kinds[i], fresh[i])
+                       for i in range(len(kinds)) if i not in set(self.run)}  # fmt: skip
+
+    def __call__(
+        self, x: mx.array, cache: list, inject: mx.array | None = None, record: bool = False
+    ) -> tuple[mx.array, mx.array | None]:
+        """The logits over x (B, L) and, with ``record``, the hidden states that reach the
+        first left-out layer past the run ones (B, L, H): an exit's layer-E states.
+
+        cache: one entry per layer (those of left-out layers are not read); inject: hidden
+        states (B, L, H) fed to the first run layer instead of the embedded tokens."""
+        layers = layer_list(self.target)
+        full = list(cache)
+        for i, j in self.mirror.items():
+            full[i] = _Mirror(cache[j] if isinstance(j, int) else j)
+        seen: list = []
+        after = next((i for i in sorted(self.mirror) if i > self.run[-1]), None)
+        swaps = {i: _Skip(layers[i], seen if record and i == after else None)
+                 for i in self.mirror}  # fmt: skip
+        if inject is not None:
+            swaps[self.run[0]] = _Inject(layers[self.run[0]], inject)
+        own = {i: layers[i] for i in swaps}
+        try:
+            for i, layer in swaps.items():
+                layers[i] = layer
+            logits = self.target(x, cache=full)
+        finally:
+            for i, layer in own.items():
+                layers[i] = layer
+        return logits, (seen[0] if seen else None)
 
 
 class SelfDraft(nn.Module):
@@ -191,13 +258,8 @@ class SelfDraft(nn.Module):
                 f"self-drafting needs a cache per layer; {_family(target)} shares or leaves "
                 f"out some ({len(fresh)} caches for {len(layers)} layers)"
             )
-        kinds = [_kind(c) for c in fresh]
-        run_kinds = {kinds[i]: i for i in reversed(self.run)}
-        # each left-out layer's mirror: the run layer whose cache is of its kind (else the
-        # first run layer: no run layer reads a mask of that kind)
-        self._mirror = {i: run_kinds.get(kinds[i], self.run[0])
-                        for i in range(self.depth) if i not in set(self.run)}  # fmt: skip
-        self._skips = {i: _Skip(layers[i]) for i in self._mirror}
+        self.kinds = [_kind(c) for c in fresh]
+        self.__dict__["_partial"] = Partial(target, self.run, self.kinds)
         try:  # a family whose layers return more than the hidden states: refused by name
             self(mx.array([[0]], dtype=mx.uint32))  # (a graph built, never evaluated)
         except (ValueError, TypeError, AttributeError, IndexError) as e:
@@ -215,22 +277,89 @@ class SelfDraft(nn.Module):
         return [full[i] for i in self.run]
 
     def __call__(self, inputs: mx.array, cache: Sequence | None = None, **kwargs) -> mx.array:
-        layers = layer_list(self._target)
         if cache is None:
             cache = self.make_cache()
         full: list = [None] * self.depth
         for c, i in zip(cache, self.run, strict=True):
             full[i] = c
-        for i, j in self._mirror.items():
-            full[i] = _Mirror(full[j])
-        own = {i: layers[i] for i in self._skips}
-        try:
-            for i, skip in self._skips.items():
-                layers[i] = skip
-            return self._target(inputs, cache=full, **kwargs)
-        finally:
-            for i, layer in own.items():
-                layers[i] = layer
+        return self._partial(inputs, full)[0]
+
+
+class SharedExit:
+    """The early exit sharing the target's caches for its first E layers (LayerSkip's exit
+    cache), for a lone generation: a drafter (drafters.Drafter) and the model the target's
+    cursor runs (``verifies``).
+
+    Drafting a token runs the first E layers over the target's own caches and reads the
+    exit (the final norm and head over layer E's input); those states wait. The verify pass
+    over [last, d1..dk] then runs the first E layers over d_k alone (the drafts before it
+    are in those caches already) and the layers from E up over all k + 1, fed the waiting
+    states: every layer ends holding the same k + 1 tokens, and the cursor's rollback gives
+    back what the round did not keep, in every layer at once. Any other pass (the prompt, a
+    plain round, a replay) is the target's own.
+
+    draft: the SelfDraft (an exit); caches: the target's caches (the cursor's); process:
+    the sampling processor (None: greedy); vocab: the ids it may propose."""
+
+    needs_k = True
+
+    def __init__(self, draft: SelfDraft, caches: list, process, vocab: int):
+        self.target, self.caches = draft._target, caches
+        self.process, self.vocab = process, vocab
+        e = draft.spec.exit
+        self.lower = Partial(self.target, range(e), draft.kinds)
+        self.upper = Partial(self.target, range(e, draft.depth), draft.kinds)
+        self.waiting: list[mx.array] = []  # layer-E states (1, 1, H) of the tokens drafted
+
+    def verifies(self, x: mx.array, cache: list | None = None, **kwargs) -> mx.array:
+        """What the cursor calls for the target: the split verify pass after a proposal,
+        the target's own pass otherwise."""
+        if not self.waiting:
+            return self.target(x, cache=cache, **kwargs)
+        k = len(self.waiting)
+        if x.shape[1] != k + 1:
+            raise RuntimeError(f"a verify pass of {x.shape[1]} tokens after {k} drafts")
+        _, h = self.lower(x[:, k:], cache, record=True)  # d_k through the first E layers
+        states = mx.concatenate([*self.waiting, h], axis=1)  # (1, k + 1, H)
+        self.waiting = []
+        return self.upper(x, cache, inject=states)[0]
+
+    def propose(self, ctx, k, room, key):
+        if k <= 0:
+            return Proposal()
+        keys = mx.random.split(key, k) if self.process is not None else None
+        x, tokens, qs = mx.array(ctx[-1:], dtype=mx.uint32)[None], [], []
+        for j in range(k):
+            logits, h = self.lower(x, self.caches, record=True)
+            self.waiting.append(h)
+            logits = logits[:, -1, : self.vocab]  # (1, vocab)
+            if self.process is None:
+                t = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            else:
+                q = self.process(logits)
+                t = sample(q, keys[j])
+                qs.append(q[0])
+            tokens.append(t[0])
+            x = t[:, None]
+            mx.async_eval(t)
+        return Proposal(mx.stack(tokens), mx.stack(qs) if qs else None, "model")
+
+    def settle(self, ctx, right) -> None:
+        self.waiting = []  # (the cursor gave back what the round did not keep)
+
+    def close(self) -> None:
+        self.waiting = []
+
+
+def shares_caches(draft) -> bool:
+    """Whether ``draft`` is an exit that drafts over the target's own caches for a lone
+    generation (SharedExit): its first E layers keep full attention (a window or a recurrent
+    state below E would need the draft's writes rolled back apart).
+
+    draft: the draft model (anything: only a SelfDraft's exit shares)."""
+    if not isinstance(draft, SelfDraft) or draft.spec.exit is None:
+        return False
+    return all(kind[0] == "KVCache" for kind in draft.kinds[: draft.spec.exit])
 
 
 def _fresh(target: nn.Module, layers: list) -> list:
