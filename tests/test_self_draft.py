@@ -256,3 +256,18 @@ def test_run_refuses_a_bad_spec_in_one_line(tiny_target, name, words):
     assert out.exit_code == 2, out.output
     lines = out.stderr.strip().splitlines()
     assert lines == [ln for ln in lines if ln.startswith("error:")] and words in lines[0], lines
+
+
+def test_a_pair_names_self_drafting(tiny_target, tmp_path, monkeypatch):
+    """models.toml may name self-drafting as a pair's draft (as codellama-layerskip does):
+    --target then drafts from the target's own layers."""
+    toml = tmp_path / "models.toml"
+    toml.write_text(
+        f'[models.tiny-ls]\nsource = "local:{tiny_target}"\n'
+        '[pairs.tiny-ls]\ntarget = "tiny-ls"\ndraft = "self:exit=1"\nk = 2\n'
+    )
+    monkeypatch.setenv("SPECMLX_MODELS", str(toml))
+    out = CliRunner().invoke(app, ["run", "--target", "tiny-ls", "-n", "12", "--json", "def f"])
+    assert out.exit_code == 0, out.output
+    got = json.loads(out.stdout)
+    assert got["draft"].endswith("self:exit=1") and got["stats"]["drafted"] > 0

@@ -31,6 +31,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from ..drafting.choosers import AUTO, K
+from ..drafting.self_draft import is_self
 from ..errors import BadInput, RegistryError, UnknownModel
 from ..paths import expand_path
 
@@ -437,8 +438,8 @@ def load_registry(extra_paths: list[Path | str] | None = None) -> Registry:
             if role == "draft" and (head := head_of(alias)):
                 _check_head_name(reg, pair, *head)
                 continue
-            if role == "draft" and alias in DRAFT_WORDS:
-                continue
+            if role == "draft" and (alias in DRAFT_WORDS or is_self(alias)):
+                continue  # (self-drafting: checked against the target's depth at load)
             if alias not in reg.models:
                 files = ", ".join(str(f) for f in reg.files)
                 raise RegistryError(
