@@ -5,11 +5,13 @@ wrong-rule control); bad specs and families that cannot leave layers out are ref
 name; the CLI runs it."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
+import openai
 import pytest
 from families import build
-from helpers import generate, make_tiny, make_tiny_model
+from helpers import Server, generate, make_tiny, make_tiny_model
 from kit_distribution import (
     JOINT_SAMPLING,
     JV,
@@ -18,6 +20,7 @@ from kit_distribution import (
     sequence_joint,
     skips_the_residual,
 )
+from kit_serve import server_env
 from typer.testing import CliRunner
 
 from specmlx.cli import app
@@ -271,3 +274,31 @@ def test_a_pair_names_self_drafting(tiny_target, tmp_path, monkeypatch):
     assert out.exit_code == 0, out.output
     got = json.loads(out.stdout)
     assert got["draft"].endswith("self:exit=1") and got["stats"]["drafted"] > 0
+
+
+def test_serve_drafts_from_the_targets_own_layers(tiny_target, tmp_path):
+    """The official openai client against `specmlx serve --draft self:exit=2`: a lone
+    request (the exit over the target's caches) and requests sent together (rows of the
+    server's batch where they overlap; the batch itself is tested above) each give the text
+    the target alone gives."""
+    (tmp_path / "models.toml").write_text("")
+    env = server_env(tmp_path, tmp_path / "models.toml")
+    s = Server(env, "--target", str(tiny_target), "--draft", "self:exit=2", "-k", "3", "-q")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+        def complete(prompt, **body):
+            got = client.completions.create(model="t", prompt=prompt, max_tokens=20,
+                                            temperature=0, extra_body=body)  # fmt: skip
+            return got.choices[0].text, got.model_extra["specmlx"]
+
+        prompts = ["def add(a, b):\n", "class Point:\n", "import os\n"]
+        plain = [complete(p, draft="none")[0] for p in prompts]
+        alone, spec = complete(prompts[0])
+        assert alone == plain[0] and spec["drafted"] > 0, spec
+        with ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(lambda p: complete(p)[0], prompts))
+        assert together == plain
+    finally:
+        code, err = s.stop()
+    assert code == 0 and "Traceback" not in err, err
