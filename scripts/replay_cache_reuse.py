@@ -97,10 +97,14 @@ def same_text(a: str | None, b: str | None) -> bool:
     return a[:n] == b[:n]
 
 
-def pause(url: str, p: dict, timeout: float, debounce: float) -> dict:
-    """One pause as llama.vim makes it (replay_llamavim.replay's, one pause): its warm-up
-    when the ring changed (not waited for), the debounce, the suggestion, its follow-up;
-    the warm-up's answer is waited for before the other server's turn."""
+def pause(url: str, p: dict, timeout: float, debounce: float, typing: float) -> dict:
+    """One pause as llama.vim makes it (replay_llamavim.replay's, one pause), after
+    ``typing`` seconds of the user typing: its warm-up when the ring changed (not waited
+    for), the debounce, the suggestion, its follow-up; the warm-up's answer is waited for
+    before the other server's turn. (The typing time puts this server's last answer more
+    than the quarter second behind, after which a warm-up runs at once, for both servers
+    alike.)"""
+    time.sleep(typing)
     warm = None
     if p["ring_changed"]:
         warm = threading.Thread(target=vim.post, args=(url, vim.warm_up(p), timeout))
@@ -130,6 +134,7 @@ def main() -> int:
     a.add_argument("--pauses", type=int, default=8)
     a.add_argument("--timeout", type=float, default=300.0)
     a.add_argument("--debounce", type=float, default=0.3)
+    a.add_argument("--typing", type=float, default=1.0, help="seconds typed before a pause")
     a.add_argument("--context", type=int, default=8192)
     a.add_argument("--model", default="/tmp/specmlx-smollm2-135m-fim")
     a.add_argument("--json", dest="json_out")
@@ -149,7 +154,7 @@ def main() -> int:
         results = {reuse: [] for reuse in servers}
         for i, p in enumerate(pauses):
             for reuse in sorted(servers, reverse=i % 2 == 1):  # ABBA: neither always first
-                row = pause(servers[reuse][1], p, args.timeout, args.debounce)
+                row = pause(servers[reuse][1], p, args.timeout, args.debounce, args.typing)
                 results[reuse].append(row)
                 print(json.dumps({"pause": i, "cache_reuse": reuse, **row}), flush=True)
         load = (load, os.getloadavg()[0])
