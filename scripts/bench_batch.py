@@ -46,8 +46,8 @@ from specmlx.serving.batch_k import BatchK  # noqa: E402
 def serial(session, prompts, sampling, n, seed):
     t0, ends, outs = time.perf_counter(), [], []
     for i, ids in enumerate(prompts):
-        req = Request(sampling=sampling, k=AUTO, max_tokens=n, seed=seed + i)
-        gen = session.start(ids, req)
+        req = Request(ids, sampling, k=AUTO, max_tokens=n, seed=seed + i)
+        gen = session.start(req)
         outs.append([e.token for e in gen.tokens()])
         gen.finish()
         ends.append(time.perf_counter() - t0)

@@ -42,7 +42,7 @@ greedy = SamplingParams(0.0)
 
 def serial(k, p, n=64):
     t0 = time.perf_counter()
-    gen = session.start(p, Request(sampling=greedy, k=k, max_tokens=n, seed=1))
+    gen = session.start(Request(p, greedy, k=k, max_tokens=n, seed=1))
     out = [e.token for e in gen.tokens()]
     gen.finish()
     return time.perf_counter() - t0, out

@@ -14,10 +14,10 @@ import mlx.core as mx
 from helpers import Script
 
 from specmlx.core.sampling import SamplingParams
+from specmlx.decoding.session import Request
 from specmlx.distributed.launch import join
 from specmlx.distributed.ranks import Lockstep, LockstepError, SharedK
 from specmlx.distributed.wire import IDLE, receive, send
-from specmlx.serving.worker import GenRequest
 
 world = join()
 calls = {"all_gather": 0, "all_sum": 0}
@@ -53,17 +53,17 @@ def lockstep(diverge_at: int, ends: bool) -> dict:
 
 
 def request() -> dict:
-    sent = GenRequest(
+    sent = Request(
         sampling=SamplingParams(0.7, 0.9, 40, 0.05), k=5, max_tokens=17,
-        seed=2**47 + 3, stop=["\n\n", "é\0x"], use_draft=False, lookup=True, extra_eos=(7, 9),
+        seed=2**47 + 3, stop=["\n\n", "é\0x"], drafter="lookup", extra_eos=(7, 9),
         verify="token", draft_stop=True, time_limit_s=1.5, min_indent=4,
-        prompt_ids=list(range(1000, 1300)), drafter="lookup",
+        prompt_ids=list(range(1000, 1300)), warm_up=True,
     )  # fmt: skip
     if world.rank == 0:
         for r in (sent, IDLE, None):
             send(world, r)
         return {"sent": asdict(sent)}
-    got = [receive(world, GenRequest) for _ in range(3)]
+    got = [receive(world, Request) for _ in range(3)]
     return {"got": asdict(got[0]), "equal": got[0] == sent, "then": [got[1] is IDLE, got[2]]}
 
 

@@ -12,9 +12,10 @@ import pytest
 from helpers import tiny_pair
 
 from specmlx.core.sampling import SamplingParams
+from specmlx.decoding.session import Request
 from specmlx.models.loading import load_pair
 from specmlx.models.registry import load_registry
-from specmlx.serving.worker import GenRequest, Worker
+from specmlx.serving.worker import Worker
 
 CODE = "import os\nfor i in range(10):\n    print(i, os.getcwd())\n"
 HOT = SamplingParams(1.0)  # hot enough that a different key gives different tokens
@@ -43,7 +44,8 @@ def ask(worker, log, name, prompt, n, **kw) -> threading.Event:
         if kind in ("done", "error"):
             done.set()
 
-    worker.submit(GenRequest(prompt_ids=ids, max_tokens=n, **kw), emit)
+    editor = kw.pop("editor", False)
+    worker.submit(Request(prompt_ids=ids, max_tokens=n, **kw), emit, editor)
     return done
 
 

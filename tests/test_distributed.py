@@ -14,19 +14,19 @@ from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from types import UnionType
-from typing import Union, get_args, get_origin, get_type_hints
+from typing import Literal, Union, get_args, get_origin, get_type_hints
 
 import pytest
 from helpers import Script, Server, tiny_pair
 from kit_ranks import PROMPT, TWO, specmlx, tokens
 
 from specmlx.core.sampling import SamplingParams
+from specmlx.decoding.session import Request
 from specmlx.distributed.launch import _RING_NOISE, _exit_code, parse_hosts
 from specmlx.distributed.ranks import Lockstep, SharedK, World
 from specmlx.distributed.wire import pack, unpack
 from specmlx.errors import BadInput
 from specmlx.models.sharding import check_shardable
-from specmlx.serving.worker import GenRequest
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +108,8 @@ def test_one_rank_needs_no_collectives():
 
 
 @dataclass
-class _Later(GenRequest):
-    """GenRequest with fields added later, of kinds JSON does not keep (a tuple, a float
+class _Later(Request):
+    """Request with fields added later, of kinds JSON does not keep (a tuple, a float
     that may hold an int, a nested dataclass): they travel with no edit to pack/unpack."""
 
     budget_s: float | None = None
@@ -125,6 +125,8 @@ def _off_default(kind, default, n: int):
     origin, args = get_origin(kind) or kind, get_args(kind)
     if is_dataclass(kind):
         return _every_field_off(kind, n)
+    if origin is Literal:  # (one of the values it names)
+        return next(a for a in args if a != default)
     if kind is bool:
         return not default
     if kind is int:
@@ -149,7 +151,7 @@ def _every_field_off(cls, n: int = 0):
     return cls(**values)
 
 
-@pytest.mark.parametrize("cls", [GenRequest, _Later])
+@pytest.mark.parametrize("cls", [Request, _Later])
 def test_a_request_travels_to_the_other_ranks_whole(cls):
     """What rank 0 sends the other ranks is every field of the request, each set off its
     default here: the one that comes back is equal, its tuples tuples, its floats floats."""

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from helpers import tiny_pair
 
+from specmlx.decoding.session import Request
 from specmlx.models.loading import load_pair
 from specmlx.models.registry import load_registry
-from specmlx.serving.worker import GenRequest, Worker
+from specmlx.serving.worker import Worker
 
 CODE = "import os\nfor i in range(10):\n    print(i, os.getcwd())\n"
 
@@ -46,7 +47,8 @@ def ask(worker, log, name, prompt, n, **kw):
         if kind in ("done", "error"):
             done.set()
 
-    return worker.submit(GenRequest(prompt_ids=ids, max_tokens=n, **kw), emit), done
+    editor = kw.pop("editor", False)
+    return worker.submit(Request(prompt_ids=ids, max_tokens=n, **kw), emit, editor), done
 
 
 def wait_for(cond, timeout=60.0) -> None:

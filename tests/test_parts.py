@@ -11,10 +11,11 @@ from helpers import tiny_tokenizer
 
 from specmlx.decoding.engine import KVState
 from specmlx.decoding.fim import FAMILIES, encode_infill, fim_template
+from specmlx.decoding.session import Request
 from specmlx.distributed import ranks as distributed
 from specmlx.distributed.ranks import Cancelled, Lockstep, LockstepError, World
 from specmlx.serving.prompt_cache import PromptCache
-from specmlx.serving.worker import GenRequest, ShuttingDown, Worker
+from specmlx.serving.worker import ShuttingDown, Worker
 
 # ------------------------------------------------------------------ the prompt cache
 
@@ -137,12 +138,12 @@ def test_stop_answers_the_queued_and_refuses_new_requests():
     worker = Worker(target, None, 0, max_queue=4, persist=False, lookup_memory=False)
     said = []
     for _ in range(2):
-        worker.submit(GenRequest(prompt_ids=[1], max_tokens=1), lambda k, v: said.append((k, v)))
+        worker.submit(Request(prompt_ids=[1], max_tokens=1), lambda k, v: said.append((k, v)))
     worker.stop(timeout=1)  # (the thread never started: nothing runs)
     assert [k for k, _ in said] == ["error", "error"]
     assert all(isinstance(v, ShuttingDown) for _, v in said)
     with pytest.raises(ShuttingDown):
-        worker.submit(GenRequest(prompt_ids=[1], max_tokens=1), lambda *_: None)
+        worker.submit(Request(prompt_ids=[1], max_tokens=1), lambda *_: None)
 
 
 # ------------------------------------------------------------------ lockstep verdicts

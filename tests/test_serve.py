@@ -1142,10 +1142,10 @@ def _editor_worker(root: Path, max_batch: int = 4) -> Worker:
 
 def _ask(worker: Worker, log: list, name: str, prompt: str, n: int, editor: bool):
     """Submit a greedy request; its events go into ``log`` as (name, kind, token)."""
-    from specmlx.serving.worker import GenRequest
+    from specmlx.decoding.session import Request
 
     ids = worker.target.tokenizer.encode(prompt)
-    r = GenRequest(prompt_ids=ids, max_tokens=n, k=3, editor=editor)
+    r = Request(prompt_ids=ids, max_tokens=n, k=3)
     done = threading.Event()
 
     def emit(kind, value):
@@ -1153,7 +1153,7 @@ def _ask(worker: Worker, log: list, name: str, prompt: str, n: int, editor: bool
         if kind in ("done", "error"):
             done.set()
 
-    return worker.submit(r, emit), done
+    return worker.submit(r, emit, editor), done
 
 
 def _wait_for(cond, timeout=60.0):

@@ -5,6 +5,7 @@ module assembling a generation itself."""
 from __future__ import annotations
 
 import ast
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats, TokenEvent
-from specmlx.decoding.session import Pair, Request, Session
+from specmlx.decoding.session import Pair, Request, Session, drafter_of
 from specmlx.decoding.stream import _held_back, editor_limits, stream_text
 from specmlx.drafting.adaptive import AdaptiveK
 from specmlx.drafting.choosers import ChooserStore
@@ -81,8 +82,8 @@ def test_the_session_builds_what_the_engine_generates(tok, models):
     eos = tok.eos_token_ids
     for use_draft, lookup in ((True, False), (False, True), (True, True), (False, False)):
         session = Session(Pair(target, draft, tok))
-        req = Request(k=3, max_tokens=24, use_draft=use_draft, lookup=lookup)
-        gen = session.start(prompt, req)
+        req = Request(prompt, k=3, max_tokens=24, drafter=drafter_of(use_draft, lookup))
+        gen = session.start(req)
         got = [(e.token, e.from_draft) for e in gen.tokens()]
         direct = generate(
             target, draft if use_draft else None, prompt, k=3 if use_draft or lookup else 0,
@@ -95,10 +96,10 @@ def test_the_session_builds_what_the_engine_generates(tok, models):
 def test_extra_eos_ids_join_the_tokenizers(tok, models):
     target, draft = models
     prompt = tok.encode("def add(a, b):")
-    free = [e.token for e in Session(Pair(target, draft)).start(prompt, Request(k=2,
+    free = [e.token for e in Session(Pair(target, draft)).start(Request(prompt, k=2,
             max_tokens=12)).tokens()]  # fmt: skip
-    cut = Request(k=2, max_tokens=12, extra_eos=(free[5],))
-    gen = Session(Pair(target, draft, tok)).start(prompt, cut)
+    cut = Request(prompt, k=2, max_tokens=12, extra_eos=(free[5],))
+    gen = Session(Pair(target, draft, tok)).start(cut)
     got = [e.token for e in gen.tokens()]
     assert got == free[: free.index(free[5])] and gen.stats.finish_reason == "stop"
 
@@ -106,7 +107,7 @@ def test_extra_eos_ids_join_the_tokenizers(tok, models):
 def test_text_joins_to_the_decoded_tokens(tok, models):
     target, draft = models
     gen = Session(Pair(target, draft, tok)).start(
-        tok.encode("class Point:"), Request(k=2, max_tokens=30)
+        Request(tok.encode("class Point:"), k=2, max_tokens=30)
     )
     events = list(gen.text())
     ids = [e.token for e in events if e.token is not None]
@@ -118,13 +119,13 @@ def test_auto_k_resumes_from_the_store_and_is_saved(tok, models):
     store = ChooserStore(persist=False, pass_ratio=[1.0] + [1.0 + 0.1 * k for k in range(1, 17)])
     session = Session(Pair(target, draft, tok, "t", "d"), choosers=store)
     sampling = SamplingParams(temperature=0.8)
-    req = Request(sampling=sampling, k="auto", max_tokens=40, seed=1)
-    first = session.start(tok.encode("def add(a, b):"), req)
+    req = Request(tok.encode("def add(a, b):"), sampling, k="auto", max_tokens=40, seed=1)
+    first = session.start(req)
     list(first.tokens())
     first.finish()
     chooser = store.get(target, "t", "d|lookup=False", sampling, [1], verify=req.verify)
     assert isinstance(chooser, AdaptiveK) and chooser.cost.level is not None  # it learned
-    second = session.start(tok.encode("import os"), req)
+    second = session.start(replace(req, prompt_ids=tok.encode("import os")))
     assert second._saved is chooser  # the same state goes on learning
 
 

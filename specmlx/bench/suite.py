@@ -28,7 +28,7 @@ from ..core.acceptance import sampled_rule
 from ..core.caches import mlx_lm_speculates
 from ..core.sampling import SamplingParams, make_processor, sample
 from ..core.stats import count_depths
-from ..decoding.session import Pair, Request, Session
+from ..decoding.session import Pair, Request, Session, drafter_of
 from ..distributed.ranks import World
 from ..drafting.adaptive import LOOKUP_MAX, AdaptiveK
 from ..drafting.choosers import AUTO, ChooserStore, K
@@ -128,12 +128,12 @@ def run_one(
         return tokens, decoded, secs, rounds * system.k.fixed, accepted, (tried, kept)
     use_draft = system.drafter.split(" + ")[0] not in ("none", "lookup")
     request = Request(
+        prompt_ids=ids,
         sampling=params,
         k=system.k,
         max_tokens=s.max_tokens,
         seed=seed,
-        use_draft=use_draft and draft is not None,
-        lookup="lookup" in system.drafter,
+        drafter=drafter_of(use_draft and draft is not None, "lookup" in system.drafter),
         verify=system.verify,
         draft_stop=system.drafter.endswith(STOP),
     )
@@ -143,7 +143,7 @@ def run_one(
         memory=memory if system.drafter.endswith(MEMORY) else None,
         world=world,
     )
-    gen = session.start(ids, request, chooser=chooser)
+    gen = session.start(request, chooser=chooser)
     tokens, decoded, secs = _timed((e.token, e.from_draft) for e in gen.tokens())
     if gen.lockstep is not None:
         gen.lockstep.check()

@@ -114,12 +114,22 @@ class PromptCommand(TyperCommand):
 
 @dataclass
 class Models:
-    """Which models run: target alias, draft alias (or None), lookup, k."""
+    """Which models a command loads and the drafting it defaults to, resolved against
+    models.toml before anything loads: target alias, draft alias (or None: none loaded),
+    lookup (prompt lookup drafts too), k (the pair's default when none was given)."""
 
     target: str
     draft: str | None
     lookup: bool
     k: K
+
+    @property
+    def drafter(self) -> str:
+        """What drafts, as a session.Request says it ("model", "lookup", "model+lookup",
+        "none")."""
+        from ..decoding.session import drafter_of
+
+        return drafter_of(self.draft is not None, self.lookup)
 
 
 def resolve_models(registry, target: str | None, draft: str | None, lookup: bool, k: str | None):

@@ -66,8 +66,12 @@ class Render:
         if not self.quiet or interrupted:
             self.console.print(summary(stats, target=target, draft=draft_name, **where))
 
-    def json(self, stats, target, draft_name, k, job, verify: str, ranks: dict | None = None):
-        """The --json object on stdout (nothing without --json); ``ranks`` when distributed."""
+    def json(
+        self, stats, target, draft_name, k, request, verify: str = "", ranks: dict | None = None
+    ):
+        """The --json object on stdout (nothing without --json): ``request`` is the run's
+        session.Request; verify: the rule shown ("": the request's); ``ranks`` when
+        distributed."""
         if not self.as_json:
             return
         out = {
@@ -77,9 +81,9 @@ class Render:
             "target": target,
             "draft": draft_name,
             "k": k,
-            "temperature": job.params.temperature,
-            "seed": job.seed,
-            "verify": verify,
+            "temperature": request.sampling.temperature,
+            "seed": request.seed,
+            "verify": verify or request.verify,
         }
         if ranks is not None:
             out["ranks"] = ranks

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import typer
@@ -101,6 +101,7 @@ def run(
     """Generate a completion: text on stdout, live stats and a summary on stderr."""
     from ..core.acceptance import sampled_rule
     from ..core.sampling import SamplingParams
+    from ..decoding.session import Request
     from ..distributed.launch import join, launched
 
     params = SamplingParams(temp, top_p, top_k, min_p)  # validates before any loading
@@ -118,14 +119,17 @@ def run(
         raise BadInput("the prompt is empty")
     console = err_console()
     render = Render(console, as_json, quiet, show_draft, k or "")
-    job = RunInput(
-        text, after, params, max_tokens, seed, stop or [], chat, verify, lookup_memory, draft_stop
-    )
+    # what this run asks, wherever the models are (the prompt's ids, k and the drafter are
+    # filled in where the models are known)
+    request = Request(
+        sampling=params, max_tokens=max_tokens, seed=seed, stop=stop or [],
+        verify=verify or DEFAULT_VERIFY, draft_stop=draft_stop,
+    )  # fmt: skip
     if (hosts or hostfile) and not launched():
         if server:
             raise BadInput("--hosts/--hostfile start ranks here; --server sends to a server")
         check_draft_stop(None, draft_stop, ranks=True)
-        raise typer.Exit(_launch_ranks(ctx, job, hosts, hostfile, target))
+        raise typer.Exit(_launch_ranks(ctx, text, after, seed, hosts, hostfile, target))
     if server:
         if target or (draft not in (None, "none", "lookup")) or context or lookup or draft_stop:
             raise BadInput(
@@ -133,25 +137,14 @@ def run(
                 "--draft-stop and --draft ALIAS (--draft none or lookup still choose how it "
                 "drafts)"
             )
-        _run_remote(job, render, server, api_key, draft, k)
+        # the server fills in what was not asked (its drafter, k and rule): those go raw
+        asked = {"draft": draft, "k": k, "verify": verify}
+        _run_remote(request, text, after, chat, render, server, api_key, asked)
     else:
-        _run_local(job, render, target, draft, lookup, k, context, quiet, join())
-
-
-@dataclass
-class RunInput:
-    """What `specmlx run` was asked to generate, wherever the models are."""
-
-    text: str
-    suffix: str | None
-    params: object  # SamplingParams
-    max_tokens: int
-    seed: int | None
-    stop: list[str]
-    chat: bool
-    verify: str | None = None  # None: DEFAULT_VERIFY here, the server's default there
-    lookup_memory: bool = True  # with lookup, here: search and keep recent outputs too
-    draft_stop: bool = False  # with auto k: per-token stopping of the draft model
+        _run_local(
+            request, text, after, chat, render, target=target, draft=draft, lookup=lookup,
+            k=k, context=context, lookup_memory=lookup_memory, quiet=quiet, world=join(),
+        )  # fmt: skip
 
 
 def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
@@ -168,9 +161,14 @@ def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
         raise BadInput(f"cannot read --suffix-file {suffix_file}: {e.strerror or e}") from None
 
 
-def _run_local(job: RunInput, render, target, draft, lookup, k, context, quiet, world) -> None:
+def _run_local(
+    request, text, suffix, chat, render, *, target, draft, lookup, k, context, lookup_memory,
+    quiet, world,
+) -> None:  # fmt: skip
+    """``request`` run here, on ``text`` (with ``suffix``: fill in the middle; ``chat``: the
+    chat template); the rest is what the command line says of the models."""
     from ..decoding.fim import encode_infill, require_fim
-    from ..decoding.session import Pair, Request, Session
+    from ..decoding.session import Pair, Session
     from ..decoding.stream import encode_prompt
     from ..distributed.ranks import Lockstep, Watchdog, barrier, lost_peer, shared_seed
     from ..drafting.choosers import ChooserStore
@@ -180,7 +178,7 @@ def _run_local(job: RunInput, render, target, draft, lookup, k, context, quiet, 
 
     registry = load_registry()
     models = resolve_models(registry, target, draft, lookup, k)
-    check_draft_stop(models, job.draft_stop, world.distributed)
+    check_draft_stop(models, request.draft_stop, world.distributed)
     render.k_label = str(models.k)
     console = render.console
     quiet = quiet or not world.leader
@@ -198,8 +196,8 @@ def _run_local(job: RunInput, render, target, draft, lookup, k, context, quiet, 
     tspec = registry.resolve(models.target)
     limit = context or registry.context_for(tspec, draft_spec(registry, models))
     # plan memory for what this run can reach: a token never takes less than a byte of text
-    size = len(job.text.encode()) + len((job.suffix or "").encode())
-    planned = min(limit, size + job.max_tokens + 64)
+    size = len(text.encode()) + len((suffix or "").encode())
+    planned = min(limit, size + request.max_tokens + 64)
     tgt, drf, shared = load_pair(
         models.target, models.draft, registry=registry, context=planned, progress=say,
         group=world.group if world.distributed else None,
@@ -211,36 +209,27 @@ def _run_local(job: RunInput, render, target, draft, lookup, k, context, quiet, 
             barrier(world)
         except RuntimeError as e:
             raise (lost_peer(e) or e) from None
-        job.seed = shared_seed(world, job.seed)
+        request.seed = shared_seed(world, request.seed)
         lockstep = Lockstep(world, beat=lambda: watchdog.beat("generating"))
     extra_eos: tuple[int, ...] = ()
-    if job.suffix is not None:
+    if suffix is not None:
         template = require_fim(tgt.tokenizer, drf.tokenizer if drf else None, tgt.spec.alias)
-        ids = encode_infill(tgt.tokenizer, template, job.text, job.suffix)
+        ids = encode_infill(tgt.tokenizer, template, text, suffix)
         extra_eos = template.stops
     else:
-        ids = encode_prompt(tgt.tokenizer, job.text, chat=job.chat)
-    check_context(len(ids), job.max_tokens, limit, tgt.spec.alias)
+        ids = encode_prompt(tgt.tokenizer, text, chat=chat)
+    check_context(len(ids), request.max_tokens, limit, tgt.spec.alias)
     memory = None
-    if models.lookup and job.lookup_memory:
+    if models.lookup and lookup_memory:
         directory = LookupMemory.directory_for(tgt.tokenizer)
         memory = LookupMemory(directory, vocab_size=tgt.vocab_size, warn=print_warning)
     # adaptive k resumes from this machine's last run of the pair
     store = ChooserStore(warn=print_warning, persist=world.leader)
     session = Session(Pair.of(tgt, drf, shared), choosers=store, memory=memory, world=world)
-    request = Request(
-        sampling=job.params,
-        k=models.k,
-        max_tokens=job.max_tokens,
-        seed=job.seed,
-        stop=job.stop,
-        use_draft=drf is not None,
-        lookup=models.lookup,
-        extra_eos=extra_eos,
-        verify=job.verify or DEFAULT_VERIFY,
-        draft_stop=job.draft_stop,
+    request = replace(
+        request, prompt_ids=ids, k=models.k, drafter=models.drafter, extra_eos=extra_eos
     )
-    gen = session.start(ids, request, lockstep=lockstep)
+    gen = session.start(request, lockstep=lockstep)
     stats = gen.stats
     responses = gen.text()
     parts = ([drf.spec.alias] if drf else []) + (["lookup"] if models.lookup else [])
@@ -259,9 +248,8 @@ def _run_local(job: RunInput, render, target, draft, lookup, k, context, quiet, 
         pass_s = stats.decode_s / stats.rounds if stats.rounds else None
         ranks = {"size": world.size, "backend": world.backend, "target_pass_s": pass_s}
     drafter_shown = " + ".join(parts) or "none"
-    verify = job.verify or DEFAULT_VERIFY
     render.finish(stats, tgt.spec.alias, drafter_shown, where, interrupted)
-    render.json(stats, tgt.spec.alias, drafter_shown, models.k.value, job, verify, ranks)
+    render.json(stats, tgt.spec.alias, drafter_shown, models.k.value, request, ranks=ranks)
     if interrupted:
         raise typer.Exit(130)
 
@@ -270,51 +258,54 @@ def _ms(stats: Stats) -> str:
     return f"{stats.decode_s / stats.rounds * 1000:.1f} ms" if stats.rounds else "-"
 
 
-def _launch_ranks(ctx: typer.Context, job: RunInput, hosts, hostfile, target) -> int:
+def _launch_ranks(ctx: typer.Context, text, suffix, seed, hosts, hostfile, target) -> int:
     """`specmlx run` as ranks: the prompt, suffix file and seed are resolved here, once."""
     check_split(hosts, hostfile, target)
     tail = []
-    if job.suffix is not None and ctx.params.get("suffix_file") is not None:
-        tail += ["--suffix", job.suffix]  # the ranks may not see this machine's files
-    seed = job.seed if job.seed is not None else int.from_bytes(os.urandom(6), "little")
+    if suffix is not None and ctx.params.get("suffix_file") is not None:
+        tail += ["--suffix", suffix]  # the ranks may not see this machine's files
+    seed = seed if seed is not None else int.from_bytes(os.urandom(6), "little")
     # the prompt was read here (stdin reaches the ranks without an end), so it travels as
     # an argument
-    if len(job.text.encode()) > 100_000:
+    if len(text.encode()) > 100_000:
         raise BadInput("with --hosts the prompt travels on the command line: 100 KB at most")
-    return launch_command(ctx, "run", hosts, hostfile, [*tail, "--seed", str(seed), "--", job.text])
+    return launch_command(ctx, "run", hosts, hostfile, [*tail, "--seed", str(seed), "--", text])
 
 
-def _run_remote(job: RunInput, render, url: str, api_key, draft, k) -> None:
+def _run_remote(request, text, suffix, chat, render, url: str, api_key, asked: dict) -> None:
+    """``request`` sent to the server at ``url``; asked: the options the server fills in
+    when absent, as given (draft, k, verify: None where not given)."""
     from ..serving.client import Remote, stream_remote
 
+    sampling, k = request.sampling, asked["k"]
     body: dict = {
-        "max_tokens": job.max_tokens,
-        "temperature": job.params.temperature,
-        "top_p": job.params.top_p,
-        "top_k": job.params.top_k,
-        "min_p": job.params.min_p,
-        "stop": job.stop or None,
-        "seed": job.seed,
+        "max_tokens": request.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "stop": list(request.stop) or None,
+        "seed": request.seed,
     }
-    if draft is not None:
-        body["draft"] = draft
+    if asked["draft"] is not None:
+        body["draft"] = asked["draft"]
     if k is not None:
         body["num_draft"] = K.of(k, "-k").value
-    if job.verify is not None:
-        body["verify"] = job.verify
-    if job.chat:
-        body["messages"] = [{"role": "user", "content": job.text}]
+    if asked["verify"] is not None:
+        body["verify"] = asked["verify"]
+    if chat:
+        body["messages"] = [{"role": "user", "content": text}]
     else:
-        body["prompt"] = job.text
-        if job.suffix is not None:
-            body["suffix"] = job.suffix
+        body["prompt"] = text
+        if suffix is not None:
+            body["suffix"] = suffix
     stats, names = Stats(), {"model": "?", "drafter": "?"}
-    pieces = stream_remote(Remote(url, api_key), body, stats, chat=job.chat, names=names)
+    pieces = stream_remote(Remote(url, api_key), body, stats, chat=chat, names=names)
     interrupted = render.stream(pieces, stats)
     pieces.close()  # an interrupted stream closes the connection: the server cancels it
     shown = f"{names['model']} (served by {url})"
     render.finish(stats, shown, names["drafter"], {"server": url}, interrupted)
-    verify = names.get("verify") or job.verify or "server default"
-    render.json(stats, names["model"], names["drafter"], k or "server default", job, verify)
+    verify = names.get("verify") or asked["verify"] or "server default"
+    render.json(stats, names["model"], names["drafter"], k or "server default", request, verify)
     if interrupted:
         raise typer.Exit(130)

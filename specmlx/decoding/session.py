@@ -8,7 +8,8 @@ the bench call it; none of them assembles a generation itself.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Literal, get_args
 
 import mlx.nn as nn
 
@@ -18,6 +19,7 @@ from ..core.stats import KChooser, Stats, TokenEvent
 from ..distributed.ranks import Lockstep, SharedK, World, shared_probe
 from ..drafting.choosers import AUTO, ChooserStore, K, for_drafter, make_chooser
 from ..drafting.lookup import LookupMemory
+from ..errors import BadInput
 from .engine import KVState, generate_tokens, prefill
 from .request import Decode, Parts
 from .stream import editor_limits, stream_text
@@ -52,33 +54,69 @@ class Pair:
         )
 
 
+# what drafts a request's tokens: "model" the pair's draft (a draft model or a head; a pair
+# without one drafts nothing), "lookup" prompt lookup, "model+lookup" both (lookup first, or
+# by value with auto k), "none" the target alone
+Drafter = Literal["model", "lookup", "model+lookup", "none"]
+DRAFTERS: tuple[str, ...] = get_args(Drafter)
+
+
 @dataclass
 class Request:
-    """One generation's settings.
+    """One generation's settings, at the text level: what the CLI, the server and the bench
+    ask a session for, and what rank 0 hands the other ranks (distributed/wire.py packs every
+    field).
 
-    sampling: temperature and filters; k: drafts per round (a choosers.K, or what K.of
-    reads: an int >= 0, "auto"); max_tokens: the budget; seed: None for random; stop: stop strings (text only);
-    use_draft: speculate with the pair's draft model; lookup: prompt lookup (first, when
-    both); extra_eos: ids that end generation besides the tokenizer's (e.g. end of infill);
-    verify: "block" or "token"; draft_stop: per-token stopping (auto k with a draft);
+    prompt_ids: the prompt's tokens; sampling: temperature and filters; k: drafts per round
+    (a choosers.K, or what K.of reads: an int >= 0, "auto"); max_tokens: the budget; seed:
+    None for random; stop: stop strings (text only); drafter: what drafts (``Drafter``);
+    extra_eos: ids that end generation besides the tokenizer's (e.g. end of infill); verify:
+    "block" or "token"; draft_stop: per-token stopping (auto k with a draft model);
     time_limit_s, min_indent: an editor's limits on the text (stream.editor_limits:
-    llama.cpp's t_max_predict_ms and n_indent; None: none)."""
+    llama.cpp's t_max_predict_ms and n_indent; None: none); warm_up: put the prompt into the
+    caches and generate nothing (llama.vim's n_predict 0: ``Generation.prefill``)."""
 
+    prompt_ids: list[int] = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     k: K = AUTO
     max_tokens: int = 256
     seed: int | None = None
     stop: Sequence[str] = ()
-    use_draft: bool = True
-    lookup: bool = False
+    drafter: Drafter = "model"
     extra_eos: tuple[int, ...] = ()
     verify: str = DEFAULT_VERIFY
     draft_stop: bool = False
     time_limit_s: float | None = None
     min_indent: int | None = None
+    warm_up: bool = False
 
     def __post_init__(self) -> None:
         self.k = K.of(self.k)  # (the rest is checked where the engine's Decode is made)
+        if self.drafter not in DRAFTERS:
+            raise BadInput(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+
+    @property
+    def uses_draft(self) -> bool:
+        """The pair's draft drafts (when the pair has one)."""
+        return self.drafter in ("model", "model+lookup")
+
+    @property
+    def uses_lookup(self) -> bool:
+        """Prompt lookup drafts (first, beside a draft)."""
+        return self.drafter in ("lookup", "model+lookup")
+
+    def without_draft(self) -> Request:
+        """This request with the pair's draft dropped from its drafter (a pair with none)."""
+        if not self.uses_draft:
+            return self
+        return replace(self, drafter="lookup" if self.uses_lookup else "none")
+
+
+def drafter_of(draft: bool, lookup: bool) -> str:
+    """The ``Drafter`` that drafts with the pair's draft (``draft``) and prompt lookup."""
+    if draft:
+        return "model+lookup" if lookup else "model"
+    return "lookup" if lookup else "none"
 
 
 class Session:
@@ -106,7 +144,7 @@ class Session:
         (0 when nothing drafts) and every id that ends it (the tokenizer's EOS too).
 
         req: the request's settings."""
-        drafting = (req.use_draft and self.pair.draft is not None) or req.lookup
+        drafting = (req.uses_draft and self.pair.draft is not None) or req.uses_lookup
         eos = set(req.extra_eos)
         if self.pair.tokenizer is not None:
             eos |= set(getattr(self.pair.tokenizer, "eos_token_ids", ()) or ())
@@ -116,14 +154,13 @@ class Session:
             max_tokens=req.max_tokens,
             seed=req.seed,
             eos_ids=tuple(sorted(eos)),
-            lookup=req.lookup,
+            lookup=req.uses_lookup,
             verify=req.verify,
             draft_stop=req.draft_stop,
         )
 
     def start(
         self,
-        prompt_ids: Sequence[int],
         req: Request,
         *,
         kv: KVState | None = None,
@@ -131,20 +168,20 @@ class Session:
         lockstep: Lockstep | None = None,
         chooser: KChooser | None = None,
     ) -> Generation:
-        """A generation of ``prompt_ids`` under ``req``, not yet running: iterate its
+        """A generation of ``req.prompt_ids`` under ``req``, not yet running: iterate its
         ``tokens()`` or ``text()``. kv: caches to reuse (a prompt cache); stats: filled live
         (a fresh one if None); lockstep: the ranks' per-round check (default: a plain one
         when distributed); chooser: the k chooser to use as it is, in place of the store's
         or a fresh one for ``req.k`` (the bench keeps its own per system)."""
-        pair, world, ids = self.pair, self.world, list(prompt_ids)
-        draft = pair.draft if req.use_draft else None
-        k = req.k if (draft is not None or req.lookup) else K(0)
+        pair, world, ids = self.pair, self.world, list(req.prompt_ids)
+        draft = pair.draft if req.uses_draft else None
+        k = req.k if (draft is not None or req.uses_lookup) else K(0)
         saved, chooser = None, chooser if k.auto else None  # (a fixed k is its own chooser)
         if chooser is None and k.auto and self.choosers is not None:
             store = self.choosers
             if world.distributed and store.pass_ratio is None:  # one curve for all ranks
                 store.pass_ratio = shared_probe(world, store, pair.target, pair.target_id, ids)
-            drafter = f"{pair.draft_id if draft is not None else 'none'}|lookup={req.lookup}"
+            drafter = f"{pair.draft_id if draft is not None else 'none'}|lookup={req.uses_lookup}"
             chooser = saved = store.get(
                 pair.target, pair.target_id, drafter, req.sampling, ids, verify=req.verify
             )
@@ -162,7 +199,7 @@ class Session:
             kv=kv,
             stats=stats if stats is not None else Stats(),
             chooser=chooser,
-            lookup_memory=self.memory if req.lookup and not world.distributed else None,
+            lookup_memory=self.memory if req.uses_lookup and not world.distributed else None,
             lockstep=lockstep,
             vocab_size=pair.shared if draft is not None else None,
         )

@@ -1,8 +1,9 @@
 """The wire format between ranks when the server runs over them: what rank 0 hands the
 other ranks (a request, a batch's next step, "nothing yet", "stop") and how a request
 travels (a dataclass as JSON, rebuilt on the other side by its type hints). Two collectives
-a message: one says what comes and its size, the second carries it. The serving layer's
-request class is a parameter here: this layer does not know it.
+a message: one says what comes and its size, the second carries it. The request class
+(decoding/session.py's ``Request``, a layer above) is a parameter here: this layer does not
+import it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class BatchOps:
     drafts for row i (None: no round)."""
 
     leave: list[int]
-    join: object | None  # the serving layer's request (a dataclass), or None
+    join: object | None  # a session.Request (any dataclass), or None
     k: list[int] | None
 
 
@@ -73,7 +74,7 @@ def receive(world: World, cls: type[T]) -> T | BatchOps | object | None:
 
 
 def pack(request: object) -> bytes:
-    """A dataclass (the server's request) as JSON bytes, every field of it (nested
+    """A dataclass (a session.Request) as JSON bytes, every field of it (nested
     dataclasses as objects): a field added to the class travels with no edit here.
 
     request: the dataclass to send."""

@@ -65,7 +65,6 @@ class _Live:
     text: TextStream
     limits: EditorLimits | None
     gen: object
-    request: object = None
     ended: bool = field(default=False)
     solo: Iterator[TokenEvent] | None = None
     kv: KVState | None = None
@@ -157,20 +156,18 @@ class Batcher:
         if r.warm_up:  # it waits until the editors are quiet (_warm_up); it parks nothing
             self.warmups.add(job)
             return
-        if r.drafter == "lookup" or w.draft_stop:
+        if r.uses_lookup or w.draft_stop:
             if self._send_left(job):
                 w.serve_alone(job)  # (between two rounds: the rows wait for it)
             return
         if len(self.live) >= self.max_batch:  # (run() admits only while there is room)
             raise RuntimeError("the batch is full")
-        if r.editor and not self.ranks:  # the newest editor request first (see the module)
-            for lv in [lv for lv in self.live if lv.request.editor]:
+        if job.editor and not self.ranks:  # the newest editor request first (see the module)
+            for lv in [lv for lv in self.live if lv.job.editor]:
                 self._park(lv)
         for lv in [lv for lv in self.live if lv.solo is not None]:
             self._into_batch(lv)  # a second request: the one running alone becomes a row
-        use_draft = r.drafter == "model" and w.draft is not None
-        job.k_label = str(r.k)
-        job.drafter_name = w.draft.spec.alias if use_draft else r.drafter
+        w.label(job)
         # a lone request runs as the serial worker runs it (the engine, its own adaptive k)
         # until another arrives: a batch of one costs a little more a round (with ranks,
         # every request is a row: the other ranks follow the batch)
@@ -183,10 +180,9 @@ class Batcher:
                 self.left = []
             if alone:
                 kv = w.cache.take(r.prompt_ids)
-                request = replace(r, use_draft=use_draft, lookup=False, draft_stop=False)
-                gen = w.session.start(r.prompt_ids, request, kv=kv, stats=job.stats)
+                gen = w.session.start(r, kv=kv, stats=job.stats)
             else:
-                row, request = join_row(w, self.batch, r, job.stats)
+                row = join_row(w, self.batch, r, job.stats)
         except Exception as e:  # noqa: BLE001 - this request's error; the batch goes on
             w.totals.failed += 1
             if self.ranks:  # the other ranks failed it too, or are apart now: all stop
@@ -200,7 +196,7 @@ class Batcher:
         if r.time_limit_s is not None or r.min_indent:
             limits = EditorLimits(r.time_limit_s, r.min_indent, job.stats)
         text = TextStream(w.session.pair.tokenizer, r.stop, job.stats)
-        lv = _Live(job, row, text, limits, gen, request)
+        lv = _Live(job, row, text, limits, gen)
         if alone:
             lv.solo, lv.kv = gen.tokens(), kv
         self.live.append(lv)
@@ -225,13 +221,13 @@ class Batcher:
     def _editors_busy(self) -> bool:
         """Whether an editor request runs, is set aside, waits in the queue, or may come
         next (one ended within RESUME_GRACE: its client's follow-up)."""
-        if any(lv.request.editor for lv in self.live) or self.parked:
+        if any(lv.job.editor for lv in self.live) or self.parked:
             return True
         if time.monotonic() < self._quiet_from:
             return True
         with self.w.queue.mutex:  # (a peek: the queue is the worker's FIFO)
             queued = list(self.w.queue.queue)
-        return any(j is not None and j.request.editor and not j.request.warm_up for j in queued)
+        return any(j is not None and j.editor and not j.request.warm_up for j in queued)
 
     def _warm_up(self) -> None:
         """Run the newest waiting warm-up alone, when the editors are quiet: a warm-up fills
@@ -276,7 +272,7 @@ class Batcher:
         p = self._stop_alone(lv)
         if p is None:
             return
-        drafts = lv.request.use_draft
+        drafts = lv.job.request.uses_draft
         lv.row = self.batch.join(p.ids, p.decode, lv.kv, lv.job.stats, drafts, p.made)
         self.w.cache.keep_branch(lv.kv)  # (its caches are the row's now)
         lv.kv = None
@@ -299,7 +295,7 @@ class Batcher:
         lv.gen = None
         if decode.seed is None:  # the one the engine drew is its own: a fresh one is as good
             decode = replace(decode, seed=int.from_bytes(os.urandom(7), "little"))
-        return _Parked(list(lv.request.prompt_ids) + lv.made, decode, len(lv.made))
+        return _Parked(list(lv.job.request.prompt_ids) + lv.made, decode, len(lv.made))
 
     def _held(self) -> int:
         """Requests the MLX thread holds (Worker.holding): the live ones, the parked and
@@ -318,7 +314,7 @@ class Batcher:
             kv, lv.kv = lv.kv, None
         else:
             row = lv.row
-            decode = self.w.session.decode(replace(lv.request, seed=row.seed))
+            decode = self.w.session.decode(replace(lv.job.request, seed=row.seed))
             p = _Parked(list(row.ctx), decode, row.stops.count)
             kv, lv.row = self.batch.leave(row), None
         self.live.remove(lv)
@@ -333,13 +329,13 @@ class Batcher:
         for lv in [lv for lv in self.parked if lv.job.cancelled.is_set()]:
             self.parked.remove(lv)
             self.w.count(lv.job.stats, True)
-        if not self.parked or any(lv.request.editor for lv in self.live):
+        if not self.parked or any(lv.job.editor for lv in self.live):
             return
         if not self.w.queue.empty() or time.monotonic() < self._quiet_from:
             return  # what waits, or what an editor sends next, may be newer: its turn first
         lv = self.parked.pop()
         p, lv.parked = lv.parked, None
-        drafts = lv.request.use_draft
+        drafts = lv.job.request.uses_draft
         try:
             kv = self.w.cache.take(p.ids)
             lv.row = self.batch.join(p.ids, p.decode, kv, lv.job.stats, drafts, p.made)
@@ -409,7 +405,7 @@ class Batcher:
     def _leave(self, lv: _Live, cancelled: bool) -> None:
         w = self.w
         self.live.remove(lv)
-        if lv.request.editor:
+        if lv.job.editor:
             self._quiet_from = time.monotonic() + RESUME_GRACE
         if self.ranks and lv.row is not None:  # (sent with the next BatchOps)
             self.left.append(self.batch.rows.index(lv.row))

@@ -26,11 +26,11 @@ class FollowerBatch:
 
     def apply(self, leave: list[int], join, k: list[int] | None) -> None:
         """Do what rank 0's batch does: rows ``leave`` (indices, in order), ``join`` (a
-        GenRequest or None), then a round of ``k`` drafts per row (None: no round)."""
+        session.Request or None), then a round of ``k`` drafts per row (None: no round)."""
         for i in leave:
             self.w.cache.put(self.batch.leave(self.rows.pop(i)))
         if join is not None:
-            row, _ = join_row(self.w, self.batch, join, Stats())
+            row = join_row(self.w, self.batch, join, Stats())
             self.rows.append(row)
         if k is not None:
             if self.w.watchdog is not None:

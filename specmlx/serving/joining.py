@@ -3,27 +3,23 @@ that follow it, and whether a pair can batch at all."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..core.rows import batchable
 from ..core.stats import Stats
 from ..decoding.batch import Batch, Row
 from ..decoding.session import Request
 
 
-def join_row(worker, batch: Batch, r, stats: Stats) -> tuple[Row, Request]:
-    """Request ``r`` (a worker.GenRequest) joins ``batch`` as a row, from the worker's
-    prompt cache or a running row's prefix (Batch.share): (its row, the Request it runs
-    as). Rank 0 and the ranks that follow it join alike.
+def join_row(worker, batch: Batch, r: Request, stats: Stats) -> Row:
+    """Request ``r`` joins ``batch`` as a row, from the worker's prompt cache or a running
+    row's prefix (Batch.share). Rank 0 and the ranks that follow it join alike.
 
     worker: the worker (its session, draft and prompt cache); batch: the batch to join;
     stats: the request's, filled live."""
-    use_draft = r.drafter == "model" and worker.draft is not None
-    request = replace(r, use_draft=use_draft, lookup=False, draft_stop=False)
+    drafts = r.uses_draft and worker.draft is not None
     kv = batch.share(r.prompt_ids, worker.cache.take(r.prompt_ids))
-    row = batch.join(r.prompt_ids, worker.session.decode(request), kv, stats, drafts=use_draft)
+    row = batch.join(r.prompt_ids, worker.session.decode(r), kv, stats, drafts=drafts)
     worker.cache.keep_branch(kv)
-    return row, request
+    return row
 
 
 def can_batch(worker) -> str | None:

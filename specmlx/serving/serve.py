@@ -29,6 +29,7 @@ from fastapi.responses import Response, StreamingResponse
 from ..core.acceptance import DEFAULT_VERIFY, sampled_rule
 from ..core.sampling import SamplingParams
 from ..core.stats import Stats, TokenEvent
+from ..decoding import session
 from ..decoding.fim import encode_infill, require_fim
 from ..decoding.stream import encode_prompt
 from ..drafting.choosers import AUTO, K
@@ -53,7 +54,7 @@ from .fitting import (
 )
 from .guard import HEADER_TIMEOUT_S, Guard, HeaderDeadline
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .worker import GenRequest, QueueFull, ShuttingDown, Worker
+from .worker import QueueFull, ShuttingDown, Worker
 
 MAX_CONNECTIONS = 64  # open connections uvicorn serves at once (then a 503): slow clients
 # that never finish their headers hold one each, and uvicorn has no header timeout
@@ -182,8 +183,8 @@ def create_app(
                 middle=body.prompt, context=settings.context, room=room,
             )
         )  # fmt: skip
-        gen = replace(_llama_request(body, fit.ids, settings, worker, template.stops), editor=True)
-        return await _respond_llama(request, worker, gen, body, settings, fit.truncated)
+        gen = _llama_request(body, fit.ids, settings, worker, template.stops)
+        return await _respond_llama(request, worker, gen, body, settings, fit.truncated, True)
 
     @app.post("/completion")
     async def completion(body: LlamaCompletionBody, request: Request):
@@ -299,8 +300,8 @@ def _budget(prompt_tokens: int, asked: int | None, settings: ServerSettings) -> 
     return asked
 
 
-def _request(body: SamplingBody, ids, extra_eos, asked, settings, worker) -> GenRequest:
-    return GenRequest(
+def _request(body: SamplingBody, ids, extra_eos, asked, settings, worker) -> session.Request:
+    return session.Request(
         prompt_ids=ids,
         sampling=_sampling(body, settings),
         max_tokens=_budget(len(ids), asked, settings),
@@ -324,14 +325,14 @@ def _verify(asked: str | None, settings: ServerSettings) -> str:
 
 def _llama_request(
     body, ids: list[int], settings: ServerSettings, worker: Worker, eos
-) -> GenRequest:
+) -> session.Request:
     """A llama.cpp-shaped body (/completion, /infill) as one generation of ``ids``, a prompt
     fitted to the context (fitting.py): an answer asked longer than the room it left stops
     at the context's end, as llama-server's does."""
     sampling = _sampling(body, settings)
     asked = body.n_predict if body.n_predict > 0 else settings.max_tokens
     max_tokens = max(1, min(asked, settings.context - len(ids)))
-    return GenRequest(
+    return session.Request(
         prompt_ids=ids, sampling=sampling, max_tokens=max_tokens,
         warm_up=body.n_predict == 0,  # llama.vim's: fill the prompt cache, predict nothing
         seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s],
@@ -348,7 +349,13 @@ def _llama_request(
 class _Events:
     """The worker's events for one job, delivered into this event loop."""
 
-    def __init__(self, worker: Worker, gen: GenRequest, request: Request | None = None):
+    def __init__(
+        self,
+        worker: Worker,
+        gen: session.Request,
+        request: Request | None = None,
+        editor: bool = False,
+    ):
         loop = asyncio.get_running_loop()
         self.request = request
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -357,7 +364,7 @@ class _Events:
             loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
 
         try:
-            self.job = worker.submit(gen, emit)
+            self.job = worker.submit(gen, emit, editor)
         except QueueFull as e:
             raise ApiError(503, str(e), "server_error", "overloaded") from None
         except ShuttingDown as e:
@@ -399,7 +406,12 @@ class ClientGone(Exception):
 
 
 async def _respond(
-    request: Request, worker: Worker, gen: GenRequest, body: SamplingBody, kind: str, settings
+    request: Request,
+    worker: Worker,
+    gen: session.Request,
+    body: SamplingBody,
+    kind: str,
+    settings,
 ):
     """OpenAI's answer to a completion or chat completion: whole, or streamed as chunks."""
     events = _Events(worker, gen, request)
@@ -465,22 +477,30 @@ async def _stream(events: _Events, base: dict, chat: bool, usage: bool, with_tok
 
 
 async def _respond_llama(
-    request, worker, gen: GenRequest, body: LlamaBody, settings, truncated: bool = False
+    request,
+    worker,
+    gen: session.Request,
+    body: LlamaBody,
+    settings,
+    truncated: bool = False,
+    editor: bool = False,
 ):
     """llama.cpp's response (or, for n_cmpl > 1, a list of them: each completion a seed
     further, so sampled ones differ; greedy ones are the same); ``truncated``: the prompt
-    was cut to fit the context."""
+    was cut to fit the context; ``editor``: an editor's request (/infill: worker.Job)."""
     shown = _generation_settings(settings, 0 if gen.warm_up else gen.max_tokens)
     fields = body.response_fields
     if body.n_cmpl == 1:
-        return await _respond_infill(request, worker, gen, body.stream, fields, shown, truncated)
+        return await _respond_infill(
+            request, worker, gen, body.stream, fields, shown, truncated, editor
+        )
     if body.stream:
         raise ApiError(400, "n_cmpl > 1 cannot stream", code="unsupported")
     seed = gen.seed if gen.seed is not None else random.getrandbits(63)
     out = []
     for i in range(body.n_cmpl):
         one = replace(gen, seed=(seed + i) % 2**64)
-        got = await _respond_infill(request, worker, one, False, fields, shown, truncated)
+        got = await _respond_infill(request, worker, one, False, fields, shown, truncated, editor)
         if isinstance(got, Response):  # the client left
             return got
         out.append(got)
@@ -494,15 +514,16 @@ def _generation_settings(settings: ServerSettings, max_tokens: int) -> dict:
 async def _respond_infill(
     request: Request,
     worker: Worker,
-    gen: GenRequest,
+    gen: session.Request,
     stream: bool,
     fields: list[str] | None = None,
     generation_settings: dict | None = None,
     truncated: bool = False,
+    editor: bool = False,
 ):
     """llama.cpp's /completion response shape: content, stop, tokens, timings (just
     ``fields`` when given); ``truncated``: the prompt was cut to fit the context."""
-    events = _Events(worker, gen, request)
+    events = _Events(worker, gen, request, editor)
 
     def final(content: str, stats: Stats) -> dict:
         out = shapes.llama_completion(content, stats, events.job, generation_settings, truncated)

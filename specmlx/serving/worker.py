@@ -1,7 +1,7 @@
 """The server's generation thread: the one thread that runs MLX, one generation at a time,
 from a bounded FIFO queue, with the prompt cache and the adaptive-k choosers.
 
-It knows nothing of HTTP: a job comes in as a GenRequest with an ``emit`` callback, and its
+It knows nothing of HTTP: a job comes in as a session.Request with an ``emit`` callback, and its
 text, its end and any error go out through that callback (the server hands them to its event
 loop). A job that is cancelled (its client hung up) stops within one round and frees the slot.
 """
@@ -54,26 +54,21 @@ class ShuttingDown(SpecmlxError):
     """The server is stopping; queued requests are not started."""
 
 
-@dataclass
-class GenRequest(Request):
-    """One generation, fully resolved: a session.Request (sampler, budget, stops, k, rule)
-    with its tokens and the drafter asked for; the worker sets use_draft and lookup from
-    ``drafter``, and draft_stop from its own setting."""
-
-    prompt_ids: list[int] = field(default_factory=list)
-    drafter: str = "model"  # "model" (the loaded draft), "lookup" or "none"
-    editor: bool = False  # an editor's request (/infill): the newest runs first when batched
-    warm_up: bool = False  # llama.vim's n_predict 0: fill the prompt cache, generate nothing
-
-
 # ("piece", TokenEvent with its text) | ("done", Stats) | ("error", exc)
 Emit = Callable[[str, object], None]
 
 
 @dataclass
 class Job:
-    request: GenRequest
+    """A request in the worker's hands: what it asks (``request``, the same on every rank),
+    where its events go (``emit``), whether its client left (``cancelled``), its live
+    figures (``stats``) and what the response reports of it. editor: an editor's request
+    (/infill): the newest runs first when batched, and a warm-up waits until the editors are
+    quiet (rank 0's scheduling only: it does not travel to the other ranks)."""
+
+    request: Request
     emit: Emit
+    editor: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     stats: Stats = field(default_factory=Stats)
     k_label: str = ""  # the k setting, for the response
@@ -189,9 +184,13 @@ class Worker:
         """Requests waiting (the running one excluded)."""
         return self.queue.qsize()
 
-    def submit(self, request: GenRequest, emit: Emit) -> Job:
-        """Queue a generation; QueueFull past max_queue, ShuttingDown once stopping."""
-        job = Job(request, emit)
+    def submit(self, request: Request, emit: Emit, editor: bool = False) -> Job:
+        """Queue a generation; QueueFull past max_queue, ShuttingDown once stopping.
+        editor: an editor's request (see Job). A request for the pair's draft where none is
+        loaded drafts without it."""
+        if self.draft is None and request is not None:
+            request = request.without_draft()
+        job = Job(request, emit, editor)
         with self._lock:
             if self.stopping:
                 raise ShuttingDown("the server is shutting down")
@@ -263,7 +262,7 @@ class Worker:
         match rank 0's, so it stops (and rank 0, whose collectives then fail, stops too)."""
         while True:
             try:
-                request = receive(self.world, GenRequest)
+                request = receive(self.world, Request)
             except RuntimeError as e:
                 raise RankFailure(f"lost rank 0 ({lost_peer(e) or e})") from None
             if request is None:
@@ -289,7 +288,7 @@ class Worker:
         """Rank 0: the other ranks stop following (serving is over)."""
         send(self.world, None)
 
-    def send_ops(self, leave: list[int], join: GenRequest | None, k: list[int] | None) -> None:
+    def send_ops(self, leave: list[int], join: Request | None, k: list[int] | None) -> None:
         """Rank 0 with a batch: tell the other ranks what its batch does next (see BatchOps),
         before it does it."""
         send_ops(self.world, BatchOps(leave, join, k))
@@ -335,7 +334,7 @@ class Worker:
                     return
             finally:
                 self.holding = len(warmups.waiting)
-            if job.request.editor and not job.request.warm_up:
+            if job.editor and not job.request.warm_up:
                 warmups.editor_ended(RESUME_GRACE)
 
     def serve_alone(self, job: Job) -> bool:
@@ -391,7 +390,6 @@ class Worker:
         if world.distributed and world.leader:
             r.seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(6), "little")
             send(world, r)
-        use_draft = r.drafter == "model" and self.draft is not None
         lockstep = None
         if world.distributed:  # every round: the tokens compared, rank 0's cancel shared
             stop = job.cancelled.is_set if world.leader else None
@@ -400,16 +398,12 @@ class Worker:
                 self.watchdog.beat("generating")
                 beat = self.watchdog.beat
             lockstep = Lockstep(world, stoppable=True, cancelled=stop, beat=beat)
-        job.k_label = str(r.k)
-        job.drafter_name = self.draft.spec.alias if use_draft else r.drafter
+        self.label(job)
         # a time limit would stop the ranks at different tokens: with ranks it is not applied
         time_limit = None if world.distributed else r.time_limit_s
-        request = replace(
-            r, use_draft=use_draft, lookup=r.drafter == "lookup", draft_stop=self.draft_stop,
-            time_limit_s=time_limit,
-        )  # fmt: skip
+        request = replace(r, draft_stop=self.draft_stop, time_limit_s=time_limit)
         kv = self.cache.take(r.prompt_ids)
-        gen = self.session.start(r.prompt_ids, request, kv=kv, stats=stats, lockstep=lockstep)
+        gen = self.session.start(request, kv=kv, stats=stats, lockstep=lockstep)
         if r.warm_up:  # the prompt cache only
             try:
                 gen.prefill()
@@ -440,6 +434,13 @@ class Worker:
             return
         self.last = stats
         job.emit("done", stats)
+
+    def label(self, job: Job) -> None:
+        """What the response reports of ``job``: its k setting and its drafter (the draft's
+        alias, "lookup" or "none")."""
+        r = job.request
+        job.k_label = str(r.k)
+        job.drafter_name = self.draft.spec.alias if r.uses_draft else r.drafter
 
     def count(self, stats: Stats, cancelled: bool) -> None:
         """A request has ended: its figures into the server's totals (/metrics).
