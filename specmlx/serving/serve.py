@@ -2,7 +2,7 @@
 
 FastAPI validates requests (api_schemas), which are tokenized here and handed to the worker
 thread (the only thread that runs MLX); text streams back as server-sent events in OpenAI's
-chunk format (api_shapes). Endpoints: /health, /v1/models, /v1/completions (with `suffix`
+chunk format (responses, api_shapes). Endpoints: /health, /v1/models, /v1/completions (with `suffix`
 for fill-in-the-middle), /v1/chat/completions, llama.cpp's /infill (editor plugins), and
 /metrics (Prometheus: metrics). Every error is OpenAI's {"error": {"message", "type",
 "code"}} with a 4xx status for bad input (api_errors), and the server keeps serving; the
@@ -14,34 +14,30 @@ as llama-server does (fitting), where the OpenAI routes refuse it.
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from ..core.acceptance import DEFAULT_VERIFY, sampled_rule
 from ..core.sampling import SamplingParams
-from ..core.stats import Stats, TokenEvent
 from ..decoding import session
 from ..decoding.fim import encode_infill, require_fim
 from ..decoding.stream import encode_prompt
 from ..drafting.choosers import AUTO, K
 from ..errors import BadInput
 from . import api_shapes as shapes
-from .access_log import AccessLog, note_error, note_job
-from .api_errors import ApiError, as_api_error, error_body, install_error_handlers
+from .access_log import AccessLog
+from .api_errors import ApiError, install_error_handlers
 from .api_schemas import (
     ChatBody,
     CompletionBody,
     InfillBody,
-    LlamaBody,
     LlamaCompletionBody,
     SamplingBody,
 )
@@ -54,7 +50,8 @@ from .fitting import (
 )
 from .guard import HEADER_TIMEOUT_S, Guard, HeaderDeadline
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .worker import QueueFull, ShuttingDown, Worker
+from .responses import respond, respond_llama
+from .worker import Worker
 
 MAX_CONNECTIONS = 64  # open connections uvicorn serves at once (then a 503): slow clients
 # that never finish their headers hold one each, and uvicorn has no header timeout
@@ -140,7 +137,7 @@ def create_app(
 
         ids, extra = await _off_loop(build)
         gen = _request(body, ids, extra, body.max_tokens, settings, worker)
-        return await _respond(request, worker, gen, body, "text_completion", settings)
+        return await respond(request, worker, gen, body, "text_completion", settings)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
@@ -166,7 +163,7 @@ def create_app(
             budget = n_predict if n_predict > 0 else None
         gen = _request(body, ids, (), budget, settings, worker)
         gen.warm_up = n_predict == 0
-        return await _respond(request, worker, gen, body, "chat.completion", settings)
+        return await respond(request, worker, gen, body, "chat.completion", settings)
 
     # the editors' routes fit every prompt to the context as llama-server does (fitting.py),
     # where the OpenAI routes refuse one that does not fit: an editor shows no error, so a
@@ -184,7 +181,7 @@ def create_app(
             )
         )  # fmt: skip
         gen = _llama_request(body, fit.ids, settings, worker, template.stops)
-        return await _respond_llama(request, worker, gen, body, settings, fit.truncated, True)
+        return await respond_llama(request, worker, gen, body, settings, fit.truncated, True)
 
     @app.post("/completion")
     async def completion(body: LlamaCompletionBody, request: Request):
@@ -204,14 +201,16 @@ def create_app(
         bos = getattr(tok, "bos_token_id", None)
         fit = fit_completion(ids, settings.context, room, body.n_keep, bos)
         gen = _llama_request(body, fit.ids, settings, worker, ())
-        return await _respond_llama(request, worker, gen, body, settings, cut or fit.truncated)
+        return await respond_llama(request, worker, gen, body, settings, cut or fit.truncated)
 
     @app.get("/props")
     async def props():
         # llama.cpp's: what llama.vscode reads for the context size; its slots are the
         # requests decoded at once, here the worker's batch rows (1 where it cannot batch)
         return {
-            "default_generation_settings": _generation_settings(settings, settings.max_tokens),
+            "default_generation_settings": shapes.generation_settings(
+                settings.model_name, settings.context, settings.max_tokens
+            ),
             "total_slots": worker.slots,
             "model_path": settings.model_name,
         }
@@ -341,230 +340,6 @@ def _llama_request(
         time_limit_s=body.t_max_predict_ms / 1000 if body.t_max_predict_ms > 0 else None,
         min_indent=body.n_indent if body.n_indent > 0 else None,
     )  # fmt: skip
-
-
-# ---------------------------------------------------------------- running a job
-
-
-class _Events:
-    """The worker's events for one job, delivered into this event loop."""
-
-    def __init__(
-        self,
-        worker: Worker,
-        gen: session.Request,
-        request: Request | None = None,
-        editor: bool = False,
-    ):
-        loop = asyncio.get_running_loop()
-        self.request = request
-        self.queue: asyncio.Queue = asyncio.Queue()
-
-        def emit(kind: str, value: object) -> None:
-            loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
-
-        try:
-            self.job = worker.submit(gen, emit, editor)
-        except QueueFull as e:
-            raise ApiError(503, str(e), "server_error", "overloaded") from None
-        except ShuttingDown as e:
-            raise ApiError(503, str(e), "server_error", "shutting_down") from None
-        if request is not None:  # its figures go into the request's access log line
-            note_job(request, self.job)
-
-        self.checked = time.monotonic()
-        self.held: tuple | None = None
-
-    async def started(self, request: Request) -> None:
-        """Wait for the job's first event before a stream's headers go out: a request that
-        fails before its first token (refused while queued at shutdown, say) gets its real
-        status instead of a 200 carrying an error event. ClientGone if the client left."""
-        self.held = await self.next(request)
-        if self.held[0] == "error":
-            raise as_api_error(self.held[1])
-
-    async def next(self, request: Request | None = None):
-        """The next event. With ``request`` (a response not streamed yet), a client that hung
-        up cancels the job (looked at every quarter second) and raises ClientGone."""
-        if self.held is not None:
-            held, self.held = self.held, None
-            return held
-        while True:
-            if request is not None and time.monotonic() - self.checked > 0.25:
-                self.checked = time.monotonic()
-                if await request.is_disconnected():
-                    self.job.cancel()
-                    raise ClientGone
-            try:
-                return await asyncio.wait_for(self.queue.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                continue
-
-
-class ClientGone(Exception):
-    """The client disconnected before its response was ready."""
-
-
-async def _respond(
-    request: Request,
-    worker: Worker,
-    gen: session.Request,
-    body: SamplingBody,
-    kind: str,
-    settings,
-):
-    """OpenAI's answer to a completion or chat completion: whole, or streamed as chunks."""
-    events = _Events(worker, gen, request)
-    rid = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    base = {"id": rid, "created": int(time.time()), "model": settings.model_name}
-    chat = kind == "chat.completion"
-    if body.stream:
-        usage = bool((body.stream_options or {}).get("include_usage"))
-        try:
-            await events.started(request)
-        except ClientGone:
-            return Response(status_code=499)
-        stream = _stream(events, base, chat, usage, body.return_tokens)
-        return StreamingResponse(stream, media_type="text/event-stream")
-    text, tokens = [], []
-    try:
-        while True:
-            what, value = await events.next(request)
-            if what == "piece":
-                text.append(value.text)
-                tokens += [value.token] if value.token is not None else []
-            elif what == "error":
-                raise as_api_error(value)
-            else:
-                stats = value
-                break
-    except ClientGone:
-        return Response(status_code=499)  # nobody reads this
-    shown = tokens if body.return_tokens else None
-    return shapes.completion(base, chat, "".join(text), stats, events.job, shown)
-
-
-async def _stream(events: _Events, base: dict, chat: bool, usage: bool, with_tokens: bool):
-    """OpenAI's chunks as server-sent events, ending with data: [DONE]. If the client goes
-    away, Starlette cancels this generator and the job is cancelled with it."""
-    sse = shapes.sse
-    try:
-        if chat:
-            yield sse(shapes.role_chunk(base))
-        while True:
-            what, value = await events.next()
-            if what == "piece":
-                piece: TokenEvent = value
-                if piece.text or (with_tokens and piece.token is not None):
-                    shown = piece if with_tokens else None
-                    yield sse(shapes.chunk(base, chat, piece.text, None, shown))
-            elif what == "error":
-                err = as_api_error(value)
-                note_error(events.request, err.message)
-                yield sse(error_body(err.message, err.kind, err.code))
-                break
-            else:
-                stats: Stats = value
-                last = shapes.chunk(base, chat, None if chat else "", stats.finish_reason or "stop")
-                last["specmlx"] = shapes.job_stats(stats, events.job)
-                yield sse(last)
-                if usage:
-                    yield sse(shapes.usage_chunk(base, chat, stats))
-                break
-        yield sse("[DONE]")
-    finally:
-        events.job.cancel()  # no-op when it finished; frees the slot when the client left
-
-
-async def _respond_llama(
-    request,
-    worker,
-    gen: session.Request,
-    body: LlamaBody,
-    settings,
-    truncated: bool = False,
-    editor: bool = False,
-):
-    """llama.cpp's response (or, for n_cmpl > 1, a list of them: each completion a seed
-    further, so sampled ones differ; greedy ones are the same); ``truncated``: the prompt
-    was cut to fit the context; ``editor``: an editor's request (/infill: worker.Job)."""
-    shown = _generation_settings(settings, 0 if gen.warm_up else gen.max_tokens)
-    fields = body.response_fields
-    if body.n_cmpl == 1:
-        return await _respond_infill(
-            request, worker, gen, body.stream, fields, shown, truncated, editor
-        )
-    if body.stream:
-        raise ApiError(400, "n_cmpl > 1 cannot stream", code="unsupported")
-    seed = gen.seed if gen.seed is not None else random.getrandbits(63)
-    out = []
-    for i in range(body.n_cmpl):
-        one = replace(gen, seed=(seed + i) % 2**64)
-        got = await _respond_infill(request, worker, one, False, fields, shown, truncated, editor)
-        if isinstance(got, Response):  # the client left
-            return got
-        out.append(got)
-    return out
-
-
-def _generation_settings(settings: ServerSettings, max_tokens: int) -> dict:
-    return shapes.generation_settings(settings.model_name, settings.context, max_tokens)
-
-
-async def _respond_infill(
-    request: Request,
-    worker: Worker,
-    gen: session.Request,
-    stream: bool,
-    fields: list[str] | None = None,
-    generation_settings: dict | None = None,
-    truncated: bool = False,
-    editor: bool = False,
-):
-    """llama.cpp's /completion response shape: content, stop, tokens, timings (just
-    ``fields`` when given); ``truncated``: the prompt was cut to fit the context."""
-    events = _Events(worker, gen, request, editor)
-
-    def final(content: str, stats: Stats) -> dict:
-        out = shapes.llama_completion(content, stats, events.job, generation_settings, truncated)
-        return out if fields is None else shapes.pick_fields(out, fields)
-
-    if stream:
-
-        async def chunks() -> AsyncIterator[str]:
-            try:
-                while True:
-                    what, value = await events.next()
-                    if what == "piece" and value.text:
-                        yield shapes.sse({"content": value.text, "stop": False})
-                    elif what == "error":
-                        err = as_api_error(value)
-                        note_error(request, err.message)
-                        yield shapes.sse(error_body(err.message, err.kind, err.code))
-                        return
-                    elif what == "done":
-                        yield shapes.sse(final("", value))
-                        return
-            finally:
-                events.job.cancel()
-
-        try:
-            await events.started(request)
-        except ClientGone:
-            return Response(status_code=499)
-        return StreamingResponse(chunks(), media_type="text/event-stream")
-    text = []
-    try:
-        while True:
-            what, value = await events.next(request)
-            if what == "piece":
-                text.append(value.text)
-            elif what == "error":
-                raise as_api_error(value)
-            else:
-                return final("".join(text), value)
-    except ClientGone:
-        return Response(status_code=499)
 
 
 # ---------------------------------------------------------------- serving
