@@ -125,6 +125,10 @@ def test_runs_are_found_as_llama_server_finds_them():
     assert taken(0) == "aaaaa"  # --cache-reuse 0: the prefix only
     assert taken(1) == "aaaaaccccccceeeeeeffhhhhhhh"
     assert taken(3) == "aaaaaccccccceeeeee"  # ff is shorter than 3: the scan stops there
+    # a run may start a little later: the ff between is prefilled in place
+    gapped = chunks(cached, prompt, start, 3, gap=2)
+    assert gapped[-1] == (36, 20, 7) and reused(gapped) == 27  # hhhhhhh after ff
+    assert chunks(cached, prompt, start, 3, gap=1)[-1] == (22, 12, 6)  # ff + h is too far
     assert chunks([7, 1, 2, 3], [1, 2, 3, 4], 0, 2) == [(1, 0, 3)]  # no common prefix
     assert chunks([1, 2, 3], [1, 2, 3, 4], 3, 2) == [(0, 0, 3)]  # nothing cached past it
 
@@ -210,6 +214,30 @@ def test_runs_after_an_insertion_come_from_another_entry():
     fresh = feed(model, new, make_caches(model))[:, len(got.tokens) :]
     assert apart(logits, fresh) < EXACT
     assert [e.tokens for e in cache.entries] == [before, warm]  # both used, unchanged
+
+
+def test_a_few_new_tokens_between_runs_are_prefilled_in_place():
+    """Lines typed between two runs (or a run's first token tokenized otherwise, as a
+    window's first line without its newline) would end llama-server's scan; up to N/4 of
+    them are prefilled in place, and the next run moved after them. The draft model keeps
+    what comes before the gap and prefills the rest. One layer: a fresh prefill's logits."""
+    target, draft = one_layer(seed=0), one_layer(seed=7)
+    c1, c2, typed = C[:10], C[10:], [3, 4]
+    old, new = P + G + c1 + c2 + X, P + c1 + typed + c2 + Q
+    cache = PromptCache(10**9, 8, target, draft)  # runs of 8, gaps of 2
+    kv = cache.take(old + [9])
+    list(generate(target, draft, old + [9], k=3, max_tokens=2, kv=kv))
+    cache.put(kv)
+    got = cache.take(new + [9])
+    n = len(P + c1 + typed + c2)
+    assert got.tokens == new[:n] and got.draft_held == len(P + c1)
+    assert cache.moved_tokens == len(c1) + len(c2)
+    logits = feed(target, new[n:], got.target)
+    fresh = feed(target, new, make_caches(target))[:, n:]
+    assert apart(logits, fresh) < EXACT
+    again = cache.take(new + [9])  # (the entries are unchanged: the same again)
+    want = [e.token for e in generate(target, draft, new, k=3, max_tokens=8)]
+    assert [e.token for e in generate(target, draft, new, k=3, max_tokens=8, kv=again)] == want
 
 
 # ------------------------------------------------------------------ refused by name

@@ -147,40 +147,59 @@ def _trim_head(kv: KVState, m: int, keep: int, using: bool) -> None:
 def moved(
     sources: Sequence[KVState],
     runs: Sequence[tuple[int, Piece]],
+    context: Sequence[int],
     target: Shifter,
     draft: Shifter | None,
 ) -> KVState:
-    """A new KVState holding the new prompt's first tokens, made from runs of cached
-    sequences (an index into ``sources``, a piece of that one: shift.chunks), in the new
-    prompt's order; the sources are never changed. The target's caches are moved by
-    ``target``; the draft model's by ``draft`` over the runs it holds, or, where it cannot
-    move, cut back to the first source's common prefix (or made afresh: the draft then
-    prefills the prompt, its part being the cheap one). Raises Unshiftable where the
-    target's caches cannot move so, or a head rides along: a head is fed the target's
-    hidden state at every position, which only a prefill of the target makes."""
+    """A new KVState holding context[:reused] (the new prompt's first tokens), made from
+    runs of cached sequences (an index into ``sources``, a piece of that one:
+    shift.chunks), in the new prompt's order; the sources are never changed. The target's
+    caches are moved by ``target``, the tokens of a gap between two runs prefilled in place.
+    The draft model's are moved by ``draft`` over the runs it holds up to the first gap, or,
+    where it cannot move, cut back to the first source's common prefix (or made afresh):
+    the engine prefills the rest, the draft's part being the cheap one. Raises Unshiftable
+    where the target's caches cannot move so, or a head rides along: a head is fed the
+    target's hidden state at every position, which only a prefill of the target makes."""
     if any(kv.reads_hidden for kv in sources):
         raise Unshiftable(
             "a head drafter is fed the target's hidden state at every position, which only "
             "a prefill of the target makes"
         )
-    tokens = [t for i, (s, _, n) in runs for t in sources[i].tokens[s : s + n]]
     held = max(len(kv.tokens) for kv in sources)
-    caches = target.move([(sources[i].target, piece) for i, piece in runs], held)
-    out = KVState(target=caches, tokens=tokens)
+    caches, done, pending = None, 0, []
+    for i, (s, d, n) in runs:
+        if d > done + sum(p[2] for _, p in pending):  # a gap: move what is pending, fill it
+            caches, done = _moved_on(target, caches, done, pending, held)
+            caches = caches if caches is not None else make_caches(target.model)
+            target.fill(caches, context[done:d])
+            done, pending = d, []
+        pending.append((sources[i].target, (s, d, n)))
+    caches, done = _moved_on(target, caches, done, pending, held)
+    out = KVState(target=caches, tokens=list(context[:done]))
     if any(kv.draft is not None for kv in sources):
         out.draft, out.draft_held = _draft_moved(sources, runs, draft)
     return out
+
+
+def _moved_on(target: Shifter, caches, done: int, pending, held: int):
+    """(caches holding what ``caches`` held, ``done`` tokens, then the pending runs; how
+    many tokens that is)."""
+    if not pending:
+        return caches, done
+    base = [(caches, (0, 0, done))] if caches is not None and done else []
+    return target.move(base + pending, held), done + sum(p[2] for _, p in pending)
 
 
 def _draft_moved(sources: Sequence[KVState], runs: Sequence[tuple[int, Piece]], draft):
     """(draft caches, tokens they hold) for ``moved``: the runs within what each source's
     draft holds (a prefix of its target's tokens), moved, up to the first that is not;
     else the first source's share of the common prefix."""
-    within = []
+    within, reach = [], 0
     for i, (s, d, n) in runs:
         take = min(n, sources[i].draft_held - s) if sources[i].draft is not None else 0
-        if take <= 0:
+        if take <= 0 or d != reach:  # (a gap: the engine prefills the draft from there)
             break
+        reach += take
         within.append((sources[i].draft, (s, d, take)))
         if take < n:
             break

@@ -34,7 +34,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache
 from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE, SuScaledRoPE, YarnRoPE
 
-from .caches import WindowKVCache, make_caches
+from .caches import WindowKVCache, layer_caches, make_caches
 
 __all__ = ["Piece", "Shifter", "Unshiftable", "chunks", "reused"]
 
@@ -52,42 +52,60 @@ class Unshiftable(Exception):
 
 
 def chunks(
-    held: Sequence[int], context: Sequence[int], start: int, least: int, at: int | None = None
+    held: Sequence[int],
+    context: Sequence[int],
+    start: int,
+    least: int,
+    at: int | None = None,
+    gap: int = 0,
 ) -> list[Piece]:
     """The runs of ``held`` (cached tokens) that ``context`` (the new prompt less its last
     token) takes, as llama-server's --cache-reuse scans for them: the common prefix
     (``start`` tokens, moved nowhere), then from there each run of at least ``least`` tokens
-    the cache holds further on, in order, the cached tokens before it skipped; it stops at
-    the first new-prompt token no such run starts with (an insertion ends it). The pieces
-    fill context[:n] for n their total length (``reused``). With ``at``: the runs that
-    continue context from ``at`` on, found anywhere in ``held`` (another cached sequence
-    than the one the start came from), with no common prefix."""
+    the cache holds further on, in order, the cached tokens before it skipped. llama-server
+    stops at the first new-prompt token no run starts with (an insertion ends it); with
+    ``gap`` a run may start up to that many prompt tokens later, the tokens between left to
+    be prefilled in place (a few lines typed, or a token that a cut tokenized otherwise: a
+    window's first line without the newline before it). With ``at``: the runs that continue
+    context from ``at`` on, found anywhere in ``held`` (another cached sequence than the one
+    the start came from), with no common prefix. The pieces reach context[:reused]."""
     pieces = [(0, 0, start)] if start and at is None else []
     h, c = np.asarray(held, dtype=np.int64), np.asarray(context, dtype=np.int64)
     at_h, at_c = (start, start) if at is None else (0, at)
-    while least > 0 and at_h < len(h) and len(c) - at_c >= least:
-        # candidates: cached positions from at_h on holding the next prompt token, in order
+    while least > 0 and at_h < len(h):
         found = None
-        for s in np.flatnonzero(h[at_h:] == c[at_c]) + at_h:
-            if len(h) - s < least:
+        for d in range(at_c, min(at_c + gap, len(c) - least) + 1):
+            found = _run(h, c, at_h, d, least)
+            if found is not None:
                 break
-            if not np.array_equal(h[s : s + least], c[at_c : at_c + least]):
-                continue
-            span = min(len(h) - s, len(c) - at_c)
-            same = h[s : s + span] == c[at_c : at_c + span]
-            found = (int(s), span if same.all() else int(np.argmin(same)))
-            break
         if found is None:
             break
-        s, n = found
-        pieces.append((s, at_c, n))
-        at_h, at_c = s + n, at_c + n
+        s, d, n = found
+        pieces.append(found)
+        at_h, at_c = s + n, d + n
     return pieces
 
 
+def _run(h: np.ndarray, c: np.ndarray, at_h: int, d: int, least: int) -> Piece | None:
+    """The first run of at least ``least`` tokens in h from at_h on that context c has
+    from d on, as (where in h, d, its length), or None."""
+    if len(c) - d < least:
+        return None
+    for s in np.flatnonzero(h[at_h:] == c[d]) + at_h:  # where the cache holds c[d], in order
+        if len(h) - s < least:
+            break
+        if not np.array_equal(h[s : s + least], c[d : d + least]):
+            continue
+        span = min(len(h) - s, len(c) - d)
+        same = h[s : s + span] == c[d : d + span]
+        return int(s), d, span if same.all() else int(np.argmin(same))
+    return None
+
+
 def reused(pieces: Sequence[Piece]) -> int:
-    """The tokens a list of pieces fills: context[:reused]."""
-    return sum(n for _, _, n in pieces)
+    """How far into the prompt the pieces reach: context[:reused] (the gaps between them,
+    if any, prefilled in place)."""
+    return pieces[-1][1] + pieces[-1][2] if pieces else 0
 
 
 class _Probe(KVCache):
@@ -155,6 +173,7 @@ class Shifter:
     its caches cannot be moved at all (then ``move`` raises)."""
 
     def __init__(self, model: nn.Module):
+        self.model = model
         self.name = type(model).__module__.rsplit(".", 1)[-1]
         self.turns: list[Rotate | None] = []
         self.limit: int | None = None  # the longest cache the rotations hold for
@@ -242,7 +261,11 @@ class Shifter:
         runs = [(caches, piece) for caches, piece in runs if piece[2]]
         if not runs:
             raise Unshiftable("no tokens to move")
-        total = sum(n for _, (_, _, n) in runs)
+        total = 0
+        for _, (_, d, n) in runs:
+            if d != total:
+                raise ValueError("runs must follow one another: fill the gaps first")
+            total += n
         out = []
         for layer, turn in enumerate(self.turns):
             here = [(caches[layer], piece) for caches, piece in runs]
@@ -259,6 +282,12 @@ class Shifter:
             else:
                 raise Unshiftable(f"{self.name}: a {kind.__name__} cannot be moved")
         return out
+
+    def fill(self, cache: list, tokens: Sequence[int]) -> None:
+        """Run ``tokens`` through the model at the end of ``cache`` (a gap between moved
+        runs, prefilled in place), evaluated."""
+        self.model(mx.array([list(tokens)], dtype=mx.uint32), cache=cache)
+        mx.eval([c.state for c in layer_caches(cache)])
 
 
 def _take(keys, values, lo: int, n: int, by: int, turn: Rotate | None):

@@ -21,8 +21,10 @@ least N tokens an entry holds further on, moved to where the prompt has them
 chunk. The runs come from the entry giving the most tokens, scanned as llama-server scans
 its one sequence, and where an insertion ends that scan (a ring's new chunk), from other
 entries that go on from there (the warm-up that laid out the new ring, the suggestion
-before it that holds the window). The moved caches are a new KVState: entries stay as they
-were. Moved keys are rotated exactly, but past the first layer they still carry
+before it that holds the window). Where llama-server stops at the first token no run starts
+with, a run may start up to N/4 tokens later here, those tokens prefilled in place: lines
+typed between two runs, or a window's first token tokenized without the newline before it.
+The moved caches are a new KVState: entries stay as they were. Moved keys are rotated exactly, but past the first layer they still carry
 the context they were computed in, so text generated from them can differ from a fresh
 prefill's: off unless asked. Not for recurrent state or head drafters (``refused`` says
 why); a window that no longer holds what the moved prompt needs falls back to the prefix.
@@ -45,7 +47,7 @@ class PromptCache:
     Not thread-safe: the server's one generation thread owns it.
 
     reuse: the shortest run of cached tokens moved to another position (0: none, only the
-    common prefix is kept); target, draft: the models whose caches are moved (needed with
+    common prefix is kept), runs up to reuse // 4 tokens apart; target, draft: the models whose caches are moved (needed with
     reuse; each is probed once here: shift.Shifter)."""
 
     def __init__(
@@ -107,29 +109,31 @@ class PromptCache:
         caches cannot move so (a window that dropped them). First the entry whose prefix
         and runs, as llama-server scans one sequence, give the most; then, where an
         insertion ended that scan, runs of the other entries that go on from there (a
-        warm-up holds a ring's new chunk, the entry before it the window after it)."""
+        warm-up holds a ring's new chunk, the entry before it the window after it). Runs
+        may be up to reuse // 4 tokens apart: those are prefilled in place."""
         live = [i for i, kv in enumerate(self.entries) if kv.target is not None]
         if any(self.entries[i].reads_hidden for i in live):
             return None
-        runs, end = [], 0
+        runs, end, gap = [], 0, self.reuse // 4
         for i in reversed(live):  # the most recent first among equals
             kv = self.entries[i]
-            found = chunks(kv.tokens, context, common_prefix(kv.tokens, context), self.reuse)
+            start = common_prefix(kv.tokens, context)
+            found = chunks(kv.tokens, context, start, self.reuse, gap=gap)
             if reused(found) > end:
                 runs, end = [(i, p) for p in found], reused(found)
         going = True
         while going and end < len(context):
             going = False
             for i in reversed(live):
-                more = chunks(self.entries[i].tokens, context, 0, self.reuse, at=end)
+                more = chunks(self.entries[i].tokens, context, 0, self.reuse, at=end, gap=gap)
                 if more:
                     runs += [(i, p) for p in more]
-                    end, going = end + reused(more), True
+                    end, going = reused(more), True
                     break
         if not runs or end <= floor:
             return None
         try:
-            out = moved(self.entries, runs, self._target, self._draft)
+            out = moved(self.entries, runs, context, self._target, self._draft)
         except Unshiftable:
             return None
         used = {i for i, _ in runs}  # now the most recently used, in their order
