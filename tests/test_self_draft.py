@@ -20,6 +20,7 @@ from kit_distribution import (
     sequence_joint,
     skips_the_residual,
 )
+from kit_ranks import same_on_two_ranks
 from kit_serve import server_env
 from typer.testing import CliRunner
 
@@ -302,3 +303,11 @@ def test_serve_drafts_from_the_targets_own_layers(tiny_target, tmp_path):
     finally:
         code, err = s.stop()
     assert code == 0 and "Traceback" not in err, err
+
+
+def test_the_exit_runs_over_two_ranks(tiny_target, tmp_path):
+    """The target split over two local ranks: the exit's layers are the target's shards,
+    and every rank drafts, verifies and keeps alike (the same tokens and rounds as one
+    process)."""
+    got = same_on_two_ranks(tmp_path, tiny_target, "self:exit=2", 3)
+    assert got["stats"]["drafted"] > 0
