@@ -5,7 +5,7 @@ cache hands one to the engine); ``reuse_prefix`` keeps their longest common pref
 prompt. A draft that reads the target's hidden states (an MTP head) rides along: its cache
 holds pairs (h_j, t_{j+1}) and ``waiting`` the confirmed states it has not been fed yet, so
 what it may keep depends on what the target keeps (``_head_keep``, ``_trim_head``).
-``moved`` builds a KVState from runs of a cached sequence moved to new positions (shift.py:
+``moved`` builds a KVState from runs of cached sequences moved to new positions (shift.py:
 llama-server's --cache-reuse).
 """
 

@@ -3,8 +3,10 @@
 An editor's next prompt holds runs of tokens the cache already holds at other positions: the
 window around the cursor slid, the ring of other files dropped its first chunk. ``chunks``
 finds them as llama-server does (after the common prefix, runs of at least N tokens that
-come in the same order, the cache's tokens between them deleted), and ``Shifter.move``
-builds the caches holding the new prompt's start from them, without a prefill.
+come in the same order, the cache's tokens between them deleted; here a run may also start
+a few prompt tokens after the last one ended), and ``Shifter.move`` builds the caches
+holding the new prompt's start from them (from one cached sequence or several) without a
+prefill, but for the few tokens between runs (``Shifter.fill``).
 
 Moving a key is one more rotation. Attention layers keep keys already rotated by RoPE at
 their positions, and rotations compose: a key at p rotated by d is the key at p + d. So each
