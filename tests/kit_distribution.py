@@ -1,9 +1,9 @@
 """The distribution kit: the whole-sequence chi-square that every exactness test of a
-drafter uses (test_distribution.py's own, and the drafters' in test_eagle3, test_dflash,
-test_mtp and test_distill). The exact joint distribution of three-token sequences by
-enumeration, counts of the sequences the engine generates through the public
-generate_tokens, a pooled chi-square between them, and the wrong-rule control
-(``skips_the_residual``) that each test's chi-square must reject."""
+drafter uses (test_drafter_kinds.py's, one per drafter kind; test_distribution.py's for
+per-token stopping and the window, recurrent and Mamba 2 caches). The exact joint
+distribution of three-token sequences by enumeration, counts of the sequences the engine
+generates through the public generate_tokens, a pooled chi-square between them, and the
+wrong-rule control (``skips_the_residual``) that each test's chi-square must reject."""
 
 import mlx.core as mx
 import numpy as np
@@ -44,10 +44,11 @@ def sequence_joint(target, process, prompt=JOINT_PROMPT) -> np.ndarray:
 
 
 def engine_sequences(
-    target, draft, verify: str, n: int, k=2, draft_stop: bool = False, prompt=JOINT_PROMPT
+    target, draft, verify: str, n: int, k=2, prompt=JOINT_PROMPT, **settings
 ) -> tuple[np.ndarray, np.ndarray]:
     """Counts of the three-token sequences from n seeded generations (k = 2, or a chooser
-    object made afresh per generation), and how many rounds kept 0, 1 and 2 drafts."""
+    object), and how many rounds kept 0, 1 and 2 drafts. settings: more of generate's
+    keywords (``lookup``, ``draft_stop``)."""
     counts, kept = np.zeros(JV**3), np.zeros(3)
     for seed in range(n):
         stats = Stats()
@@ -64,7 +65,7 @@ def engine_sequences(
                 vocab_size=JV,
                 stats=stats,
                 verify=verify,
-                draft_stop=draft_stop,
+                **settings,
             )
         ]
         counts[(out[0] * JV + out[1]) * JV + out[2]] += 1

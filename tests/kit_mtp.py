@@ -2,8 +2,8 @@
 generation and the greedy-identity check, and checkpoints laid out as Hugging Face ships
 them, with their heads: the Qwen families' (``mtp.*``: Qwen3-Next, Qwen3.5, Qwen3.5 MoE)
 and the ``model.layers.{N}`` ones (DeepSeek-V3, GLM-4.5; their tiny configs here). Used by
-test_mtp, test_mtp_deepseek, test_mtp_dense and test_mtp_fronts. (tests/mtp_toy.py is the
-other MTP helper: a head trained on a toy language.)"""
+test_mtp, test_mtp_deepseek, test_mtp_dense, test_mtp_fronts and test_drafter_kinds.
+(tests/mtp_toy.py is the other MTP helper: a head trained on a toy language.)"""
 
 import json
 import math

@@ -6,9 +6,10 @@ PyTorch on the CPU on random weights saved in the released layout (config keys a
 names as published): the drafter's logits over several rounds of context and blocks, and
 the reference's whole generation loop (``dflash_generate``) over Hugging Face's Qwen3 with
 the target's weights, whose every block must be the one specmlx drafts. Then the drafter on
-tiny random targets: greedy identical, the whole-sequence chi-square and its wrong-rule
-control, `specmlx run` and `serve` with ``--draft dflash:PATH``, and each misfit refused in
-one line before the target loads. Mechanics only: random drafters say nothing about speed."""
+tiny random targets: greedy identical (window and recurrent targets too), `specmlx run` and
+`serve` with ``--draft dflash:PATH``, and each misfit refused in one line before the target
+loads. The whole-sequence chi-square and its wrong-rule control are test_drafter_kinds.py's.
+Mechanics only: random drafters say nothing about speed."""
 
 import json
 import sys
@@ -21,14 +22,6 @@ import torch
 from families import build, family_config
 from helpers import generate, save_tiny, served_head_equals_no_draft, tiny_tokenizer
 from kit_dflash import ROUNDS, LegacyCache, agree, our_rounds, ref_rounds
-from kit_distribution import (
-    JOINT_SAMPLING,
-    JV,
-    engine_sequences,
-    pooled_chi2,
-    sequence_joint,
-    skips_the_residual,
-)
 from kit_ranks import same_on_two_ranks
 from mlx.utils import tree_flatten
 from safetensors.torch import save_file
@@ -38,10 +31,8 @@ from typer.testing import CliRunner
 import specmlx.drafting.dflash as dflash
 import specmlx.models.loading as loading
 from specmlx.cli import app
-from specmlx.core.acceptance import RULES, sampled_outcome
 from specmlx.core.hidden import HiddenTap, text_model
 from specmlx.core.kvstate import KVState
-from specmlx.core.sampling import make_processor
 from specmlx.core.stats import Stats
 from specmlx.drafting.dflash import load_dflash
 from specmlx.errors import BadInput, IncompatiblePair
@@ -269,16 +260,6 @@ def test_specmlx_drafts_the_reference_loops_blocks(tmp_path, target, monkeypatch
 # ---------------------------------------------------------------- as a drafter
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """A tiny qwen3 (JV ids) and a random DFlash drafter over it."""
-    target = build("qwen3", 4, 0, vocab=JV)
-    config = dflash_json(JV, layers=1, block=4, target_layers=[1, 2], num_target_layers=4)
-    ref = reference_drafter(config, 4)
-    path = save_drafter(tmp_path_factory.mktemp("df") / "d", ref, config)
-    return target, load_dflash(target, target_config(target), path)
-
-
 PROMPT = [3, 5, 1, 3, 6]
 
 
@@ -315,25 +296,6 @@ def test_greedy_dflash_on_window_and_recurrent_targets(family):
 
 def model_width(model) -> int:
     return text_model(model).embed_tokens.weight.shape[1]
-
-
-N_DF, N_DF_WRONG = 3_000, 1_500
-
-
-def test_dflash_sequences_follow_the_target_joint(small):
-    target, head = small
-    joint = sequence_joint(target, make_processor(JOINT_SAMPLING), PROMPT)
-    counts, kept = engine_sequences(target, head, "token", N_DF, prompt=PROMPT)
-    assert pooled_chi2(counts, joint) > 1e-3
-    assert all(kept > 0.01 * kept.sum()), kept  # rounds kept 0, 1 and 2 drafts
-
-
-def test_the_dflash_sequence_test_rejects_a_wrong_rule(small, monkeypatch):
-    target, head = small
-    joint = sequence_joint(target, make_processor(JOINT_SAMPLING), PROMPT)
-    monkeypatch.setitem(RULES, "token", skips_the_residual(sampled_outcome))
-    counts, _ = engine_sequences(target, head, "token", N_DF_WRONG, prompt=PROMPT)
-    assert pooled_chi2(counts, joint) < 1e-6
 
 
 def _offline_keys(target, head, ctx, fed):

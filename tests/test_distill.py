@@ -1,8 +1,8 @@
 """`specmlx distill`: the losses on hand-built arrays, the student cut from its target, the
 loss falling on a tiny teacher (and not without training), a resumed run equal to one that
-never stopped, on-policy labels equal to a plain pass's, exactness with a distilled draft
-(greedy identical; the whole-sequence chi-square with its wrong-rule control) and the CLI's
-bad input."""
+never stopped, on-policy labels equal to a plain pass's, a distilled draft greedy identical
+and the CLI's bad input. A distilled draft's whole-sequence chi-square and its wrong-rule
+control are test_drafter_kinds.py's."""
 
 from __future__ import annotations
 
@@ -13,20 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import DEMO_FACTS, distill_data, distill_teacher, generate, make_tiny, make_tiny_model
-from kit_distribution import (
-    JOINT_SAMPLING,
-    JV,
-    engine_sequences,
-    pooled_chi2,
-    sequence_joint,
-    skips_the_residual,
-)
 from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 from specmlx.cli import app
-from specmlx.core.acceptance import RULES, block_outcome
-from specmlx.core.sampling import make_processor
 from specmlx.distill.student import (
     PROMPT_LEN,
     DistillConfig,
@@ -241,53 +231,6 @@ def test_a_distilled_draft_is_greedy_identical(teacher, data, tmp_path):
         events = list(spec)
         assert [e.token for e in events] == plain
         assert any(e.from_draft for e in events)  # the draft's tokens were kept, not just run
-
-
-class _IdTokenizer:
-    """Token ids straight from bytes, for a teacher with a JV-token vocabulary."""
-
-    eos_token_id = None
-
-    def encode(self, text: str) -> list[int]:
-        return [b % JV for b in text.encode()]
-
-    def save_pretrained(self, path: str) -> None:
-        pass
-
-
-N_SEQ, N_SEQ_WRONG = 2_000, 1_000
-
-
-@pytest.fixture(scope="module")
-def joint_pair(tmp_path_factory, data):
-    """A 4-block JV-token teacher and a 2-block student distilled from it."""
-    model = make_tiny(30, vocab=JV, layers=4, hidden=32, sharpen=2.0)
-    config = {"model_type": "llama", "num_hidden_layers": 4, **model.args.__dict__}
-    loaded = Loaded(model, _IdTokenizer(), ModelSpec("toy", "local", "/toy"), config, 0, 0, JV)
-    out = tmp_path_factory.mktemp("joint") / "s"
-    cfg = SMALL.__class__(**{**SMALL.__dict__, "top_k": JV, "steps": 5})
-    events = list(distill(loaded, out, cfg, data))
-    student, _, _ = make_student(loaded, cfg)
-    student.load_weights(list(mx.load(str(out / "model.safetensors")).items()))
-    evals = [e.metrics for e in events if e.phase == "eval"]
-    assert evals[-1]["alpha"] > evals[0]["alpha"]  # it learned something
-    return model, student
-
-
-def test_distilled_sequences_follow_the_target_joint(joint_pair):
-    target, student = joint_pair
-    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
-    counts, kept = engine_sequences(target, student, "block", N_SEQ)
-    assert pooled_chi2(counts, joint) > 1e-3
-    assert all(kept > 0.02 * kept.sum()), kept  # rounds kept 0, 1 and 2 drafts
-
-
-def test_the_distilled_sequence_test_rejects_a_wrong_rule(joint_pair, monkeypatch):
-    target, student = joint_pair
-    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
-    monkeypatch.setitem(RULES, "block", skips_the_residual(block_outcome))
-    counts, _ = engine_sequences(target, student, "block", N_SEQ_WRONG)
-    assert pooled_chi2(counts, joint) < 1e-6
 
 
 # ---------------------------------------------------------------- the CLI

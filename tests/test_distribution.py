@@ -1,39 +1,25 @@
 """Speculative sampling reproduces the target's distribution: chi-square on the joint
 distribution of the first two tokens, from 20,000 rounds batched through the engine's own
 drafting, processing and acceptance functions (the same ones a B=1 round calls); and on whole
-three-token sequences generated one by one through the public generate_tokens, for both
-verification rules, with top-k, top-p and min-p on."""
+three-token sequences generated one by one through the public generate_tokens, with top-k,
+top-p and min-p on, under per-token stopping and through a sliding window, a recurrent state
+and Mamba 2's. Each chi-square is beside a control that a wrong rule fails. Each drafter
+kind's own whole-sequence test (a draft model, lookup, heads, a batch's rows) is
+test_drafter_kinds.py's."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from families import build, noisy_copy
-from helpers import RecurrentTableLM, RowsTableLM, TableLM, WindowTableLM, generate, make_tiny
-from kit_distribution import (
-    JOINT_PROMPT,
-    JOINT_SAMPLING,
-    JV,
-    engine_sequences,
-    pooled_chi2,
-    sequence_joint,
-    skips_the_residual,
-)
+from helpers import RecurrentTableLM, TableLM, WindowTableLM, make_tiny
+from kit_distribution import JOINT_SAMPLING, JV, engine_sequences, pooled_chi2, sequence_joint
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from specmlx.core import caches
-from specmlx.core.acceptance import (
-    RULES,
-    accept_sampled,
-    block_outcome,
-    point_mass,
-    sampled_outcome,
-)
+from specmlx.core.acceptance import accept_sampled, point_mass
 from specmlx.core.recurrent import PassRecorder
 from specmlx.core.sampling import SamplingParams, make_processor, sample
-from specmlx.core.stats import KChooser, Stats
-from specmlx.decoding.batch import Batch
-from specmlx.decoding.request import Decode
-from specmlx.drafting.choosers import K as KSetting
+from specmlx.core.stats import KChooser
 from specmlx.drafting.drafters import draft_model_propose
 from specmlx.drafting.lookup import lookup_propose
 
@@ -148,12 +134,13 @@ def test_speculative_sampling_matches_target(pair, params, drafter):
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=["temp1", "top_p0.8"])
-def test_chi_square_rejects_a_wrong_rule(pair, params):
+@pytest.mark.parametrize("drafter", ["model", "lookup"])
+def test_chi_square_rejects_a_wrong_rule(pair, params, drafter):
     target, draft = pair
     process = make_processor(params)
     joint = exact_joint(target, process)
     t1, t2, _ = speculative_first_two(
-        target, draft, process, mx.random.key(0), "model", accept_everything
+        target, draft, process, mx.random.key(0), drafter, accept_everything
     )
     assert chi2_pvalue(t1, t2, joint) < 1e-6
 
@@ -170,32 +157,6 @@ def test_acceptance_beats_exact_token_matching(pair):
     exact_match = float((p * q).sum())
     assert abs(ours - np.minimum(p, q).sum()) < 0.02
     assert ours > exact_match + 0.05, (ours, exact_match)
-
-
-def test_engine_first_token_distribution(pair):
-    """The engine itself (B = 1, hybrid lookup + draft) over 1,500 seeds: first-token chi-square."""
-    target, draft = pair
-    process = make_processor(SamplingParams(temperature=1.0))
-    p1 = np.array(process(target(mx.array([PROMPT]))[0, -1]))
-    firsts = []
-    for seed in range(1500):
-        ev = next(
-            iter(
-                generate(
-                    target,
-                    draft,
-                    PROMPT,
-                    k=K,
-                    lookup=True,
-                    sampling=SamplingParams(1.0),
-                    max_tokens=2,
-                    seed=seed,
-                    stats=Stats(),
-                )
-            )
-        )
-        firsts.append(ev.token)
-    assert pooled_chi2(np.bincount(firsts, minlength=V), p1) > 1e-3
 
 
 # ------------------------------------------- whole sequences through the public API
@@ -254,27 +215,6 @@ class ConfidencePlan(KChooser):
         return (m - 1 if self.own else m), 0
 
 
-@pytest.mark.parametrize("verify", ["token", "block"])
-def test_engine_sequences_follow_the_target_joint(small_pair, verify):
-    target, draft = small_pair
-    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
-    counts, kept = engine_sequences(target, draft, verify, N_JOINT)
-    assert pooled_chi2(counts, joint) > 1e-3
-    # every path ran: rounds that kept nothing, one draft, and both (then the bonus token)
-    assert all(kept > 0.05 * kept.sum()), kept
-
-
-@pytest.mark.parametrize("verify,outcome", [("token", sampled_outcome), ("block", block_outcome)])
-def test_the_sequence_test_rejects_a_rule_that_skips_the_residual(
-    small_pair, monkeypatch, verify, outcome
-):
-    target, draft = small_pair
-    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
-    monkeypatch.setitem(RULES, verify, skips_the_residual(outcome))
-    counts, _ = engine_sequences(target, draft, verify, N_WRONG)
-    assert pooled_chi2(counts, joint) < 1e-6
-
-
 def test_per_token_stopping_keeps_the_joint(small_pair):
     """Per-token stopping decides each draft's fate from the confidences before it: whole
     sequences still follow the target's joint distribution (every path taken)."""
@@ -292,76 +232,6 @@ def test_the_sequence_test_rejects_stopping_on_a_drafts_own_confidence(small_pai
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
     plan = ConfidencePlan(0.25, own=True)
     counts, _ = engine_sequences(target, draft, "token", N_WRONG, k=plan, draft_stop=True)
-    assert pooled_chi2(counts, joint) < 1e-6
-
-
-# ------------------------------------------------- whole sequences generated in a batch
-
-N_BATCH = 6_000  # counted sequences; each batch round serves up to BATCH_WIDTH rows at once
-BATCH_WIDTH = 6
-NEIGHBOURS = [SamplingParams(), SamplingParams(0.7), SamplingParams(1.3, top_k=3)]
-
-
-@pytest.fixture(scope="module")
-def rows_pair(small_pair):
-    """small_pair's tables in models that read each row of a batch at its own length."""
-    target, draft = RowsTableLM(JV, seed=0), RowsTableLM(JV, seed=0)
-    target.table, draft.table = small_pair[0].table, small_pair[1].table
-    return target, draft
-
-
-def batch_sequences(target, draft, verify: str, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Counts of the three-token sequences of n rows sampled with JOINT_SAMPLING, each its
-    own seed, decoded in one Batch that rows join and leave as they finish (continuous
-    admission): every fourth row to join is a neighbour with another sampler and budget (not
-    counted), and k goes 2, 1, 3 round by round. Also how many rounds kept 0, 1, 2 drafts."""
-    batch, counts, kept = Batch(target, draft, JV), np.zeros(JV**3), np.zeros(4)
-    joined = counted = rnd = 0
-    counting = set()
-    while counted < n:
-        while len(batch.rows) < BATCH_WIDTH and joined - len(counting) <= 2 * n:
-            if joined % 4 == 3:
-                s, budget = NEIGHBOURS[joined % len(NEIGHBOURS)], 5
-            else:
-                s, budget = JOINT_SAMPLING, 3
-            row = batch.join(
-                JOINT_PROMPT, Decode(s, KSetting(3), budget, seed=joined, verify=verify)
-            )
-            if s is JOINT_SAMPLING:
-                counting.add(id(row))
-            joined += 1
-        batch.round((2, 1, 3)[rnd % 3])
-        rnd += 1
-        for row in [r for r in batch.rows if r.done]:
-            batch.leave(row)
-            if id(row) in counting and counted < n:
-                a, b, c = row.ctx[len(JOINT_PROMPT) :]
-                counts[(a * JV + b) * JV + c] += 1
-                counted += 1
-                kept[: len(row.stats.accept_hist)] += row.stats.accept_hist
-            counting.discard(id(row))
-    return counts, kept
-
-
-@pytest.mark.parametrize("verify", ["token", "block"])
-def test_batch_sequences_follow_the_target_joint(rows_pair, verify):
-    """Rows sampled in a batch beside rows of other samplers, joining and leaving: each
-    request's whole sequence follows the target's joint (every accept path taken)."""
-    target, draft = rows_pair
-    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
-    counts, kept = batch_sequences(target, draft, verify, N_BATCH)
-    assert pooled_chi2(counts, joint) > 1e-3
-    assert all(kept[:3] > 0.05 * kept.sum()), kept
-
-
-@pytest.mark.parametrize("verify,outcome", [("token", sampled_outcome), ("block", block_outcome)])
-def test_the_batch_sequence_test_rejects_a_rule_that_skips_the_residual(
-    rows_pair, monkeypatch, verify, outcome
-):
-    target, draft = rows_pair
-    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
-    monkeypatch.setitem(RULES, verify, skips_the_residual(outcome))
-    counts, _ = batch_sequences(target, draft, verify, N_WRONG)
     assert pooled_chi2(counts, joint) < 1e-6
 
 

@@ -1,8 +1,8 @@
 """drafting/self_draft.py: the target drafts for itself (an early exit, layers skipped).
 Greedy output equals the target's alone, for a lone request and a batch, over mlx-lm's
-families; sampled whole sequences follow the target's joint distribution (with the
-wrong-rule control); bad specs and families that cannot leave layers out are refused by
-name; the CLI runs it."""
+families; bad specs and families that cannot leave layers out are refused by name; the CLI
+runs it. Its sampled whole sequences (the chi-square and its wrong-rule control) are
+test_drafter_kinds.py's."""
 
 import json
 from concurrent.futures import ThreadPoolExecutor
@@ -12,22 +12,12 @@ import openai
 import pytest
 from families import build
 from helpers import Server, generate, make_tiny, make_tiny_model
-from kit_distribution import (
-    JOINT_SAMPLING,
-    JV,
-    engine_sequences,
-    pooled_chi2,
-    sequence_joint,
-    skips_the_residual,
-)
 from kit_ranks import same_on_two_ranks
 from kit_serve import server_env
 from typer.testing import CliRunner
 
 from specmlx.cli import app
-from specmlx.core.acceptance import RULES, block_outcome
 from specmlx.core.kvstate import KVState
-from specmlx.core.sampling import make_processor
 from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
 from specmlx.decoding.request import Decode
@@ -175,36 +165,6 @@ def test_auto_picks_one_of_the_quarter_exits():
     target = make_tiny(5, layers=8, sharpen=3.0)
     spec = choose_exit(target, PROMPT * 3)
     assert spec.exit in (2, 4, 6)
-
-
-# ------------------------------------------------- sampled: the target's joint distribution
-
-N_SELF = 4_000
-N_SELF_WRONG = 2_000
-
-
-@pytest.fixture(scope="module")
-def self_pair():
-    """A tiny llama over the kit's JV ids, its head sharpened, drafting from its first
-    layer."""
-    target = make_tiny(11, vocab=JV, layers=3, hidden=16, sharpen=2.0)
-    return target, SelfDraft(target, SelfSpec(exit=1))
-
-
-def test_self_drafted_sequences_follow_the_target_joint(self_pair):
-    target, draft = self_pair
-    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
-    counts, kept = engine_sequences(target, draft, "block", N_SELF)
-    assert pooled_chi2(counts, joint) > 1e-3
-    assert all(kept > 0.03 * kept.sum()), kept  # every path ran
-
-
-def test_the_self_draft_test_rejects_a_rule_that_skips_the_residual(self_pair, monkeypatch):
-    target, draft = self_pair
-    joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
-    monkeypatch.setitem(RULES, "block", skips_the_residual(block_outcome))
-    counts, _ = engine_sequences(target, draft, "block", N_SELF_WRONG)
-    assert pooled_chi2(counts, joint) < 1e-6
 
 
 # ------------------------------------------------------------------------------ the CLI

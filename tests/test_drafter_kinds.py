@@ -1,0 +1,329 @@
+"""Every drafter kind through the same three tests: greedy decoding is the target's own, token
+for token; sampled whole sequences follow the target's joint distribution (kit_distribution:
+the chi-square over three-token sequences, with top-k, top-p and min-p on); and the same
+chi-square rejects a rule that skips the residual, so each kind's test can fail.
+
+The kinds: a draft model (both verification rules), prompt lookup, lookup then a draft model
+(the chain), an MTP head, an EAGLE-3 head whose vocabulary is narrower than the target's
+(q = 0 outside it), a DFlash block drafter, a draft distilled by `specmlx distill`, the
+target drafting for itself (an early exit), and a draft model's rows in a batch that rows
+join and leave (both rules). What only one kind has
+(the reference code, loading, the CLI, ranks) stays in that kind's module (tests/README.md)."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from families import build
+from helpers import RowsTableLM, TableLM, distill_data, generate, make_tiny
+from kit_distribution import (
+    JOINT_PROMPT,
+    JOINT_SAMPLING,
+    JV,
+    engine_sequences,
+    pooled_chi2,
+    sequence_joint,
+    skips_the_residual,
+)
+from kit_mtp import random_head
+from mlx.utils import tree_map_with_path
+
+from specmlx.core.acceptance import RULES, block_outcome, sampled_outcome
+from specmlx.core.hidden import text_model
+from specmlx.core.sampling import SamplingParams, make_processor
+from specmlx.core.stats import Stats
+from specmlx.decoding.batch import Batch
+from specmlx.decoding.request import Decode
+from specmlx.distill.student import DistillConfig, make_student
+from specmlx.distill.train import distill
+from specmlx.drafting import dflash, eagle3
+from specmlx.drafting.choosers import K as KSetting
+from specmlx.drafting.self_draft import SelfDraft, SelfSpec
+from specmlx.models.loading import Loaded
+from specmlx.models.registry import ModelSpec
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A target and what drafts for it (None: lookup alone), the prompt its sequences
+    follow, whether lookup proposes first, and whether it runs as a batch's rows."""
+
+    target: nn.Module
+    draft: nn.Module | None
+    prompt: list[int]
+    lookup: bool = False
+    batched: bool = False
+
+
+def _noisy_tables(cls=TableLM) -> tuple[TableLM, TableLM]:
+    """A table target and a draft with a noisy table: its first proposal is kept about two
+    times in three."""
+    target, draft = cls(JV, seed=20, scale=0.5), cls(JV, seed=20, scale=0.5)
+    draft.table = target.table + 0.5 * mx.random.normal(target.table.shape, key=mx.random.key(7))
+    mx.eval(target.table, draft.table)
+    return target, draft
+
+
+def _copying(target: TableLM) -> TableLM:
+    """The target made to favour each id's successor (id + 1, about one time in two): after a
+    prompt holding a run of consecutive ids, lookup proposes what the target often keeps."""
+    successor = (mx.arange(JV)[:, None] + 1) % JV == mx.arange(JV)[None, :]  # (id, next id)
+    target.table = target.table + 2.0 * successor[None]
+    mx.eval(target.table)
+    return target
+
+
+def _randomized(head: nn.Module, seed: int) -> nn.Module:
+    """Random weights as the reference tests give a head's: norms near one, the rest at 0.3."""
+    mx.random.seed(seed)
+    head.update(
+        tree_map_with_path(
+            lambda name, p: float(name.endswith("norm.weight")) + 0.3 * mx.random.normal(p.shape),
+            head.parameters(),
+        )
+    )
+    mx.eval(head.parameters())
+    return head
+
+
+def _draft_model(_tmp: Path) -> Pair:
+    return Pair(*_noisy_tables(), JOINT_PROMPT)
+
+
+def _lookup(_tmp: Path) -> Pair:
+    # lookup proposes [4, 5] in round one; a new id (the residual's) leaves it nothing to offer
+    return Pair(_copying(_noisy_tables()[0]), None, [3, 4, 5, 6, 3], lookup=True)
+
+
+def _chain(_tmp: Path) -> Pair:
+    # round one has no match (3 is new): the draft model drafts; lookup then offers what
+    # followed 4 or 5 in the prompt
+    target, draft = _noisy_tables()
+    return Pair(_copying(target), draft, [4, 5, 3], lookup=True)
+
+
+def _mtp(_tmp: Path) -> Pair:
+    # the head reads the prompt's hidden states: it drafts in round one
+    target = build("qwen3_5", 2, 0, vocab=JV)
+    return Pair(target, random_head(target, "qwen3_5", scale=0.5), [3, 5, 1, 3])
+
+
+def _eagle3(_tmp: Path) -> Pair:
+    """A random EAGLE-3 head over a four-layer llama whose draft vocabulary lacks three of the
+    target's ids (q = 0 there: only the residual can emit them)."""
+    target = build("llama", 4, 0, vocab=JV)
+    width = text_model(target).embed_tokens.weight.shape[1]
+    config = eagle3.Eagle3Config(
+        hidden=width, heads=4, kv_heads=2, head_dim=8, intermediate=64, eps=1e-5,
+        rope_theta=10000.0, rope_scaling=None, max_positions=2048, vocab=JV, draft_vocab=5,
+        target_hidden=width, layers=(0, 1, 3),
+    )  # fmt: skip
+    head = _randomized(eagle3.Eagle3Head(target, config), seed=4)
+    ids = np.array([0, 1, 3, 5, 6])  # the draft vocabulary's target ids
+    head.map_vocabulary(mx.array(ids - np.arange(len(ids))))
+    return Pair(target, head, [3, 5, 1, 3, 6])
+
+
+def _dflash(_tmp: Path) -> Pair:
+    """A random DFlash drafter (one layer, blocks of 4) over a four-layer qwen3."""
+    target = build("qwen3", 4, 0, vocab=JV)
+    config = dflash.DFlashConfig(
+        hidden=text_model(target).embed_tokens.weight.shape[1], layers=1, heads=4, kv_heads=2,
+        head_dim=8, bias=False, intermediate=64, eps=1e-6, rope_theta=10000.0,
+        rope_scaling=None, max_positions=512, vocab=JV, block_size=4, mask_id=JV - 1,
+        target_layers=(1, 2),
+    )  # fmt: skip
+    return Pair(target, _randomized(dflash.DFlashHead(target, config), seed=4), [3, 5, 1, 3, 6])
+
+
+class _IdTokenizer:
+    """Token ids straight from bytes, for a teacher with a JV-token vocabulary."""
+
+    eos_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return [b % JV for b in text.encode()]
+
+    def save_pretrained(self, path: str) -> None:
+        pass
+
+
+def _distilled(tmp: Path) -> Pair:
+    """A 4-block JV-token teacher and a 2-block student `specmlx distill` trained from it."""
+    model = make_tiny(30, vocab=JV, layers=4, hidden=32, sharpen=2.0)
+    config = {"model_type": "llama", "num_hidden_layers": 4, **model.args.__dict__}
+    loaded = Loaded(model, _IdTokenizer(), ModelSpec("toy", "local", "/toy"), config, 0, 0, JV)
+    cfg = DistillConfig(
+        layers=2, steps=5, batch=4, seq_len=32, data_tokens=2048, heldout_tokens=128, lr=3e-3,
+        warmup=2, eval_every=0, save_every=0, top_k=JV,
+    )  # fmt: skip
+    (tmp / "data").mkdir()
+    events = list(distill(loaded, tmp / "student", cfg, distill_data(tmp / "data")))
+    student, _, _ = make_student(loaded, cfg)
+    student.load_weights(list(mx.load(str(tmp / "student" / "model.safetensors")).items()))
+    evals = [e.metrics for e in events if e.phase == "eval"]
+    assert evals[-1]["alpha"] > evals[0]["alpha"]  # it learned something
+    return Pair(model, student, JOINT_PROMPT)
+
+
+def _self_draft(_tmp: Path) -> Pair:
+    """A tiny llama, its head sharpened, drafting from its first layer (then its head)."""
+    target = make_tiny(11, vocab=JV, layers=3, hidden=16, sharpen=2.0)
+    return Pair(target, SelfDraft(target, SelfSpec(exit=1)), JOINT_PROMPT)
+
+
+def _batch_rows(_tmp: Path) -> Pair:
+    """The draft model's tables in models that read each row of a batch at its own length."""
+    return Pair(*_noisy_tables(RowsTableLM), JOINT_PROMPT, batched=True)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A drafter kind: how its pair is built, the generations its chi-square counts (``n``)
+    and its wrong-rule control counts (``n_wrong``), and the least share of rounds that kept
+    each of 0, 1 and 2 drafts (every accept path taken)."""
+
+    build: Callable[[Path], Pair]
+    n: int
+    n_wrong: int
+    kept: float
+
+
+# the draft model's 10,000 over the 154 possible sequences keep every cell's expected count
+# high for the pooled chi-square (the enumeration in test_acceptance.py carries the fine
+# math); a head's pass costs a tiny model's (~5 ms a generation), so fewer there. A wrong
+# rule is far off: each control's count shows it at p < 1e-12
+KINDS = {
+    "draft-model": Kind(_draft_model, 10_000, 2_000, 0.05),
+    "lookup": Kind(_lookup, 2_000, 400, 0.05),
+    "lookup+draft": Kind(_chain, 2_000, 700, 0.05),
+    "mtp": Kind(_mtp, 3_000, 1_200, 0.02),
+    "eagle3": Kind(_eagle3, 3_000, 600, 0.01),
+    "dflash": Kind(_dflash, 3_000, 800, 0.01),
+    "distilled": Kind(_distilled, 2_000, 700, 0.02),
+    "self-draft": Kind(_self_draft, 4_000, 1_000, 0.03),
+    "batch-rows": Kind(_batch_rows, 6_000, 2_000, 0.05),
+}
+# (kind, rule): both rules for the draft model and the batch, one for each other kind
+RULED = [
+    ("draft-model", "token"), ("draft-model", "block"), ("lookup", "block"),
+    ("lookup+draft", "token"), ("mtp", "block"), ("eagle3", "block"), ("dflash", "token"),
+    ("distilled", "block"), ("self-draft", "block"), ("batch-rows", "token"),
+    ("batch-rows", "block"),
+]  # fmt: skip
+OUTCOMES = {"token": sampled_outcome, "block": block_outcome}
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> Callable[[str], Pair]:
+    """Each kind's pair, built when a test first asks for it."""
+    built: dict[str, Pair] = {}
+
+    def pair(kind: str) -> Pair:
+        if kind not in built:
+            built[kind] = KINDS[kind].build(tmp_path_factory.mktemp(kind))
+        return built[kind]
+
+    return pair
+
+
+# ------------------------------------------------------------------- batched rows
+
+N_ROWS = 6  # rows decoded at once
+NEIGHBOURS = [SamplingParams(), SamplingParams(0.7), SamplingParams(1.3, top_k=3)]
+
+
+def batch_sequences(target, draft, verify: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts of the three-token sequences of n rows sampled with JOINT_SAMPLING, each its
+    own seed, decoded in one Batch that rows join and leave as they finish (continuous
+    admission): every fourth row to join is a neighbour with another sampler and budget (not
+    counted), and k goes 2, 1, 3 round by round. Also how many rounds kept 0, 1, 2, 3 drafts."""
+    batch, counts, kept = Batch(target, draft, JV), np.zeros(JV**3), np.zeros(4)
+    joined = counted = rnd = 0
+    counting = set()
+    while counted < n:
+        while len(batch.rows) < N_ROWS and joined - len(counting) <= 2 * n:
+            if joined % 4 == 3:
+                s, budget = NEIGHBOURS[joined % len(NEIGHBOURS)], 5
+            else:
+                s, budget = JOINT_SAMPLING, 3
+            row = batch.join(
+                JOINT_PROMPT, Decode(s, KSetting(3), budget, seed=joined, verify=verify)
+            )
+            if s is JOINT_SAMPLING:
+                counting.add(id(row))
+            joined += 1
+        batch.round((2, 1, 3)[rnd % 3])
+        rnd += 1
+        for row in [r for r in batch.rows if r.done]:
+            batch.leave(row)
+            if id(row) in counting and counted < n:
+                a, b, c = row.ctx[len(JOINT_PROMPT) :]
+                counts[(a * JV + b) * JV + c] += 1
+                counted += 1
+                kept[: len(row.stats.accept_hist)] += row.stats.accept_hist
+            counting.discard(id(row))
+    return counts, kept
+
+
+def batch_greedy(pair: Pair, prompts: list[list[int]], k: int, n: int) -> list[list[int]]:
+    """Greedy rows, one per prompt, joined together and decoded until each is done."""
+    batch = Batch(pair.target, pair.draft, JV)
+    rows = [batch.join(p, Decode(SamplingParams(), KSetting(k), n)) for p in prompts]
+    while batch.rows:
+        batch.round(k)
+        for row in [r for r in batch.rows if r.done]:
+            batch.leave(row)
+    assert sum(row.stats.drafted for row in rows) > 0
+    return [row.ctx[len(p) :] for row, p in zip(rows, prompts, strict=True)]
+
+
+# ------------------------------------------------------------------- the tests
+
+
+def sequences(pair: Pair, verify: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+    if pair.batched:
+        return batch_sequences(pair.target, pair.draft, verify, n)
+    return engine_sequences(
+        pair.target, pair.draft, verify, n, prompt=pair.prompt, lookup=pair.lookup
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_decoding_is_the_targets_own(pairs, kind):
+    """Drafting at k = 3 (a DFlash block of 4 drafts at most 3) changes no token, and the
+    drafter did draft; a batch's rows, of three prompt lengths, each equal their plain run."""
+    pair = pairs(kind)
+    prompts = [pair.prompt, [3, 5, 1, 3], [6, 2]] if pair.batched else [pair.prompt]
+    plain = [[e.token for e in generate(pair.target, None, p, max_tokens=24)] for p in prompts]
+    if pair.batched:
+        assert batch_greedy(pair, prompts, 3, 24) == plain
+        return
+    stats = Stats()
+    spec = generate(
+        pair.target, pair.draft, pair.prompt, k=3, max_tokens=24, lookup=pair.lookup, stats=stats
+    )
+    assert [e.token for e in spec] == plain[0]
+    assert stats.drafted > 0
+
+
+@pytest.mark.parametrize("kind,verify", RULED)
+def test_sampled_sequences_follow_the_targets_joint(pairs, kind, verify):
+    pair = pairs(kind)
+    joint = sequence_joint(pair.target, make_processor(JOINT_SAMPLING), pair.prompt)
+    counts, kept = sequences(pair, verify, KINDS[kind].n)
+    assert pooled_chi2(counts, joint) > 1e-3
+    assert all(kept[:3] > KINDS[kind].kept * kept.sum()), kept
+
+
+@pytest.mark.parametrize("kind,verify", RULED)
+def test_the_joint_test_rejects_a_rule_that_skips_the_residual(pairs, kind, verify, monkeypatch):
+    pair = pairs(kind)
+    joint = sequence_joint(pair.target, make_processor(JOINT_SAMPLING), pair.prompt)
+    monkeypatch.setitem(RULES, verify, skips_the_residual(OUTCOMES[verify]))
+    counts, _ = sequences(pair, verify, KINDS[kind].n_wrong)
+    assert pooled_chi2(counts, joint) < 1e-6
