@@ -536,7 +536,7 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
     import queue
     from types import SimpleNamespace
 
-    from specmlx.decoding.session import Pair
+    from specmlx.decoding.session import Pair, Request
     from specmlx.distributed.ranks import RankFailure, World
     from specmlx.drafting.choosers import ChooserStore
     from specmlx.serving.api_errors import as_api_error
@@ -550,11 +550,10 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
         def __init__(self):
             self.said, self.request = (
                 [],
-                SimpleNamespace(
-                    drafter="model", max_tokens=8, k=3, seed=None, editor=False, warm_up=False
-                ),
+                Request([1, 2, 3], k=3, max_tokens=8),
             )
             self.cancelled = SimpleNamespace(is_set=lambda: False)
+            self.editor = False
 
         def emit(self, kind, value):
             self.said.append((kind, value))
@@ -568,6 +567,7 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
         world=World(None, rank=0, size=2),
         watchdog=None, fatal=stopped.append, send_ops=fail, draft_stop=False, stopping=False,
         totals=SimpleNamespace(failed=0, cancelled=0), draft=None, queue=queue.Queue(),
+        label=lambda job: None,
     )  # fmt: skip
     batcher = Batcher(w, 4)
     rows = [Job(), Job()]
