@@ -31,7 +31,8 @@ DraftOpt = Annotated[
         "--draft",
         "-d",
         help="Draft alias/path, 'lookup' (prompt lookup), 'mtp' (the target's own MTP head), "
-        "'eagle3:PATH' (an EAGLE-3 head), 'dflash:PATH' (a DFlash block drafter), or 'none'.",
+        "'eagle3:PATH' (an EAGLE-3 head), 'dflash:PATH' (a DFlash block drafter), 'self', "
+        "'self:exit=E' or 'self:skip=LIST' (the target's own layers), or 'none'.",
     ),
 ]
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature; 0 is greedy.")]
