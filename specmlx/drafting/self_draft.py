@@ -204,9 +204,16 @@ class Partial:
         by_kind = {kinds[i]: i for i in reversed(self.run)}
         # each left-out layer's mirror: the run layer whose cache is of its kind, else an
         # empty cache of its kind (no run layer reads a mask of that kind: any will do)
-        fresh = _fresh(target, layer_list(target))
+        layers = layer_list(target)
+        fresh = _fresh(target, layers)
         self.mirror = {i: by_kind.get(kinds[i], fresh[i])
                        for i in range(len(kinds)) if i not in set(self.run)}  # fmt: skip
+        # the identities, made once (a draft step calls this every token): the first one
+        # past the run layers keeps what reaches it in ``seen`` when a call records
+        self.seen: list = []
+        after = next((i for i in sorted(self.mirror) if i > self.run[-1]), None)
+        self.skips = {i: _Skip(layers[i], self.seen if i == after else None)
+                      for i in self.mirror}  # fmt: skip
 
     def __call__(
         self, x: mx.array, cache: list, inject: mx.array | None = None, record: bool = False
@@ -220,10 +227,8 @@ class Partial:
         full = list(cache)
         for i, j in self.mirror.items():
             full[i] = _Mirror(cache[j] if isinstance(j, int) else j)
-        seen: list = []
-        after = next((i for i in sorted(self.mirror) if i > self.run[-1]), None)
-        swaps = {i: _Skip(layers[i], seen if record and i == after else None)
-                 for i in self.mirror}  # fmt: skip
+        self.seen.clear()
+        swaps = dict(self.skips)
         if inject is not None:
             swaps[self.run[0]] = _Inject(layers[self.run[0]], inject)
         own = {i: layers[i] for i in swaps}
@@ -234,7 +239,7 @@ class Partial:
         finally:
             for i, layer in own.items():
                 layers[i] = layer
-        return logits, (seen[0] if seen else None)
+        return logits, (self.seen[0] if record and self.seen else None)
 
 
 class SelfDraft(nn.Module):
