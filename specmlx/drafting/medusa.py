@@ -1,0 +1,462 @@
+"""Medusa heads (Cai et al. 2024, FasterDecoding/Medusa): loading them and the sparse token
+tree they draft.
+
+Layout, from Medusa's ``medusa/model/medusa_model.py``: K heads, each
+
+    head_k(h) = W_k · ResBlock^L(h),     ResBlock(x) = x + SiLU(A x + b)
+
+with A (H, H), b (H,) and W_k (V, H) (no bias); Medusa builds the L blocks of a head as
+``[ResBlock(H)] * L``, one module repeated, so its published heads share one block per head;
+the state_dict still lists it under every index (``k.0.linear.*``, ``k.1.linear.*``...), and
+this module keeps each index's own copy. h is the base model's last hidden state, the output
+of its final norm (what its LM head reads; ``self.base_model.model(...)[0]`` there).
+
+Positions: the LM head at position t predicts the token at t + 1; head k at position t
+predicts the token at t + 2 + k. In a round, the token the target last produced (the tree's
+root, confirmed) came from position t's LM head; the heads read the same h_t, so head 0 gives
+the root's children, head k the nodes at depth k + 1.
+
+Files: ``medusa_lm_head.safetensors`` (Medusa's training script) or ``medusa_lm_head.pt``
+(the published heads: ``torch.save`` of the heads' ModuleList state_dict; tensors
+``{k}.{j}.linear.weight``, ``{k}.{j}.linear.bias`` for the blocks j < L and ``{k}.{L}.weight``
+for the output layer). A ``.pt`` is read here without torch and without running its pickle's
+code: only the few names a state_dict uses are let through. The head and layer counts come
+from the tensor names, not from a config (the published configs misstate the head count;
+Medusa itself hard-codes 5 when it loads them).
+
+The tree: Medusa's ``medusa_choices`` list paths of ranks; a path (r_1, ..., r_d) is the node
+whose token is head d-1's rank-r_d token, under the node (r_1, ..., r_{d-1}). Medusa sorts
+them by (length, ranks) (``generate_medusa_buffers``), which puts parents first and siblings
+in rank order, and maps each node to ``top-k(head d-1)[r_d]`` (``generate_candidates``);
+``medusa_tree`` does the same into specmlx's parents form (core.tree_acceptance.Tree).
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import re
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import BadInput
+
+FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # a directory's, in this order
+
+# The first 16 of Medusa's mc_sim_7b_63 (medusa/model/medusa_choices.py, the tree its
+# generate() falls back on), in the order listed there: the order its greedy search added
+# nodes by estimated acceptance, so every prefix of one of these is among them. 16 nodes, up
+# to depth 3 (three heads), against the full list's 63 nodes and depth 4.
+SMALL_CHOICES: tuple[tuple[int, ...], ...] = (
+    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2),
+    (3,), (0, 3), (4,), (0, 4), (2, 0), (0, 5), (0, 0, 1), (5,),
+)  # fmt: skip
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads over one hidden state, all heads' matrices stacked so that each layer
+    is one batched matmul rather than K.
+
+    hidden: H, the base model's hidden size; vocab: V, its vocabulary (the heads' output);
+    heads: K, the number of heads; layers: L, the residual blocks in each head (0 allowed:
+    the head is then its output layer alone).
+
+    Fresh weights: blocks at zero, so each is an identity (Medusa's ResBlock zeroes its
+    weight, leaving torch's random bias), and output layers uniform in ±1/sqrt(H), nn.Linear's
+    default; load_medusa replaces them all."""
+
+    def __init__(self, hidden: int, vocab: int, heads: int, layers: int = 1):
+        super().__init__()
+        self.hidden, self.vocab, self.heads, self.layers = hidden, vocab, heads, layers
+        # (L, K, H, H): block j of head k's A, stored (out, in) as torch's Linear stores it
+        self.res_weight = mx.zeros((layers, heads, hidden, hidden))
+        self.res_bias = mx.zeros((layers, heads, hidden))  # (L, K, H)
+        bound = hidden**-0.5
+        self.out_weight = mx.random.uniform(-bound, bound, (heads, vocab, hidden))  # (K, V, H)
+
+    def __call__(self, h: mx.array) -> mx.array:
+        """Every head's logits: h (..., H), the base model's final-norm hidden states ->
+        (..., K, V); [..., k, :] at position t scores the token at t + 2 + k."""
+        # (..., K, 1, H): each head gets its own copy of h as a row vector, so a block is
+        # one matmul against (K, H, H) broadcast over the leading axes
+        x = mx.broadcast_to(h[..., None, :], (*h.shape[:-1], self.heads, self.hidden))
+        x = x[..., None, :]
+        for j in range(self.layers):
+            # (..., K, 1, H) @ (K, H, H) -> (..., K, 1, H): A x + b for every head at once
+            y = x @ self.res_weight[j].swapaxes(-1, -2) + self.res_bias[j][:, None, :]
+            x = x + nn.silu(y)
+        # (..., K, 1, H) @ (K, H, V) -> (..., K, 1, V), then drop the row axis
+        return (x @ self.out_weight.swapaxes(-1, -2))[..., 0, :]
+
+
+# ----------------------------------------------------------------------------- loading
+
+# a head's tensor names: block j's linear (weight or bias), or the output layer at index L
+_NAME = re.compile(r"(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)")
+
+
+def load_medusa(path: str | Path) -> MedusaHeads:
+    """Medusa heads from a directory (``medusa_lm_head.safetensors``, else
+    ``medusa_lm_head.pt``) or from one such file (``.safetensors``; ``.pt``, ``.pth`` or
+    ``.bin`` for a torch zip checkpoint). The weights keep the file's dtype.
+
+    path: the directory or file. BadInput, one line naming the file and what is wrong, where
+    none is there or it is damaged, foreign, or not a Medusa heads' state_dict."""
+    file = _find(Path(path))
+    tensors = _read_safetensors(file) if file.suffix == ".safetensors" else read_torch_zip(file)
+    return _build(tensors, file)
+
+
+def _find(path: Path) -> Path:
+    """The heads' file at path (a directory holding one of FILES, or the file itself)."""
+    if path.is_dir():
+        for name in FILES:
+            if (path / name).is_file():
+                return path / name
+        raise BadInput(f"{path} holds no Medusa heads (looked for {' or '.join(FILES)})")
+    if not path.is_file():
+        raise BadInput(f"{path}: no such file or directory")
+    if path.suffix not in (".safetensors", ".pt", ".pth", ".bin"):
+        raise BadInput(f"{path}: not a Medusa heads file (.safetensors or a torch .pt)")
+    return path
+
+
+def _read_safetensors(file: Path) -> dict[str, mx.array]:
+    """A safetensors file's tensors (MLX reads bfloat16 natively)."""
+    try:
+        return dict(mx.load(str(file), format="safetensors"))
+    except Exception as e:  # MLX says RuntimeError or ValueError, by the damage
+        raise BadInput(f"{file}: not a readable safetensors file ({_why(e)})") from None
+
+
+def _build(tensors: dict[str, mx.array], file: Path) -> MedusaHeads:
+    """The heads from their state_dict, the counts read from the names and the sizes from
+    the shapes, every tensor checked against them first."""
+    if not tensors:
+        raise BadInput(f"{file} holds no tensors")
+    parts: dict[int, dict[int, dict[str, mx.array]]] = collections.defaultdict(dict)
+    for name, t in sorted(tensors.items()):  # sorted: the same name reported whatever the order
+        m = _NAME.fullmatch(name)
+        if m is None:
+            raise BadInput(
+                f"{file}: tensor {name!r} is not a Medusa head's (they are named like "
+                "0.0.linear.weight, 0.0.linear.bias, 0.1.weight)"
+            )
+        if not mx.issubdtype(t.dtype, mx.floating):
+            raise BadInput(f"{file}: tensor {name!r} is {t.dtype}, not floating point")
+        parts[int(m[1])].setdefault(int(m[2]), {})[m[3]] = t
+    heads = len(parts)
+    if sorted(parts) != list(range(heads)):
+        raise BadInput(f"{file}: the heads are numbered {sorted(parts)}, not 0..{heads - 1}")
+    layers = -1  # head 0 sets it
+    for k in range(heads):
+        outs = [j for j, p in parts[k].items() if "weight" in p]
+        if len(outs) != 1:
+            raise BadInput(f"{file}: head {k} has {len(outs)} output layers ({k}.N.weight), not 1")
+        n = outs[0]  # the output layer's index is the number of blocks before it
+        blocks = {j: p for j, p in parts[k].items() if j != n}
+        if sorted(blocks) != list(range(n)) or any(
+            set(p) != {"linear.weight", "linear.bias"} for p in blocks.values()
+        ):
+            raise BadInput(
+                f"{file}: head {k}'s blocks are not {k}.0..{k}.{n - 1} each with "
+                "linear.weight and linear.bias before its output layer"
+            )
+        if k and n != layers:
+            raise BadInput(f"{file}: head {k} has {n} blocks, head 0 has {layers}")
+        layers = n
+    vocab, hidden = _shape(parts[0][layers]["weight"], 2, file, f"0.{layers}.weight")
+    for k in range(heads):
+        _expect(parts[k][layers]["weight"], (vocab, hidden), file, f"{k}.{layers}.weight")
+        for j in range(layers):
+            _expect(parts[k][j]["linear.weight"], (hidden, hidden), file, f"{k}.{j}.linear.weight")
+            _expect(parts[k][j]["linear.bias"], (hidden,), file, f"{k}.{j}.linear.bias")
+    model = MedusaHeads(hidden, vocab, heads, layers)
+    # stacked as MedusaHeads keeps them: (L, K, H, H), (L, K, H), (K, V, H); with L = 0
+    # the fresh (0, K, ...) arrays stay
+    if layers:
+        model.res_weight = mx.stack(
+            [mx.stack([parts[k][j]["linear.weight"] for k in range(heads)]) for j in range(layers)]
+        )
+        model.res_bias = mx.stack(
+            [mx.stack([parts[k][j]["linear.bias"] for k in range(heads)]) for j in range(layers)]
+        )
+    model.out_weight = mx.stack([parts[k][layers]["weight"] for k in range(heads)])
+    mx.eval(model.parameters())
+    return model
+
+
+def _shape(t: mx.array, ndim: int, file: Path, name: str) -> tuple[int, ...]:
+    """t's shape, BadInput unless it has ndim axes."""
+    if t.ndim != ndim:
+        raise BadInput(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, not {ndim}-D")
+    return tuple(t.shape)
+
+
+def _expect(t: mx.array, shape: tuple[int, ...], file: Path, name: str) -> None:
+    """BadInput unless t has the shape the other tensors imply."""
+    if tuple(t.shape) != shape:
+        raise BadInput(f"{file}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+
+
+def _why(e: BaseException) -> str:
+    """An exception as a short clause on one line."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+# ------------------------------------------------------------- torch zip, without torch
+
+
+@dataclass(frozen=True)
+class _StorageKind:
+    """Stands in for a torch storage class (``torch.FloatStorage``...) in the pickle: only its
+    element type is needed. Not callable, so a pickle cannot construct anything with it."""
+
+    name: str
+    dtype: str  # numpy's name; bfloat16 travels as its bits in uint16
+
+
+_KINDS = {
+    name: _StorageKind(name, dtype)
+    for name, dtype in {
+        "FloatStorage": "float32",
+        "HalfStorage": "float16",
+        "BFloat16Storage": "bfloat16",
+        "DoubleStorage": "float64",
+        "LongStorage": "int64",
+        "IntStorage": "int32",
+        "ShortStorage": "int16",
+        "CharStorage": "int8",
+        "ByteStorage": "uint8",
+        "BoolStorage": "bool",
+        "UntypedStorage": "uint8",  # torch.load reads an untyped storage as bytes too
+    }.items()
+}
+
+
+@dataclass(frozen=True)
+class _Storage:
+    """One storage file's elements, flat (numel,), as numpy (bfloat16 as uint16 bits)."""
+
+    data: np.ndarray
+    bfloat16: bool
+
+
+def _rebuild_tensor(
+    storage: _Storage,
+    offset: int,
+    size: tuple[int, ...],
+    stride: tuple[int, ...],
+    requires_grad: bool = False,
+    hooks: object = None,
+    metadata: object = None,
+) -> mx.array:
+    """``torch._utils._rebuild_tensor_v2``'s stand-in: the strided view of a storage as an
+    MLX array, bounds checked first (a pickle's numbers are not trusted with memory).
+
+    storage: the elements; offset: the first element's index; size, stride: the view's
+    shape and strides in elements; requires_grad, hooks, metadata: torch's, ignored."""
+    if not isinstance(storage, _Storage):
+        raise ValueError("a tensor without a storage")
+    size, stride = tuple(int(s) for s in size), tuple(int(s) for s in stride)
+    if len(size) != len(stride) or min(size + stride + (offset,), default=0) < 0:
+        raise ValueError(f"a tensor with size {size}, stride {stride}, offset {offset}")
+    n = storage.data.size
+    last = (
+        offset + sum((s - 1) * st for s, st in zip(size, stride, strict=True)) if all(size) else -1
+    )
+    if last >= n or offset > n:
+        raise ValueError(f"a tensor of size {size} past its storage's {n} elements")
+    item = storage.data.itemsize
+    flat = storage.data[offset:] if all(size) else storage.data[:0]
+    view = np.lib.stride_tricks.as_strided(
+        flat, shape=size, strides=tuple(st * item for st in stride), writeable=False
+    )
+    out = mx.array(np.ascontiguousarray(view))  # copies: the view must not outlive the bytes
+    if storage.bfloat16:
+        return out.view(mx.bfloat16)
+    return out.astype(mx.float32) if out.dtype == mx.float64 else out
+
+
+def _rebuild_parameter(
+    data: mx.array, requires_grad: bool = False, hooks: object = None
+) -> mx.array:
+    """``torch._utils._rebuild_parameter``'s stand-in (a saved nn.Parameter): the data.
+
+    data: the tensor; requires_grad, hooks: torch's, ignored."""
+    return data
+
+
+# every global a weights-only state_dict pickle names, and what it becomes here
+_ALLOWED: dict[tuple[str, str], object] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    **{("torch", name): kind for name, kind in _KINDS.items()},
+    ("torch.storage", "UntypedStorage"): _KINDS["UntypedStorage"],
+}
+
+
+class _StateDictUnpickler(pickle.Unpickler):
+    """Unpickles a torch checkpoint's data.pkl with nothing run but _ALLOWED: any other
+    global is refused before it is imported; storages come from the zip's data/ entries.
+
+    file: the pickle stream; zf: the open zip; prefix: the archive's folder ("archive/");
+    big: whether the storages were written big-endian (the zip's byteorder entry)."""
+
+    def __init__(self, file: IO[bytes], zf: zipfile.ZipFile, prefix: str, big: bool):
+        super().__init__(file)
+        self.zf, self.prefix, self.big = zf, prefix, big
+        self.storages: dict[str, _Storage] = {}  # by key: tensors that share one share it
+
+    def find_class(self, module: str, name: str) -> object:
+        try:
+            return _ALLOWED[(module, name)]
+        except KeyError:
+            raise _Refused(f"{module}.{name}") from None
+
+    def persistent_load(self, pid: object) -> _Storage:
+        # ('storage', kind, key, location, numel): torch's id for a storage it wrote to data/key
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise ValueError(f"an unknown persistent id {pid!r:.60}")
+        _, kind, key, _, numel = pid
+        if not isinstance(kind, _StorageKind) or not isinstance(key, str):
+            raise ValueError(f"a storage id {pid!r:.60}")
+        if key not in self.storages:
+            bf16 = kind.dtype == "bfloat16"
+            dtype = np.dtype("uint16" if bf16 else kind.dtype).newbyteorder(
+                ">" if self.big else "<"
+            )
+            raw = self.zf.read(f"{self.prefix}data/{key}")
+            need = int(numel) * dtype.itemsize
+            if len(raw) < need:
+                raise ValueError(f"storage {key} has {len(raw)} bytes, not {need}")
+            data = np.frombuffer(raw, dtype=dtype, count=int(numel))
+            self.storages[key] = _Storage(data.astype(dtype.newbyteorder("=")), bf16)
+        return self.storages[key]
+
+
+class _Refused(Exception):
+    """A pickle asked for a global outside _ALLOWED (the name is the message)."""
+
+
+def read_torch_zip(file: str | Path) -> dict[str, mx.array]:
+    """A ``torch.save``d state_dict (the zip format, torch >= 1.6) as MLX arrays, read with
+    the standard library and numpy alone and no code from the file run.
+
+    file: the checkpoint. BadInput, naming the file, where it is not such a zip, its pickle
+    asks for anything a state_dict does not need, or it is not a flat dict of tensors."""
+    file = Path(file)
+    try:
+        zf = zipfile.ZipFile(file)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise BadInput(f"{file}: not a torch zip checkpoint ({_why(e)})") from None
+    with zf:
+        pkls = [n for n in zf.namelist() if n.endswith("data.pkl") and n.count("/") == 1]
+        if len(pkls) != 1:
+            raise BadInput(f"{file}: not a torch zip checkpoint (no single */data.pkl)")
+        prefix = pkls[0][: -len("data.pkl")]
+        try:
+            order = zf.read(prefix + "byteorder").decode().strip()
+        except KeyError:
+            order = "little"  # torch wrote no byteorder before 1.10: little-endian then
+        try:
+            with zf.open(pkls[0]) as f:
+                state = _StateDictUnpickler(f, zf, prefix, order == "big").load()
+        except _Refused as e:
+            raise BadInput(
+                f"{file}: its pickle asks for {e}, which a state_dict of tensors never needs "
+                "(refused, nothing run)"
+            ) from None
+        except Exception as e:  # a damaged pickle or zip: any of the unpickler's errors
+            raise BadInput(f"{file}: unreadable torch checkpoint ({_why(e)})") from None
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, mx.array) for k, v in state.items()
+    ):
+        raise BadInput(f"{file}: not a state_dict (a dict of names to tensors)")
+    return dict(state)
+
+
+# ------------------------------------------------------------------------------ tree
+
+
+def _sorted_choices(choices: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """choices as tuples in Medusa's order (length, then ranks), BadInput where one is
+    empty, negative, repeated or lacks its parent (Medusa's own lookup would fail there)."""
+    paths = [tuple(int(r) for r in c) for c in choices]
+    seen = set(paths)
+    if len(seen) != len(paths):
+        raise BadInput("Medusa choices repeat a path")
+    for p in paths:
+        if not p or min(p) < 0:
+            raise BadInput(f"Medusa choice {list(p)} is not a non-empty path of ranks >= 0")
+        if len(p) > 1 and p[:-1] not in seen:
+            raise BadInput(f"Medusa choice {list(p)} has no parent {list(p[:-1])} in the list")
+    return sorted(paths, key=lambda p: (len(p), p))
+
+
+def ranks_needed(choices: Sequence[Sequence[int]]) -> list[int]:
+    """How many of each head's top tokens a tree uses: [d] = 1 + the largest rank at depth
+    d + 1 (its length: the heads the tree reaches).
+
+    choices: Medusa's paths of ranks."""
+    need: list[int] = []
+    for p in _sorted_choices(choices):
+        if len(p) > len(need):
+            need.append(0)
+        need[len(p) - 1] = max(need[len(p) - 1], p[-1] + 1)
+    return need
+
+
+def medusa_top(logits: mx.array, choices: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Each head's top tokens, best first, as many as ``choices`` use (torch.topk's order).
+
+    logits: (K, V), the heads' logits at one position (MedusaHeads' output there); choices:
+    Medusa's paths of ranks (BadInput where they reach deeper than K heads)."""
+    need = ranks_needed(choices)
+    if len(need) > logits.shape[0]:
+        raise BadInput(f"Medusa choices reach depth {len(need)}, past the {logits.shape[0]} heads")
+    out = []
+    for k, n in enumerate(need):
+        row = logits[k]  # (V,)
+        # the n best in any order (a partition, not a sort of all V), then sorted by value
+        idx = mx.argpartition(-row, kth=n - 1)[:n] if n < row.shape[0] else mx.arange(row.shape[0])
+        idx = idx[mx.argsort(-row[idx])]
+        out.append(idx.tolist())
+    return out
+
+
+def medusa_tree(
+    top: list[list[int]], choices: Sequence[Sequence[int]]
+) -> tuple[list[int], tuple[int, ...]]:
+    """The sparse tree Medusa drafts, as (tokens, parents): node i (1..N) holds tokens[i - 1]
+    under node parents[i - 1] (0 the root, the last confirmed token), the form
+    ``core.tree_acceptance.Tree(parents)`` takes; nodes in Medusa's order (by depth, then
+    ranks), so parents come first and siblings follow their rank, the order they are tried.
+
+    top: top[k][r] is head k's rank-r token (medusa_top); choices: Medusa's paths of ranks
+    (e.g. SMALL_CHOICES, or its mc_sim_7b_63), any order. BadInput where the choices are
+    malformed or reach past the heads; ValueError where top lacks a rank they use or repeats
+    a token within a head (siblings must differ)."""
+    paths = _sorted_choices(choices)
+    index = {p: i + 1 for i, p in enumerate(paths)}  # path -> node number (the root is 0)
+    depth = max((len(p) for p in paths), default=0)
+    if depth > len(top):
+        raise BadInput(f"Medusa choices reach depth {depth}, past the {len(top)} heads")
+    for k, n in enumerate(ranks_needed(paths)):
+        used = top[k][:n]
+        if len(used) < n:
+            raise ValueError(f"head {k} gave {len(used)} top tokens; the tree uses {n}")
+        if len(set(used)) != n:
+            raise ValueError(f"head {k}'s top tokens repeat one: {used}")
+    tokens = [int(top[len(p) - 1][p[-1]]) for p in paths]
+    parents = tuple(index[p[:-1]] if len(p) > 1 else 0 for p in paths)
+    return tokens, parents
