@@ -32,6 +32,7 @@ from kit_distribution import (
 from kit_mtp import random_head
 from mlx.utils import tree_map_with_path
 
+from specmlx.core import tree_acceptance
 from specmlx.core.acceptance import RULES, block_outcome, sampled_outcome
 from specmlx.core.hidden import text_model
 from specmlx.core.sampling import SamplingParams, make_processor
@@ -57,6 +58,7 @@ class Pair:
     prompt: list[int]
     lookup: bool = False
     batched: bool = False
+    tree: int | str = "off"  # token trees (decoding.request.Decode.tree)
 
 
 def _noisy_tables(cls=TableLM) -> tuple[TableLM, TableLM]:
@@ -176,6 +178,18 @@ def _self_draft(_tmp: Path) -> Pair:
     return Pair(target, SelfDraft(target, SelfSpec(exit=1)), JOINT_PROMPT)
 
 
+def _tree(_tmp: Path) -> Pair:
+    """A tiny llama and a draft that is its copy with a noisy head, its chain given side
+    leaves (six nodes at most: the draft's next-best tokens as point masses beside its
+    drawn ones)."""
+    target = make_tiny(11, vocab=JV, layers=3, hidden=16)
+    draft = make_tiny(11, vocab=JV, layers=3, hidden=16)
+    noise = mx.random.normal(draft.lm_head.weight.shape, key=mx.random.key(3))
+    draft.lm_head.weight = draft.lm_head.weight + 0.3 * noise
+    mx.eval(draft.parameters())
+    return Pair(target, draft, JOINT_PROMPT, tree=6)
+
+
 def _batch_rows(_tmp: Path) -> Pair:
     """The draft model's tables in models that read each row of a batch at its own length."""
     return Pair(*_noisy_tables(RowsTableLM), JOINT_PROMPT, batched=True)
@@ -207,13 +221,14 @@ KINDS = {
     "distilled": Kind(_distilled, 2_000, 700, 0.02),
     "self-draft": Kind(_self_draft, 4_000, 1_000, 0.03),
     "batch-rows": Kind(_batch_rows, 6_000, 2_000, 0.05),
+    "tree": Kind(_tree, 4_000, 1_000, 0.03),
 }
 # (kind, rule): both rules for the draft model and the batch, one for each other kind
 RULED = [
     ("draft-model", "token"), ("draft-model", "block"), ("lookup", "block"),
     ("lookup+draft", "token"), ("mtp", "block"), ("eagle3", "block"), ("dflash", "token"),
     ("distilled", "block"), ("self-draft", "block"), ("batch-rows", "token"),
-    ("batch-rows", "block"),
+    ("batch-rows", "block"), ("tree", "token"),
 ]  # fmt: skip
 OUTCOMES = {"token": sampled_outcome, "block": block_outcome}
 
@@ -289,7 +304,7 @@ def sequences(pair: Pair, verify: str, n: int) -> tuple[np.ndarray, np.ndarray]:
     if pair.batched:
         return batch_sequences(pair.target, pair.draft, verify, n)
     return engine_sequences(
-        pair.target, pair.draft, verify, n, prompt=pair.prompt, lookup=pair.lookup
+        pair.target, pair.draft, verify, n, prompt=pair.prompt, lookup=pair.lookup, tree=pair.tree
     )
 
 
@@ -305,10 +320,13 @@ def test_greedy_decoding_is_the_targets_own(pairs, kind):
         return
     stats = Stats()
     spec = generate(
-        pair.target, pair.draft, pair.prompt, k=3, max_tokens=24, lookup=pair.lookup, stats=stats
-    )
+        pair.target, pair.draft, pair.prompt, k=3, max_tokens=24, lookup=pair.lookup, stats=stats,
+        tree=pair.tree,
+    )  # fmt: skip
     assert [e.token for e in spec] == plain[0]
     assert stats.drafted > 0
+    if pair.tree != "off":  # trees were verified, and a side leaf was kept
+        assert stats.tree_rounds > 0 and sum(stats.rank_kept) > 0, stats
 
 
 @pytest.mark.parametrize("kind,verify", RULED)
@@ -325,5 +343,7 @@ def test_the_joint_test_rejects_a_rule_that_skips_the_residual(pairs, kind, veri
     pair = pairs(kind)
     joint = sequence_joint(pair.target, make_processor(JOINT_SAMPLING), pair.prompt)
     monkeypatch.setitem(RULES, verify, skips_the_residual(OUTCOMES[verify]))
+    if pair.tree != "off":  # a tree's rule: siblings tried with no residual between them
+        monkeypatch.setattr(tree_acceptance, "_residual", lambda r, q: r)
     counts, _ = sequences(pair, verify, KINDS[kind].n_wrong)
     assert pooled_chi2(counts, joint) < 1e-6

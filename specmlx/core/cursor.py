@@ -26,6 +26,8 @@ import mlx.nn as nn
 from .caches import Snapshot, needs_replay, recurrent_layers, roll_back, snapshot
 from .hidden import HiddenTap
 from .recurrent import PassRecorder
+from .tree_acceptance import Tree
+from .tree_pass import keep_path, tree_logits
 
 __all__ = ["Cursor", "Hidden", "hidden_states"]
 
@@ -76,6 +78,7 @@ class Cursor:
         )
         self.recorder = recorder if recorder is not None and recorder.supported else None
         self._recorded: Snapshot | None = None  # the state the recorded pass started from
+        self.tree_from = 0  # what the caches held before the latest tree pass
 
     def feed(self, tokens: mx.array, *, undoable: bool = True, record: bool = False) -> mx.array:
         """Run the model over tokens (B, L): logits (B, L, V), lazy; the caches hold L more.
@@ -112,6 +115,31 @@ class Cursor:
         if drafts.shape[0]:  # the chooser broke its word: correct, if a pass slower
             logits = mx.concatenate([logits, self.feed(drafts[None], record=True)[0]])
         return logits
+
+    def verify_tree(
+        self, last: int, nodes: mx.array, tree: Tree, context: Sequence[int]
+    ) -> mx.array:
+        """The pass that checks a token tree after ``last``: nodes (N,) shaped by ``tree``;
+        logits at the root and every node (N + 1, V), lazy. The caches then hold the N + 1
+        in pass order until ``keep_path``. Full-attention caches only (tree_pass.tree_refusal).
+        A queued pass is given back first (it fed ``last`` alone); context: what the caches
+        hold, for that."""
+        if self.tap is not None:
+            raise ValueError("a tree pass reads no hidden states")
+        if self.queued is not None:
+            self.give_back(self.held - 1, context)
+        self.forget_before(self.held)
+        x = mx.concatenate([mx.array([last], dtype=mx.uint32), nodes])  # (N + 1,)
+        logits = tree_logits(self.model, self.cache, x, tree)
+        self.tree_from, self.held = self.held, self.held + x.shape[0]
+        return logits
+
+    def keep_path(self, nodes: Sequence[int]) -> None:
+        """After ``verify_tree``: keep the pass's ``nodes`` (0 the root, then the kept path,
+        in order) and give back the rest; the caches then hold ``len(nodes)`` more than before
+        the pass."""
+        keep_path(self.cache, self.tree_from, nodes)
+        self.held = self.tree_from + len(nodes)
 
     def queue(self, token: mx.array) -> None:
         """Feed ``token`` (1,) now and keep its logits (1, V) for the next verify, so the next

@@ -25,8 +25,8 @@ class TokenEvent:
 class RoundReport:
     """One finished round, as a k chooser sees it."""
 
-    k: int  # tokens drafted (0: a plain target step)
-    accepted: int  # drafts the target accepted
+    k: int  # tokens drafted and verified (0: a plain target step); a tree's nodes
+    accepted: int  # drafts the target accepted (a tree: the kept path's length)
     seconds: float  # the whole round: drafting, verification, acceptance, rollback
     draft_seconds: float | None = None  # drafting alone, when it was timed apart
     lookup: int = 0  # > 0: prompt lookup proposed this round's drafts, from a match this long
@@ -34,6 +34,12 @@ class RoundReport:
     # per-token stopping: drafts made, when more than k (a chunk can end past where the plan
     # stops); draft_seconds covers all of them, the unverified ones included
     made: int | None = None
+    # a token tree (drafting.trees): the drafter's chain within the k nodes (None: k is a
+    # chain), its side leaves at each depth, and the rank of the side leaf the kept path
+    # ended on (-1: none; the path then followed the chain)
+    chain: int | None = None
+    sides: tuple[int, ...] = ()
+    side: int = -1
 
 
 @runtime_checkable
@@ -86,6 +92,11 @@ class Stats:
     # draft before it accepted, and of those the rounds that accepted it (acceptance by depth)
     depth_tried: list[int] = field(default_factory=list)
     depth_accepted: list[int] = field(default_factory=list)
+    # token trees: rounds that verified a tree, and by sibling rank (0: the draft's best after
+    # the chain's token) the side leaves tried where the chain was rejected, and those kept
+    tree_rounds: int = 0
+    rank_tried: list[int] = field(default_factory=list)
+    rank_kept: list[int] = field(default_factory=list)
     timed_rounds: int = 0  # drafting rounds whose drafting was timed apart
     timed_drafted: int = 0  # tokens drafted in those rounds
     timed_draft_s: float = 0.0  # their drafting time
@@ -121,6 +132,16 @@ class Stats:
         return self.generated / self.rounds if self.rounds else 0.0
 
     @property
+    def verified_per_pass(self) -> float:
+        """Drafted tokens a target pass verified, on average (a tree's nodes count)."""
+        return self.drafted / self.rounds if self.rounds else 0.0
+
+    @property
+    def accept_by_rank(self) -> list[float]:
+        """P(side leaf of rank s kept | the chain rejected at its depth), s = 0, 1, ..."""
+        return [a / t for a, t in zip(self.rank_kept, self.rank_tried, strict=True) if t]
+
+    @property
     def draft_s(self) -> float:
         """Seconds spent drafting, estimated from the timed rounds' time per drafted token."""
         if not self.timed_drafted:
@@ -143,7 +164,15 @@ class Stats:
         if len(self.accept_hist) <= n:
             self.accept_hist += [0] * (n + 1 - len(self.accept_hist))
         self.accept_hist[n] += 1
-        count_depths(self.depth_tried, self.depth_accepted, k, n)
+        if report.chain is None:
+            count_depths(self.depth_tried, self.depth_accepted, k, n)
+        else:  # a tree: its chain's acceptance (a kept side leaf is its chain's rejection)
+            count_depths(
+                self.depth_tried, self.depth_accepted, report.chain, n - (report.side >= 0)
+            )
+        if report.chain is not None:
+            self.tree_rounds += 1
+            count_ranks(self.rank_tried, self.rank_kept, report)
         self.generated = generated
         self.decode_s += report.seconds
         if report.draft_seconds is not None:
@@ -156,7 +185,7 @@ class Stats:
         """The fields and the derived figures, JSON-ready."""
         d = asdict(self)
         for name in ("decode_tps", "prompt_tps", "acceptance_rate", "tokens_per_pass",
-                     "accept_by_depth"):  # fmt: skip
+                     "accept_by_depth", "verified_per_pass", "accept_by_rank"):  # fmt: skip
             d[name] = getattr(self, name)
         d["draft_s"], d["target_s"] = self.draft_s, self.target_s
         return d
@@ -171,3 +200,16 @@ def count_depths(tried: list[int], accepted: list[int], k: int, n: int) -> None:
     for d in range(min(n + 1, k)):
         tried[d] += 1
         accepted[d] += d < n
+
+
+def count_ranks(tried: list[int], kept: list[int], report: RoundReport) -> None:
+    """Fold a tree round into per-rank counts (grown as needed): where its chain was rejected
+    at a depth with side leaves, ranks up to the one kept (all, if none was) were tried."""
+    on_chain = report.accepted - (report.side >= 0)
+    m = report.sides[on_chain] if on_chain < len(report.sides) else 0
+    if len(tried) < m:
+        tried += [0] * (m - len(tried))
+        kept += [0] * (m - len(kept))
+    for s in range(m if report.side < 0 else report.side + 1):
+        tried[s] += 1
+        kept[s] += s == report.side

@@ -126,9 +126,10 @@ def keep_path(cache: Sequence, held: int, nodes: Sequence[int]) -> None:
     pass, the root 0 first, then the kept path) at held, held + 1, ... and give back the rest.
 
     cache: the layer caches; held: what they held before the pass; nodes: the kept ones."""
-    at = mx.array([held + j for j in nodes])
+    at = mx.array([held + j for j in nodes], dtype=mx.int32)
+    m = len(nodes)  # (0: the round's first token ended it; the root is not kept either)
     for c in layer_caches(cache):
-        m = len(nodes)
-        c.keys[..., held : held + m, :] = c.keys[..., at, :]
-        c.values[..., held : held + m, :] = c.values[..., at, :]
+        if m:
+            c.keys[..., held : held + m, :] = c.keys[..., at, :]
+            c.values[..., held : held + m, :] = c.values[..., at, :]
         c.offset = held + m

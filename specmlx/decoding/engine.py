@@ -36,19 +36,24 @@ from ..core.kvstate import KVState, reads_hidden, reuse_prefix
 from ..core.mlx_lm_api import set_wired_limit
 from ..core.sampling import make_processor
 from ..core.stats import Stats, TokenEvent
+from ..core.tree_pass import tree_refusal
 from ..core.vocab import draft_ids
 from ..drafting.choosers import make_chooser
 from ..drafting.drafters import LookupDrafter, ModelDrafter
 from ..drafting.lookup import Lookup
 from ..drafting.row_drafters import (
+    BlockRows,
     ChainRows,
+    HeadRows,
     LoneRows,
+    ModelRows,
     RowDrafter,
     fits_one_row,
     pair_ids,
     row_drafter,
 )
 from ..drafting.self_draft import SharedExit, shares_caches
+from ..drafting.trees import SideSizer
 from ..errors import BadInput, RollbackError
 from .request import Decode, Parts, token_ids
 from .round import Row, one_round
@@ -170,9 +175,35 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
             holder, _ = row_drafter(target, draft, parts.vocab_size)
             holder.join(row, kv.draft, kv.draft_held, kv.waiting)
             drafters.append(holder)
+    branches = isinstance(holder, ModelRows) and _tree_sizer(target, kv.target, decode, next_k)
+    if branches:
+        holder.sizer = branches
+    elif not (decode.tree.off or decode.tree.auto):
+        what = _DRAFTERS.get(type(holder), "prompt lookup") if drafters else "nothing drafts"
+        raise BadInput(f"tree {decode.tree}: {what} cannot branch (trees: a draft model)")
     if not drafters:
         return None, None
     return (drafters[0] if len(drafters) == 1 else ChainRows(drafters)), holder
+
+
+# what a drafter is, for the refusal of a fixed tree size
+_DRAFTERS = {
+    HeadRows: "a head (MTP, EAGLE-3)", BlockRows: "a block drafter (DFlash)",
+    SharedExit: "an early exit", ModelDrafter: "the draft model over its own caches",
+}  # fmt: skip
+
+
+def _tree_sizer(target, cache: list, decode: Decode, next_k) -> SideSizer | None:
+    """The draft model's side-leaf sizer when the generation asks for trees and the target's
+    caches take them (None: chains); BadInput for a fixed size they cannot take."""
+    if decode.tree.off:
+        return None
+    why = tree_refusal(target, cache)
+    if why is None:
+        return SideSizer(decode.tree, next_k)
+    if decode.tree.auto:
+        return None
+    raise BadInput(f"tree {decode.tree}: the target cannot verify a tree: {why}")
 
 
 def prefill(

@@ -13,6 +13,7 @@ from ..core.sampling import SamplingParams
 from ..core.stats import KChooser, Stats
 from ..drafting.choosers import K
 from ..drafting.lookup import LookupMemory
+from ..drafting.trees import OFF, TreeSize
 from ..errors import BadInput
 
 
@@ -36,6 +37,10 @@ class Decode:
         k > 0 drafts in small chunks (adaptive.DRAFT_CHUNKS: 1, 1, then 2 at a time, a host
         sync each, up to the chooser's k_max) while its cost model says the next draft pays,
         and verifies the best prefix.
+    tree: token trees (drafting.trees.TreeSize, or what TreeSize.of reads: "off", "auto", an
+        int N): the draft model's chain gets side leaves, verified in the same pass; N caps
+        the drafted tokens a pass verifies, auto sizes each round by the cost model. Auto
+        falls back to chains where the target's caches or the drafter cannot take a tree.
     """
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -47,6 +52,7 @@ class Decode:
     lookup: bool = False
     verify: str = DEFAULT_VERIFY
     draft_stop: bool = False
+    tree: TreeSize = OFF
 
     def __post_init__(self) -> None:
         if not isinstance(self.sampling, SamplingParams):
@@ -56,6 +62,7 @@ class Decode:
         sampled_rule(self.verify)  # BadInput for an unknown rule
         # (frozen: the parsed forms are set once, here)
         object.__setattr__(self, "k", K.of(self.k))
+        object.__setattr__(self, "tree", TreeSize.of(self.tree))
         object.__setattr__(self, "eos_ids", tuple(int(t) for t in self.eos_ids))
         stops = tuple(tuple(int(t) for t in s) for s in self.stop_ids)
         object.__setattr__(self, "stop_ids", stops)

@@ -27,6 +27,7 @@ import mlx.core as mx
 from ..core.acceptance import Rule, accept_proposal
 from ..core.sampling import Processor, round_keys
 from ..core.stats import RoundReport, Stats, TokenEvent
+from ..core.tree_acceptance import Tree, accept_tree, accept_tree_greedy
 from ..drafting.choosers import K
 from ..drafting.row_drafters import Drafts, RowDrafter
 from .stops import Stops
@@ -73,6 +74,17 @@ class Verifier(Protocol):
         kept[i] of the k + 1 tokens fed."""
         ...
 
+    def verify_tree(
+        self, rows: Sequence[Row], nodes: mx.array, tree: Tree
+    ) -> tuple[mx.array, mx.array | None]:
+        """A lone row's pass over its last token and a token tree's nodes (1, N): logits
+        (1, N + 1, V), lazy (and no features: no drafter that reads them branches)."""
+        ...
+
+    def keep_path(self, rows: Sequence[Row], nodes: list[int]) -> None:
+        """After ``verify_tree``: keep the pass's ``nodes`` (0 the root, then the kept path)."""
+        ...
+
 
 def one_round(
     rows: Sequence[Row],
@@ -108,6 +120,8 @@ def one_round(
     if timed and any(h.source == "model" and h.draft_s is None for h in drafts.how):
         mx.eval(drafts.tokens, *[q for q in drafts.q if q is not None])
         draft_s = time.perf_counter() - t0
+    if drafts.tree is not None:  # a lone row's token tree: its own accept and keep
+        return [_tree_round(rows[0], target, drafter, drafts, keys[0], t0, draft_s)]
     logits, feats = target.verify(rows, drafts.tokens)  # (B, k + 1, V), (B, k + 1, F)
     outs = []
     for i, r in enumerate(rows):  # each row by its own rule, sampler, keys and k
@@ -139,13 +153,51 @@ def one_round(
     target.keep(rows, fed, kept)
     if drafter is not None:  # each row's draft state to what its ctx confirms
         drafter.settle(rows, k, fed, accepted, feats)
-    seconds, out = time.perf_counter() - t0, []
-    for i, r in enumerate(rows):
-        how = drafts.how[i]
-        report = RoundReport(
-            ks[i], accepted[i], seconds, how.draft_s if how.draft_s is not None else draft_s,
-            how.match, how.confidences, how.made,
-        )  # fmt: skip
-        r.stats.record(report, r.stops.count)
-        out.append(([TokenEvent(t, j < accepted[i]) for j, t in enumerate(new[i])], report))
-    return out
+    seconds = time.perf_counter() - t0
+    return [_report(r, ks[i], accepted[i], new[i], drafts.how[i], seconds, draft_s)
+            for i, r in enumerate(rows)]  # fmt: skip
+
+
+def _report(r: Row, k: int, accepted: int, new: list[int], how, seconds: float, draft_s,
+            **tree) -> tuple[list[TokenEvent], RoundReport]:  # fmt: skip
+    """A row's round, recorded in its stats: its token events and its RoundReport. how: its
+    drafters.Proposal; tree: a tree round's chain, sides and side (stats.RoundReport)."""
+    report = RoundReport(
+        k, accepted, seconds, how.draft_s if how.draft_s is not None else draft_s,
+        how.match, how.confidences, how.made, **tree,
+    )  # fmt: skip
+    r.stats.record(report, r.stops.count)
+    return [TokenEvent(t, j < accepted) for j, t in enumerate(new)], report
+
+
+def _tree_round(r: Row, target: Verifier, drafter: RowDrafter, drafts: Drafts, keys, t0: float,
+                draft_s) -> tuple[list[TokenEvent], RoundReport]:  # fmt: skip
+    """The rest of a lone row's round over a token tree (drafts.tree, N nodes): one pass over
+    the root and the nodes, the kept path by the tree's rule (tree_acceptance: the longest
+    argmax path, or multi-step speculative sampling), its keys and values kept contiguous,
+    then the drafter settled on how far the path followed its chain."""
+    tree, nodes = drafts.tree, drafts.tokens  # (1, N)
+    logits, _ = target.verify_tree([r], nodes, tree)  # (1, N + 1, V)
+    if r.process is None:
+        node, nxt = accept_tree_greedy(logits[0], nodes[0], tree)
+    else:
+        p, q = r.process(logits[0]), drafts.q[0]  # (N + 1, V), (N, V_q)
+        if q.shape[-1] < p.shape[-1]:  # a narrower draft: its q is 0 past its ids
+            q = mx.pad(q, [(0, 0), (0, p.shape[-1] - q.shape[-1])])
+        u = mx.random.uniform(shape=(tree.size,), key=keys[1])
+        node, nxt = accept_tree(p, q, nodes[0], tree, u, keys[2])
+    out = mx.concatenate([node.astype(mx.uint32).reshape(1), nxt.reshape(1), nodes[0]])
+    at, nxt, *tokens = out.tolist()  # the round's one host sync
+    path = tree.path(at)
+    fed = len(r.ctx) - 1
+    add, reason = r.stops.cut([tokens[j - 1] for j in path] + [nxt])
+    r.ctx += add
+    r.stats.finish_reason, r.done = reason, bool(reason)
+    target.keep_path([r], ([0] + path)[: len(r.ctx) - 1 - fed])
+    on_chain = next((j for j, u in enumerate(path) if u != j + 1), len(path))
+    drafter.settle([r], drafts.chain, [fed], [on_chain], None)
+    # a kept side leaf's rank: the leaves follow the chain, depth by depth, in rank order
+    first = drafts.chain + sum(drafts.sides[: len(path) - 1]) + 1  # its depth's first leaf
+    side = -1 if on_chain == len(path) else path[-1] - first
+    return _report(r, drafts.k, len(path), add, drafts.how[0], time.perf_counter() - t0,
+                   draft_s, chain=drafts.chain, sides=drafts.sides, side=side)  # fmt: skip

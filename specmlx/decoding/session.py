@@ -19,6 +19,9 @@ from ..core.stats import KChooser, Stats, TokenEvent
 from ..distributed.ranks import Lockstep, SharedK, World, shared_probe
 from ..drafting.choosers import AUTO, ChooserStore, K, for_drafter, make_chooser
 from ..drafting.lookup import LookupMemory
+from ..drafting.trees import AUTO as TREE_AUTO
+from ..drafting.trees import OFF as TREE_OFF
+from ..drafting.trees import TreeSize
 from ..errors import BadInput
 from .engine import KVState, generate_tokens, prefill
 from .request import Decode, Parts
@@ -71,7 +74,8 @@ class Request:
     (a choosers.K, or what K.of reads: an int >= 0, "auto"); max_tokens: the budget; seed:
     None for random; stop: stop strings (text only); drafter: what drafts (``Drafter``);
     extra_eos: ids that end generation besides the tokenizer's (e.g. end of infill); verify:
-    "block" or "token"; draft_stop: per-token stopping (auto k with a draft model);
+    "block" or "token"; draft_stop: per-token stopping (auto k with a draft model); tree:
+    token trees (a trees.TreeSize, or what TreeSize.of reads: "off", "auto", an int);
     time_limit_s, min_indent: an editor's limits on the text (stream.editor_limits:
     llama.cpp's t_max_predict_ms and n_indent; None: none); warm_up: put the prompt into the
     caches and generate nothing (llama.vim's n_predict 0: ``Generation.prefill``)."""
@@ -86,12 +90,14 @@ class Request:
     extra_eos: tuple[int, ...] = ()
     verify: str = DEFAULT_VERIFY
     draft_stop: bool = False
+    tree: TreeSize = TREE_AUTO
     time_limit_s: float | None = None
     min_indent: int | None = None
     warm_up: bool = False
 
     def __post_init__(self) -> None:
         self.k = K.of(self.k)  # (the rest is checked where the engine's Decode is made)
+        self.tree = TreeSize.of(self.tree)
         if self.drafter not in DRAFTERS:
             raise BadInput(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
 
@@ -157,6 +163,7 @@ class Session:
             lookup=req.uses_lookup,
             verify=req.verify,
             draft_stop=req.draft_stop,
+            tree=req.tree if req.uses_draft and self.pair.draft is not None else TREE_OFF,
         )
 
     def start(

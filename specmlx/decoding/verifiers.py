@@ -14,6 +14,7 @@ from ..core.cursor import Cursor
 from ..core.hidden import HiddenTap
 from ..core.recurrent import PassRecorder
 from ..core.rows import attention_rows
+from ..core.tree_acceptance import Tree
 from .round import Row
 
 
@@ -30,6 +31,13 @@ class LoneTarget:
         logits = self.cursor.verify(rows[0].ctx[-1], d)  # (k + 1, V)
         hidden = self.cursor.hidden
         return logits[None], (hidden.states[None] if hidden is not None else None)
+
+    def verify_tree(self, rows: Sequence[Row], nodes: mx.array, tree: Tree):
+        logits = self.cursor.verify_tree(rows[0].ctx[-1], nodes[0], tree, rows[0].ctx)
+        return logits[None], None
+
+    def keep_path(self, rows: Sequence[Row], nodes: list[int]) -> None:
+        self.cursor.keep_path(nodes)
 
     def queue(self, token: mx.array) -> None:
         self.cursor.queue(token)
@@ -72,6 +80,12 @@ class RowsTarget:
 
     def queue(self, token: mx.array) -> None:
         raise NotImplementedError("a batch queues no plain pass")
+
+    def verify_tree(self, rows: Sequence[Row], nodes: mx.array, tree: Tree):
+        raise NotImplementedError("a batch verifies chains (its rows already widen the pass)")
+
+    def keep_path(self, rows: Sequence[Row], nodes: list[int]) -> None:
+        raise NotImplementedError("a batch verifies chains")
 
     def keep(self, rows: Sequence[Row], fed: list[int], kept: list[int]) -> None:
         # a row fed ctx[-1] and its drafts; it keeps what its new ctx[:-1] holds

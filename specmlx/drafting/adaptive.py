@@ -365,9 +365,13 @@ class AdaptiveK(KChooser):
         """The next round's k, after folding in ``last`` (None: a generation starts; what
         was learned in earlier ones carries over)."""
         if last is not None:
-            self.update(
-                last.k, last.accepted, last.seconds, last.draft_seconds, last.lookup, last.made
-            )
+            if last.chain is None:
+                self.update(
+                    last.k, last.accepted, last.seconds, last.draft_seconds, last.lookup, last.made
+                )
+            else:  # a tree: k sizes its chain; the pass verified all its nodes
+                on_chain = last.accepted - (last.side >= 0)
+                self.update(last.chain, on_chain, last.seconds, last.draft_seconds, nodes=last.k)
             self.accept.observe(last.confidences[: last.k], last.accepted)
         if self.cost.level is None:
             return min(2, self.k_max)  # measure something first
@@ -491,12 +495,14 @@ class AdaptiveK(KChooser):
         draft_s: float | None = None,
         lookup: int = 0,
         made: int | None = None,
+        nodes: int | None = None,
     ) -> None:
         """Fold one round in: n of k drafts accepted in ``round_s`` seconds, of which
         ``draft_s`` drafting when it was timed apart; ``lookup`` > 0: prompt lookup proposed
         them from a match that long (its acceptance is learned apart, its drafting is free);
         ``made``: drafts made, when more than k (per-token stopping verified fewer than it
-        drafted: the unverified ones cost draft time, not target time)."""
+        drafted: the unverified ones cost draft time, not target time); ``nodes``: the drafted
+        tokens the target's pass verified, when more than k (a tree: its side leaves)."""
         made = k if made is None else max(made, k)
         made = min(made, 1) if self.block else made  # a block: one forward drafted them all
         if k > 0 and lookup:
@@ -511,10 +517,10 @@ class AdaptiveK(KChooser):
                 self._wait = self.reprobe_every  # the draft scored: no backing off
             timed = draft_s is not None
             if not timed:
-                draft_s = self.cost.draft_share(k, made, round_s)
+                draft_s = self.cost.draft_share(nodes or k, made, round_s)
             if draft_s is not None:
                 self.cost.time_draft(draft_s / made, timed)
-        self.cost.time(k, max(round_s - (draft_s or 0.0), 1e-9))
+        self.cost.time(nodes or k, max(round_s - (draft_s or 0.0), 1e-9))
 
     def pass_curve(self) -> list[float]:
         """t_verify(k) for k in 0..max(k_max, lookup_max), never cheaper than a smaller k."""

@@ -40,9 +40,12 @@ from ..core.caches import WindowKVCache, layer_caches, recurrent_layers
 from ..core.kvstate import reads_hidden
 from ..core.rows import attention_rows, batchable, row_of, rows_of, solo_of
 from ..core.sampling import Processor, sample
+from ..core.stats import Stats
+from ..core.tree_acceptance import Tree
 from ..core.vocab import draft_ids, logit_width
 from ..errors import BadInput
 from .drafters import FEED_AFTER, SAFE_ID, Drafter, Proposal
+from .trees import SideSizer, side_parents
 
 _MODEL = Proposal(source="model")  # how a row drafter's drafts were made: nothing to add
 _NOTHING = Proposal()
@@ -60,6 +63,12 @@ class Drafts:
     q: list
     ks: list[int]
     how: list[Proposal]
+    # a lone row's token tree (trees.py): its shape over the k nodes, the drafter's chain
+    # (nodes 1..chain, each the child of the one before) and its side leaves by depth;
+    # None: the drafts are a chain
+    tree: Tree | None = None
+    chain: int = 0
+    sides: tuple[int, ...] = ()
 
     @property
     def k(self) -> int:
@@ -86,6 +95,7 @@ class DraftRow(Protocol):
 
     ctx: list[int]
     process: Processor | None
+    stats: Stats
     draft_held: int
     waiting: mx.array | None
     own_cache: list | None
@@ -200,11 +210,14 @@ class _SharedCache(RowDrafter):
 
 class ModelRows(_SharedCache):
     """A draft model for every row (see the module). model: the draft; vocab: the ids it
-    may propose; embeds: the ids it can embed (others are fed as SAFE_ID)."""
+    may propose; embeds: the ids it can embed (others are fed as SAFE_ID). ``sizer``: set
+    for a lone row whose target verifies trees (trees.SideSizer): each round's chain then
+    gets the side leaves it plans (the draft's next-best tokens at each step)."""
 
     def __init__(self, model, vocab: int, embeds: int):
         super().__init__(model, vocab)
         self.embeds = embeds
+        self.sizer: SideSizer | None = None
         self._states: list[list[list]] = []  # recurrent layers' states after each step
 
     def propose(self, rows, k, ks, keys):
@@ -229,7 +242,10 @@ class ModelRows(_SharedCache):
         keep = lambda: [list(c.cache) for c in recurrent]  # noqa: E731 - references only
         self._states = [keep()] if recurrent else []
         steps = _step_keys(keys, ks)
-        tokens, qs = [], []
+        sides = (
+            self.sizer.plan(k, rows[0].stats) if self.sizer is not None and len(rows) == 1 else []
+        )
+        tokens, qs, leaves = [], [], []
         for j in range(k):
             if j:
                 fed = mx.where(tokens[-1] < self.embeds, tokens[-1], SAFE_ID)
@@ -238,10 +254,13 @@ class ModelRows(_SharedCache):
                     self._states.append(keep())
             t, q = _draw(rows, logits, [s[j] if s is not None and j < s.shape[0] else None
                                         for s in steps])  # fmt: skip
+            if sides and sides[j]:  # (the q a draw used, or the logits of a greedy one)
+                leaves.append(_next_best(logits[0] if q[0] is None else q[0], t[0], sides[j]))
             tokens.append(t)
             qs.append(q)
             mx.async_eval(t)  # the host builds the next step while this one runs
-        return Drafts.model(mx.stack(tokens, axis=1), _per_row(rows, qs), ks)
+        drafts = Drafts.model(mx.stack(tokens, axis=1), _per_row(rows, qs), ks)
+        return _with_leaves(drafts, k, sides, leaves) if any(sides) else drafts
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The draft fed ctx and k - 1 drafts: each row keeps what its ctx confirms of them
@@ -423,6 +442,28 @@ def _step_keys(keys: list, ks: list[int]) -> list:
     no drafts), as a solo drafter splits its own."""
     return [mx.random.split(kk, ki) if kk is not None and ki else None
             for kk, ki in zip(keys, ks, strict=True)]  # fmt: skip
+
+
+def _next_best(scores: mx.array, chosen: mx.array, m: int) -> mx.array:
+    """The m best ids by ``scores`` (vocab,) other than ``chosen`` (the chain's draw), best
+    first (m,): the side leaves at a step."""
+    top = mx.argpartition(-scores, kth=m)[: m + 1]  # the m + 1 best, in no order
+    value = mx.where(top == chosen, -mx.inf, scores[top])  # the chain's own token last
+    return top[mx.argsort(-value)[:m]]
+
+
+def _with_leaves(drafts: Drafts, k: int, sides: list[int], leaves: list) -> Drafts:
+    """A lone row's chain of k with side leaves (trees.py): tokens (1, N), the chain's
+    first; a sampled row's q (N, vocab) the chain's rows, then a point mass (one-hot) for each
+    leaf: the leaves are the draft's top ranks, chosen, not drawn (tree_acceptance)."""
+    leaf = mx.concatenate(leaves)  # (N - k,)
+    tokens = mx.concatenate([drafts.tokens, leaf[None]], axis=1)  # (1, N)
+    q = drafts.q[0]
+    if q is not None:
+        one_hot = (mx.arange(q.shape[-1]) == leaf[:, None]).astype(q.dtype)  # (N - k, vocab)
+        q = mx.concatenate([q, one_hot])
+    n = tokens.shape[1]
+    return Drafts(tokens, [q], [n], drafts.how, Tree(side_parents(k, sides)), k, tuple(sides))
 
 
 def _per_row(rows, qs: list[list]) -> list:

@@ -1,0 +1,154 @@
+"""How wide a round's token tree is: the ``--tree`` setting, parsed once, and the sizer that
+picks each round's side leaves.
+
+The tree a drafter proposes here is its chain (k drafts, node i the child of node i - 1)
+with side leaves: at each depth d, the draft's next-best tokens after the chain's node
+d - 1 (its top-m at that step, the chain's own token left out). They cost the draft
+nothing (the step's distribution is already there) and a row each of the target's pass.
+A side leaf pays when the chain's token at its depth is rejected and the target's token is
+that leaf's: the round then keeps the leaf and the target's token after it, one more than
+the chain's correction alone.
+
+The sizer's model, per leaf at depth d (1-based) and rank s among its siblings (0: the
+draft's best after the chain's token):
+
+    value(d, s) = P(the chain reaches depth d) * P(the chain's token at d is rejected)
+                  * h_s,  h_s = P(rank s is the target's token | the chain's was rejected)
+
+with P(reach d) = a_1 ... a_(d-1), each a learned by depth, and h_s learned by rank (the
+row's stats.Stats: a generation learns its own, from a prior). A fixed
+``--tree N`` adds the most valuable leaves up to N nodes; ``auto`` adds them while expected
+tokens per second grow, reading the k chooser's measured pass-cost curve (a chain, k = 0
+side leaves, when no leaf pays).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core.stats import KChooser, Stats
+from ..errors import BadInput
+from .adaptive import AdaptiveK, CostCurve
+
+TREE_MAX = 64  # the most drafted tokens one pass may verify (a row of the pass each)
+AUTO_NODES = 16  # auto's cap on a tree's nodes
+SIDE_MAX = 4  # side leaves per depth: the draft's ranks past its 5th rarely hold the target's
+# (hits, trials) before any round: a chain's draft passes half the time; a side leaf holds
+# the target's token a fifth of the time where the chain's was rejected
+_DEPTH_PRIOR, _RANK_PRIOR = (1.0, 2.0), (1.0, 5.0)
+
+
+@dataclass(frozen=True)
+class TreeSize:
+    """The ``--tree`` setting, parsed once (``TreeSize.of``): ``nodes`` 0 is off (chains),
+    ``auto`` sizes each round by the cost model up to AUTO_NODES, a number N caps the drafted
+    tokens one pass verifies and fills them with the most valuable leaves."""
+
+    nodes: int = 0
+    auto: bool = False
+
+    @classmethod
+    def of(cls, value: TreeSize | int | str, name: str = "tree") -> TreeSize:
+        """'off', 'auto', an integer from 1 to TREE_MAX (or its text), or a TreeSize as it is;
+        BadInput otherwise, naming the setting as ``name`` (the CLI's "--tree")."""
+        if isinstance(value, TreeSize):
+            return value
+        if value == "off":
+            return cls()
+        if value == "auto":
+            return cls(AUTO_NODES, auto=True)
+        n = value
+        if isinstance(value, str):
+            try:
+                n = int(value)
+            except ValueError:
+                n = None
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= TREE_MAX:
+            raise BadInput(
+                f"{name} must be 'off', 'auto' or an integer from 1 to {TREE_MAX}, got {value!r}"
+            )
+        return cls(n)
+
+    @property
+    def off(self) -> bool:
+        return self.nodes == 0
+
+    @property
+    def value(self) -> int | str:
+        """As JSON and models.toml write it: "off", "auto" or the int."""
+        return "off" if self.off else "auto" if self.auto else self.nodes
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+OFF, AUTO = TreeSize(), TreeSize.of("auto")
+
+
+def side_parents(k: int, sides: list[int]) -> tuple[int, ...]:
+    """The parents of a chain of k with ``sides[d]`` side leaves at depth d + 1: the chain
+    is nodes 1..k (node i's parent i - 1), then each depth's leaves in rank order, children
+    of the chain's node at the depth above (the root for depth 1)."""
+    parents = list(range(k))
+    for d, m in enumerate(sides):
+        parents += [d] * m
+    return tuple(parents)
+
+
+class SideSizer:
+    """Each round's side leaves per depth (see the module), from what the row's statistics
+    learned so far (stats.Stats: the chain's acceptance by depth, the leaves' by rank, with
+    a prior before any round).
+
+    size: the setting (not off); chooser: the k chooser, whose pass-cost curve and draft
+    timing ``auto`` reads where it has them (an AdaptiveK); otherwise a pass is taken to cost
+    10% more a token (CostCurve's guess where nothing was probed)."""
+
+    def __init__(self, size: TreeSize, chooser: KChooser):
+        self.size, self.chooser = size, chooser
+
+    def plan(self, k: int, stats: Stats) -> list[int]:
+        """Side leaves at each depth 1..k for a chain of k (all 0: a chain). stats: the row's
+        statistics so far."""
+        room = min(self.size.nodes - k, SIDE_MAX * k)
+        if k <= 0 or room <= 0:
+            return [0] * max(k, 0)
+        a = [_rate(stats.depth_accepted, stats.depth_tried, d, _DEPTH_PRIOR) for d in range(k)]
+        h = [_rate(stats.rank_kept, stats.rank_tried, s, _RANK_PRIOR) for s in range(SIDE_MAX)]
+        reach, leaves = 1.0, []  # (value, depth) of every leaf that may go in
+        for d in range(k):
+            leaves += [(reach * (1.0 - a[d]) * h[s], d) for s in range(SIDE_MAX)]
+            reach *= a[d]
+        leaves.sort(key=lambda v: -v[0])  # (within a depth, rank order is value order)
+        take = self._best_count(k, a, [v for v, _ in leaves[:room]])
+        sides = [0] * k
+        for _, d in leaves[:take]:
+            sides[d] += 1
+        return sides
+
+    def _best_count(self, k: int, a: list[float], values: list[float]) -> int:
+        """How many of the leaves (by value, best first) to verify: all of them for a fixed
+        size; for auto, the count that maximizes expected tokens per second of the round."""
+        if not self.size.auto:
+            return len(values)
+        chain, reach = 1.0, 1.0  # expected tokens of the chain alone: 1 + a_1 + a_1 a_2 + ...
+        for d in range(k):
+            reach *= a[d]
+            chain += reach
+        cost = self.chooser.cost if isinstance(self.chooser, AdaptiveK) else CostCurve()
+        curve = cost.curve(k + len(values))  # seconds by drafts verified (unmeasured: shape)
+        drafting = k * (cost.t_draft or 0.0)
+        best, best_rate, gained = 0, 0.0, 0.0
+        for n in range(len(values) + 1):
+            gained += values[n - 1] if n else 0.0
+            t = drafting + (curve[k + n] if cost.level else cost.shape(k + n))
+            rate = (chain + gained) / t if t > 0 else 0.0
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
+
+
+def _rate(hits: list[int], tries: list[int], i: int, prior: tuple[float, float]) -> float:
+    """hits[i] / tries[i] with ``prior`` (hits, tries) added (counts may be shorter than i)."""
+    h, t = (hits[i], tries[i]) if i < len(tries) else (0, 0)
+    return (h + prior[0]) / (t + prior[1])

@@ -1,0 +1,143 @@
+"""drafting/trees.py and the round's tree path (decoding/round.py): the --tree setting read
+once, the side-leaf sizer (a fixed size fills its nodes, auto weighs them against the
+measured pass cost), one host sync a tree round, the target's caches after a tree
+generation equal to a plain one's, and refusals by name where a tree cannot be verified.
+Greedy identity and the sampled chi-square with its wrong-rule control are the "tree" kind
+of test_drafter_kinds.py."""
+
+import mlx.core as mx
+import pytest
+from families import build
+from helpers import count_host_syncs, generate, make_tiny
+from typer.testing import CliRunner
+
+from specmlx.cli import app
+from specmlx.core.kvstate import KVState
+from specmlx.core.sampling import SamplingParams
+from specmlx.core.stats import Stats
+from specmlx.drafting.adaptive import AdaptiveK, CostCurve
+from specmlx.drafting.choosers import FixedK
+from specmlx.drafting.trees import AUTO, OFF, SIDE_MAX, TREE_MAX, SideSizer, TreeSize, side_parents
+from specmlx.errors import BadInput
+
+PROMPT = [1, 5, 9, 3, 7, 2]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A tiny llama and a draft that is its copy with a noisy head (it agrees often, not
+    always, so chains break and side leaves get their chance)."""
+    target = make_tiny(5, vocab=32, layers=2, sharpen=3.0)
+    draft = make_tiny(5, vocab=32, layers=2, sharpen=3.0)
+    noise = mx.random.normal(draft.lm_head.weight.shape, key=mx.random.key(9))
+    draft.lm_head.weight = draft.lm_head.weight + 0.6 * noise
+    mx.eval(draft.parameters())
+    return target, draft
+
+
+def test_the_setting_is_read_once():
+    assert TreeSize.of("off") == OFF and OFF.off and str(OFF) == "off"
+    assert TreeSize.of("auto") == AUTO and AUTO.auto and AUTO.value == "auto"
+    assert TreeSize.of("8") == TreeSize(8) == TreeSize.of(8) and TreeSize(8).value == 8
+    for bad in (0, -1, TREE_MAX + 1, "many", True, 2.5):
+        with pytest.raises(BadInput, match="--tree must be 'off', 'auto' or an integer"):
+            TreeSize.of(bad, "--tree")
+
+
+def test_side_parents_put_the_chain_first():
+    # a chain of 3; two leaves under the root, one under the chain's first node
+    assert side_parents(3, [2, 1, 0]) == (0, 1, 2, 0, 0, 1)
+
+
+def _stats(depth_rate: float, rank_rate: float) -> Stats:
+    """Statistics of 100 rounds whose chain passed depth_rate at each depth and whose
+    rank-0 side leaf held the target's token rank_rate of the time."""
+    s = Stats()
+    s.depth_tried, s.depth_accepted = [100] * 4, [int(100 * depth_rate)] * 4
+    s.rank_tried, s.rank_kept = [100] * SIDE_MAX, [int(100 * rank_rate)] + [5] * (SIDE_MAX - 1)
+    return s
+
+
+def test_a_fixed_size_fills_its_nodes_with_the_most_valuable_leaves():
+    sizer = SideSizer(TreeSize(8), FixedK(3))
+    sides = sizer.plan(3, _stats(0.5, 0.6))
+    assert sum(sides) == 5 and sides[0] >= sides[1] >= sides[2]  # shallow leaves are likelier
+    assert SideSizer(TreeSize(3), FixedK(3)).plan(3, Stats()) == [0, 0, 0]  # no room: a chain
+    assert SideSizer(TreeSize(64), FixedK(2)).plan(2, Stats()) == [SIDE_MAX, SIDE_MAX]
+
+
+def _chooser(per_token: float) -> AdaptiveK:
+    """An adaptive chooser whose measured pass over k + 1 tokens costs 1 + per_token * k."""
+    cost = CostCurve(pass_ratio=[1.0 + per_token * k for k in range(40)], t_draft=0.05, level=1.0)
+    return AdaptiveK(cost=cost)
+
+
+def test_auto_adds_leaves_only_where_the_pass_cost_pays_for_them():
+    # a weak chain whose runner-up holds the target's token 3 times in 10 where it failed:
+    # a leaf at depth 1 adds about 0.2 tokens to the chain's 1.4 (+15%)
+    rich = _stats(0.3, 0.3)
+    assert sum(SideSizer(AUTO, _chooser(0.01)).plan(3, rich)) > 0  # a flat curve: leaves pay
+    assert SideSizer(AUTO, _chooser(0.5)).plan(3, rich) == [0, 0, 0]  # +19% a row: the chain
+    poor = _stats(0.3, 0.0)  # leaves that never hold it: the chain even on a flat curve
+    poor.rank_kept = [0] * SIDE_MAX
+    poor.rank_tried = [1000] * SIDE_MAX
+    assert SideSizer(AUTO, _chooser(0.01)).plan(3, poor) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("temp", [0.0, 1.0])
+def test_a_tree_round_has_one_host_sync(pair, monkeypatch, temp):
+    target, draft = pair
+    count, counts = [0], []
+
+    def choose(last):
+        counts.append((count[0], last))
+        count[0] = 0
+        return 3
+
+    count_host_syncs(monkeypatch, count)
+    stats = Stats()
+    list(generate(target, draft, PROMPT, k=choose, max_tokens=40, tree=9, stats=stats,
+                  sampling=SamplingParams(temp), seed=1))  # fmt: skip
+    trees = [(n, last) for n, last in counts[1:] if last.chain is not None]
+    assert len(trees) >= 5 and stats.tree_rounds == len(trees) + (stats.last.chain is not None)
+    # one sync a round; a second where the draft was timed apart
+    assert all(n == 1 + (last.draft_seconds is not None) for n, last in trees), trees
+
+
+def test_the_targets_caches_after_a_tree_generation_are_a_plain_ones(pair):
+    target, draft = pair
+    spec_kv, plain_kv, stats = KVState(), KVState(), Stats()
+    out = [e.token for e in generate(target, draft, PROMPT, k=3, max_tokens=30, tree=10,
+                                     kv=spec_kv, stats=stats)]  # fmt: skip
+    plain = [e.token for e in generate(target, None, PROMPT, k=0, max_tokens=30, kv=plain_kv)]
+    assert out == plain and stats.tree_rounds > 0 and sum(stats.rank_kept) > 0, stats
+    assert spec_kv.tokens == plain_kv.tokens
+    n = len(plain_kv.tokens)
+    for a, b in zip(spec_kv.target, plain_kv.target, strict=True):
+        assert a.offset == b.offset == n
+        assert mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-4).item()
+        assert mx.allclose(a.values[..., :n, :], b.values[..., :n, :], atol=1e-4).item()
+
+
+def test_a_fixed_size_is_refused_by_name_where_no_tree_can_be_verified(pair):
+    target, draft = pair
+    with pytest.raises(BadInput, match="prompt lookup cannot branch"):
+        list(generate(target, None, PROMPT, lookup=True, tree=4))
+    with pytest.raises(BadInput, match="nothing drafts cannot branch"):
+        list(generate(target, None, PROMPT, k=0, tree=4))
+    window = build("llama_swa", 2, 0, vocab=32)
+    with pytest.raises(BadInput, match="the target cannot verify a tree: its layers keep"):
+        list(generate(window, draft, PROMPT, tree=4))
+    # auto: chains there, the same tokens
+    stats = Stats()
+    auto = [e.token for e in generate(window, draft, PROMPT, max_tokens=12, tree="auto",
+                                      stats=stats)]  # fmt: skip
+    assert auto == [e.token for e in generate(window, None, PROMPT, k=0, max_tokens=12)]
+    assert stats.tree_rounds == 0 and stats.drafted > 0
+
+
+def test_the_cli_refuses_a_bad_tree_before_loading():
+    r = CliRunner().invoke(app, ["run", "--tree", "0", "def f():"])
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--tree must be 'off', 'auto' or an integer" in lines[0], lines
