@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..core.acceptance import DEFAULT_VERIFY
 from ..drafting.choosers import AUTO, K
+from ..drafting.trees import OFF, TreeSize
 from ..errors import BadInput
 
 MEMORY = " + memory"  # the drafter suffix of rows whose lookup also searches a lookup memory
@@ -26,16 +27,19 @@ class System:
     drafter: str  # "none", the draft alias, "lookup", "<draft> + lookup", "... + memory"
     k: K  # (an int or "auto" is read by K.of)
     verify: str = DEFAULT_VERIFY  # specmlx's acceptance rule for sampled rounds
+    tree: TreeSize = OFF  # specmlx's token trees (its draft model's rows)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "k", K.of(self.k))
+        object.__setattr__(self, "tree", TreeSize.of(self.tree))
 
     @property
     def label(self) -> str:
         # the default rule goes unnamed: a row's label (which also keys its saved k chooser)
         # is the same whether or not --verify named the rule
         rule = "" if self.verify == DEFAULT_VERIFY else f" verify={self.verify}"
-        return f"{self.system} {self.drafter} k={self.k}{rule}"
+        tree = "" if self.tree.off else f" tree={self.tree}"
+        return f"{self.system} {self.drafter} k={self.k}{rule}{tree}"
 
 
 @dataclass
@@ -70,6 +74,7 @@ class BenchSettings:
     draft_stop: bool = False  # add auto rows whose draft model stops per token
     seed: int = 0
     verifies: list[str] = field(default_factory=lambda: [DEFAULT_VERIFY])  # rows per rule
+    trees: list[TreeSize] = field(default_factory=lambda: [OFF])  # draft-model rows per setting
 
     def __post_init__(self) -> None:
         self.ks = [K.of(k) for k in self.ks]

@@ -34,6 +34,7 @@ from ..drafting.adaptive import LOOKUP_MAX, AdaptiveK
 from ..drafting.choosers import AUTO, ChooserStore, K
 from ..drafting.lookup import LookupMemory
 from ..drafting.probe import PROBE_SIZES, curve_from, head_step_seconds, pass_times
+from ..drafting.trees import OFF
 from .data import MEMORY, STOP, BenchSettings, Run, System, code_of, edit_step, runs_at
 from .report import judge_greedy_runs, summarize
 
@@ -136,6 +137,7 @@ def run_one(
         drafter=drafter_of(use_draft and draft is not None, "lookup" in system.drafter),
         verify=system.verify,
         draft_stop=system.drafter.endswith(STOP),
+        tree=system.tree,
     )
     # no tokenizer: generations run to the budget, as mlx-lm's do (EOS is not theirs either)
     session = Session(
@@ -159,14 +161,15 @@ def systems(draft_name: str | None, s: BenchSettings, head_name: str | None = No
     def rules(k: K) -> list[str]:
         return s.verifies if k.fixed != 0 else s.verifies[:1]
 
-    def spec(drafter: str) -> list[System]:
-        return [System("specmlx", drafter, k, v) for k in s.ks for v in rules(k)]
+    def spec(drafter: str, trees=(OFF,)) -> list[System]:
+        return [System("specmlx", drafter, k, v, t) for k in s.ks for v in rules(k)
+                for t in (trees if k.fixed != 0 else trees[:1])]  # fmt: skip
 
     out = [System("target-only", "none", K(0))]
     if s.compare_mlx_lm:
         out.append(System("mlx-lm", "none", K(0)))  # mlx-lm's generate_step: our baseline's peer
     if draft_name:
-        out += spec(draft_name)
+        out += spec(draft_name, s.trees)
         if s.draft_stop and AUTO in s.ks:  # per-token stopping needs the adaptive chooser
             out += [System("specmlx", draft_name + STOP, AUTO, v) for v in rules(AUTO)]
         if s.compare_mlx_lm:

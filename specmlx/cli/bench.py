@@ -12,6 +12,7 @@ import typer
 from ..core.acceptance import DEFAULT_VERIFY
 from ..distributed.launch import rank_prefix
 from ..drafting.choosers import K
+from ..drafting.trees import TreeSize
 from ..errors import BadInput
 from ..models.registry import MTP
 from .common import (
@@ -77,6 +78,11 @@ def bench(
         help="Also add rows drafted by a head over the target, beside the draft model's: mtp, "
         "eagle3:PATH|ALIAS or dflash:PATH|ALIAS.",
     ),
+    trees: str = typer.Option(
+        "off,auto",
+        "--tree",
+        help="Comma-separated token-tree settings for the draft model's rows: off, auto, N.",
+    ),
     verifies: str = typer.Option(
         DEFAULT_VERIFY,
         "--verify",
@@ -125,6 +131,7 @@ def bench(
         draft_stop=draft_stop,
         seed=seed,
         verifies=list(dict.fromkeys(_split(verifies, _rule_name, "--verify"))),
+        trees=list(dict.fromkeys(_split(trees, lambda t: TreeSize.of(t, "--tree"), "--tree"))),
     )
     if compare not in ("mlx-lm", "none"):
         raise BadInput(f"--compare must be mlx-lm or none, got {compare!r}")

@@ -16,6 +16,8 @@ from typer.core import TyperCommand
 from ..distributed.launch import rank_prefix
 from ..drafting.choosers import AUTO, K
 from ..drafting.self_draft import is_self
+from ..drafting.trees import AUTO as TREE_AUTO
+from ..drafting.trees import TREE_MAX, TreeSize
 from ..errors import BadInput, SpecmlxError
 from ..models.registry import head_of
 from .display import err_console, print_error
@@ -47,6 +49,14 @@ VerifyOpt = Annotated[
         "--verify",
         help="How sampled rounds check the drafts: 'block' (the block jointly, the default: "
         "same output distribution, never fewer kept on average) or 'token' (one by one).",
+    ),
+]
+TreeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tree",
+        help="Token trees: 'off' (chains), 'auto' (the default: side leaves where the cost "
+        f"model says they pay) or N (1-{TREE_MAX}: the most drafted tokens a pass verifies).",
     ),
 ]
 DraftStopOpt = Annotated[
@@ -123,6 +133,7 @@ class Models:
     draft: str | None
     lookup: bool
     k: K
+    tree: TreeSize = TREE_AUTO
 
     @property
     def drafter(self) -> str:
@@ -133,7 +144,10 @@ class Models:
         return drafter_of(self.draft is not None, self.lookup)
 
 
-def resolve_models(registry, target: str | None, draft: str | None, lookup: bool, k: str | None):
+def resolve_models(
+    registry, target: str | None, draft: str | None, lookup: bool, k: str | None,
+    tree: str | None = None,
+):  # fmt: skip
     """Fill in what the user did not say from the pairs and defaults in models.toml."""
     import mlx.core as mx
 
@@ -148,7 +162,8 @@ def resolve_models(registry, target: str | None, draft: str | None, lookup: bool
     if draft == "lookup":
         draft, lookup = "none", True
     kk = K.of(k, "-k") if k is not None else (pair.k if pair else AUTO)
-    return Models(target, None if draft == "none" else draft, lookup, kk)
+    trees = TreeSize.of(tree, "--tree") if tree is not None else (pair.tree if pair else TREE_AUTO)
+    return Models(target, None if draft == "none" else draft, lookup, kk, trees)
 
 
 HostsOpt = Annotated[

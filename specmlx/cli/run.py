@@ -17,6 +17,7 @@ from ..core.acceptance import DEFAULT_VERIFY
 from ..core.stats import Stats
 from ..distributed.launch import rank_prefix
 from ..drafting.choosers import K
+from ..drafting.trees import TreeSize
 from ..errors import BadInput
 from .common import (
     ContextOpt,
@@ -29,6 +30,7 @@ from .common import (
     TempOpt,
     TopKOpt,
     TopPOpt,
+    TreeOpt,
     VerifyOpt,
     check_context,
     check_draft_stop,
@@ -78,6 +80,7 @@ def run(
     min_p: MinPOpt = 0.0,
     verify: VerifyOpt = None,
     draft_stop: DraftStopOpt = False,
+    tree: TreeOpt = None,
     seed: int = typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
     stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template."),
@@ -109,6 +112,8 @@ def run(
         sampled_rule(verify)
     if max_tokens <= 0:
         raise BadInput(f"--max-tokens must be > 0, got {max_tokens}")
+    if tree is not None:
+        TreeSize.of(tree, "--tree")  # (before any loading)
     if context is not None and context <= 0:
         raise BadInput(f"--context must be > 0, got {context}")
     text = read_prompt(prompt)
@@ -131,11 +136,12 @@ def run(
         check_draft_stop(None, draft_stop, ranks=True)
         raise typer.Exit(_launch_ranks(ctx, text, after, seed, hosts, hostfile, target))
     if server:
-        if target or (draft not in (None, "none", "lookup")) or context or lookup or draft_stop:
+        local = target or context or lookup or draft_stop or tree is not None
+        if local or draft not in (None, "none", "lookup"):
             raise BadInput(
                 "with --server the server's models run: drop --target, --context, --lookup, "
-                "--draft-stop and --draft ALIAS (--draft none or lookup still choose how it "
-                "drafts)"
+                "--draft-stop, --tree and --draft ALIAS (--draft none or lookup still choose "
+                "how it drafts)"
             )
         # the server fills in what was not asked (its drafter, k and rule): those go raw
         asked = {"draft": draft, "k": k, "verify": verify}
@@ -143,7 +149,8 @@ def run(
     else:
         _run_local(
             request, text, after, chat, render, target=target, draft=draft, lookup=lookup,
-            k=k, context=context, lookup_memory=lookup_memory, quiet=quiet, world=join(),
+            k=k, tree=tree, context=context, lookup_memory=lookup_memory, quiet=quiet,
+            world=join(),
         )  # fmt: skip
 
 
@@ -162,8 +169,8 @@ def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
 
 
 def _run_local(
-    request, text, suffix, chat, render, *, target, draft, lookup, k, context, lookup_memory,
-    quiet, world,
+    request, text, suffix, chat, render, *, target, draft, lookup, k, tree, context,
+    lookup_memory, quiet, world,
 ) -> None:  # fmt: skip
     """``request`` run here, on ``text`` (with ``suffix``: fill in the middle; ``chat``: the
     chat template); the rest is what the command line says of the models."""
@@ -177,7 +184,7 @@ def _run_local(
     from ..models.registry import load_registry
 
     registry = load_registry()
-    models = resolve_models(registry, target, draft, lookup, k)
+    models = resolve_models(registry, target, draft, lookup, k, tree)
     check_draft_stop(models, request.draft_stop, world.distributed)
     render.k_label = str(models.k)
     console = render.console
@@ -227,7 +234,12 @@ def _run_local(
     store = ChooserStore(warn=print_warning, persist=world.leader)
     session = Session(Pair.of(tgt, drf, shared), choosers=store, memory=memory, world=world)
     request = replace(
-        request, prompt_ids=ids, k=models.k, drafter=models.drafter, extra_eos=extra_eos
+        request,
+        prompt_ids=ids,
+        k=models.k,
+        drafter=models.drafter,
+        extra_eos=extra_eos,
+        tree=models.tree,
     )
     gen = session.start(request, lockstep=lockstep)
     stats = gen.stats

@@ -22,6 +22,7 @@ from .common import (
     TempOpt,
     TopKOpt,
     TopPOpt,
+    TreeOpt,
     VerifyOpt,
     check_draft_stop,
     cli_errors,
@@ -96,6 +97,7 @@ def serve(
     min_p: MinPOpt = 0.0,
     verify: VerifyOpt = None,
     draft_stop: DraftStopOpt = False,
+    tree: TreeOpt = None,
     context: ContextOpt = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
@@ -214,7 +216,7 @@ def serve(
         raise typer.Exit(launch_command(ctx, "serve", hosts, hostfile, tail, secret=api_key))
     world = join()
     registry = load_registry()
-    models = resolve_models(registry, target, draft, False, k)
+    models = resolve_models(registry, target, draft, False, k, tree)
     check_draft_stop(models, draft_stop, world.distributed)
     console = err_console()
     quiet = quiet or not world.leader
@@ -279,6 +281,7 @@ def serve(
         max_body=body_limit,
         verify=verify,
         hosts=host_names,
+        tree=models.tree,
     )
     shown = f"[{host}]" if ":" in host else host
     draft_name = drf.spec.alias if drf else drafter

@@ -32,6 +32,8 @@ except ModuleNotFoundError:  # Python 3.10
 
 from ..drafting.choosers import AUTO, K
 from ..drafting.self_draft import is_self
+from ..drafting.trees import AUTO as TREE_AUTO
+from ..drafting.trees import TREE_MAX, TreeSize
 from ..errors import BadInput, RegistryError, UnknownModel
 from ..paths import expand_path
 
@@ -91,6 +93,16 @@ class _PairTable(_Table):  # [pairs.NAME]
     target: str
     draft: str
     k: int | str = "auto"
+    tree: int | str = "auto"
+
+    @field_validator("tree")
+    @classmethod
+    def _tree_setting(cls, tree: int | str) -> int | str:
+        try:
+            TreeSize.of(tree)  # (the one check of a tree setting)
+        except BadInput:
+            raise ValueError(f'must be "off", "auto" or 1 to {TREE_MAX}') from None
+        return tree
 
     @field_validator("k")
     @classmethod
@@ -162,6 +174,7 @@ class PairSpec:
     target: str
     draft: str
     k: K = AUTO
+    tree: TreeSize = TREE_AUTO
 
 
 @dataclass
@@ -385,7 +398,9 @@ def parse_file(path: Path) -> tuple[dict, dict, dict]:
             )
             raise _fail(where, table, "quantize", msg)
     pairs = {
-        name: PairSpec(name=name, target=raw.target, draft=raw.draft, k=K.of(raw.k))
+        name: PairSpec(
+            name=name, target=raw.target, draft=raw.draft, k=K.of(raw.k), tree=TreeSize.of(raw.tree)
+        )
         for name, raw in parsed.pairs.items()
     }
     return models, pairs, parsed.defaults.model_dump(exclude_unset=True)

@@ -30,6 +30,8 @@ from ..decoding import session
 from ..decoding.fim import encode_infill, require_fim
 from ..decoding.stream import encode_prompt
 from ..drafting.choosers import AUTO, K
+from ..drafting.trees import AUTO as TREE_AUTO
+from ..drafting.trees import TreeSize
 from ..errors import BadInput
 from . import api_shapes as shapes
 from .access_log import AccessLog
@@ -70,7 +72,8 @@ class ServerSettings:
     required as a Bearer token when set; max_body: the largest request body in bytes;
     verify: the default acceptance rule of sampled rounds ("block" or "token"); hosts: the
     Host header names requests may carry (None: any), so a web page that rebinds its own
-    DNS name to 127.0.0.1 cannot reach a keyless server on loopback."""
+    DNS name to 127.0.0.1 cannot reach a keyless server on loopback; tree: token trees for a
+    request that runs alone (a batch's rows verify chains: they already widen the pass)."""
 
     model_name: str
     context: int
@@ -82,6 +85,7 @@ class ServerSettings:
     max_body: int = 16 * 2**20
     verify: str = DEFAULT_VERIFY
     hosts: frozenset[str] | None = None
+    tree: TreeSize = TREE_AUTO
 
 
 def create_app(
@@ -310,6 +314,7 @@ def _request(body: SamplingBody, ids, extra_eos, asked, settings, worker) -> ses
         k=settings.k if body.num_draft is None else K.of(body.num_draft, "num_draft"),
         extra_eos=tuple(extra_eos),
         verify=_verify(body.verify, settings),
+        tree=settings.tree,
     )
 
 
@@ -336,7 +341,7 @@ def _llama_request(
         warm_up=body.n_predict == 0,  # llama.vim's: fill the prompt cache, predict nothing
         seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s],
         drafter=_drafter(None, settings, worker), k=settings.k,
-        extra_eos=tuple(eos), verify=settings.verify,
+        extra_eos=tuple(eos), verify=settings.verify, tree=settings.tree,
         time_limit_s=body.t_max_predict_ms / 1000 if body.t_max_predict_ms > 0 else None,
         min_indent=body.n_indent if body.n_indent > 0 else None,
     )  # fmt: skip
