@@ -303,7 +303,12 @@ def test_bench_json_schema(registry, tmp_path):
     greedy = [row for row in rows if row["temperature"] == 0]
     assert all(row["identical_to_target"] for row in greedy)
     assert {"mlx", "mlx_lm", "blas", "device", "models", "git"} <= set(result["environment"])
-    assert len(result["runs"]) == 2 * 2 * len({(r["system"], r["drafter"], r["k"]) for r in rows})
+    systems = {(r["system"], r["drafter"], r["k"], r["tree"]) for r in rows}
+    assert len(result["runs"]) == 2 * 2 * len(systems)
+    assert {r["tree"] for r in rows if r["drafter"] == "tiny-d" and r["system"] == "specmlx"} == {
+        "off",
+        "auto",
+    }
     assert {"1", "2", "4", "8", "16"} <= set(result["pass_curve"])
     assert "| system |" in md.read_text()
 

@@ -346,3 +346,68 @@ def test_bad_choices_and_tops_are_refused():
     with pytest.raises(ValueError, match="the tree uses 3"):
         medusa_tree([[1, 2], [4]], [(0,), (2,)])
     assert medusa_tree(top, []) == ([], ())
+
+
+# ---------------------------------------------------------------- as a draft, from the CLI
+
+
+def _tiny_target_and_heads(tmp_path: Path) -> tuple[Path, Path]:
+    """A tiny llama's directory and random Medusa heads for it (three, one block each), in
+    Medusa's safetensors layout."""
+    import json
+
+    from helpers import make_tiny_model
+
+    t = make_tiny_model(tmp_path / "t", seed=0)
+    config = json.loads((t / "config.json").read_text())
+    d = tmp_path / "heads"
+    d.mkdir()
+    torch.manual_seed(0)
+    heads = reference.medusa_head(config["hidden_size"], config["vocab_size"], 3, 1)
+    state = {k: v.contiguous() for k, v in heads.state_dict().items()}
+    save_file(state, str(d / "medusa_lm_head.safetensors"))
+    return t, d
+
+
+def test_serve_draft_medusa(tmp_path):
+    """The official client against `specmlx serve --draft medusa:DIR`: the greedy text of no
+    draft, a request that extends an earlier one on its caches, and the heads drafted."""
+    from helpers import served_head_equals_no_draft
+
+    t, d = _tiny_target_and_heads(tmp_path)
+    served_head_equals_no_draft(tmp_path, t, f"medusa:{d}", 3)
+
+
+def test_run_draft_medusa_and_its_misfits(tmp_path, specmlx_home):
+    """`specmlx run --draft medusa:DIR` over a tiny llama: its trees are verified and the
+    greedy text is the target's own; --tree off drafts the chain of each head's best; heads of
+    another width are refused in one line."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from specmlx.cli import app
+
+    t, d = _tiny_target_and_heads(tmp_path)
+    hidden = json.loads((t / "config.json").read_text())["hidden_size"]
+    vocab = json.loads((t / "config.json").read_text())["vocab_size"]
+    runner = CliRunner()
+    args = ["run", "--target", str(t), "-k", "3", "-n", "16", "--temp", "0", "--json", "hello"]
+    plain = json.loads(runner.invoke(app, [*args[:3], "--draft", "none", *args[3:]]).stdout)
+    for tree in ("6", "off"):
+        r = runner.invoke(app, [*args[:3], "--draft", f"medusa:{d}", "--tree", tree, *args[3:]])
+        assert r.exit_code == 0, r.output
+        out = json.loads(r.stdout)
+        assert out["text"] == plain["text"] and out["draft"] == "medusa:heads"
+        assert out["stats"]["drafted"] > 0
+        assert (out["stats"]["tree_rounds"] > 0) == (tree != "off"), out["stats"]
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    other = reference.medusa_head(hidden + 8, vocab, 2, 1)
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()},
+              str(wide / "medusa_lm_head.safetensors"))  # fmt: skip
+    r = runner.invoke(app, ["run", "--target", str(t), "--draft", f"medusa:{wide}", "x"])
+    assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, (
+        r.output
+    )  # (nothing loaded)
+    assert f"read width {hidden + 8}, the target's hidden size is {hidden}" in r.stderr

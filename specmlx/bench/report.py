@@ -145,6 +145,7 @@ def summarize(
                     "drafter": system.drafter,
                     "k": system.k.value,
                     "verify": system.verify if system.system == "specmlx" else None,
+                    "tree": system.tree.value if system.system == "specmlx" else None,
                     "temperature": temp,
                     **_named("tokens_per_sec", tps),
                     **_named("speedup", speedups),
@@ -235,15 +236,15 @@ def environment(models: dict, rev: str | None = None) -> dict:
 
 def to_markdown(result: dict) -> str:
     """The rows as a Markdown table, plus the pass-cost curve and environment."""
-    head = "| system | drafter | k | verify | temp | tok/s (min-max) | speedup | accept | tok/pass | theory | eff. | same as target |"
-    lines = [head, "|" + "---|" * 12]
+    head = "| system | drafter | k | verify | tree | temp | tok/s (min-max) | speedup | accept | tok/pass | theory | eff. | same as target |"
+    lines = [head, "|" + "---|" * 13]
     shown = {"identical": "identical", "near-tie": "near-tie", "diverged": "**diverged**"}
     for r in result["rows"]:
         same = shown.get(r.get("same_as_target"), "n/a")
         eff = f"{r['efficiency']:.0%}" if r["efficiency"] else "-"
         lines.append(
             f"| {r['system']} | {r['drafter']} | {r['k']} | {r.get('verify') or '-'} | "
-            f"{r['temperature']} | "
+            f"{r.get('tree') or '-'} | {r['temperature']} | "
             f"{r['tokens_per_sec']:.2f} ({r['tokens_per_sec_min']:.2f}-{r['tokens_per_sec_max']:.2f}) | "
             f"{r['speedup']:.2f}x | {r['acceptance_rate']:.0%} | {r['tokens_per_pass']:.2f} | "
             f"{r['theoretical_speedup']:.2f}x | {eff} | {same} |"

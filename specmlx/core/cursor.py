@@ -121,16 +121,20 @@ class Cursor:
     ) -> mx.array:
         """The pass that checks a token tree after ``last``: nodes (N,) shaped by ``tree``;
         logits at the root and every node (N + 1, V), lazy. The caches then hold the N + 1
-        in pass order until ``keep_path``. Full-attention caches only (tree_pass.tree_refusal).
+        in pass order until ``keep_path`` (with a tap, ``hidden`` their states, in pass
+        order). Full-attention caches only (tree_pass.tree_refusal).
         A queued pass is given back first (it fed ``last`` alone); context: what the caches
         hold, for that."""
-        if self.tap is not None:
-            raise ValueError("a tree pass reads no hidden states")
         if self.queued is not None:
             self.give_back(self.held - 1, context)
         self.forget_before(self.held)
         x = mx.concatenate([mx.array([last], dtype=mx.uint32), nodes])  # (N + 1,)
-        logits = tree_logits(self.model, self.cache, x, tree)
+        if self.tap is None:
+            logits = tree_logits(self.model, self.cache, x, tree)
+        else:
+            with self.tap:
+                logits = tree_logits(self.model, self.cache, x, tree)
+            self.hidden = Hidden(self.held, hidden_states(self.tap))  # (N + 1, F) pass order
         self.tree_from, self.held = self.held, self.held + x.shape[0]
         return logits
 

@@ -88,6 +88,8 @@ class Batch:
             raise BadInput(
                 "prompt lookup and per-token stopping draft for a lone request only, not in a batch"
             )
+        if drafts and self.drafter is not None and self.drafter.lone:
+            raise BadInput(f"{type(self.drafter).__name__} drafts for a lone request only")
         kv = kv if kv is not None else KVState()
         stats = stats if stats is not None else Stats()
         kept = (stats.prompt_tokens, stats.cached_tokens, stats.prefill_s)

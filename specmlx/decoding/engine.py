@@ -46,6 +46,7 @@ from ..drafting.row_drafters import (
     ChainRows,
     HeadRows,
     LoneRows,
+    MedusaRows,
     ModelRows,
     RowDrafter,
     fits_one_row,
@@ -175,12 +176,16 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
             holder, _ = row_drafter(target, draft, parts.vocab_size)
             holder.join(row, kv.draft, kv.draft_held, kv.waiting)
             drafters.append(holder)
-    branches = isinstance(holder, ModelRows) and _tree_sizer(target, kv.target, decode, next_k)
-    if branches:
+    branches = isinstance(holder, (ModelRows, MedusaRows)) and _tree_sizer(
+        target, kv.target, decode, next_k
+    )
+    if isinstance(holder, MedusaRows):  # its own trees; the chain of its heads' best elsewhere
+        holder.size = decode.tree if branches else holder.size
+    elif branches:
         holder.sizer = branches
     elif not (decode.tree.off or decode.tree.auto):
         what = _DRAFTERS.get(type(holder), "prompt lookup") if drafters else "nothing drafts"
-        raise BadInput(f"tree {decode.tree}: {what} cannot branch (trees: a draft model)")
+        raise BadInput(f"tree {decode.tree}: {what} cannot branch (trees: a draft model, Medusa)")
     if not drafters:
         return None, None
     return (drafters[0] if len(drafters) == 1 else ChainRows(drafters)), holder

@@ -78,7 +78,8 @@ class Verifier(Protocol):
         self, rows: Sequence[Row], nodes: mx.array, tree: Tree
     ) -> tuple[mx.array, mx.array | None]:
         """A lone row's pass over its last token and a token tree's nodes (1, N): logits
-        (1, N + 1, V), lazy (and no features: no drafter that reads them branches)."""
+        (1, N + 1, V) and, for a drafter that reads them, the tapped features (1, N + 1, F)
+        in pass order; both lazy."""
         ...
 
     def keep_path(self, rows: Sequence[Row], nodes: list[int]) -> None:
@@ -177,7 +178,7 @@ def _tree_round(r: Row, target: Verifier, drafter: RowDrafter, drafts: Drafts, k
     argmax path, or multi-step speculative sampling), its keys and values kept contiguous,
     then the drafter settled on how far the path followed its chain."""
     tree, nodes = drafts.tree, drafts.tokens  # (1, N)
-    logits, _ = target.verify_tree([r], nodes, tree)  # (1, N + 1, V)
+    logits, feats = target.verify_tree([r], nodes, tree)  # (1, N + 1, V), (1, N + 1, F)
     if r.process is None:
         node, nxt = accept_tree_greedy(logits[0], nodes[0], tree)
     else:
@@ -194,10 +195,14 @@ def _tree_round(r: Row, target: Verifier, drafter: RowDrafter, drafts: Drafts, k
     r.ctx += add
     r.stats.finish_reason, r.done = reason, bool(reason)
     target.keep_path([r], ([0] + path)[: len(r.ctx) - 1 - fed])
-    on_chain = next((j for j, u in enumerate(path) if u != j + 1), len(path))
-    drafter.settle([r], drafts.chain, [fed], [on_chain], None)
-    # a kept side leaf's rank: the leaves follow the chain, depth by depth, in rank order
-    first = drafts.chain + sum(drafts.sides[: len(path) - 1]) + 1  # its depth's first leaf
-    side = -1 if on_chain == len(path) else path[-1] - first
+    on_chain, side = len(path), -1  # a tree of its own (Medusa): its path is its chain
+    if drafts.sides:  # a chain with side leaves: how far the path followed the chain
+        on_chain = next((j for j, u in enumerate(path) if u != j + 1), len(path))
+        # a kept side leaf's rank: the leaves follow the chain, depth by depth, in rank order
+        first = drafts.chain + sum(drafts.sides[: len(path) - 1]) + 1  # its depth's first leaf
+        side = -1 if on_chain == len(path) else path[-1] - first
+    if feats is not None:  # the kept positions' features, in order (1, 1 + len(path), F)
+        feats = feats[:, mx.array([0, *path], dtype=mx.int32)]
+    drafter.settle([r], drafts.chain, [fed], [on_chain], feats)
     return _report(r, drafts.k, len(path), add, drafts.how[0], time.perf_counter() - t0,
                    draft_s, chain=drafts.chain, sides=drafts.sides, side=side)  # fmt: skip

@@ -34,7 +34,8 @@ class LoneTarget:
 
     def verify_tree(self, rows: Sequence[Row], nodes: mx.array, tree: Tree):
         logits = self.cursor.verify_tree(rows[0].ctx[-1], nodes[0], tree, rows[0].ctx)
-        return logits[None], None
+        hidden = self.cursor.hidden if self.cursor.tap is not None else None
+        return logits[None], (hidden.states[None] if hidden is not None else None)
 
     def keep_path(self, rows: Sequence[Row], nodes: list[int]) -> None:
         self.cursor.keep_path(nodes)

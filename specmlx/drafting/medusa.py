@@ -34,6 +34,7 @@ in rank order, and maps each node to ``top-k(head d-1)[r_d]`` (``generate_candid
 from __future__ import annotations
 
 import collections
+import json
 import pickle
 import re
 import zipfile
@@ -112,6 +113,12 @@ def load_medusa(path: str | Path) -> MedusaHeads:
     file = _find(Path(path))
     tensors = _read_safetensors(file) if file.suffix == ".safetensors" else read_torch_zip(file)
     return _build(tensors, file)
+
+
+def heads_file(path: str | Path) -> Path:
+    """The heads' file at ``path`` (a directory holding one of FILES, or the file itself);
+    BadInput where there is none."""
+    return _find(Path(path))
 
 
 def _find(path: Path) -> Path:
@@ -460,3 +467,93 @@ def medusa_tree(
     tokens = [int(top[len(p) - 1][p[-1]]) for p in paths]
     parents = tuple(index[p[:-1]] if len(p) > 1 else 0 for p in paths)
     return tokens, parents
+
+
+KIND = "medusa"  # --draft medusa:PATH|ALIAS
+
+
+class MedusaDraft(nn.Module):
+    """Medusa heads as a draft over the target's hidden states: they read its final hidden
+    state ("final": the output of its final norm) and draft a sparse tree each round
+    (row_drafters.MedusaRows), never a chain of their own. Nothing is fed to them between
+    rounds: they keep no cache (``make_cache`` is empty, a call feeds nothing).
+
+    heads: the loaded MedusaHeads; choices: the tree they draft at most (Medusa's paths)."""
+
+    reads_hidden = ("final",)
+
+    def __init__(self, heads: MedusaHeads, choices: Sequence[Sequence[int]] = SMALL_CHOICES):
+        super().__init__()
+        _sorted_choices(choices)  # (BadInput where they are malformed)
+        self.heads = heads
+        self.choices = tuple(tuple(c) for c in choices)  # (their order: which go first)
+
+    def make_cache(self) -> list:
+        return []
+
+    def __call__(self, hidden: mx.array, tokens: mx.array | None, cache: list):
+        """The heads read no context: feeding them is a no-op (the engine's prefill feeds
+        every head over the hidden states its pairs)."""
+        return None, None
+
+
+def check_fit(width: int, vocab: int, config: dict, where: str) -> None:
+    """BadInput where heads ``width`` wide over ``vocab`` ids do not fit a target of
+    ``config`` (its config.json): another hidden size, or more ids than its logits.
+
+    where: the heads, as the message names them."""
+    text = config.get("text_config", {})
+    hidden = config.get("hidden_size") or text.get("hidden_size")
+    if hidden is not None and width != hidden:
+        raise BadInput(
+            f"Medusa heads in {where} read width {width}, the target's hidden size is {hidden}"
+        )
+    ids = config.get("vocab_size") or text.get("vocab_size")
+    if ids is not None and vocab > ids:
+        raise BadInput(f"Medusa heads in {where} propose {vocab} ids, past the target's {ids}")
+
+
+def peek_shape(file: Path) -> tuple[int, int] | None:
+    """(width, vocab) of the heads in a safetensors ``file`` from its header alone (None for
+    a torch .pt, or where no output layer is named as Medusa names it)."""
+    if file.suffix != ".safetensors":
+        return None
+    try:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(size))
+    except (OSError, ValueError):
+        return None  # (the load says what is wrong with it)
+    for name, meta in header.items():
+        m = _NAME.fullmatch(name)
+        if (
+            m
+            and m.group(3) == "weight"
+            and isinstance(meta, dict)
+            and len(meta.get("shape", ())) == 2
+        ):
+            vocab, width = meta["shape"]
+            return width, vocab
+    return None
+
+
+def load_medusa_over(target: nn.Module, config: dict, path: str | Path) -> MedusaDraft:
+    """Medusa heads from ``path`` as a draft over ``target``: BadInput where their width is
+    not the target's hidden size or their vocabulary is wider than its logits.
+
+    target: the loaded target; config: its config.json (hidden_size, vocab_size); path: the
+    heads' file or directory."""
+    heads = load_medusa(path)
+    check_fit(heads.hidden, heads.vocab, config, str(path))
+    return MedusaDraft(heads)
+
+
+def tree_shape(choices: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    """A Medusa tree's shape, known before any token: its parents (as medusa_tree gives them)
+    and, per node, the (head, rank) whose top token it holds."""
+    paths = _sorted_choices(choices)
+    width = max((p[-1] for p in paths), default=0) + 1
+    depth = max((len(p) for p in paths), default=0)
+    symbolic = [[k * width + r for r in range(width)] for k in range(depth)]
+    ids, parents = medusa_tree(symbolic, paths)
+    return parents, [divmod(i, width) for i in ids]

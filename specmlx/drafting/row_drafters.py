@@ -45,7 +45,8 @@ from ..core.tree_acceptance import Tree
 from ..core.vocab import draft_ids, logit_width
 from ..errors import BadInput
 from .drafters import FEED_AFTER, SAFE_ID, Drafter, Proposal
-from .trees import SideSizer, side_parents
+from .medusa import MedusaDraft, tree_shape
+from .trees import SideSizer, TreeSize, side_parents
 
 _MODEL = Proposal(source="model")  # how a row drafter's drafts were made: nothing to add
 _NOTHING = Proposal()
@@ -107,10 +108,13 @@ class RowDrafter:
     ``leave`` and ``copy_of`` move a row's draft state in and out of the batch (as a
     KVState's draft caches, draft_held and waiting). ``reads_hidden``: the places in the
     target whose hidden states the round must tap for ``settle`` (empty: none);
-    ``needs_k``: propose only in rounds with k > 0 (lookup may verify a match at k = 0)."""
+    ``needs_k``: propose only in rounds with k > 0 (lookup may verify a match at k = 0);
+    ``lone``: it drafts for a lone request only (a batch refuses it; a server runs such
+    requests alone)."""
 
     reads_hidden: tuple = ()
     needs_k: bool = True
+    lone: bool = False
 
     def limit(self, row: DraftRow) -> int | None:
         """The most drafts ``row`` may get this round (None: no limit of the drafter's)."""
@@ -170,6 +174,8 @@ def row_drafter(
         return ModelRows(draft, vocab, embeds), vocab
     width = logit_width(target)
     vocab = min(vocab_size or width, width)
+    if isinstance(draft, MedusaDraft):
+        return MedusaRows(draft, min(vocab, draft.heads.vocab)), vocab
     if getattr(draft, "block_size", None):
         return BlockRows(draft, vocab), vocab
     return HeadRows(draft, vocab), vocab
@@ -416,6 +422,79 @@ class BlockRows(RowDrafter):
                 mx.async_eval([c.state for c in r.own_cache])
 
 
+class MedusaRows(RowDrafter):
+    """Medusa heads (medusa.MedusaDraft) for a lone row: each round they read the target's
+    final hidden state at the position that produced the row's newest token and draft a
+    sparse tree, the first of their choices that fit (depth at most k, at most ``size.nodes``
+    nodes; ``size`` off: the chain of each head's best). A head's top tokens are chosen, not
+    drawn: a sampled row's q is a point mass at each (tree_acceptance), which keeps it exact.
+
+    draft: the heads; vocab: the ids they may propose. ``size``: set by the engine (default
+    off)."""
+
+    lone = True
+
+    def __init__(self, draft: MedusaDraft, vocab: int):
+        self.model, self.vocab = draft, vocab
+        self.reads_hidden = draft.reads_hidden
+        self.size: TreeSize = TreeSize()
+        self._shapes: dict[tuple[int, int], tuple] = {}
+
+    def limit(self, row) -> int | None:
+        return 0 if row.waiting is None else self.model.heads.heads
+
+    def join(self, row, draft, held, waiting) -> None:
+        row.draft_held, row.waiting = held, waiting
+
+    def leave(self, i, row) -> list:
+        return []
+
+    def copy_of(self, i, row) -> list | None:
+        return []
+
+    def _shape(self, k: int) -> tuple:
+        """(Tree or None for a chain, each node's place in the heads' flattened top (N,),
+        the ranks a head's top needs) for depth k."""
+        nodes = 1 if self.size.off else self.size.nodes
+        if (k, nodes) not in self._shapes:
+            if self.size.off:
+                picked = [(0,) * d for d in range(1, k + 1)]
+            else:
+                picked = [c for c in self.model.choices if len(c) <= k][:nodes]
+            parents, places = tree_shape(picked)
+            width = max(r for _, r in places) + 1
+            at = mx.array([h * width + r for h, r in places], dtype=mx.int32)
+            tree = None if self.size.off else Tree(parents)
+            self._shapes[(k, nodes)] = (tree, at, width, max(h for h, _ in places) + 1)
+        return self._shapes[(k, nodes)]
+
+    def propose(self, rows, k, ks, keys) -> Drafts:
+        if len(rows) != 1:
+            raise BadInput(f"Medusa heads draft for a lone request only, not for {len(rows)} rows")
+        r = rows[0]
+        tree, at, width, heads = self._shape(k)
+        logits = self.model.heads(r.waiting[-1])[:heads, : self.vocab]  # (heads, vocab)
+        top = mx.argpartition(-logits, kth=width - 1, axis=-1)[:, :width]  # (heads, width)
+        order = mx.argsort(-mx.take_along_axis(logits, top, axis=-1), axis=-1)
+        top = mx.take_along_axis(top, order, axis=-1)  # each head's best first
+        tokens = top.reshape(-1)[at].astype(mx.uint32)  # (N,)
+        q = None
+        if r.process is not None:  # point masses (chosen, not drawn)
+            q = (mx.arange(self.vocab) == tokens[:, None]).astype(mx.float32)  # (N, vocab)
+        n = tokens.shape[0]
+        mx.async_eval(tokens)
+        depth = max(tree.depths()) if tree is not None else n
+        return Drafts(tokens[None], [q], [n], [_MODEL], tree, depth if tree else 0)
+
+    def settle(self, rows, k, fed, accepted, feats) -> None:
+        """The heads read next the target's state at the row's last kept position: feats
+        (1, kept..., F) hold the pass's kept positions in order (a tree's path)."""
+        r = rows[0]
+        kept = len(r.ctx) - 1 - fed[0]
+        if feats is not None and kept > 0:
+            r.waiting, r.draft_held = feats[0, kept - 1 : kept], len(r.ctx) - 1
+
+
 def pair_ids(ctx: Sequence[int], start: int, m: int) -> list[int]:
     """The tokens of a head's pairs at positions start..start+m-1: the pair at j is (h_j,
     t_{j+1}), the hidden state and the token that followed it.
@@ -495,6 +574,8 @@ class LoneRows(RowDrafter):
     batch, and refuses a second row by name.
 
     drafter: the lone drafter; name: what it is, for the refusal."""
+
+    lone = True
 
     def __init__(self, drafter: Drafter, name: str):
         self.drafter, self.name = drafter, name

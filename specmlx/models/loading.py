@@ -17,7 +17,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..core.caches import check_kinds, make_caches
 from ..core.mlx_lm_api import model_classes
-from ..drafting import dflash, eagle3
+from ..drafting import dflash, eagle3, medusa
 from ..drafting.headfiles import head_nbytes, read_head_config, tensor_names
 from ..drafting.mtp import check_family, load_mtp, without_head
 from ..drafting.self_draft import (
@@ -270,11 +270,21 @@ def _check_dflash(path: Path, t_config: dict, where: str, context: int) -> int:
     return dflash.cache_bytes(c, context)
 
 
+def _check_medusa(path: Path, t_config: dict, where: str, context: int) -> int:
+    file = medusa.heads_file(path)  # (BadInput where there is none)
+    shape = medusa.peek_shape(file)  # (a torch .pt is checked once loaded)
+    if shape is not None:
+        medusa.check_fit(*shape, t_config, str(path))
+    # no cache; a torch .pt's bytes are not among the *.safetensors head_nbytes counts
+    return 0 if file.suffix == ".safetensors" else file.stat().st_size
+
+
 # a head kind of ``--draft kind:PATH|ALIAS`` -> (what it is called, its check against the
 # target's config.json returning its cache's bytes at a context, its loader)
 _HEADS = {
     eagle3.KIND: ("EAGLE-3 head", _check_eagle3, eagle3.load_eagle3),
     dflash.KIND: ("DFlash drafter", _check_dflash, dflash.load_dflash),
+    medusa.KIND: ("Medusa heads", _check_medusa, medusa.load_medusa_over),
 }
 
 

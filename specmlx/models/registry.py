@@ -42,8 +42,9 @@ KINDS = ("hf", "local", "gguf", "wheel")
 # drafts a pair may name that are not models: none, prompt lookup, the target's own MTP head
 MTP = "mtp"
 DRAFT_WORDS = ("none", "lookup", MTP)
-# heads over the target's hidden states named as kind:PATH|ALIAS (drafting.eagle3, .dflash)
-HEAD_KINDS = ("eagle3", "dflash")
+# heads over the target's hidden states named as kind:PATH|ALIAS (drafting.eagle3, .dflash,
+# .medusa)
+HEAD_KINDS = ("eagle3", "dflash", "medusa")
 BUILDS = (
     "cpu-demo",
     "cpu-distilled",

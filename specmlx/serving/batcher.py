@@ -156,7 +156,8 @@ class Batcher:
         if r.warm_up:  # it waits until the editors are quiet (_warm_up); it parks nothing
             self.warmups.add(job)
             return
-        if r.uses_lookup or w.draft_stop:
+        lone = self.batch.drafter is not None and self.batch.drafter.lone  # (Medusa heads)
+        if r.uses_lookup or w.draft_stop or (r.uses_draft and lone):
             if self._send_left(job):
                 w.serve_alone(job)  # (between two rounds: the rows wait for it)
             return
