@@ -320,6 +320,7 @@ def test_bench_compares_token_and_block_side_by_side(registry, tmp_path):
     r = run(
         "bench", "--prompts", str(prompts), "-k", "2,auto", "--temp", "0,0.8", "-n", "8",
         "--repeats", "1", "--verify", "token,block", "--json", str(out), "--markdown", str(md),
+        "--tree", "off",
     )  # fmt: skip
     assert r.exit_code == 0, r.stderr
     rows = json.loads(out.read_text())["rows"]
@@ -347,7 +348,7 @@ def test_bench_draft_stop_rows(registry, tmp_path):
     prompts.write_text('{"prompt": "def add(a, b):"}\n')
     r = run(
         "bench", "--prompts", str(prompts), "-k", "2,auto", "--temp", "0", "-n", "12",
-        "--repeats", "1", "--compare", "none", "--draft-stop", "--json", str(out),
+        "--repeats", "1", "--compare", "none", "--draft-stop", "--json", str(out), "--tree", "off",
     )  # fmt: skip
     assert r.exit_code == 0, r.stderr
     rows = json.loads(out.read_text())["rows"]

@@ -10,6 +10,7 @@ target drafting for itself (an early exit), and a draft model's rows in a batch 
 join and leave (both rules). What only one kind has
 (the reference code, loading, the CLI, ranks) stays in that kind's module (tests/README.md)."""
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,6 +199,22 @@ def _medusa(_tmp: Path) -> Pair:
     return Pair(target, medusa.MedusaDraft(heads), [3, 5, 1, 3], tree=8)  # (hidden states to read)
 
 
+def _siblings(tmp: Path) -> Pair:
+    """The "tree" pair with lookup beside it: after a prompt that repeats, lookup's
+    continuation (point masses) is a sibling branch of the draft's chain and side leaves."""
+    return dataclasses.replace(_tree(tmp), prompt=[4, 5, 3, 4, 5, 3], lookup=True)
+
+
+def _eagle3_tree(tmp: Path) -> Pair:
+    """The EAGLE-3 head's chain with side leaves (its next-best tokens at each chained step)."""
+    return dataclasses.replace(_eagle3(tmp), tree=6)
+
+
+def _dflash_tree(tmp: Path) -> Pair:
+    """The DFlash block with side leaves (the next-best tokens at each block position)."""
+    return dataclasses.replace(_dflash(tmp), tree=6)
+
+
 def _batch_rows(_tmp: Path) -> Pair:
     """The draft model's tables in models that read each row of a batch at its own length."""
     return Pair(*_noisy_tables(RowsTableLM), JOINT_PROMPT, batched=True)
@@ -231,6 +248,9 @@ KINDS = {
     "batch-rows": Kind(_batch_rows, 6_000, 2_000, 0.05),
     "tree": Kind(_tree, 4_000, 1_000, 0.03),
     "medusa": Kind(_medusa, 4_000, 1_000, 0.02),
+    "siblings": Kind(_siblings, 4_000, 1_000, 0.02),
+    "eagle3-tree": Kind(_eagle3_tree, 3_000, 600, 0.01),
+    "dflash-tree": Kind(_dflash_tree, 3_000, 800, 0.01),
 }
 # (kind, rule): both rules for the draft model and the batch, one for each other kind
 RULED = [
@@ -238,6 +258,7 @@ RULED = [
     ("lookup+draft", "token"), ("mtp", "block"), ("eagle3", "block"), ("dflash", "token"),
     ("distilled", "block"), ("self-draft", "block"), ("batch-rows", "token"),
     ("batch-rows", "block"), ("tree", "token"), ("medusa", "token"),
+    ("eagle3-tree", "token"), ("dflash-tree", "token"), ("siblings", "token"),
 ]  # fmt: skip
 OUTCOMES = {"token": sampled_outcome, "block": block_outcome}
 
@@ -336,7 +357,7 @@ def test_greedy_decoding_is_the_targets_own(pairs, kind):
     assert stats.drafted > 0
     if pair.tree != "off":  # trees were verified and kept drafts (the chain's: a side leaf)
         assert stats.tree_rounds > 0 and stats.accepted > 0, stats
-        assert sum(stats.rank_kept) > 0 or kind == "medusa", stats
+        assert sum(stats.rank_kept) > 0 or kind in ("medusa", "siblings"), stats
 
 
 @pytest.mark.parametrize("kind,verify", RULED)

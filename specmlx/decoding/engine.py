@@ -37,7 +37,7 @@ from ..core.mlx_lm_api import set_wired_limit
 from ..core.sampling import make_processor
 from ..core.stats import Stats, TokenEvent
 from ..core.tree_pass import tree_refusal
-from ..core.vocab import draft_ids
+from ..core.vocab import draft_ids, logit_width
 from ..drafting.choosers import make_chooser
 from ..drafting.drafters import LookupDrafter, ModelDrafter
 from ..drafting.lookup import Lookup
@@ -49,6 +49,7 @@ from ..drafting.row_drafters import (
     MedusaRows,
     ModelRows,
     RowDrafter,
+    SiblingRows,
     fits_one_row,
     pair_ids,
     row_drafter,
@@ -151,7 +152,8 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
              shared: bool):  # fmt: skip
     """What drafts for a lone generation (None: nothing) and what holds the draft's state
     at the end (a ModelDrafter's cursor or a row drafter's row; None: none): lookup first
-    when asked, then the draft model or head as a row of one; the draft model over its own
+    when asked, then the draft model or head as a row of one (with trees, lookup's
+    continuation and that drafter's chain as siblings in one tree instead); the draft model over its own
     cursor for per-token stopping (its chunks read the draft's confidences, a lone option)
     and for caches with no batch kind (row_drafters.fits_one_row); an early exit over the
     target's caches when ``shared`` (self_draft.SharedExit)."""
@@ -176,7 +178,8 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
             holder, _ = row_drafter(target, draft, parts.vocab_size)
             holder.join(row, kv.draft, kv.draft_held, kv.waiting)
             drafters.append(holder)
-    branches = isinstance(holder, (ModelRows, MedusaRows)) and _tree_sizer(
+    # what branches: a row drafter with a distribution at each step (side leaves), Medusa
+    branches = isinstance(holder, (ModelRows, HeadRows, BlockRows, MedusaRows)) and _tree_sizer(
         target, kv.target, decode, next_k
     )
     if isinstance(holder, MedusaRows):  # its own trees; the chain of its heads' best elsewhere
@@ -185,17 +188,18 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
         holder.sizer = branches
     elif not (decode.tree.off or decode.tree.auto):
         what = _DRAFTERS.get(type(holder), "prompt lookup") if drafters else "nothing drafts"
-        raise BadInput(f"tree {decode.tree}: {what} cannot branch (trees: a draft model, Medusa)")
+        raise BadInput(
+            f"tree {decode.tree}: {what} cannot branch (trees: a draft model, a head, Medusa)"
+        )
+    if branches and decode.lookup:  # lookup's continuation beside the drafter, in one tree
+        drafters = [SiblingRows(finder, next_k, holder, logit_width(target))]
     if not drafters:
         return None, None
     return (drafters[0] if len(drafters) == 1 else ChainRows(drafters)), holder
 
 
 # what a drafter is, for the refusal of a fixed tree size
-_DRAFTERS = {
-    HeadRows: "a head (MTP, EAGLE-3)", BlockRows: "a block drafter (DFlash)",
-    SharedExit: "an early exit", ModelDrafter: "the draft model over its own caches",
-}  # fmt: skip
+_DRAFTERS = {SharedExit: "an early exit", ModelDrafter: "the draft model over its own caches"}
 
 
 def _tree_sizer(target, cache: list, decode: Decode, next_k) -> SideSizer | None:

@@ -195,14 +195,19 @@ def _tree_round(r: Row, target: Verifier, drafter: RowDrafter, drafts: Drafts, k
     r.ctx += add
     r.stats.finish_reason, r.done = reason, bool(reason)
     target.keep_path([r], ([0] + path)[: len(r.ctx) - 1 - fed])
-    on_chain, side = len(path), -1  # a tree of its own (Medusa): its path is its chain
-    if drafts.sides:  # a chain with side leaves: how far the path followed the chain
-        on_chain = next((j for j, u in enumerate(path) if u != j + 1), len(path))
+    on_chain, side, chain = len(path), -1, max(tree.depths())  # a tree of its own (Medusa)
+    if drafts.chain:  # a drafter's chain, nodes 1..chain: how far the path followed it
+        on_chain, chain = (
+            next((j for j, u in enumerate(path) if u != j + 1), len(path)),
+            drafts.chain,
+        )
         # a kept side leaf's rank: the leaves follow the chain, depth by depth, in rank order
-        first = drafts.chain + sum(drafts.sides[: len(path) - 1]) + 1  # its depth's first leaf
-        side = -1 if on_chain == len(path) else path[-1] - first
+        first = chain + sum(drafts.sides[:on_chain]) + 1  # its depth's first leaf
+        width = drafts.sides[on_chain] if on_chain < len(drafts.sides) else 0
+        if on_chain < len(path) and first <= path[on_chain] < first + width:
+            side = path[on_chain] - first
     if feats is not None:  # the kept positions' features, in order (1, 1 + len(path), F)
         feats = feats[:, mx.array([0, *path], dtype=mx.int32)]
-    drafter.settle([r], drafts.chain, [fed], [on_chain], feats)
+    drafter.settle([r], drafts.chain, [fed], [on_chain], feats)  # (Medusa: no chain)
     return _report(r, drafts.k, len(path), add, drafts.how[0], time.perf_counter() - t0,
-                   draft_s, chain=drafts.chain, sides=drafts.sides, side=side)  # fmt: skip
+                   draft_s, chain=chain, sides=drafts.sides, side=side)  # fmt: skip

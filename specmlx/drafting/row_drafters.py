@@ -40,11 +40,12 @@ from ..core.caches import WindowKVCache, layer_caches, recurrent_layers
 from ..core.kvstate import reads_hidden
 from ..core.rows import attention_rows, batchable, row_of, rows_of, solo_of
 from ..core.sampling import Processor, sample
-from ..core.stats import Stats
+from ..core.stats import KChooser, Stats
 from ..core.tree_acceptance import Tree
 from ..core.vocab import draft_ids, logit_width
 from ..errors import BadInput
 from .drafters import FEED_AFTER, SAFE_ID, Drafter, Proposal
+from .lookup import Lookup
 from .medusa import MedusaDraft, tree_shape
 from .trees import SideSizer, TreeSize, side_parents
 
@@ -65,7 +66,8 @@ class Drafts:
     ks: list[int]
     how: list[Proposal]
     # a lone row's token tree (trees.py): its shape over the k nodes, the drafter's chain
-    # (nodes 1..chain, each the child of the one before) and its side leaves by depth;
+    # (nodes 1..chain, each the child of the one before) and its side leaves by depth (the
+    # nodes after the chain; any nodes after those are another drafter's, SiblingRows);
     # None: the drafts are a chain
     tree: Tree | None = None
     chain: int = 0
@@ -115,6 +117,9 @@ class RowDrafter:
     reads_hidden: tuple = ()
     needs_k: bool = True
     lone: bool = False
+    # set for a lone row whose target verifies trees (trees.SideSizer): a drafter with a
+    # distribution at each step gives its chain the side leaves it plans (``_side_leaves``)
+    sizer: SideSizer | None = None
 
     def limit(self, row: DraftRow) -> int | None:
         """The most drafts ``row`` may get this round (None: no limit of the drafter's)."""
@@ -216,14 +221,11 @@ class _SharedCache(RowDrafter):
 
 class ModelRows(_SharedCache):
     """A draft model for every row (see the module). model: the draft; vocab: the ids it
-    may propose; embeds: the ids it can embed (others are fed as SAFE_ID). ``sizer``: set
-    for a lone row whose target verifies trees (trees.SideSizer): each round's chain then
-    gets the side leaves it plans (the draft's next-best tokens at each step)."""
+    may propose; embeds: the ids it can embed (others are fed as SAFE_ID)."""
 
     def __init__(self, model, vocab: int, embeds: int):
         super().__init__(model, vocab)
         self.embeds = embeds
-        self.sizer: SideSizer | None = None
         self._states: list[list[list]] = []  # recurrent layers' states after each step
 
     def propose(self, rows, k, ks, keys):
@@ -248,9 +250,7 @@ class ModelRows(_SharedCache):
         keep = lambda: [list(c.cache) for c in recurrent]  # noqa: E731 - references only
         self._states = [keep()] if recurrent else []
         steps = _step_keys(keys, ks)
-        sides = (
-            self.sizer.plan(k, rows[0].stats) if self.sizer is not None and len(rows) == 1 else []
-        )
+        sides = _side_plan(self.sizer, rows, k)
         tokens, qs, leaves = [], [], []
         for j in range(k):
             if j:
@@ -312,17 +312,21 @@ class HeadRows(_SharedCache):
     def propose(self, rows, k, ks, keys):
         g, logits = self._feed_waiting(rows, keep_last=False)  # (B, 1, H), (B, vocab)
         steps = _step_keys(keys, ks)
-        tokens, qs = [], []
+        sides = _side_plan(self.sizer, rows, k)
+        tokens, qs, leaves = [], [], []
         for j in range(k):
             if j:
                 g, logits = self.model(g, tokens[-1][:, None], self.cache)
                 g, logits = g[:, -1:], logits[:, -1, : self.vocab]
             t, q = _draw(rows, logits, [s[j] if s is not None and j < s.shape[0] else None
                                         for s in steps])  # fmt: skip
+            if sides and sides[j]:
+                leaves.append(_next_best(logits[0] if q[0] is None else q[0], t[0], sides[j]))
             tokens.append(t)
             qs.append(q)
             mx.async_eval(t)
-        return Drafts.model(mx.stack(tokens, axis=1), _per_row(rows, qs), ks)
+        drafts = Drafts.model(mx.stack(tokens, axis=1), _per_row(rows, qs), ks)
+        return _with_leaves(drafts, k, sides, leaves) if any(sides) else drafts
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The pairs (h_j, t_{j+1}) this pass confirmed wait to be fed; the chained entries
@@ -385,7 +389,8 @@ class BlockRows(RowDrafter):
     def propose(self, rows, k, ks, keys):
         """Each row's block: its waiting context fed to its own cache, then a block of its
         own ks[i] + 1 positions after its newest token (zeros past ks[i])."""
-        tokens, qs = [], []
+        tokens, qs, leaves = [], [], []
+        sides = _side_plan(self.sizer, rows, k)
         for r, ki, key in zip(rows, ks, keys, strict=True):
             m = len_of(r.waiting)
             if m:
@@ -402,11 +407,15 @@ class BlockRows(RowDrafter):
             else:  # (each position has its own q, drawn independently)
                 q = r.process(logits)
                 d = sample(q, key)
+            for j, m in enumerate(sides[:ki]):  # (a lone row: the top of each position)
+                if m:
+                    leaves.append(_next_best(logits[j] if q is None else q[j], d[j], m))
             tokens.append(mx.concatenate([d, mx.zeros((k - ki,), dtype=mx.uint32)]))
             qs.append(q)
         d = mx.stack(tokens)  # (B, k)
         mx.async_eval(d)
-        return Drafts.model(d, qs, ks)
+        drafts = Drafts.model(d, qs, ks)
+        return _with_leaves(drafts, k, sides, leaves) if any(sides) else drafts
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The context this pass confirmed waits to be fed; a row that piles up more than
@@ -483,8 +492,7 @@ class MedusaRows(RowDrafter):
             q = (mx.arange(self.vocab) == tokens[:, None]).astype(mx.float32)  # (N, vocab)
         n = tokens.shape[0]
         mx.async_eval(tokens)
-        depth = max(tree.depths()) if tree is not None else n
-        return Drafts(tokens[None], [q], [n], [_MODEL], tree, depth if tree else 0)
+        return Drafts(tokens[None], [q], [n], [_MODEL], tree)  # (a tree of its own: no chain)
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The heads read next the target's state at the row's last kept position: feats
@@ -521,6 +529,11 @@ def _step_keys(keys: list, ks: list[int]) -> list:
     no drafts), as a solo drafter splits its own."""
     return [mx.random.split(kk, ki) if kk is not None and ki else None
             for kk, ki in zip(keys, ks, strict=True)]  # fmt: skip
+
+
+def _side_plan(sizer: SideSizer | None, rows, k: int) -> list[int]:
+    """A lone row's side leaves per depth this round (trees.SideSizer); none for a batch."""
+    return sizer.plan(k, rows[0].stats) if sizer is not None and len(rows) == 1 else []
 
 
 def _next_best(scores: mx.array, chosen: mx.array, m: int) -> mx.array:
@@ -592,6 +605,70 @@ class LoneRows(RowDrafter):
 
     def close(self) -> None:
         self.drafter.close()
+
+
+class SiblingRows(RowDrafter):
+    """Prompt lookup beside a row drafter in one tree (SpecInfer's several drafters as
+    siblings), for a lone row: the drafter's chain (with its side leaves) and, under the root
+    after them, lookup's continuation as a branch of point masses. Either may be right; the
+    target's pass checks both. Where one of them proposes nothing, the other's drafts go
+    alone.
+
+    finder: the row's lookup (its index over the row's context, and the memory); chooser:
+    sizes lookup's proposal (stats.KChooser.lookup_length); drafter: the row drafter (a lone
+    row's); width: the target's logit width (a sampled row's point masses span it: lookup may
+    propose ids past the draft's vocabulary)."""
+
+    lone = True
+    needs_k = False
+
+    def __init__(self, finder: Lookup, chooser: KChooser, drafter: RowDrafter, width: int):
+        self.finder, self.chooser, self.drafter, self.width = finder, chooser, drafter, width
+        self.reads_hidden = drafter.reads_hidden
+
+    def limit(self, row) -> int | None:
+        return None  # (the drafter's own limit is asked in propose)
+
+    def propose(self, rows, k, ks, keys) -> Drafts:
+        if len(rows) != 1:
+            raise BadInput(
+                f"lookup beside a draft drafts for a lone request only, not {len(rows)} rows"
+            )
+        r = rows[0]
+        top = self.drafter.limit(r)
+        own = max(0, min(k, top)) if top is not None else k
+        drafts = self.drafter.propose(rows, own, [own], keys) if own else Drafts.none(1)
+        match, found = self.finder.find(max(k, 1) if drafts.k else r.stops.room)
+        found = found[: self.chooser.lookup_length(match, len(found), max(k, 1), False)]
+        if not found:
+            return drafts
+        look = mx.array(found, dtype=mx.uint32)
+        if not drafts.k:  # lookup alone: a chain of point masses
+            return Drafts.one(Proposal(look, None, "lookup", match=match))
+        n, chain = drafts.k, drafts.chain if drafts.tree is not None else drafts.k
+        parents = drafts.tree.parents if drafts.tree is not None else tuple(range(n))
+        parents += (0,) + tuple(range(n + 1, n + len(found)))  # lookup's branch, under the root
+        q = drafts.q[0]
+        if q is not None:  # a sampled row: its drafter's q, then a point mass at each of lookup's
+            q = mx.pad(q, [(0, 0), (0, self.width - q.shape[-1])])
+            q = mx.concatenate([q, (mx.arange(self.width) == look[:, None]).astype(q.dtype)])
+        tokens = mx.concatenate([drafts.tokens, look[None]], axis=1)  # (1, N + L)
+        size = tokens.shape[1]
+        return Drafts(tokens, [q], [size], drafts.how, Tree(parents), chain, drafts.sides)
+
+    def settle(self, rows, k, fed, accepted, feats) -> None:
+        self.drafter.settle(rows, k, fed, accepted, feats)
+        self.finder.sync()
+
+    def join(self, row, draft, held, waiting) -> None:
+        self.drafter.join(row, draft, held, waiting)
+
+    def leave(self, i, row) -> list:
+        return self.drafter.leave(i, row)
+
+    def close(self) -> None:
+        self.drafter.close()
+        self.finder.remember()
 
 
 class ChainRows(RowDrafter):
