@@ -50,13 +50,8 @@ class K:
             return value
         if value == "auto":
             return cls(None)
-        n = value
-        if isinstance(value, str):
-            try:
-                n = int(value)
-            except ValueError:
-                n = None
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= K_MAX:
+        n = count_of(value)
+        if n is None or not 0 <= n <= K_MAX:
             raise BadInput(f"{name} must be an integer from 0 to {K_MAX} or 'auto', got {value!r}")
         return cls(n)
 
@@ -74,6 +69,17 @@ class K:
 
 
 AUTO = K(None)
+
+
+def count_of(value: object) -> int | None:
+    """An int setting as given (an int, or its text), None for anything else (a bool is
+    not a count): what K.of and trees.TreeSize.of read before their own range checks."""
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class FixedK(KChooser):

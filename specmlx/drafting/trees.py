@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from ..core.stats import KChooser, Stats
 from ..errors import BadInput
 from .adaptive import AdaptiveK, CostCurve
+from .choosers import count_of
 
 TREE_MAX = 64  # the most drafted tokens one pass may verify (a row of the pass each)
 AUTO_NODES = 16  # auto's cap on a tree's nodes
@@ -57,13 +58,8 @@ class TreeSize:
             return cls()
         if value == "auto":
             return cls(AUTO_NODES, auto=True)
-        n = value
-        if isinstance(value, str):
-            try:
-                n = int(value)
-            except ValueError:
-                n = None
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= TREE_MAX:
+        n = count_of(value)
+        if n is None or not 1 <= n <= TREE_MAX:
             raise BadInput(
                 f"{name} must be 'off', 'auto' or an integer from 1 to {TREE_MAX}, got {value!r}"
             )
