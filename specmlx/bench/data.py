@@ -74,7 +74,7 @@ class BenchSettings:
     draft_stop: bool = False  # add auto rows whose draft model stops per token
     seed: int = 0
     verifies: list[str] = field(default_factory=lambda: [DEFAULT_VERIFY])  # rows per rule
-    trees: list[TreeSize] = field(default_factory=lambda: [OFF])  # draft-model rows per setting
+    trees: list[TreeSize] = field(default_factory=lambda: [OFF])  # draft/head rows per setting
 
     def __post_init__(self) -> None:
         self.ks = [K.of(k) for k in self.ks]

@@ -179,11 +179,11 @@ def systems(draft_name: str | None, s: BenchSettings, head_name: str | None = No
         if s.memory:
             out += spec("lookup" + MEMORY)
         if draft_name:
-            out += spec(f"{draft_name} + lookup")
+            out += spec(f"{draft_name} + lookup", s.trees)  # (with trees: siblings in one)
             if s.memory:
                 out += spec(f"{draft_name} + lookup{MEMORY}")
     if head_name:
-        out += spec(head_name)
+        out += spec(head_name, s.trees)
         if s.lookup:
             out += spec(f"{head_name} + lookup")
     return out

@@ -81,7 +81,8 @@ def bench(
     trees: str = typer.Option(
         "off,auto",
         "--tree",
-        help="Comma-separated token-tree settings for the draft model's rows: off, auto, N.",
+        help="Comma-separated token-tree settings for the draft model's and a head's rows "
+        "(with --lookup, theirs beside lookup too): off, auto, N.",
     ),
     verifies: str = typer.Option(
         DEFAULT_VERIFY,
