@@ -141,3 +141,19 @@ def test_the_cli_refuses_a_bad_tree_before_loading():
     assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "--tree must be 'off', 'auto' or an integer" in lines[0], lines
+
+
+def test_adaptive_k_weighs_a_chain_with_its_leaves():
+    """A draft too weak for any chain to pay (k = 0) drafts where side leaves make a round
+    pay, and stays at 0 where they add nothing."""
+    chooser = _chooser(0.02)  # a flat curve, a draft step at 0.3 of a target step
+    chooser.cost.t_plain, chooser.cost.t_draft = 1.0, 0.3
+    for _ in range(40):  # the first draft kept one time in ten
+        chooser.accept.count(1, 0)
+    for _ in range(4):
+        chooser.accept.count(1, 1)
+    assert chooser.best_now() == 0
+    chooser.widen = lambda k: (0.6, 4)  # four leaves worth 0.6 tokens
+    assert chooser.best_now() >= 1
+    chooser.widen = lambda k: (0.0, 0)
+    assert chooser.best_now() == 0

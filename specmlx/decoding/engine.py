@@ -38,6 +38,7 @@ from ..core.sampling import make_processor
 from ..core.stats import Stats, TokenEvent
 from ..core.tree_pass import tree_refusal
 from ..core.vocab import draft_ids, logit_width
+from ..drafting.adaptive import AdaptiveK
 from ..drafting.choosers import make_chooser
 from ..drafting.drafters import LookupDrafter, ModelDrafter
 from ..drafting.lookup import Lookup
@@ -102,6 +103,8 @@ def generate_tokens(
     prompt = token_ids(prompt_ids)
     head = reads_hidden(draft)
     next_k = parts.chooser if parts.chooser is not None else make_chooser(decode.k)
+    if isinstance(next_k, AdaptiveK):
+        next_k.widen = None  # (set again below where this generation branches)
     if decode.draft_stop and (head or draft is None or not next_k.plans):
         raise BadInput(
             "per-token stopping needs a draft model and adaptive k in one process"
@@ -146,6 +149,8 @@ def generate_tokens(
             yield from loop
         finally:
             stats.peak_memory = mx.get_peak_memory()
+            if isinstance(next_k, AdaptiveK):
+                next_k.widen = None  # (it read this generation's statistics)
 
 
 def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row, next_k,
@@ -153,10 +158,10 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
     """What drafts for a lone generation (None: nothing) and what holds the draft's state
     at the end (a ModelDrafter's cursor or a row drafter's row; None: none): lookup first
     when asked, then the draft model or head as a row of one (with trees, lookup's
-    continuation and that drafter's chain as siblings in one tree instead); the draft model over its own
-    cursor for per-token stopping (its chunks read the draft's confidences, a lone option)
-    and for caches with no batch kind (row_drafters.fits_one_row); an early exit over the
-    target's caches when ``shared`` (self_draft.SharedExit)."""
+    continuation and that drafter's chain as siblings in one tree instead); the draft model
+    over its own cursor for per-token stopping (its chunks read the draft's confidences, a
+    lone option) and for caches with no batch kind (row_drafters.fits_one_row); an early
+    exit over the target's caches when ``shared`` (self_draft.SharedExit)."""
     drafters: list[RowDrafter] = []
     if decode.lookup:
         finder = Lookup(row.ctx, parts.lookup_memory)  # (it indexes the row's own list)
@@ -186,6 +191,8 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
         holder.size = decode.tree if branches else holder.size
     elif branches:
         holder.sizer = branches
+        if isinstance(next_k, AdaptiveK) and decode.tree.auto:  # k weighed with its leaves
+            next_k.widen = lambda k: branches.gain(k, row.stats)
     elif not (decode.tree.off or decode.tree.auto):
         what = _DRAFTERS.get(type(holder), "prompt lookup") if drafters else "nothing drafts"
         raise BadInput(

@@ -27,7 +27,7 @@ probe.py times the target for the curve's first shape: it runs models, nothing h
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from ..core.stats import KChooser, RoundReport
@@ -41,6 +41,7 @@ DRAFT_CHUNKS = (1, 1, 2)
 # the first timings of the draft are taken at their minimum, later ones averaged
 EARLY_TIMES = 3
 LOOKUP_MAX = 15  # the longest lookup proposal: a target pass over 16 tokens
+TREE_MAX = 64  # the most drafted tokens one pass may verify, a token tree's (trees.py)
 
 
 def expected_tokens(a: float, k: int, a_later: float | None = None) -> float:
@@ -360,6 +361,11 @@ class AdaptiveK(KChooser):
     _drafting_rounds: int = 0
     _zeros: int = 0
     _wait: int = 0
+    # token trees (trees.SideSizer.gain, set for a generation that may branch; never saved):
+    # what side leaves add to a chain of k, (expected tokens, drafted tokens verified)
+    widen: Callable[[int], tuple[float, int]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def __call__(self, last: RoundReport | None) -> int:
         """The next round's k, after folding in ``last`` (None: a generation starts; what
@@ -405,9 +411,25 @@ class AdaptiveK(KChooser):
         td, curve, later = self.cost.t_draft or 0.0, self.pass_curve(), self.accept.later_rate
         k = best_k(self.accept.first_rate, td, curve, self.k_max, k_min=1, a_later=later,
                    block=self.block)  # fmt: skip
+        extra = 0.0, 0
+        if self.widen is not None:  # with side leaves a k may pay that alone would not
+            curve = self.cost.curve(self.k_max + TREE_MAX)
+            k, extra = self._widest(td, curve, later)
         hopeful = self.accept.optimistic(self.explore)
-        rate = expected_tokens(hopeful, k, later) / (draft_seconds(k, td, self.block) + curve[k])
+        tokens = expected_tokens(hopeful, k, later) + extra[0]
+        rate = tokens / (draft_seconds(k, td, self.block) + curve[k + extra[1]])
         return k if rate > 1.0 / self.cost.plain_seconds() else 0
+
+    def _widest(self, td: float, curve: list[float], later: float) -> tuple[int, tuple]:
+        """The k >= 1 whose chain and side leaves (``widen``) yield the most tokens a second
+        on the point estimate, and what its leaves add."""
+        best = (0.0, 1, (0.0, 0))
+        for k in range(1, self.k_max + 1):
+            extra = self.widen(k)
+            tokens = expected_tokens(self.accept.first_rate, k, later) + extra[0]
+            t = draft_seconds(k, td, self.block) + curve[min(k + extra[1], len(curve) - 1)]
+            best = max(best, (tokens / t if t > 0 else 0.0, k, extra), key=lambda b: b[0])
+        return best[1], best[2]
 
     def draft_plan(self, confidences: Sequence[float], drafted: int = 0) -> tuple[int, int]:
         """Per-token stopping, after drafting len(confidences) tokens (the draft's

@@ -28,10 +28,9 @@ from dataclasses import dataclass
 
 from ..core.stats import KChooser, Stats
 from ..errors import BadInput
-from .adaptive import AdaptiveK, CostCurve
+from .adaptive import TREE_MAX, AdaptiveK, CostCurve
 from .choosers import count_of
 
-TREE_MAX = 64  # the most drafted tokens one pass may verify (a row of the pass each)
 AUTO_NODES = 16  # auto's cap on a tree's nodes
 SIDE_MAX = 4  # side leaves per depth: the draft's ranks past its 5th rarely hold the target's
 # (hits, trials) before any round: a chain's draft passes half the time; a side leaf holds
@@ -106,9 +105,19 @@ class SideSizer:
     def plan(self, k: int, stats: Stats) -> list[int]:
         """Side leaves at each depth 1..k for a chain of k (all 0: a chain). stats: the row's
         statistics so far."""
+        return self._choose(k, stats)[0]
+
+    def gain(self, k: int, stats: Stats) -> tuple[float, int]:
+        """What the plan for a chain of k adds: (expected tokens, drafted tokens verified);
+        an adaptive k chooser weighs each k with it (AdaptiveK.widen). stats: the row's."""
+        sides, value = self._choose(k, stats)
+        return value, sum(sides)
+
+    def _choose(self, k: int, stats: Stats) -> tuple[list[int], float]:
+        """(the plan, its leaves' summed value) for a chain of k."""
         room = min(self.size.nodes - k, SIDE_MAX * k)
         if k <= 0 or room <= 0:
-            return [0] * max(k, 0)
+            return [0] * max(k, 0), 0.0
         a = [_rate(stats.depth_accepted, stats.depth_tried, d, _DEPTH_PRIOR) for d in range(k)]
         h = [_rate(stats.rank_kept, stats.rank_tried, s, _RANK_PRIOR) for s in range(SIDE_MAX)]
         reach, leaves = 1.0, []  # (value, depth) of every leaf that may go in
@@ -120,7 +129,7 @@ class SideSizer:
         sides = [0] * k
         for _, d in leaves[:take]:
             sides[d] += 1
-        return sides
+        return sides, sum(v for v, _ in leaves[:take])
 
     def _best_count(self, k: int, a: list[float], values: list[float]) -> int:
         """How many of the leaves (by value, best first) to verify: all of them for a fixed
