@@ -625,6 +625,7 @@ class SiblingRows(RowDrafter):
     def __init__(self, finder: Lookup, chooser: KChooser, drafter: RowDrafter, width: int):
         self.finder, self.chooser, self.drafter, self.width = finder, chooser, drafter, width
         self.reads_hidden = drafter.reads_hidden
+        self.drafted = False  # this round's drafter drafted (it settles on its own drafts)
 
     def limit(self, row) -> int | None:
         return None  # (the drafter's own limit is asked in propose)
@@ -638,6 +639,7 @@ class SiblingRows(RowDrafter):
         top = self.drafter.limit(r)
         own = max(0, min(k, top)) if top is not None else k
         drafts = self.drafter.propose(rows, own, [own], keys) if own else Drafts.none(1)
+        self.drafted = bool(own)
         match, found = self.finder.find(max(k, 1) if drafts.k else r.stops.room)
         found = found[: self.chooser.lookup_length(match, len(found), max(k, 1), False)]
         if not found:
@@ -657,7 +659,8 @@ class SiblingRows(RowDrafter):
         return Drafts(tokens, [q], [size], drafts.how, Tree(parents), chain, drafts.sides)
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
-        self.drafter.settle(rows, k, fed, accepted, feats)
+        """k: the drafter's chain (0 where lookup's drafts went alone: its state saw none)."""
+        self.drafter.settle(rows, k if self.drafted else 0, fed, accepted, feats)
         self.finder.sync()
 
     def join(self, row, draft, held, waiting) -> None:
