@@ -83,6 +83,14 @@ def summary(
             t.add_row("accepted/pass", hist)
             depth = " ".join(f"{a:.0%}" for a in stats.accept_by_depth[:8])
             t.add_row("by depth", f"{depth} (draft d accepted when those before it were)")
+            if stats.tree_rounds:
+                ranks = " ".join(f"{a:.0%}" for a in stats.accept_by_rank)
+                t.add_row(
+                    "trees",
+                    f"{stats.tree_rounds} of {stats.rounds} passes, "
+                    f"{stats.verified_per_pass:.1f} drafts verified a pass; side leaves kept "
+                    f"by rank {ranks or '-'} (where the chain was rejected)",
+                )
             t.add_row(
                 "time split",
                 f"draft {stats.draft_s:.2f} s, target {stats.target_s:.2f} s "
