@@ -134,6 +134,7 @@ def test_a_fixed_size_is_refused_by_name_where_no_tree_can_be_verified(pair):
                                       stats=stats)]  # fmt: skip
     assert auto == [e.token for e in generate(window, None, PROMPT, k=0, max_tokens=12)]
     assert stats.tree_rounds == 0 and stats.drafted > 0
+    assert "the target cannot verify a tree: its layers keep" in stats.tree_off
 
 
 def test_the_cli_refuses_a_bad_tree_before_loading():

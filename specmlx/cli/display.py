@@ -83,7 +83,9 @@ def summary(
             t.add_row("accepted/pass", hist)
             depth = " ".join(f"{a:.0%}" for a in stats.accept_by_depth[:8])
             t.add_row("by depth", f"{depth} (draft d accepted when those before it were)")
-            if stats.tree_rounds:
+            if stats.tree_off:
+                t.add_row("trees", f"off: {stats.tree_off}")
+            elif stats.tree_rounds:
                 ranks = " ".join(f"{a:.0%}" for a in stats.accept_by_rank)
                 t.add_row(
                     "trees",

@@ -95,6 +95,7 @@ class Stats:
     # token trees: rounds that verified a tree, and by sibling rank (0: the draft's best after
     # the chain's token) the side leaves tried where the chain was rejected, and those kept
     tree_rounds: int = 0
+    tree_off: str | None = None  # why trees were asked for (auto) and chains verified
     rank_tried: list[int] = field(default_factory=list)
     rank_kept: list[int] = field(default_factory=list)
     timed_rounds: int = 0  # drafting rounds whose drafting was timed apart

@@ -185,7 +185,7 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
             drafters.append(holder)
     # what branches: a row drafter with a distribution at each step (side leaves), Medusa
     branches = isinstance(holder, (ModelRows, HeadRows, BlockRows, MedusaRows)) and _tree_sizer(
-        target, kv.target, decode, next_k
+        target, kv.target, decode, next_k, row.stats
     )
     if isinstance(holder, MedusaRows):  # its own trees; the chain of its heads' best elsewhere
         holder.size = decode.tree if branches else holder.size
@@ -209,15 +209,17 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
 _DRAFTERS = {SharedExit: "an early exit", ModelDrafter: "the draft model over its own caches"}
 
 
-def _tree_sizer(target, cache: list, decode: Decode, next_k) -> SideSizer | None:
-    """The draft model's side-leaf sizer when the generation asks for trees and the target's
-    caches take them (None: chains); BadInput for a fixed size they cannot take."""
+def _tree_sizer(target, cache: list, decode: Decode, next_k, stats) -> SideSizer | None:
+    """The side-leaf sizer when the generation asks for trees and the target's caches take
+    them (None: chains, and for auto ``stats.tree_off`` says why); BadInput for a fixed size
+    they cannot take."""
     if decode.tree.off:
         return None
     why = tree_refusal(target, cache)
     if why is None:
         return SideSizer(decode.tree, next_k)
     if decode.tree.auto:
+        stats.tree_off = f"the target cannot verify a tree: {why}"
         return None
     raise BadInput(f"tree {decode.tree}: the target cannot verify a tree: {why}")
 
