@@ -158,3 +158,21 @@ def test_adaptive_k_weighs_a_chain_with_its_leaves():
     assert chooser.best_now() >= 1
     chooser.widen = lambda k: (0.0, 0)
     assert chooser.best_now() == 0
+
+
+def test_a_tree_after_a_queued_plain_pass(pair):
+    """A chooser that promised a plain round (its pass queued early) and then drafts: the
+    queued pass is given back and the tree verified from the root; the tokens are the
+    target's own."""
+    target, draft = pair
+    ks = iter([0, 0, 3, 0, 0, 2] * 10)
+
+    def schedule(last):
+        return next(ks)
+
+    schedule.plain_next = lambda: True  # (it breaks its word every third round)
+    stats = Stats()
+    out = [e.token for e in generate(target, draft, PROMPT, k=schedule, max_tokens=30, tree=8,
+                                     stats=stats)]  # fmt: skip
+    assert out == [e.token for e in generate(target, None, PROMPT, k=0, max_tokens=30)]
+    assert stats.tree_rounds > 0
