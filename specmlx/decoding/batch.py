@@ -31,7 +31,8 @@ from ..core.rows import batchable, row_of, rows_of, solo_of
 from ..core.sampling import make_processor
 from ..core.stats import Stats, TokenEvent
 from ..core.vocab import logit_width
-from ..drafting.row_drafters import RowDrafter, row_drafter
+from ..drafting.proposals import RowDrafter
+from ..drafting.row_drafters import row_drafter
 from ..errors import BadInput, IncompatiblePair
 from .engine import prefill
 from .request import Decode, token_ids

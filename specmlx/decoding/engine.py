@@ -42,20 +42,19 @@ from ..drafting.adaptive import AdaptiveK
 from ..drafting.choosers import make_chooser
 from ..drafting.drafters import LookupDrafter, ModelDrafter
 from ..drafting.lookup import Lookup
+from ..drafting.proposals import RowDrafter
 from ..drafting.row_drafters import (
     BlockRows,
     ChainRows,
     HeadRows,
     LoneRows,
-    MedusaRows,
     ModelRows,
-    RowDrafter,
-    SiblingRows,
     fits_one_row,
     pair_ids,
     row_drafter,
 )
 from ..drafting.self_draft import SharedExit, shares_caches
+from ..drafting.tree_rows import MedusaRows, SiblingRows
 from ..drafting.trees import SideSizer
 from ..errors import BadInput, RollbackError
 from .request import Decode, Parts, token_ids

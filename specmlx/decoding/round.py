@@ -5,7 +5,7 @@ rows. Both call ``one_round``: there is no second round. What differs is around 
 
 - who verifies (a ``Verifier``): a lone generation's target is its Cursor (every cache kind,
   a queued plain pass); a batch's is the rows' batch caches (core.rows) and its recorder;
-- who drafts (a drafting.row_drafters.RowDrafter): the draft model, a chained head (MTP,
+- who drafts (a drafting.proposals.RowDrafter): the draft model, a chained head (MTP,
   EAGLE-3), a block drafter (DFlash), for any B; lookup, the lookup-first chain, a draft
   model with per-token stopping, or one whose caches have no batch kind, for one row only
   (row_drafters.LoneRows: a batch refuses them by name when a row joins).
@@ -29,7 +29,7 @@ from ..core.sampling import Processor, round_keys
 from ..core.stats import RoundReport, Stats, TokenEvent
 from ..core.tree_acceptance import Tree, accept_tree, accept_tree_greedy
 from ..drafting.choosers import K
-from ..drafting.row_drafters import Drafts, RowDrafter
+from ..drafting.proposals import Drafts, RowDrafter
 from .stops import Stops
 
 

@@ -475,7 +475,7 @@ KIND = "medusa"  # --draft medusa:PATH|ALIAS
 class MedusaDraft(nn.Module):
     """Medusa heads as a draft over the target's hidden states: they read its final hidden
     state ("final": the output of its final norm) and draft a sparse tree each round
-    (row_drafters.MedusaRows), never a chain of their own. Nothing is fed to them between
+    (tree_rows.MedusaRows), never a chain of their own. Nothing is fed to them between
     rounds: they keep no cache (``make_cache`` is empty, a call feeds nothing).
 
     heads: the loaded MedusaHeads; choices: the tree they draft at most (Medusa's paths)."""

@@ -2,7 +2,8 @@
 (B = 1: a lone generation) and brings each row's own state to what the round's target pass
 confirmed. One class a kind of drafter, behind one small interface (RowDrafter), so the
 round has one drafting path: a new drafter is written here once, never as a branch of the
-round.
+round. (The interface and Drafts: proposals.py; drafters with trees of their own:
+tree_rows.py.)
 
 - ModelRows: a draft model. Each row is fed its unseen tokens (right-padded, the pads given
   back), then k - 1 one-token steps for all rows together; a recurrent draft keeps its state
@@ -30,8 +31,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -39,131 +38,19 @@ import mlx.nn as nn
 from ..core.caches import WindowKVCache, layer_caches, recurrent_layers
 from ..core.kvstate import reads_hidden
 from ..core.rows import attention_rows, batchable, row_of, rows_of, solo_of
-from ..core.sampling import Processor, sample
-from ..core.stats import KChooser, Stats
-from ..core.tree_acceptance import Tree
+from ..core.sampling import sample
 from ..core.vocab import draft_ids, logit_width
 from ..errors import BadInput
-from .drafters import FEED_AFTER, SAFE_ID, Drafter, Proposal
-from .lookup import Lookup
-from .medusa import MedusaDraft, tree_shape
-from .trees import SideSizer, TreeSize, side_parents
-
-_MODEL = Proposal(source="model")  # how a row drafter's drafts were made: nothing to add
-_NOTHING = Proposal()
-
-
-@dataclass
-class Drafts:
-    """A round's drafts for B rows. tokens (B, k) uint32, maybe lazy (row i's past ks[i] are
-    never verified; None: k = 0); q: each row's (ks[i] or k, V_q) distribution its drafts
-    were drawn from, None for a greedy row or a point mass (lookup); ks: each row's drafts
-    to verify; how: each row's drafters.Proposal saying how they were made (its source, a
-    lookup's match, per-token stopping's confidences and timing; its tokens unused)."""
-
-    tokens: mx.array | None
-    q: list
-    ks: list[int]
-    how: list[Proposal]
-    # a lone row's token tree (trees.py): its shape over the k nodes, the drafter's chain
-    # (nodes 1..chain, each the child of the one before) and its side leaves by depth (the
-    # nodes after the chain; any nodes after those are another drafter's, SiblingRows);
-    # None: the drafts are a chain
-    tree: Tree | None = None
-    chain: int = 0
-    sides: tuple[int, ...] = ()
-
-    @property
-    def k(self) -> int:
-        return 0 if self.tokens is None else self.tokens.shape[1]
-
-    @classmethod
-    def none(cls, b: int) -> Drafts:
-        """No drafts for any of b rows."""
-        return cls(None, [None] * b, [0] * b, [_NOTHING] * b)
-
-    @classmethod
-    def one(cls, p: Proposal) -> Drafts:
-        """A lone row's proposal as the drafts of a round of one."""
-        return cls(p.tokens[None] if p.k else None, [p.q], [p.k], [p])
-
-    @classmethod
-    def model(cls, tokens: mx.array, q: list, ks: list[int]) -> Drafts:
-        """A row drafter's drafts (B, k), its q per row and ks."""
-        return cls(tokens, q, list(ks), [_MODEL] * len(ks))
-
-
-class DraftRow(Protocol):
-    """What a row drafter reads and writes of a row (decoding.round.Row)."""
-
-    ctx: list[int]
-    process: Processor | None
-    stats: Stats
-    draft_held: int
-    waiting: mx.array | None
-    own_cache: list | None
-
-
-class RowDrafter:
-    """The interface: ``limit`` a row's drafts this round, ``propose`` for every row,
-    ``settle`` each row after the round, ``close`` when the generation ends; ``join``,
-    ``leave`` and ``copy_of`` move a row's draft state in and out of the batch (as a
-    KVState's draft caches, draft_held and waiting). ``reads_hidden``: the places in the
-    target whose hidden states the round must tap for ``settle`` (empty: none);
-    ``needs_k``: propose only in rounds with k > 0 (lookup may verify a match at k = 0);
-    ``lone``: it drafts for a lone request only (a batch refuses it; a server runs such
-    requests alone)."""
-
-    reads_hidden: tuple = ()
-    needs_k: bool = True
-    lone: bool = False
-    # set for a lone row whose target verifies trees (trees.SideSizer): a drafter with a
-    # distribution at each step gives its chain the side leaves it plans (``_side_leaves``)
-    sizer: SideSizer | None = None
-
-    def limit(self, row: DraftRow) -> int | None:
-        """The most drafts ``row`` may get this round (None: no limit of the drafter's)."""
-        return None
-
-    def join(self, row: DraftRow, draft: list, held: int, waiting: mx.array | None) -> None:
-        """Take a joining row's draft caches (holding ``held`` of its context) and waiting
-        features."""
-        raise NotImplementedError
-
-    def leave(self, i: int, row: DraftRow) -> list:
-        """Row ``i`` leaves: its draft caches, as a solo generation's."""
-        raise NotImplementedError
-
-    def copy_of(self, i: int, row: DraftRow) -> list | None:
-        """A copy of row ``i``'s draft caches (None: they cannot be copied)."""
-        raise NotImplementedError
-
-    def empty(self) -> None:
-        """Every row has left."""
-
-    def close(self) -> None:
-        """The generation ended (or stopped early)."""
-
-    def propose(self, rows: Sequence[DraftRow], k: int, ks: list[int], keys: list) -> Drafts:
-        """Up to k drafts for every row (row i: ks[i], a lone drafter may propose fewer, or
-        lookup up to the row's room), as Drafts. keys: each row's draft key (None when
-        greedy)."""
-        raise NotImplementedError
-
-    def settle(
-        self,
-        rows: Sequence[DraftRow],
-        k: int,
-        fed: list[int],
-        accepted: list[int],
-        feats: mx.array | None,
-    ) -> None:
-        """The round is over and each row's ctx holds what it kept: bring each row's draft
-        state there. k: the drafts proposed (0: none); fed[i]: where row i's drafts started
-        (its ctx length before the round, less one); accepted[i]: its drafts accepted;
-        feats: the tapped features of the pass (B, k + 1, F), lazy, for a drafter that reads
-        them."""
-        raise NotImplementedError
+from .drafters import FEED_AFTER, SAFE_ID, Drafter
+from .medusa import MedusaDraft
+from .proposals import (
+    Drafts,
+    RowDrafter,
+    next_best,
+    side_plan,
+    with_leaves,
+)
+from .tree_rows import MedusaRows
 
 
 def row_drafter(
@@ -250,7 +137,7 @@ class ModelRows(_SharedCache):
         keep = lambda: [list(c.cache) for c in recurrent]  # noqa: E731 - references only
         self._states = [keep()] if recurrent else []
         steps = _step_keys(keys, ks)
-        sides = _side_plan(self.sizer, rows, k)
+        sides = side_plan(self.sizer, rows, k)
         tokens, qs, leaves = [], [], []
         for j in range(k):
             if j:
@@ -261,12 +148,12 @@ class ModelRows(_SharedCache):
             t, q = _draw(rows, logits, [s[j] if s is not None and j < s.shape[0] else None
                                         for s in steps])  # fmt: skip
             if sides and sides[j]:  # (the q a draw used, or the logits of a greedy one)
-                leaves.append(_next_best(logits[0] if q[0] is None else q[0], t[0], sides[j]))
+                leaves.append(next_best(logits[0] if q[0] is None else q[0], t[0], sides[j]))
             tokens.append(t)
             qs.append(q)
             mx.async_eval(t)  # the host builds the next step while this one runs
         drafts = Drafts.model(mx.stack(tokens, axis=1), _per_row(rows, qs), ks)
-        return _with_leaves(drafts, k, sides, leaves) if any(sides) else drafts
+        return with_leaves(drafts, k, sides, leaves) if any(sides) else drafts
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The draft fed ctx and k - 1 drafts: each row keeps what its ctx confirms of them
@@ -312,7 +199,7 @@ class HeadRows(_SharedCache):
     def propose(self, rows, k, ks, keys):
         g, logits = self._feed_waiting(rows, keep_last=False)  # (B, 1, H), (B, vocab)
         steps = _step_keys(keys, ks)
-        sides = _side_plan(self.sizer, rows, k)
+        sides = side_plan(self.sizer, rows, k)
         tokens, qs, leaves = [], [], []
         for j in range(k):
             if j:
@@ -321,12 +208,12 @@ class HeadRows(_SharedCache):
             t, q = _draw(rows, logits, [s[j] if s is not None and j < s.shape[0] else None
                                         for s in steps])  # fmt: skip
             if sides and sides[j]:
-                leaves.append(_next_best(logits[0] if q[0] is None else q[0], t[0], sides[j]))
+                leaves.append(next_best(logits[0] if q[0] is None else q[0], t[0], sides[j]))
             tokens.append(t)
             qs.append(q)
             mx.async_eval(t)
         drafts = Drafts.model(mx.stack(tokens, axis=1), _per_row(rows, qs), ks)
-        return _with_leaves(drafts, k, sides, leaves) if any(sides) else drafts
+        return with_leaves(drafts, k, sides, leaves) if any(sides) else drafts
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The pairs (h_j, t_{j+1}) this pass confirmed wait to be fed; the chained entries
@@ -390,7 +277,7 @@ class BlockRows(RowDrafter):
         """Each row's block: its waiting context fed to its own cache, then a block of its
         own ks[i] + 1 positions after its newest token (zeros past ks[i])."""
         tokens, qs, leaves = [], [], []
-        sides = _side_plan(self.sizer, rows, k)
+        sides = side_plan(self.sizer, rows, k)
         for r, ki, key in zip(rows, ks, keys, strict=True):
             m = len_of(r.waiting)
             if m:
@@ -409,13 +296,13 @@ class BlockRows(RowDrafter):
                 d = sample(q, key)
             for j, m in enumerate(sides[:ki]):  # (a lone row: the top of each position)
                 if m:
-                    leaves.append(_next_best(logits[j] if q is None else q[j], d[j], m))
+                    leaves.append(next_best(logits[j] if q is None else q[j], d[j], m))
             tokens.append(mx.concatenate([d, mx.zeros((k - ki,), dtype=mx.uint32)]))
             qs.append(q)
         d = mx.stack(tokens)  # (B, k)
         mx.async_eval(d)
         drafts = Drafts.model(d, qs, ks)
-        return _with_leaves(drafts, k, sides, leaves) if any(sides) else drafts
+        return with_leaves(drafts, k, sides, leaves) if any(sides) else drafts
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The context this pass confirmed waits to be fed; a row that piles up more than
@@ -429,78 +316,6 @@ class BlockRows(RowDrafter):
                 self.model(r.waiting[None, :m], None, r.own_cache)
                 r.draft_held, r.waiting = r.draft_held + m, r.waiting[m:]
                 mx.async_eval([c.state for c in r.own_cache])
-
-
-class MedusaRows(RowDrafter):
-    """Medusa heads (medusa.MedusaDraft) for a lone row: each round they read the target's
-    final hidden state at the position that produced the row's newest token and draft a
-    sparse tree, the first of their choices that fit (depth at most k, at most ``size.nodes``
-    nodes; ``size`` off: the chain of each head's best). A head's top tokens are chosen, not
-    drawn: a sampled row's q is a point mass at each (tree_acceptance), which keeps it exact.
-
-    draft: the heads; vocab: the ids they may propose. ``size``: set by the engine (default
-    off)."""
-
-    lone = True
-
-    def __init__(self, draft: MedusaDraft, vocab: int):
-        self.model, self.vocab = draft, vocab
-        self.reads_hidden = draft.reads_hidden
-        self.size: TreeSize = TreeSize()
-        self._shapes: dict[tuple[int, int], tuple] = {}
-
-    def limit(self, row) -> int | None:
-        return 0 if row.waiting is None else self.model.heads.heads
-
-    def join(self, row, draft, held, waiting) -> None:
-        row.draft_held, row.waiting = held, waiting
-
-    def leave(self, i, row) -> list:
-        return []
-
-    def copy_of(self, i, row) -> list | None:
-        return []
-
-    def _shape(self, k: int) -> tuple:
-        """(Tree or None for a chain, each node's place in the heads' flattened top (N,),
-        the ranks a head's top needs) for depth k."""
-        nodes = 1 if self.size.off else self.size.nodes
-        if (k, nodes) not in self._shapes:
-            if self.size.off:
-                picked = [(0,) * d for d in range(1, k + 1)]
-            else:
-                picked = [c for c in self.model.choices if len(c) <= k][:nodes]
-            parents, places = tree_shape(picked)
-            width = max(r for _, r in places) + 1
-            at = mx.array([h * width + r for h, r in places], dtype=mx.int32)
-            tree = None if self.size.off else Tree(parents)
-            self._shapes[(k, nodes)] = (tree, at, width, max(h for h, _ in places) + 1)
-        return self._shapes[(k, nodes)]
-
-    def propose(self, rows, k, ks, keys) -> Drafts:
-        if len(rows) != 1:
-            raise BadInput(f"Medusa heads draft for a lone request only, not for {len(rows)} rows")
-        r = rows[0]
-        tree, at, width, heads = self._shape(k)
-        logits = self.model.heads(r.waiting[-1])[:heads, : self.vocab]  # (heads, vocab)
-        top = mx.argpartition(-logits, kth=width - 1, axis=-1)[:, :width]  # (heads, width)
-        order = mx.argsort(-mx.take_along_axis(logits, top, axis=-1), axis=-1)
-        top = mx.take_along_axis(top, order, axis=-1)  # each head's best first
-        tokens = top.reshape(-1)[at].astype(mx.uint32)  # (N,)
-        q = None
-        if r.process is not None:  # point masses (chosen, not drawn)
-            q = (mx.arange(self.vocab) == tokens[:, None]).astype(mx.float32)  # (N, vocab)
-        n = tokens.shape[0]
-        mx.async_eval(tokens)
-        return Drafts(tokens[None], [q], [n], [_MODEL], tree)  # (a tree of its own: no chain)
-
-    def settle(self, rows, k, fed, accepted, feats) -> None:
-        """The heads read next the target's state at the row's last kept position: feats
-        (1, kept..., F) hold the pass's kept positions in order (a tree's path)."""
-        r = rows[0]
-        kept = len(r.ctx) - 1 - fed[0]
-        if feats is not None and kept > 0:
-            r.waiting, r.draft_held = feats[0, kept - 1 : kept], len(r.ctx) - 1
 
 
 def pair_ids(ctx: Sequence[int], start: int, m: int) -> list[int]:
@@ -529,33 +344,6 @@ def _step_keys(keys: list, ks: list[int]) -> list:
     no drafts), as a solo drafter splits its own."""
     return [mx.random.split(kk, ki) if kk is not None and ki else None
             for kk, ki in zip(keys, ks, strict=True)]  # fmt: skip
-
-
-def _side_plan(sizer: SideSizer | None, rows, k: int) -> list[int]:
-    """A lone row's side leaves per depth this round (trees.SideSizer); none for a batch."""
-    return sizer.plan(k, rows[0].stats) if sizer is not None and len(rows) == 1 else []
-
-
-def _next_best(scores: mx.array, chosen: mx.array, m: int) -> mx.array:
-    """The m best ids by ``scores`` (vocab,) other than ``chosen`` (the chain's draw), best
-    first (m,): the side leaves at a step."""
-    top = mx.argpartition(-scores, kth=m)[: m + 1]  # the m + 1 best, in no order
-    value = mx.where(top == chosen, -mx.inf, scores[top])  # the chain's own token last
-    return top[mx.argsort(-value)[:m]]
-
-
-def _with_leaves(drafts: Drafts, k: int, sides: list[int], leaves: list) -> Drafts:
-    """A lone row's chain of k with side leaves (trees.py): tokens (1, N), the chain's
-    first; a sampled row's q (N, vocab) the chain's rows, then a point mass (one-hot) for each
-    leaf: the leaves are the draft's top ranks, chosen, not drawn (tree_acceptance)."""
-    leaf = mx.concatenate(leaves)  # (N - k,)
-    tokens = mx.concatenate([drafts.tokens, leaf[None]], axis=1)  # (1, N)
-    q = drafts.q[0]
-    if q is not None:
-        one_hot = (mx.arange(q.shape[-1]) == leaf[:, None]).astype(q.dtype)  # (N - k, vocab)
-        q = mx.concatenate([q, one_hot])
-    n = tokens.shape[1]
-    return Drafts(tokens, [q], [n], drafts.how, Tree(side_parents(k, sides)), k, tuple(sides))
 
 
 def _per_row(rows, qs: list[list]) -> list:
@@ -605,73 +393,6 @@ class LoneRows(RowDrafter):
 
     def close(self) -> None:
         self.drafter.close()
-
-
-class SiblingRows(RowDrafter):
-    """Prompt lookup beside a row drafter in one tree (SpecInfer's several drafters as
-    siblings), for a lone row: the drafter's chain (with its side leaves) and, under the root
-    after them, lookup's continuation as a branch of point masses. Either may be right; the
-    target's pass checks both. Where one of them proposes nothing, the other's drafts go
-    alone.
-
-    finder: the row's lookup (its index over the row's context, and the memory); chooser:
-    sizes lookup's proposal (stats.KChooser.lookup_length); drafter: the row drafter (a lone
-    row's); width: the target's logit width (a sampled row's point masses span it: lookup may
-    propose ids past the draft's vocabulary)."""
-
-    lone = True
-    needs_k = False
-
-    def __init__(self, finder: Lookup, chooser: KChooser, drafter: RowDrafter, width: int):
-        self.finder, self.chooser, self.drafter, self.width = finder, chooser, drafter, width
-        self.reads_hidden = drafter.reads_hidden
-        self.drafted = False  # this round's drafter drafted (it settles on its own drafts)
-
-    def limit(self, row) -> int | None:
-        return None  # (the drafter's own limit is asked in propose)
-
-    def propose(self, rows, k, ks, keys) -> Drafts:
-        if len(rows) != 1:
-            raise BadInput(
-                f"lookup beside a draft drafts for a lone request only, not {len(rows)} rows"
-            )
-        r = rows[0]
-        top = self.drafter.limit(r)
-        own = max(0, min(k, top)) if top is not None else k
-        drafts = self.drafter.propose(rows, own, [own], keys) if own else Drafts.none(1)
-        self.drafted = bool(own)
-        match, found = self.finder.find(max(k, 1) if drafts.k else r.stops.room)
-        found = found[: self.chooser.lookup_length(match, len(found), max(k, 1), False)]
-        if not found:
-            return drafts
-        look = mx.array(found, dtype=mx.uint32)
-        if not drafts.k:  # lookup alone: a chain of point masses
-            return Drafts.one(Proposal(look, None, "lookup", match=match))
-        n, chain = drafts.k, drafts.chain if drafts.tree is not None else drafts.k
-        parents = drafts.tree.parents if drafts.tree is not None else tuple(range(n))
-        parents += (0,) + tuple(range(n + 1, n + len(found)))  # lookup's branch, under the root
-        q = drafts.q[0]
-        if q is not None:  # a sampled row: its drafter's q, then a point mass at each of lookup's
-            q = mx.pad(q, [(0, 0), (0, self.width - q.shape[-1])])
-            q = mx.concatenate([q, (mx.arange(self.width) == look[:, None]).astype(q.dtype)])
-        tokens = mx.concatenate([drafts.tokens, look[None]], axis=1)  # (1, N + L)
-        size = tokens.shape[1]
-        return Drafts(tokens, [q], [size], drafts.how, Tree(parents), chain, drafts.sides)
-
-    def settle(self, rows, k, fed, accepted, feats) -> None:
-        """k: the drafter's chain (0 where lookup's drafts went alone: its state saw none)."""
-        self.drafter.settle(rows, k if self.drafted else 0, fed, accepted, feats)
-        self.finder.sync()
-
-    def join(self, row, draft, held, waiting) -> None:
-        self.drafter.join(row, draft, held, waiting)
-
-    def leave(self, i, row) -> list:
-        return self.drafter.leave(i, row)
-
-    def close(self) -> None:
-        self.drafter.close()
-        self.finder.remember()
 
 
 class ChainRows(RowDrafter):
