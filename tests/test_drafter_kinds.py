@@ -202,7 +202,7 @@ def _medusa(_tmp: Path) -> Pair:
 def _siblings(tmp: Path) -> Pair:
     """The "tree" pair with lookup beside it: after a prompt that repeats, lookup's
     continuation (point masses) is a sibling branch of the draft's chain and side leaves."""
-    return dataclasses.replace(_tree(tmp), prompt=[4, 5, 3, 4, 5, 3], lookup=True)
+    return dataclasses.replace(_tree(tmp), prompt=[4, 5, 3, 4, 5, 3], lookup=True)  # (tree=6)
 
 
 def _eagle3_tree(tmp: Path) -> Pair:

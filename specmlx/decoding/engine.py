@@ -197,7 +197,10 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
         raise BadInput(
             f"tree {decode.tree}: {what} cannot branch (trees: a draft model, a head, Medusa)"
         )
-    if branches and decode.lookup:  # lookup's continuation beside the drafter, in one tree
+    if branches and decode.lookup and not decode.tree.auto:
+        # lookup's continuation beside the drafter, in one tree; auto keeps the choice by
+        # value, one of them a round (siblings measured slower here: BENCHMARKS.md, "Token
+        # trees")
         drafters = [SiblingRows(finder, next_k, holder, logit_width(target))]
     if not drafters:
         return None, None
