@@ -289,15 +289,15 @@ def _feed(target, draft, prompt: list[int], kv: KVState, step: int, tap) -> None
     head = tap is not None
     target_at = Cursor(target, kv.target, len(kv.tokens), tap=tap)
     for _ in _prefill(target_at, prompt[len(kv.tokens) : -1], step):
-        if head:  # rows (c, H): the chunk's hidden states
-            rows = target_at.hidden.states
-            rows = rows if kv.waiting is None else mx.concatenate([kv.waiting, rows])
-            n, fed = rows.shape[0] - 1, kv.draft_held
+        if head:  # states (c, H): the chunk's hidden states
+            states = target_at.hidden.states
+            states = states if kv.waiting is None else mx.concatenate([kv.waiting, states])
+            n, fed = states.shape[0] - 1, kv.draft_held
             if n > 0:  # pairs (h_j, t_{j+1}) at positions fed..fed+n-1
                 pairs = mx.array(pair_ids(prompt, fed, n), dtype=mx.uint32)[None]  # (1, n)
-                draft(rows[None, :n], pairs, kv.draft)
+                draft(states[None, :n], pairs, kv.draft)
                 mx.eval([c.state for c in kv.draft])
-            kv.waiting, kv.draft_held = rows[n:], fed + n
+            kv.waiting, kv.draft_held = states[n:], fed + n
     if draft is not None and not head:
         list(_prefill(Cursor(draft, kv.draft, kv.draft_held), prompt[kv.draft_held : -1], step))
         kv.draft_held = len(prompt) - 1
@@ -309,8 +309,8 @@ def _prefill(cursor: Cursor, tokens: list[int], step: int) -> Iterator[None]:
     (with a tap, its hidden states too); yields after each chunk."""
     for i in range(0, len(tokens), step):
         cursor.feed(mx.array(tokens[i : i + step], dtype=mx.uint32)[None], undoable=False)
-        rows = [] if cursor.hidden is None else [cursor.hidden.states]
-        mx.eval([c.state for c in cursor.cache], *rows)
+        states = [] if cursor.hidden is None else [cursor.hidden.states]
+        mx.eval([c.state for c in cursor.cache], *states)
         yield
 
 

@@ -31,24 +31,25 @@ class BatchK:
         self.seen: dict[tuple[int, int], list[float]] = {}  # (B, k) -> [tokens, seconds, n]
         self.rounds = 0
 
-    def __call__(self, rows: int) -> int:
+    def __call__(self, width: int) -> int:
+        """The k for a round of ``width`` rows."""
         for k in self.ks:
             if not any(key[1] == k for key in self.seen):
                 return k  # never run: measure it
         self.rounds += 1
         if self.rounds % self.explore_every == 0:
-            return min(self.ks, key=lambda k: self.seen.get((rows, k), (0, 0, 0))[2])
-        return max(self.ks, key=lambda k: self.rate(rows, k))
+            return min(self.ks, key=lambda k: self.seen.get((width, k), (0, 0, 0))[2])
+        return max(self.ks, key=lambda k: self.rate(width, k))
 
-    def rate(self, rows: int, k: int) -> float:
+    def rate(self, width: int, k: int) -> float:
         """Tokens per second of k at this width, or at the nearest width it ran at."""
-        widths = sorted((b for b, kk in self.seen if kk == k), key=lambda b: abs(b - rows))
+        widths = sorted((b for b, kk in self.seen if kk == k), key=lambda b: abs(b - width))
         tokens, seconds, _ = self.seen[(widths[0], k)]
         return tokens / max(seconds, 1e-9)
 
-    def observe(self, rows: int, k: int, tokens: int, seconds: float) -> None:
-        """Fold in a round of ``rows`` rows at ``k`` that made ``tokens`` in ``seconds``."""
-        s = self.seen.setdefault((rows, k), [0.0, 0.0, 0])
+    def observe(self, width: int, k: int, tokens: int, seconds: float) -> None:
+        """Fold in a round of ``width`` rows at ``k`` that made ``tokens`` in ``seconds``."""
+        s = self.seen.setdefault((width, k), [0.0, 0.0, 0])
         decay = 0.9 if s[2] >= 8 else 1.0  # recent rounds weigh more once a few are in
         s[0], s[1], s[2] = s[0] * decay + tokens, s[1] * decay + seconds, s[2] + 1
 

@@ -370,10 +370,10 @@ class Batcher:
             if self.ranks:
                 self._fatal(e)
             return
-        rows = len(self.live)
+        width = len(self.live)
         self.w.totals.batch_rounds += 1
         if k is not None:  # (rows that keep their own k tell BatchK nothing of its choice)
-            self.k.observe(rows, k, sum(len(ev) for ev in events), time.perf_counter() - t0)
+            self.k.observe(width, k, sum(len(ev) for ev in events), time.perf_counter() - t0)
         for lv, evs in zip(list(self.live), events, strict=True):
             if lv.job.cancelled.is_set():
                 self._leave(lv, cancelled=True)
