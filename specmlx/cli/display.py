@@ -86,12 +86,12 @@ def summary(
             if stats.tree_off:
                 t.add_row("trees", f"off: {stats.tree_off}")
             elif stats.tree_rounds:
-                ranks = " ".join(f"{a:.0%}" for a in stats.accept_by_rank)
+                by_rank = " ".join(f"{a:.0%}" for a in stats.accept_by_rank)
                 t.add_row(
                     "trees",
                     f"{stats.tree_rounds} of {stats.rounds} passes, "
                     f"{stats.verified_per_pass:.1f} drafts verified a pass; side leaves kept "
-                    f"by rank {ranks or '-'} (where the chain was rejected)",
+                    f"by rank {by_rank or '-'} (where the chain was rejected)",
                 )
             t.add_row(
                 "time split",
