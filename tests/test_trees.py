@@ -137,6 +137,22 @@ def test_a_fixed_size_is_refused_by_name_where_no_tree_can_be_verified(pair):
     assert "the target cannot verify a tree: its layers keep" in stats.tree_off
 
 
+def test_run_with_trees_says_so_in_its_summary(tmp_path, specmlx_home, monkeypatch):
+    """`specmlx run --tree 6` over a tiny pair: its summary has a trees line (passes, drafts
+    verified a pass, leaves kept by rank) beside the rest; --json has the figures."""
+    import json
+
+    from helpers import tiny_pair
+
+    monkeypatch.setenv("SPECMLX_MODELS", str(tiny_pair(tmp_path)))
+    r = CliRunner().invoke(app, ["run", "-n", "16", "--tree", "6", "-k", "3", "hello"])
+    assert r.exit_code == 0, r.output
+    assert "trees " in r.stderr and "drafts verified a pass" in r.stderr and "finish" in r.stderr
+    r = CliRunner().invoke(app, ["run", "-n", "16", "--tree", "6", "-k", "3", "--json", "hi"])
+    stats = json.loads(r.stdout)["stats"]
+    assert stats["tree_rounds"] > 0 and stats["verified_per_pass"] > 3
+
+
 def test_the_cli_refuses_a_bad_tree_before_loading():
     r = CliRunner().invoke(app, ["run", "--tree", "0", "def f():"])
     assert r.exit_code == 2, r.output
