@@ -124,23 +124,25 @@ def one_round(
     if drafts.tree is not None:  # a lone row's token tree: its own accept and keep
         return [_tree_round(rows[0], target, drafter, drafts, keys[0], t0, draft_s)]
     logits, feats = target.verify(rows, drafts.tokens)  # (B, k + 1, V), (B, k + 1, F)
-    outs = []
-    for i, r in enumerate(rows):  # each row by its own rule, sampler, keys and k
-        ki = ks[i]
-        if not k and r.process is None:  # a greedy plain step (as cheap as target-only's)
-            nxt = mx.argmax(logits[i, 0], axis=-1).astype(mx.uint32)
-            outs.append(mx.concatenate([mx.zeros((1,), dtype=mx.uint32), nxt.reshape(1)]))
-            continue
-        di = drafts.tokens[i, :ki] if k else mx.zeros((0,), dtype=mx.uint32)
-        qi = drafts.q[i][:ki] if drafts.q[i] is not None else None
-        n, nxt = accept_proposal(logits[i, : ki + 1], di, qi, r.process, r.rule, *keys[i][1:])
-        pad = [mx.zeros((k - ki,), dtype=mx.uint32)] if k > ki else []
-        outs.append(mx.concatenate([n.astype(mx.uint32).reshape(1), di, nxt.reshape(1), *pad]))
+    plain = not k and all(r.process is None for r in rows)  # greedy plain steps
+    if plain:  # the argmax alone (B,): as cheap as target-only decoding
+        out = nxt = mx.argmax(logits[:, 0], axis=-1).astype(mx.uint32)
+    else:
+        outs = []
+        for i, r in enumerate(rows):  # each row by its own rule, sampler, keys and k
+            ki = ks[i]
+            di = drafts.tokens[i, :ki] if k else mx.zeros((0,), dtype=mx.uint32)
+            qi = drafts.q[i][:ki] if drafts.q[i] is not None else None
+            n, nxt = accept_proposal(logits[i, : ki + 1], di, qi, r.process, r.rule, *keys[i][1:])
+            pad = [mx.zeros((k - ki,), dtype=mx.uint32)] if k > ki else []
+            outs.append(mx.concatenate([n.astype(mx.uint32).reshape(1), di, nxt.reshape(1), *pad]))
+        out = outs[0][None] if len(outs) == 1 else mx.stack(outs)  # (B, k + 2)
     if plain_next is not None and not k and rows[0].stops.room > 0 and plain_next():
-        mx.async_eval(outs[0])  # (a lone row) its next plain pass runs while the host reads
+        mx.async_eval(out)  # (a lone row) its next plain pass runs while the host reads
         target.queue(nxt)
-    out = outs[0][None] if len(outs) == 1 else mx.stack(outs)  # (B, k + 2)
     got = out.tolist()  # the round's one host sync
+    if plain:  # as (accepted, token) rows
+        got = [[0, t] for t in got]
     # keep: each row its accepted drafts and the target's token, up to a stop
     fed, kept, accepted, new = [], [], [], []
     for r, ki, (n, *tokens) in zip(rows, ks, got, strict=True):
