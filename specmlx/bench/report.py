@@ -137,6 +137,8 @@ def summarize(
             if head is not None and system.drafter.split(" + ")[0] == head[0]:
                 cost = head[1]
             theory = theoretical_speedup(a, k_theory, cost) if system.k.fixed != 0 else 1.0
+            if not system.tree.off:  # (a chain's formula: a tree's nodes are not a chain's k)
+                theory = None
             speedups = [x / b for x, b in zip(tps, base, strict=True)]
             speed = statistics.median(speedups)
             rows.append(
@@ -247,7 +249,7 @@ def to_markdown(result: dict) -> str:
             f"{r.get('tree') or '-'} | {r['temperature']} | "
             f"{r['tokens_per_sec']:.2f} ({r['tokens_per_sec_min']:.2f}-{r['tokens_per_sec_max']:.2f}) | "
             f"{r['speedup']:.2f}x | {r['acceptance_rate']:.0%} | {r['tokens_per_pass']:.2f} | "
-            f"{r['theoretical_speedup']:.2f}x | {eff} | {same} |"
+            f"{_times(r['theoretical_speedup'])} | {eff} | {same} |"
         )
     depths = [
         f"{r['system']} {r['drafter']} k={r['k']} T={r['temperature']}: "
@@ -299,10 +301,12 @@ def plot(result: dict, path: str) -> None:
     groups: dict[tuple, list[dict]] = {}
     for r in result["rows"]:
         if isinstance(r["k"], int) and r["system"] != "target-only":
-            groups.setdefault((r["system"], r["drafter"], r["temperature"]), []).append(r)
-    for (system, drafter, temp), rs in groups.items():
+            key = (r["system"], r["drafter"], r.get("tree"), r["temperature"])
+            groups.setdefault(key, []).append(r)
+    for (system, drafter, tree, temp), rs in groups.items():
         ks = [r["k"] for r in rs]
-        name = f"{system} {drafter} T={temp}"
+        name = f"{system} {drafter}" + (f" tree={tree}" if tree not in (None, "off") else "")
+        name += f" T={temp}"
         ax1.plot(ks, [r["tokens_per_sec"] for r in rs], marker="o", label=name)
         ax2.plot(ks, [r["acceptance_rate"] for r in rs], marker="o", label=name)
     for r in result["rows"]:
@@ -313,3 +317,8 @@ def plot(result: dict, path: str) -> None:
     ax1.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def _times(x: float | None) -> str:
+    """A ratio as the tables show it ("1.23x"), "-" where there is none."""
+    return "-" if x is None else f"{x:.2f}x"

@@ -151,7 +151,7 @@ def bench_table(result: dict) -> Table:
             f"{r['speedup']:.2f}x",
             f"{r['acceptance_rate']:.0%}",
             f"{r['tokens_per_pass']:.2f}",
-            f"{r['theoretical_speedup']:.2f}x",
+            "-" if r["theoretical_speedup"] is None else f"{r['theoretical_speedup']:.2f}x",
             eff,
             same,
         )
