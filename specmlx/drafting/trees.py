@@ -32,7 +32,7 @@ from .adaptive import TREE_MAX, AdaptiveK, CostCurve
 from .choosers import count_of
 
 AUTO_NODES = 16  # auto's cap on a tree's nodes
-SIDE_MAX = 4  # side leaves per depth: the draft's ranks past its 5th rarely hold the target's
+SIDE_MAX = 4  # side leaves per depth: the draft's ranks 2 to 5 at most (a cap, not measured)
 # (hits, trials) before any round: a chain's draft passes half the time; a side leaf holds
 # the target's token a fifth of the time where the chain's was rejected
 _DEPTH_PRIOR, _RANK_PRIOR = (1.0, 2.0), (1.0, 5.0)
