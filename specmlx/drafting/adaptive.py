@@ -413,11 +413,13 @@ class AdaptiveK(KChooser):
                    block=self.block)  # fmt: skip
         extra = 0.0, 0
         if self.widen is not None:  # with side leaves a k may pay that alone would not
-            curve = self.cost.curve(self.k_max + TREE_MAX)
+            curve = self.cost.curve(TREE_MAX)  # (a tree's nodes, its chain's too, <= TREE_MAX)
             k, extra = self._widest(td, curve, later)
         hopeful = self.accept.optimistic(self.explore)
         tokens = expected_tokens(hopeful, k, later) + extra[0]
-        rate = tokens / (draft_seconds(k, td, self.block) + curve[k + extra[1]])
+        rate = tokens / (
+            draft_seconds(k, td, self.block) + curve[min(k + extra[1], len(curve) - 1)]
+        )
         return k if rate > 1.0 / self.cost.plain_seconds() else 0
 
     def _widest(self, td: float, curve: list[float], later: float) -> tuple[int, tuple]:

@@ -141,7 +141,9 @@ class SideSizer:
             reach *= a[d]
             chain += reach
         cost = self.chooser.cost if isinstance(self.chooser, AdaptiveK) else CostCurve()
-        curve = cost.curve(k + len(values))  # seconds by drafts verified (unmeasured: shape)
+        # seconds by drafts verified (unmeasured: shape); one length for every k, so the curve
+        # is built once per change of what it reads, not once per k the chooser weighs
+        curve = cost.curve(TREE_MAX)
         drafting = k * (cost.t_draft or 0.0)
         best, best_rate, gained = 0, 0.0, 0.0
         for n in range(len(values) + 1):
