@@ -3,8 +3,8 @@ for token; sampled whole sequences follow the target's joint distribution (kit_d
 the chi-square over three-token sequences, with top-k, top-p and min-p on); and the same
 chi-square rejects a rule that skips the residual, so each kind's test can fail.
 
-The kinds: a draft model (both verification rules), prompt lookup, lookup then a draft model
-(the chain), an MTP head, an EAGLE-3 head whose vocabulary is narrower than the target's
+The kinds: a draft model (both verification rules), prompt lookup, suffix lookup's tree,
+lookup then a draft model (the chain), an MTP head, an EAGLE-3 head whose vocabulary is narrower than the target's
 (q = 0 outside it), a DFlash block drafter, a draft distilled by `specmlx distill`, the
 target drafting for itself (an early exit), and a draft model's rows in a batch that rows
 join and leave (both rules). What only one kind has
@@ -100,6 +100,14 @@ def _draft_model(_tmp: Path) -> Pair:
 def _lookup(_tmp: Path) -> Pair:
     # lookup proposes [4, 5] in round one; a new id (the residual's) leaves it nothing to offer
     return Pair(_copying(_noisy_tables()[0]), None, [3, 4, 5, 6, 3], lookup=True)
+
+
+def _suffix_tree(_tmp: Path) -> Pair:
+    """Suffix lookup's tree alone over a tiny llama (sharpened): the prompt's tail (3)
+    occurred twice, followed by 2, 1, 0 (the target's greedy path) and by 5, 6, 3, so both
+    continuations go in one tree of six nodes, siblings at the root (point masses)."""
+    target = make_tiny(11, vocab=JV, layers=3, hidden=16, sharpen=2.0)
+    return Pair(target, None, [3, 2, 1, 0, 3, 5, 6, 3], lookup=True, tree=6)
 
 
 def _chain(_tmp: Path) -> Pair:
@@ -240,6 +248,7 @@ KINDS = {
     "draft-model": Kind(_draft_model, 10_000, 2_000, 0.05),
     "lookup": Kind(_lookup, 2_000, 400, 0.05),
     "lookup+draft": Kind(_chain, 2_000, 700, 0.05),
+    "suffix-tree": Kind(_suffix_tree, 2_000, 600, 0.03),
     "mtp": Kind(_mtp, 3_000, 1_200, 0.02),
     "eagle3": Kind(_eagle3, 3_000, 600, 0.01),
     "dflash": Kind(_dflash, 3_000, 800, 0.01),
@@ -259,6 +268,7 @@ RULED = [
     ("distilled", "block"), ("self-draft", "block"), ("batch-rows", "token"),
     ("batch-rows", "block"), ("tree", "token"), ("medusa", "token"),
     ("eagle3-tree", "token"), ("dflash-tree", "token"), ("siblings", "token"),
+    ("suffix-tree", "token"),
 ]  # fmt: skip
 OUTCOMES = {"token": sampled_outcome, "block": block_outcome}
 
@@ -357,7 +367,7 @@ def test_greedy_decoding_is_the_targets_own(pairs, kind):
     assert stats.drafted > 0
     if pair.tree != "off":  # trees were verified and kept drafts (the chain's: a side leaf)
         assert stats.tree_rounds > 0 and stats.accepted > 0, stats
-        assert sum(stats.rank_kept) > 0 or kind in ("medusa", "siblings"), stats
+        assert sum(stats.rank_kept) > 0 or kind in ("medusa", "siblings", "suffix-tree"), stats
 
 
 @pytest.mark.parametrize("kind,verify", RULED)

@@ -18,7 +18,7 @@ from specmlx.drafting.adaptive import AdaptiveK, CostCurve
 from specmlx.drafting.lookup import (
     Lookup,
     LookupMemory,
-    NgramIndex,
+    SuffixIndex,
     lookup_propose,
     tokenizer_fingerprint,
 )
@@ -48,12 +48,12 @@ def test_index_finds_what_a_plain_scan_finds():
 def test_index_grows_incrementally_like_a_fresh_one():
     rng = random.Random(1)
     history = [rng.randrange(4) for _ in range(200)]
-    grown, look = NgramIndex(), Lookup(history[:10])
+    grown, look = SuffixIndex(), Lookup(history[:10])
     grown.extend(history[:10])
     for i in range(10, 200, 7):
         grown.extend(history[i : i + 7])
         look.extend(history[i : i + 7])
-        fresh = NgramIndex()
+        fresh = SuffixIndex()
         fresh.extend(history[: i + 7])
         tail = history[: i + 7][-4:]
         assert grown.match(tail) == fresh.match(tail)
@@ -94,8 +94,11 @@ def test_damaged_or_foreign_files_are_skipped(tmp_path):
     foreign.add([900] * 12)
     for f in (tmp_path / "other").glob("*.tok"):
         f.rename(tmp_path / ("00000000000000000003-1-z.tok"))
-    loaded = LookupMemory(tmp_path, vocab_size=64)
+    warnings = []
+    loaded = LookupMemory(tmp_path, vocab_size=64, warn=warnings.append)
     assert loaded.docs == [list(range(20))]
+    assert warnings == [f"skipped 3 damaged or foreign file(s) in the lookup memory {tmp_path}"]
+    assert Lookup([3, 4], loaded).speculate(2, 2).tokens == [5, 6]  # the good file still serves
 
 
 def test_a_read_only_store_warns_once_and_still_remembers(tmp_path):

@@ -121,8 +121,8 @@ def test_the_targets_caches_after_a_tree_generation_are_a_plain_ones(pair):
 
 def test_a_fixed_size_is_refused_by_name_where_no_tree_can_be_verified(pair):
     target, draft = pair
-    with pytest.raises(BadInput, match="prompt lookup cannot branch"):
-        list(generate(target, None, PROMPT, lookup=True, tree=4))
+    with pytest.raises(BadInput, match="n-gram lookup cannot branch"):
+        list(generate(target, None, PROMPT, lookup=True, lookup_by="ngram", tree=4))
     with pytest.raises(BadInput, match="nothing drafts cannot branch"):
         list(generate(target, None, PROMPT, k=0, tree=4))
     window = build("llama_swa", 2, 0, vocab=32)

@@ -14,6 +14,7 @@ from ..drafting.choosers import AUTO, K
 from ..drafting.trees import OFF, TreeSize
 from ..errors import BadInput
 
+NGRAM = "lookup:ngram"  # the drafter of rows whose lookup reads the latest match (no trees)
 MEMORY = " + memory"  # the drafter suffix of rows whose lookup also searches a lookup memory
 
 STOP = " + stop"  # the drafter suffix of auto rows whose draft model stops per token
@@ -24,7 +25,7 @@ class System:
     """One configuration under test."""
 
     system: str  # "target-only", "specmlx", "mlx-lm"
-    drafter: str  # "none", the draft alias, "lookup", "<draft> + lookup", "... + memory"
+    drafter: str  # "none", the draft alias, "lookup", NGRAM, "<draft> + lookup", "... + memory"
     k: K  # (an int or "auto" is read by K.of)
     verify: str = DEFAULT_VERIFY  # specmlx's acceptance rule for sampled rounds
     tree: TreeSize = OFF  # specmlx's token trees (its draft model's rows)

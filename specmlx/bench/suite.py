@@ -35,7 +35,7 @@ from ..drafting.choosers import AUTO, ChooserStore, K
 from ..drafting.lookup import LookupMemory
 from ..drafting.probe import PROBE_SIZES, curve_from, head_step_seconds, pass_times
 from ..drafting.trees import OFF
-from .data import MEMORY, STOP, BenchSettings, Run, System, code_of, edit_step, runs_at
+from .data import MEMORY, NGRAM, STOP, BenchSettings, Run, System, code_of, edit_step, runs_at
 from .report import judge_greedy_runs, summarize
 
 
@@ -127,7 +127,8 @@ def run_one(
                 count_depths(tried, kept, system.k.fixed, run)
                 run = 0
         return tokens, decoded, secs, rounds * system.k.fixed, accepted, (tried, kept)
-    use_draft = system.drafter.split(" + ")[0] not in ("none", "lookup")
+    first = system.drafter.split(" + ")[0]
+    use_draft = first != "none" and not first.startswith("lookup")
     request = Request(
         prompt_ids=ids,
         sampling=params,
@@ -138,6 +139,7 @@ def run_one(
         verify=system.verify,
         draft_stop=system.drafter.endswith(STOP),
         tree=system.tree,
+        lookup_by="ngram" if NGRAM in system.drafter else "suffix",
     )
     # no tokenizer: generations run to the budget, as mlx-lm's do (EOS is not theirs either)
     session = Session(
@@ -174,10 +176,10 @@ def systems(draft_name: str | None, s: BenchSettings, head_name: str | None = No
             out += [System("specmlx", draft_name + STOP, AUTO, v) for v in rules(AUTO)]
         if s.compare_mlx_lm:
             out += [System("mlx-lm", draft_name, k) for k in s.ks if not k.auto and k.fixed > 0]
-    if s.lookup:
-        out += spec("lookup")
+    if s.lookup:  # suffix lookup (its trees where asked) beside n-gram lookup
+        out += spec("lookup", s.trees) + spec(NGRAM)
         if s.memory:
-            out += spec("lookup" + MEMORY)
+            out += spec("lookup" + MEMORY, s.trees) + spec(NGRAM + MEMORY)
         if draft_name:
             out += spec(f"{draft_name} + lookup", s.trees)  # (with trees: siblings in one)
             if s.memory:
@@ -248,7 +250,8 @@ def bench_sequences(
 ) -> dict:
     """The editing sequences: each step asks for one more edit of the file the previous step
     wrote (every system follows its own outputs; greedy rows write the same ones). A
-    "+ memory" row's lookup memory starts empty at each sequence and remembers its steps.
+    "+ memory" row's lookup memory starts empty at each repeat and remembers every step of
+    every sequence (an agent's trace: later requests rewrite what earlier ones wrote).
 
     sequences: rows from load_sequences; decode: token ids -> text (the next step's file);
     the rest as for ``bench``. Returns what ``bench`` returns; runs are named <id>-<step>."""
@@ -257,8 +260,8 @@ def bench_sequences(
     runs: list[Run] = []
     prompts: dict[str, list[int]] = {}
     for rep in range(s.repeats):
+        memories = bed.memories()
         for seq in sequences:
-            memories = bed.memories()
             for temp in s.temps:
                 files = {system: seq["file"] for system in bed.systems_at(temp)}
                 for step in range(len(seq["edits"])):

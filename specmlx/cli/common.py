@@ -32,7 +32,8 @@ DraftOpt = Annotated[
     typer.Option(
         "--draft",
         "-d",
-        help="Draft alias/path, 'lookup' (prompt lookup), 'mtp' (the target's own MTP head), "
+        help="Draft alias/path, 'lookup' (prompt lookup: suffix trees; 'lookup:ngram' the "
+        "latest match's continuation), 'mtp' (the target's own MTP head), "
         "'eagle3:PATH' (an EAGLE-3 head), 'dflash:PATH' (a DFlash block drafter), 'self', "
         "'self:exit=E' or 'self:skip=LIST' (the target's own layers), or 'none'.",
     ),
@@ -127,13 +128,15 @@ class PromptCommand(TyperCommand):
 class Models:
     """Which models a command loads and the drafting it defaults to, resolved against
     models.toml before anything loads: target alias, draft alias (or None: none loaded),
-    lookup (prompt lookup drafts too), k (the pair's default when none was given)."""
+    lookup (prompt lookup drafts too), k (the pair's default when none was given), tree,
+    lookup_by (how lookup reads its index: "suffix", or "ngram" for 'lookup:ngram')."""
 
     target: str
     draft: str | None
     lookup: bool
     k: K
     tree: TreeSize = TREE_AUTO
+    lookup_by: str = "suffix"
 
     @property
     def drafter(self) -> str:
@@ -159,11 +162,18 @@ def resolve_models(
         pair = next((p for p in registry.pairs.values() if p.target == target), None)
     if draft is None:
         draft = pair.draft if pair else "none"
-    if draft == "lookup":
-        draft, lookup = "none", True
+    lookup_by = "suffix"
+    if draft in LOOKUPS:
+        draft, lookup, lookup_by = "none", True, LOOKUPS[draft]
+    elif draft.startswith("lookup:"):
+        raise BadInput(f"--draft {draft}: lookup is 'lookup', 'lookup:suffix' or 'lookup:ngram'")
     kk = K.of(k, "-k") if k is not None else (pair.k if pair else AUTO)
     trees = TreeSize.of(tree, "--tree") if tree is not None else (pair.tree if pair else TREE_AUTO)
-    return Models(target, None if draft == "none" else draft, lookup, kk, trees)
+    return Models(target, None if draft == "none" else draft, lookup, kk, trees, lookup_by)
+
+
+# --draft's lookup forms: how each reads the index (decoding.request.Decode.lookup_by)
+LOOKUPS = {"lookup": "suffix", "lookup:suffix": "suffix", "lookup:ngram": "ngram"}
 
 
 HostsOpt = Annotated[

@@ -240,6 +240,7 @@ def _run_local(
         drafter=models.drafter,
         extra_eos=extra_eos,
         tree=models.tree,
+        lookup_by=models.lookup_by,
     )
     gen = session.start(request, lockstep=lockstep)
     stats = gen.stats

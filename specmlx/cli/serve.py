@@ -282,6 +282,7 @@ def serve(
         verify=verify,
         hosts=host_names,
         tree=models.tree,
+        lookup_by=models.lookup_by,
     )
     shown = f"[{host}]" if ":" in host else host
     draft_name = drf.spec.alias if drf else drafter

@@ -40,6 +40,7 @@ class RoundReport:
     chain: int | None = None
     sides: tuple[int, ...] = ()
     side: int = -1
+    on_chain: int | None = None  # a tree: the kept path's nodes on the chain
 
 
 @runtime_checkable
@@ -168,9 +169,8 @@ class Stats:
         if report.chain is None:
             count_depths(self.depth_tried, self.depth_accepted, k, n)
         else:  # a tree: its chain's acceptance (a kept side leaf is its chain's rejection)
-            count_depths(
-                self.depth_tried, self.depth_accepted, report.chain, n - (report.side >= 0)
-            )
+            on = report.on_chain if report.on_chain is not None else n - (report.side >= 0)
+            count_depths(self.depth_tried, self.depth_accepted, report.chain, on)
         if report.chain is not None:
             self.tree_rounds += 1
             count_ranks(self.rank_tried, self.rank_kept, report)

@@ -40,7 +40,7 @@ from ..core.tree_pass import tree_refusal
 from ..core.vocab import draft_ids, logit_width
 from ..drafting.adaptive import AdaptiveK
 from ..drafting.choosers import make_chooser
-from ..drafting.drafters import LookupDrafter, ModelDrafter
+from ..drafting.drafters import ModelDrafter
 from ..drafting.lookup import Lookup
 from ..drafting.proposals import RowDrafter
 from ..drafting.row_drafters import (
@@ -54,7 +54,7 @@ from ..drafting.row_drafters import (
     row_drafter,
 )
 from ..drafting.self_draft import SharedExit, shares_caches
-from ..drafting.tree_rows import MedusaRows, SiblingRows
+from ..drafting.tree_rows import LookupRows, MedusaRows, SiblingRows
 from ..drafting.trees import SideSizer
 from ..errors import BadInput, RollbackError
 from .request import Decode, Parts, token_ids
@@ -162,10 +162,16 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
     lone option) and for caches with no batch kind (row_drafters.fits_one_row); an early
     exit over the target's caches when ``shared`` (self_draft.SharedExit)."""
     drafters: list[RowDrafter] = []
+    width = logit_width(target)
     if decode.lookup:
         finder = Lookup(row.ctx, parts.lookup_memory)  # (it indexes the row's own list)
-        lookup = LookupDrafter(finder, next_k, fallback=draft is not None)
-        drafters.append(LoneRows(lookup, "prompt lookup"))
+        lookup = LookupRows(
+            finder, next_k, fallback=draft is not None, method=decode.lookup_by, width=width
+        )
+        if decode.lookup_by == "suffix" and not decode.tree.off:  # its tree of continuations
+            sizer = _tree_sizer(target, kv.target, decode, next_k, row.stats)
+            lookup.size = decode.tree if sizer is not None else lookup.size
+        drafters.append(lookup)
     holder = None
     if shared:
         vocab = draft_ids(target, draft, parts.vocab_size)[1]
@@ -192,19 +198,25 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
         holder.sizer = branches
         if isinstance(next_k, AdaptiveK) and decode.tree.auto:  # k weighed with its leaves
             next_k.widen = lambda k: branches.gain(k, row.stats)
-    elif not (decode.tree.off or decode.tree.auto):
-        what = _DRAFTERS.get(type(holder), "prompt lookup") if drafters else "nothing drafts"
+    elif not (decode.tree.off or decode.tree.auto or _branching_lookup(drafters, holder)):
+        what = _DRAFTERS.get(type(holder), "n-gram lookup") if drafters else "nothing drafts"
         raise BadInput(
-            f"tree {decode.tree}: {what} cannot branch (trees: a draft model, a head, Medusa)"
+            f"tree {decode.tree}: {what} cannot branch "
+            "(trees: a draft model, a head, Medusa, suffix lookup)"
         )
     if branches and decode.lookup and not decode.tree.auto:
         # lookup's continuation beside the drafter, in one tree; auto keeps the choice by
         # value, one of them a round (siblings measured slower here: BENCHMARKS.md, "Token
         # trees")
-        drafters = [SiblingRows(finder, next_k, holder, logit_width(target))]
+        drafters = [SiblingRows(finder, next_k, holder, width)]
     if not drafters:
         return None, None
     return (drafters[0] if len(drafters) == 1 else ChainRows(drafters)), holder
+
+
+def _branching_lookup(drafters: list, holder) -> bool:
+    """Suffix lookup alone proposes its trees (a fixed size with nothing else drafting)."""
+    return holder is None and any(isinstance(d, LookupRows) and not d.size.off for d in drafters)
 
 
 # what a drafter is, for the refusal of a fixed tree size

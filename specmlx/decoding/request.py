@@ -13,6 +13,7 @@ from ..core.sampling import SamplingParams
 from ..core.stats import KChooser, Stats
 from ..drafting.choosers import K
 from ..drafting.lookup import LookupMemory
+from ..drafting.tree_rows import LOOKUP_METHODS
 from ..drafting.trees import OFF, TreeSize
 from ..errors import BadInput
 
@@ -29,6 +30,9 @@ class Decode:
     eos_ids: ids that end generation and are not emitted.
     stop_ids: token sequences that end generation; they are emitted (stream.py strips text).
     lookup: propose from earlier occurrences in the context first (prompt lookup).
+    lookup_by: how lookup reads them (drafting.tree_rows.LOOKUP_METHODS): "suffix" (a tree of
+        every occurrence's continuation, by frequency and recency; its likeliest path where
+        trees are off) or "ngram" (the most recent occurrence of the longest match).
     verify: how a sampled round checks the drafts: "block" (the default: the drafted block
         jointly, Sun et al. 2024: the same distribution, never fewer tokens kept in
         expectation) or "token" (token by token, Leviathan et al.). Greedy is the same under
@@ -38,9 +42,10 @@ class Decode:
         sync each, up to the chooser's k_max) while its cost model says the next draft pays,
         and verifies the best prefix.
     tree: token trees (drafting.trees.TreeSize, or what TreeSize.of reads: "off", "auto", an
-        int N): the draft model's chain gets side leaves, verified in the same pass; N caps
-        the drafted tokens a pass verifies, auto sizes each round by the cost model. Auto
-        falls back to chains where the target's caches or the drafter cannot take a tree.
+        int N): the draft model's chain gets side leaves, suffix lookup proposes its tree of
+        continuations, verified in the same pass; N caps the drafted tokens a pass verifies,
+        auto sizes each round by the cost model. Auto falls back to chains where the
+        target's caches or the drafter cannot take a tree.
     """
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -50,6 +55,7 @@ class Decode:
     eos_ids: tuple[int, ...] = ()
     stop_ids: tuple[tuple[int, ...], ...] = ()
     lookup: bool = False
+    lookup_by: str = "suffix"
     verify: str = DEFAULT_VERIFY
     draft_stop: bool = False
     tree: TreeSize = OFF
@@ -60,6 +66,10 @@ class Decode:
         if self.max_tokens <= 0:
             raise BadInput(f"max tokens must be > 0, got {self.max_tokens}")
         sampled_rule(self.verify)  # BadInput for an unknown rule
+        if self.lookup_by not in LOOKUP_METHODS:
+            raise BadInput(
+                f"lookup must be one of {', '.join(LOOKUP_METHODS)}, got {self.lookup_by!r}"
+            )
         # (frozen: the parsed forms are set once, here)
         object.__setattr__(self, "k", K.of(self.k))
         object.__setattr__(self, "tree", TreeSize.of(self.tree))

@@ -212,4 +212,5 @@ def _tree_round(r: Row, target: Verifier, drafter: RowDrafter, drafts: Drafts, k
         feats = feats[:, mx.array([0, *path], dtype=mx.int32)]
     drafter.settle([r], drafts.chain, [fed], [on_chain], feats)  # (Medusa: no chain)
     return _report(r, drafts.k, len(path), add, drafts.how[0], time.perf_counter() - t0,
-                   draft_s, chain=chain, sides=drafts.sides, side=side)  # fmt: skip
+                   draft_s, chain=chain, sides=drafts.sides, side=side,
+                   on_chain=on_chain)  # fmt: skip

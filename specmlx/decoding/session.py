@@ -76,6 +76,7 @@ class Request:
     extra_eos: ids that end generation besides the tokenizer's (e.g. end of infill); verify:
     "block" or "token"; draft_stop: per-token stopping (auto k with a draft model); tree:
     token trees (a trees.TreeSize, or what TreeSize.of reads: "off", "auto", an int);
+    lookup_by: how lookup reads its index ("suffix" or "ngram", engine.Decode's lookup_by);
     time_limit_s, min_indent: an editor's limits on the text (stream.editor_limits:
     llama.cpp's t_max_predict_ms and n_indent; None: none); warm_up: put the prompt into the
     caches and generate nothing (llama.vim's n_predict 0: ``Generation.prefill``)."""
@@ -91,6 +92,7 @@ class Request:
     verify: str = DEFAULT_VERIFY
     draft_stop: bool = False
     tree: TreeSize = TREE_AUTO
+    lookup_by: str = "suffix"
     time_limit_s: float | None = None
     min_indent: int | None = None
     warm_up: bool = False
@@ -161,9 +163,10 @@ class Session:
             seed=req.seed,
             eos_ids=tuple(sorted(eos)),
             lookup=req.uses_lookup,
+            lookup_by=req.lookup_by,
             verify=req.verify,
             draft_stop=req.draft_stop,
-            tree=req.tree if req.uses_draft and self.pair.draft is not None else TREE_OFF,
+            tree=req.tree if drafting else TREE_OFF,
         )
 
     def start(
@@ -188,7 +191,8 @@ class Session:
             store = self.choosers
             if world.distributed and store.pass_ratio is None:  # one curve for all ranks
                 store.pass_ratio = shared_probe(world, store, pair.target, pair.target_id, ids)
-            drafter = f"{pair.draft_id if draft is not None else 'none'}|lookup={req.uses_lookup}"
+            look = req.uses_lookup and (req.lookup_by if req.lookup_by != "suffix" else True)
+            drafter = f"{pair.draft_id if draft is not None else 'none'}|lookup={look}"
             chooser = saved = store.get(
                 pair.target, pair.target_id, drafter, req.sampling, ids, verify=req.verify
             )

@@ -376,8 +376,9 @@ class AdaptiveK(KChooser):
                     last.k, last.accepted, last.seconds, last.draft_seconds, last.lookup, last.made
                 )
             else:  # a tree: k sizes its chain; the pass verified all its nodes
-                on_chain = last.accepted - (last.side >= 0)
-                self.update(last.chain, on_chain, last.seconds, last.draft_seconds, nodes=last.k)
+                on_chain = last.on_chain if last.on_chain is not None else last.accepted
+                self.update(last.chain, on_chain, last.seconds, last.draft_seconds,
+                            lookup=last.lookup, nodes=last.k)  # fmt: skip
             self.accept.observe(last.confidences[: last.k], last.accepted)
         if self.cost.level is None:
             return min(2, self.k_max)  # measure something first
@@ -531,7 +532,7 @@ class AdaptiveK(KChooser):
         made = min(made, 1) if self.block else made  # a block: one forward drafted them all
         if k > 0 and lookup:
             self.accept.count_lookup(lookup, k, n)
-            self.cost.time(k, round_s)  # nothing to draft: the round is the target's pass
+            self.cost.time(nodes or k, round_s)  # nothing to draft: the round is the pass
             return
         if k == 0:
             self.cost.time_plain(round_s)

@@ -6,10 +6,11 @@ greedy drafter) and how they were drafted. When the round is settled it is told 
 what it has seen is still right and brings its own state (a KV cache, an index) there.
 Verification, acceptance and the target's rollback are the same for every drafter, which is
 what keeps all of them lossless: a drafter can only change how many tokens a target pass
-yields. Here, what drafts for a lone sequence only: prompt lookup and the draft model over
-its own cursor (with per-token stopping, whose chunks read the draft's confidences, or with
-caches that have no batch kind). The round sees them as rows of one
-(row_drafters.LoneRows); the draft model, the heads over the target's hidden states (MTP,
+yields. Here, what drafts for a lone sequence only: the draft model over its own cursor
+(with per-token stopping, whose chunks read the draft's confidences, or with caches that
+have no batch kind) and the early exit over the target's caches (self_draft.SharedExit).
+The round sees them as rows of one (row_drafters.LoneRows); prompt lookup is a row drafter
+of one (tree_rows.LookupRows); the draft model, the heads over the target's hidden states (MTP,
 EAGLE-3) and the block drafter (DFlash) are row drafters themselves (row_drafters.py), each
 written once for a lone sequence and a batch.
 """
@@ -25,8 +26,6 @@ import mlx.core as mx
 
 from ..core.cursor import Cursor
 from ..core.sampling import Processor, sample
-from ..core.stats import KChooser
-from .lookup import Lookup
 
 # fed to the draft in place of an id its embedding table lacks (a padding row of a wider
 # target's logits): the draft's guesses get worse for a while, the output stays exact
@@ -149,31 +148,6 @@ class ModelDrafter:
 
     def close(self) -> None:
         pass
-
-
-class LookupDrafter:
-    """Prompt lookup (with memory): the continuation of an earlier occurrence of the
-    context's tail. The chooser's ``lookup_length`` (stats.KChooser) says how many of up to
-    ``room`` tokens to verify, weighed against k from a draft model (``fallback``: one
-    follows in the chain) or a plain step: a fixed k verifies up to k."""
-
-    needs_k = False
-
-    def __init__(self, finder: Lookup, chooser: KChooser, fallback: bool = False):
-        self.finder, self.chooser, self.fallback = finder, chooser, fallback
-
-    def propose(self, ctx, k, room, key) -> Proposal:
-        match, found = self.finder.find(room)
-        found = found[: self.chooser.lookup_length(match, len(found), k, self.fallback)]
-        if not found:
-            return Proposal()
-        return Proposal(mx.array(found, dtype=mx.uint32), None, "lookup", match=match)
-
-    def settle(self, ctx, right) -> None:
-        self.finder.sync()  # ctx is the index's own list: index what joined it
-
-    def close(self) -> None:
-        self.finder.remember()
 
 
 def draft_model_propose(

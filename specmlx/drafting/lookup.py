@@ -1,6 +1,9 @@
-"""Prompt lookup with memory: propose the continuation of an earlier occurrence of the
-context's last few tokens, found in the context itself or in a bounded store of recent
-outputs (the lookup memory), as llama.cpp's ngram cache and SuffixDecoding do.
+"""Prompt lookup with memory: propose what followed earlier occurrences of the context's
+tail, found in the context itself or in a bounded store of recent outputs (the lookup
+memory), as llama.cpp's ngram cache and SuffixDecoding do. Two ways to read them: suffix
+lookup (``speculate``: a tree of every occurrence's continuation, weighed by frequency and
+recency, suffix.py) and n-gram lookup (``find``: the continuation of the most recent
+occurrence of the longest match, the lookup before suffix trees).
 
 Lookup proposals go through the same verification as a draft model's, so whatever the index
 or the store holds (stale, from another prompt, corrupt on disk) can change how many tokens a
@@ -10,7 +13,8 @@ The store lives under $SPECMLX_HOME/lookup/<tokenizer fingerprint>/: one small f
 remembered output, written atomically under a unique name, so concurrent runs and servers
 never write the same file; the newest files up to ``max_tokens`` are read, older ones are
 deleted by whoever notices them first. Writing is best effort: a read-only home costs one
-warning line.
+warning line. A server's requests share one store (its index is read, never changed, by a
+proposal; an output joins it when its request ends).
 """
 
 from __future__ import annotations
@@ -26,57 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from ..paths import Warn, atomic_write, specmlx_home
+from .suffix import MAX_MATCH, MAX_NGRAM, SEP, Speculation, SuffixIndex
 
-MAX_NGRAM = 4  # the longest context tail looked up
 MEMORY_TOKENS = 65_536  # tokens the store keeps, newest first
 MIN_REMEMBER = 8  # outputs shorter than this are not worth a file
 _MAGIC = b"specmlx-lookup-1\n"
-_SEP = -1  # between remembered outputs in the memory's index: never matches, ends a proposal
-
-
-class NgramIndex:
-    """Where each n-gram (n = 1..max_n) of a growing token sequence last occurred with a
-    token after it. Only n-grams followed by at least one token are indexed, so a sequence's
-    own tail never matches itself: a match always has a continuation.
-    Cost: max_n dictionary writes per token added; a lookup is max_n dictionary reads."""
-
-    def __init__(self, max_n: int = MAX_NGRAM, tokens: list[int] | None = None):
-        self.max_n = max_n
-        # kept by reference: the engine's own context list, which it appends to (no copy)
-        self.tokens: list[int] = tokens if tokens is not None else []
-        self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n + 1)]
-        self._indexed = 0  # tokens[:_indexed] are indexed
-        self.sync()
-
-    def extend(self, new: Sequence[int]) -> None:
-        """Append ``new`` and index the n-grams that now have a token after them."""
-        self.tokens.extend(int(x) for x in new)
-        self.sync()
-
-    def sync(self) -> None:
-        """Index what was appended to ``tokens`` since the last call."""
-        t, start = self.tokens, self._indexed
-        for end in range(max(start, 1), len(t)):  # n-grams t[end-n:end], followed by t[end]
-            for n in range(1, min(self.max_n, end) + 1):
-                gram = tuple(t[end - n : end])
-                if _SEP in gram:
-                    break  # longer ones contain it too
-                self._ends[n][gram] = end
-        self._indexed = len(t)
-
-    def match(self, tail: Sequence[int]) -> tuple[int, int]:
-        """(n, end): the longest suffix of ``tail`` (n <= max_n) that occurred here with a
-        token after it, and where its most recent occurrence ends; (0, -1) for none."""
-        for n in range(min(self.max_n, len(tail)), 0, -1):
-            end = self._ends[n].get(tuple(tail[-n:]))
-            if end is not None:
-                return n, end
-        return 0, -1
-
-    def after(self, end: int, k: int) -> list[int]:
-        """Up to k tokens from position ``end``, stopping at the end of a remembered output."""
-        out = self.tokens[end : end + k]
-        return out[: out.index(_SEP)] if _SEP in out else out
 
 
 def lookup_propose(history: Sequence[int], k: int, max_ngram: int = MAX_NGRAM) -> list[int]:
@@ -85,7 +43,7 @@ def lookup_propose(history: Sequence[int], k: int, max_ngram: int = MAX_NGRAM) -
     [] when nothing matches."""
     if k <= 0:
         return []
-    index = NgramIndex(max_ngram)
+    index = SuffixIndex(max_ngram)
     index.extend(history)
     n, end = index.match(history)
     return index.after(end, k) if n else []
@@ -112,7 +70,7 @@ class LookupMemory:
         self.directory, self.max_tokens, self.vocab_size = directory, max_tokens, vocab_size
         self.warn, self.max_n = warn, max_n
         self.docs: list[list[int]] = []  # oldest first
-        self.index = NgramIndex(max_n)
+        self.index = SuffixIndex(max_n)
         self._failed = False
         if directory is not None:
             self.docs = self._read()
@@ -139,7 +97,7 @@ class LookupMemory:
             self.docs = _newest(self.docs, self.max_tokens)
             self._reindex()
         else:
-            self.index.extend([*doc, _SEP])
+            self.index.extend([*doc, SEP])
         if self.directory is not None:
             self._write(doc)
 
@@ -152,9 +110,9 @@ class LookupMemory:
         return all(0 <= t < (self.vocab_size or 2**32) for t in doc)
 
     def _reindex(self) -> None:
-        self.index = NgramIndex(self.max_n)
+        self.index = SuffixIndex(self.max_n)
         for doc in self.docs:
-            self.index.extend([*doc, _SEP])
+            self.index.extend([*doc, SEP])
 
     def _files(self) -> list[Path]:
         """The store's files, newest first (names start with a nanosecond timestamp)."""
@@ -165,17 +123,22 @@ class LookupMemory:
 
     def _read(self) -> list[list[int]]:
         """The newest valid files up to max_tokens, oldest first; older files are deleted."""
-        docs, total = [], 0
+        docs, total, skipped = [], 0, 0
         files = self._files()
         for i, path in enumerate(files):
             doc = _load(path)
             if doc is None or not self._valid(doc):
-                continue  # unreadable, truncated, or another tokenizer's: only speed is lost
+                skipped += 1  # unreadable, truncated, or another tokenizer's: only speed is lost
+                continue
             if total + len(doc) > self.max_tokens:
                 _delete(files[i:])  # beyond the cap: whoever sees them first deletes them
                 break
             docs.append(doc)
             total += len(doc)
+        if skipped and self.warn is not None:
+            self.warn(
+                f"skipped {skipped} damaged or foreign file(s) in the lookup memory {self.directory}"
+            )
         return docs[::-1]
 
     def _write(self, doc: list[int]) -> None:
@@ -245,7 +208,7 @@ class Lookup:
     def __init__(self, context: Sequence[int], memory: LookupMemory | None = None):
         self.memory = memory
         tokens = context if isinstance(context, list) else list(context)
-        self.index = NgramIndex(memory.max_n if memory is not None else MAX_NGRAM, tokens)
+        self.index = SuffixIndex(memory.max_n if memory is not None else MAX_NGRAM, tokens)
         self.start = len(self.index.tokens)  # where the output begins
 
     def extend(self, new: Sequence[int]) -> None:
@@ -272,6 +235,17 @@ class Lookup:
     def propose(self, k: int) -> list[int]:
         """Up to k tokens to verify next; [] when nothing matches."""
         return self.find(k)[1]
+
+    def speculate(self, depth: int, budget: int) -> Speculation:
+        """Suffix lookup (suffix.py): the better-scoring proposal tree from the context and
+        from memory, at most ``budget`` nodes, none deeper than ``depth``; on a tie the
+        context's, since it is this very text."""
+        tail = self.index.tokens[-MAX_MATCH:]
+        spec = self.index.speculate(tail, depth, budget)
+        if self.memory is not None:
+            other = self.memory.index.speculate(tail, depth, budget)
+            spec = other if other.score > spec.score else spec
+        return spec
 
     def remember(self) -> None:
         """Store this generation's output in memory (if there is one)."""

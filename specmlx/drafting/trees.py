@@ -140,19 +140,28 @@ class SideSizer:
         for d in range(k):
             reach *= a[d]
             chain += reach
-        cost = self.chooser.cost if isinstance(self.chooser, AdaptiveK) else CostCurve()
-        # seconds by drafts verified (unmeasured: shape); one length for every k, so the curve
-        # is built once per change of what it reads, not once per k the chooser weighs
-        curve = cost.curve(TREE_MAX)
-        drafting = k * (cost.t_draft or 0.0)
-        best, best_rate, gained = 0, 0.0, 0.0
-        for n in range(len(values) + 1):
-            gained += values[n - 1] if n else 0.0
-            t = drafting + (curve[k + n] if cost.level else cost.shape(k + n))
-            rate = (chain + gained) / t if t > 0 else 0.0
-            if rate > best_rate:
-                best, best_rate = n, rate
-        return best
+        return paying(self.chooser, k, chain, values, drafting=True)
+
+
+def paying(chooser: KChooser, k: int, tokens: float, values: list[float], drafting=False) -> int:
+    """How many more nodes (their values: expected tokens each adds, best first) a pass that
+    already verifies k drafts for ``tokens`` expected tokens should verify: the count that
+    maximizes expected tokens per second, by the chooser's measured pass-cost curve (an
+    AdaptiveK; otherwise CostCurve's guessed shape). drafting: add the k drafts' drafting
+    time (a model's; lookup's is free)."""
+    cost = chooser.cost if isinstance(chooser, AdaptiveK) else CostCurve()
+    # seconds by drafts verified (unmeasured: shape); one length for every k, so the curve
+    # is built once per change of what it reads, not once per k the chooser weighs
+    curve = cost.curve(TREE_MAX)
+    spent = k * (cost.t_draft or 0.0) if drafting else 0.0
+    best, best_rate, gained = 0, 0.0, 0.0
+    for n in range(min(len(values), TREE_MAX - k) + 1):
+        gained += values[n - 1] if n else 0.0
+        t = spent + (curve[k + n] if cost.level else cost.shape(k + n))
+        rate = (tokens + gained) / t if t > 0 else 0.0
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
 
 
 def _rate(hits: list[int], tries: list[int], i: int, prior: tuple[float, float]) -> float:

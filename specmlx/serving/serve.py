@@ -73,7 +73,8 @@ class ServerSettings:
     verify: the default acceptance rule of sampled rounds ("block" or "token"); hosts: the
     Host header names requests may carry (None: any), so a web page that rebinds its own
     DNS name to 127.0.0.1 cannot reach a keyless server on loopback; tree: token trees for a
-    request that runs alone (a batch's rows verify chains: they already widen the pass)."""
+    request that runs alone (a batch's rows verify chains: they already widen the pass);
+    lookup_by: how lookup reads its index ("suffix" or "ngram", session.Request's)."""
 
     model_name: str
     context: int
@@ -86,6 +87,7 @@ class ServerSettings:
     verify: str = DEFAULT_VERIFY
     hosts: frozenset[str] | None = None
     tree: TreeSize = TREE_AUTO
+    lookup_by: str = "suffix"
 
 
 def create_app(
@@ -315,6 +317,7 @@ def _request(body: SamplingBody, ids, extra_eos, asked, settings, worker) -> ses
         extra_eos=tuple(extra_eos),
         verify=_verify(body.verify, settings),
         tree=settings.tree,
+        lookup_by=settings.lookup_by,
     )
 
 
@@ -342,6 +345,7 @@ def _llama_request(
         seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s],
         drafter=_drafter(None, settings, worker), k=settings.k,
         extra_eos=tuple(eos), verify=settings.verify, tree=settings.tree,
+        lookup_by=settings.lookup_by,
         time_limit_s=body.t_max_predict_ms / 1000 if body.t_max_predict_ms > 0 else None,
         min_indent=body.n_indent if body.n_indent > 0 else None,
     )  # fmt: skip
