@@ -4,7 +4,7 @@ the chi-square over three-token sequences, with top-k, top-p and min-p on); and 
 chi-square rejects a rule that skips the residual, so each kind's test can fail.
 
 The kinds: a draft model (both verification rules), prompt lookup, suffix lookup's tree,
-lookup then a draft model (the chain), an MTP head, an EAGLE-3 head whose vocabulary is narrower than the target's
+lookahead decoding, lookup then a draft model (the chain), an MTP head, an EAGLE-3 head whose vocabulary is narrower than the target's
 (q = 0 outside it), a DFlash block drafter, a draft distilled by `specmlx distill`, the
 target drafting for itself (an early exit), and a draft model's rows in a batch that rows
 join and leave (both rules). What only one kind has
@@ -60,6 +60,7 @@ class Pair:
     lookup: bool = False
     batched: bool = False
     tree: int | str = "off"  # token trees (decoding.request.Decode.tree)
+    lookup_by: str = "suffix"  # how lookup proposes (decoding.request.Decode.lookup_by)
 
 
 def _noisy_tables(cls=TableLM) -> tuple[TableLM, TableLM]:
@@ -108,6 +109,13 @@ def _suffix_tree(_tmp: Path) -> Pair:
     continuations go in one tree of six nodes, siblings at the root (point masses)."""
     target = make_tiny(11, vocab=JV, layers=3, hidden=16, sharpen=2.0)
     return Pair(target, None, [3, 2, 1, 0, 3, 5, 6, 3], lookup=True, tree=6)
+
+
+def _lookahead(tmp: Path) -> Pair:
+    """Lookahead decoding over the "suffix-tree" pair: a window of two columns and two levels
+    of Jacobi guesses beside suffix lookup's candidates, all point masses in one tree."""
+    pair = _suffix_tree(tmp)
+    return dataclasses.replace(pair, tree="off", lookup_by="lookahead:w=2,n=3,g=2")
 
 
 def _chain(_tmp: Path) -> Pair:
@@ -249,6 +257,7 @@ KINDS = {
     "lookup": Kind(_lookup, 2_000, 400, 0.05),
     "lookup+draft": Kind(_chain, 2_000, 700, 0.05),
     "suffix-tree": Kind(_suffix_tree, 2_000, 600, 0.03),
+    "lookahead": Kind(_lookahead, 2_000, 600, 0.03),
     "mtp": Kind(_mtp, 3_000, 1_200, 0.02),
     "eagle3": Kind(_eagle3, 3_000, 600, 0.01),
     "dflash": Kind(_dflash, 3_000, 800, 0.01),
@@ -268,7 +277,7 @@ RULED = [
     ("distilled", "block"), ("self-draft", "block"), ("batch-rows", "token"),
     ("batch-rows", "block"), ("tree", "token"), ("medusa", "token"),
     ("eagle3-tree", "token"), ("dflash-tree", "token"), ("siblings", "token"),
-    ("suffix-tree", "token"),
+    ("suffix-tree", "token"), ("lookahead", "block"),
 ]  # fmt: skip
 OUTCOMES = {"token": sampled_outcome, "block": block_outcome}
 
@@ -344,8 +353,9 @@ def sequences(pair: Pair, verify: str, n: int) -> tuple[np.ndarray, np.ndarray]:
     if pair.batched:
         return batch_sequences(pair.target, pair.draft, verify, n)
     return engine_sequences(
-        pair.target, pair.draft, verify, n, prompt=pair.prompt, lookup=pair.lookup, tree=pair.tree
-    )
+        pair.target, pair.draft, verify, n, prompt=pair.prompt, lookup=pair.lookup, tree=pair.tree,
+        lookup_by=pair.lookup_by,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -361,13 +371,14 @@ def test_greedy_decoding_is_the_targets_own(pairs, kind):
     stats = Stats()
     spec = generate(
         pair.target, pair.draft, pair.prompt, k=3, max_tokens=24, lookup=pair.lookup, stats=stats,
-        tree=pair.tree,
+        tree=pair.tree, lookup_by=pair.lookup_by,
     )  # fmt: skip
     assert [e.token for e in spec] == plain[0]
     assert stats.drafted > 0
-    if pair.tree != "off":  # trees were verified and kept drafts (the chain's: a side leaf)
+    if pair.tree != "off" or kind == "lookahead":  # trees were verified and kept drafts
         assert stats.tree_rounds > 0 and stats.accepted > 0, stats
-        assert sum(stats.rank_kept) > 0 or kind in ("medusa", "siblings", "suffix-tree"), stats
+        ranked = kind not in ("medusa", "siblings", "suffix-tree", "lookahead")  # side leaves
+        assert sum(stats.rank_kept) > 0 or not ranked, stats
 
 
 @pytest.mark.parametrize("kind,verify", RULED)
@@ -384,7 +395,7 @@ def test_the_joint_test_rejects_a_rule_that_skips_the_residual(pairs, kind, veri
     pair = pairs(kind)
     joint = sequence_joint(pair.target, make_processor(JOINT_SAMPLING), pair.prompt)
     monkeypatch.setitem(RULES, verify, skips_the_residual(OUTCOMES[verify]))
-    if pair.tree != "off":  # a tree's rule: siblings tried with no residual between them
+    if pair.tree != "off" or kind == "lookahead":  # a tree's rule: no residual between siblings
         monkeypatch.setattr(tree_acceptance, "_residual", lambda r, q: r)
     counts, _ = sequences(pair, verify, KINDS[kind].n_wrong)
     assert pooled_chi2(counts, joint) < 1e-6

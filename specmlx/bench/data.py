@@ -76,6 +76,7 @@ class BenchSettings:
     seed: int = 0
     verifies: list[str] = field(default_factory=lambda: [DEFAULT_VERIFY])  # rows per rule
     trees: list[TreeSize] = field(default_factory=lambda: [OFF])  # draft/head rows per setting
+    lookaheads: list[str] = field(default_factory=list)  # lookahead rows ("lookahead[:...]")
 
     def __post_init__(self) -> None:
         self.ks = [K.of(k) for k in self.ks]

@@ -133,11 +133,12 @@ def summarize(
             a = sum(r.accepted for r in mine) / drafted if drafted else 0.0
             k_mean = drafted / max(1, sum(_rounds(r) for r in mine)) if drafted else 0.0
             k_theory = k_mean if system.k.auto else system.k.fixed
-            cost = 0.0 if system.drafter.startswith("lookup") else (draft_cost or 0.0)
+            cost = 0.0 if system.drafter.startswith("look") else (draft_cost or 0.0)  # (lookahead)
             if head is not None and system.drafter.split(" + ")[0] == head[0]:
                 cost = head[1]
             theory = theoretical_speedup(a, k_theory, cost) if system.k.fixed != 0 else 1.0
-            if not system.tree.off:  # (a chain's formula: a tree's nodes are not a chain's k)
+            trees = not system.tree.off or system.drafter.startswith("lookahead")
+            if trees:  # (a chain's formula: a tree's nodes are not a chain's k)
                 theory = None
             speedups = [x / b for x, b in zip(tps, base, strict=True)]
             speed = statistics.median(speedups)

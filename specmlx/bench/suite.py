@@ -128,18 +128,18 @@ def run_one(
                 run = 0
         return tokens, decoded, secs, rounds * system.k.fixed, accepted, (tried, kept)
     first = system.drafter.split(" + ")[0]
-    use_draft = first != "none" and not first.startswith("lookup")
+    use_draft = first != "none" and not first.startswith("look")  # (lookup, lookahead)
     request = Request(
         prompt_ids=ids,
         sampling=params,
         k=system.k,
         max_tokens=s.max_tokens,
         seed=seed,
-        drafter=drafter_of(use_draft and draft is not None, "lookup" in system.drafter),
+        drafter=drafter_of(use_draft and draft is not None, "look" in system.drafter),
         verify=system.verify,
         draft_stop=system.drafter.endswith(STOP),
         tree=system.tree,
-        lookup_by="ngram" if NGRAM in system.drafter else "suffix",
+        lookup_by=_lookup_by(first),
     )
     # no tokenizer: generations run to the budget, as mlx-lm's do (EOS is not theirs either)
     session = Session(
@@ -153,6 +153,12 @@ def run_one(
         gen.lockstep.check()
     st = gen.stats
     return tokens, decoded, secs, st.drafted, st.accepted, (st.depth_tried, st.depth_accepted)
+
+
+def _lookup_by(drafter: str) -> str:
+    """How a row's lookup proposes (decoding.request.Decode.lookup_by), from its drafter's
+    first part: "lookup", NGRAM or a lookahead form."""
+    return "ngram" if drafter == NGRAM else drafter if drafter.startswith("lookahead") else "suffix"
 
 
 def systems(draft_name: str | None, s: BenchSettings, head_name: str | None = None) -> list[System]:
@@ -184,6 +190,8 @@ def systems(draft_name: str | None, s: BenchSettings, head_name: str | None = No
             out += spec(f"{draft_name} + lookup", s.trees)  # (with trees: siblings in one)
             if s.memory:
                 out += spec(f"{draft_name} + lookup{MEMORY}")
+    for ahead in s.lookaheads:  # (its own tree: no tree setting)
+        out += spec(ahead)
     if head_name:
         out += spec(head_name, s.trees)
         if s.lookup:

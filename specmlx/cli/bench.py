@@ -12,6 +12,7 @@ import typer
 from ..core.acceptance import DEFAULT_VERIFY
 from ..distributed.launch import rank_prefix
 from ..drafting.choosers import K
+from ..drafting.lookahead import LookaheadSize
 from ..drafting.trees import TreeSize
 from ..errors import BadInput
 from ..models.registry import MTP
@@ -68,6 +69,12 @@ def bench(
     ),
     draft_stop: bool = typer.Option(
         False, "--draft-stop", help="Also add auto rows whose draft stops per token."
+    ),
+    lookaheads: list[str] = typer.Option(
+        [],
+        "--lookahead",
+        help="Also add lookahead-decoding rows: 'lookahead' (auto) or 'lookahead:w=W,n=N,g=G'; "
+        "repeat the option for several.",
     ),
     mtp: bool = typer.Option(
         False, "--mtp", help="Also add rows drafted by the target's own MTP head (--head mtp)."
@@ -130,6 +137,7 @@ def bench(
         lookup=lookup or memory,
         memory=memory,
         draft_stop=draft_stop,
+        lookaheads=[str(LookaheadSize.of(a)) for a in lookaheads],
         seed=seed,
         verifies=list(dict.fromkeys(_split(verifies, _rule_name, "--verify"))),
         trees=list(dict.fromkeys(_split(trees, lambda t: TreeSize.of(t, "--tree"), "--tree"))),

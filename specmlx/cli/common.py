@@ -15,6 +15,7 @@ from typer.core import TyperCommand
 
 from ..distributed.launch import rank_prefix
 from ..drafting.choosers import AUTO, K
+from ..drafting.lookahead import LookaheadSize
 from ..drafting.self_draft import is_self
 from ..drafting.trees import AUTO as TREE_AUTO
 from ..drafting.trees import TREE_MAX, TreeSize
@@ -33,7 +34,8 @@ DraftOpt = Annotated[
         "--draft",
         "-d",
         help="Draft alias/path, 'lookup' (prompt lookup: suffix trees; 'lookup:ngram' the "
-        "latest match's continuation), 'mtp' (the target's own MTP head), "
+        "latest match's continuation), 'lookahead' or 'lookahead:w=W,n=N,g=G' (Jacobi "
+        "guesses in the same pass), 'mtp' (the target's own MTP head), "
         "'eagle3:PATH' (an EAGLE-3 head), 'dflash:PATH' (a DFlash block drafter), 'self', "
         "'self:exit=E' or 'self:skip=LIST' (the target's own layers), or 'none'.",
     ),
@@ -146,6 +148,11 @@ class Models:
 
         return drafter_of(self.draft is not None, self.lookup)
 
+    @property
+    def lookup_name(self) -> str:
+        """Lookup as --draft names it: "lookup", "lookup:ngram" or the lookahead form."""
+        return {"suffix": "lookup", "ngram": "lookup:ngram"}.get(self.lookup_by, self.lookup_by)
+
 
 def resolve_models(
     registry, target: str | None, draft: str | None, lookup: bool, k: str | None,
@@ -165,6 +172,8 @@ def resolve_models(
     lookup_by = "suffix"
     if draft in LOOKUPS:
         draft, lookup, lookup_by = "none", True, LOOKUPS[draft]
+    elif draft.startswith("lookahead"):
+        draft, lookup, lookup_by = "none", True, str(LookaheadSize.of(draft))
     elif draft.startswith("lookup:"):
         raise BadInput(f"--draft {draft}: lookup is 'lookup', 'lookup:suffix' or 'lookup:ngram'")
     kk = K.of(k, "-k") if k is not None else (pair.k if pair else AUTO)

@@ -245,7 +245,7 @@ def _run_local(
     gen = session.start(request, lockstep=lockstep)
     stats = gen.stats
     responses = gen.text()
-    parts = ([drf.spec.alias] if drf else []) + (["lookup"] if models.lookup else [])
+    parts = ([drf.spec.alias] if drf else []) + ([models.lookup_name] if models.lookup else [])
     try:
         interrupted = render.stream(responses, stats)
         if lockstep is not None and not interrupted:

@@ -41,6 +41,7 @@ from ..core.vocab import draft_ids, logit_width
 from ..drafting.adaptive import AdaptiveK
 from ..drafting.choosers import make_chooser
 from ..drafting.drafters import ModelDrafter
+from ..drafting.lookahead import LookaheadRows, LookaheadSize
 from ..drafting.lookup import Lookup
 from ..drafting.proposals import RowDrafter
 from ..drafting.row_drafters import (
@@ -165,13 +166,7 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
     width = logit_width(target)
     if decode.lookup:
         finder = Lookup(row.ctx, parts.lookup_memory)  # (it indexes the row's own list)
-        lookup = LookupRows(
-            finder, next_k, fallback=draft is not None, method=decode.lookup_by, width=width
-        )
-        if decode.lookup_by == "suffix" and not decode.tree.off:  # its tree of continuations
-            sizer = _tree_sizer(target, kv.target, decode, next_k, row.stats)
-            lookup.size = decode.tree if sizer is not None else lookup.size
-        drafters.append(lookup)
+        drafters.append(_lookup(finder, target, kv, decode, next_k, row, draft is not None))
     holder = None
     if shared:
         vocab = draft_ids(target, draft, parts.vocab_size)[1]
@@ -214,9 +209,35 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
     return (drafters[0] if len(drafters) == 1 else ChainRows(drafters)), holder
 
 
+def _lookup(finder: Lookup, target, kv: KVState, decode: Decode, next_k, row: Row,
+            fallback: bool) -> RowDrafter:  # fmt: skip
+    """Lookup's row drafter: lookahead decoding (its own tree each round, where the target
+    verifies trees: auto falls back to suffix lookup's chains and says why), or suffix lookup
+    (its tree of continuations, sized by ``decode.tree``), or n-gram lookup (chains)."""
+    width = logit_width(target)
+    method = decode.lookup_by
+    if method.startswith("lookahead"):
+        size = LookaheadSize.of(method)
+        why = tree_refusal(target, kv.target)
+        if why is None:
+            return LookaheadRows(finder, next_k, size, width, seed=len(row.ctx))
+        if not size.auto:
+            raise BadInput(f"{size}: the target cannot verify a tree: {why}")
+        row.stats.tree_off = f"lookahead needs a tree the target cannot verify: {why}"
+        method = "suffix"
+    lookup = LookupRows(finder, next_k, fallback=fallback, method=method, width=width)
+    if method == "suffix" and not decode.tree.off:  # its tree of continuations
+        sizer = _tree_sizer(target, kv.target, decode, next_k, row.stats)
+        lookup.size = decode.tree if sizer is not None else lookup.size
+    return lookup
+
+
 def _branching_lookup(drafters: list, holder) -> bool:
-    """Suffix lookup alone proposes its trees (a fixed size with nothing else drafting)."""
-    return holder is None and any(isinstance(d, LookupRows) and not d.size.off for d in drafters)
+    """Suffix lookup or lookahead alone propose their trees (nothing else drafting)."""
+    return holder is None and any(
+        isinstance(d, LookaheadRows) or (isinstance(d, LookupRows) and not d.size.off)
+        for d in drafters
+    )
 
 
 # what a drafter is, for the refusal of a fixed tree size

@@ -12,8 +12,8 @@ from ..core.kvstate import KVState
 from ..core.sampling import SamplingParams
 from ..core.stats import KChooser, Stats
 from ..drafting.choosers import K
+from ..drafting.lookahead import check_lookup_by
 from ..drafting.lookup import LookupMemory
-from ..drafting.tree_rows import LOOKUP_METHODS
 from ..drafting.trees import OFF, TreeSize
 from ..errors import BadInput
 
@@ -30,9 +30,10 @@ class Decode:
     eos_ids: ids that end generation and are not emitted.
     stop_ids: token sequences that end generation; they are emitted (stream.py strips text).
     lookup: propose from earlier occurrences in the context first (prompt lookup).
-    lookup_by: how lookup reads them (drafting.tree_rows.LOOKUP_METHODS): "suffix" (a tree of
-        every occurrence's continuation, by frequency and recency; its likeliest path where
-        trees are off) or "ngram" (the most recent occurrence of the longest match).
+    lookup_by: how lookup proposes: "suffix" (a tree of every occurrence's continuation, by
+        frequency and recency; its likeliest path where trees are off), "ngram" (the most
+        recent occurrence of the longest match), or lookahead decoding ("lookahead" or
+        "lookahead:w=W,n=N,g=G", drafting.lookahead: Jacobi guesses in the same pass).
     verify: how a sampled round checks the drafts: "block" (the default: the drafted block
         jointly, Sun et al. 2024: the same distribution, never fewer tokens kept in
         expectation) or "token" (token by token, Leviathan et al.). Greedy is the same under
@@ -66,10 +67,7 @@ class Decode:
         if self.max_tokens <= 0:
             raise BadInput(f"max tokens must be > 0, got {self.max_tokens}")
         sampled_rule(self.verify)  # BadInput for an unknown rule
-        if self.lookup_by not in LOOKUP_METHODS:
-            raise BadInput(
-                f"lookup must be one of {', '.join(LOOKUP_METHODS)}, got {self.lookup_by!r}"
-            )
+        check_lookup_by(self.lookup_by)  # BadInput for an unknown way or lookahead setting
         # (frozen: the parsed forms are set once, here)
         object.__setattr__(self, "k", K.of(self.k))
         object.__setattr__(self, "tree", TreeSize.of(self.tree))

@@ -189,8 +189,14 @@ def _tree_round(r: Row, target: Verifier, drafter: RowDrafter, drafts: Drafts, k
             q = mx.pad(q, [(0, 0), (0, p.shape[-1] - q.shape[-1])])
         u = mx.random.uniform(shape=(tree.size,), key=keys[1])
         node, nxt = accept_tree(p, q, nodes[0], tree, u, keys[2])
-    out = mx.concatenate([node.astype(mx.uint32).reshape(1), nxt.reshape(1), nodes[0]])
+    # a drafter that learns from the pass (lookahead's Jacobi window): the target's argmax at
+    # the root and every node (N + 1,), read in the same sync
+    seen = [mx.argmax(logits[0], axis=-1).astype(mx.uint32)] if drafter.reads_argmax else []
+    out = mx.concatenate([node.astype(mx.uint32).reshape(1), nxt.reshape(1), nodes[0], *seen])
     at, nxt, *tokens = out.tolist()  # the round's one host sync
+    if seen:
+        tokens, seen = tokens[: tree.size], tokens[tree.size :]
+        drafter.observe(seen)
     path = tree.path(at)
     fed = len(r.ctx) - 1
     add, reason = r.stops.cut([tokens[j - 1] for j in path] + [nxt])

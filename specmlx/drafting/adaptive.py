@@ -534,6 +534,9 @@ class AdaptiveK(KChooser):
             self.accept.count_lookup(lookup, k, n)
             self.cost.time(nodes or k, round_s)  # nothing to draft: the round is the pass
             return
+        if k == 0 and nodes:  # a pass of drafts that were no chain (lookahead's window)
+            self.cost.time(nodes, round_s)
+            return
         if k == 0:
             self.cost.time_plain(round_s)
         else:

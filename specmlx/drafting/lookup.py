@@ -207,6 +207,7 @@ class Lookup:
 
     def __init__(self, context: Sequence[int], memory: LookupMemory | None = None):
         self.memory = memory
+        self.pool: SuffixIndex | None = None  # lookahead's n-grams (lookahead.py), if any
         tokens = context if isinstance(context, list) else list(context)
         self.index = SuffixIndex(memory.max_n if memory is not None else MAX_NGRAM, tokens)
         self.start = len(self.index.tokens)  # where the output begins
@@ -237,14 +238,15 @@ class Lookup:
         return self.find(k)[1]
 
     def speculate(self, depth: int, budget: int) -> Speculation:
-        """Suffix lookup (suffix.py): the better-scoring proposal tree from the context and
-        from memory, at most ``budget`` nodes, none deeper than ``depth``; on a tie the
+        """Suffix lookup (suffix.py): the best-scoring proposal tree from the context, from
+        memory and from lookahead's pool, at most ``budget`` nodes, none deeper than ``depth``; on a tie the
         context's, since it is this very text."""
         tail = self.index.tokens[-MAX_MATCH:]
         spec = self.index.speculate(tail, depth, budget)
-        if self.memory is not None:
-            other = self.memory.index.speculate(tail, depth, budget)
-            spec = other if other.score > spec.score else spec
+        for other in (self.memory.index if self.memory else None, self.pool):
+            if other is not None:
+                found = other.speculate(tail, depth, budget)
+                spec = found if found.score > spec.score else spec
         return spec
 
     def remember(self) -> None:

@@ -82,11 +82,13 @@ class RowDrafter:
     target whose hidden states the round must tap for ``settle`` (empty: none);
     ``needs_k``: propose only in rounds with k > 0 (lookup may verify a match at k = 0);
     ``lone``: it drafts for a lone request only (a batch refuses it; a server runs such
-    requests alone)."""
+    requests alone); ``reads_argmax``: after a tree round, ``observe`` gets the target's
+    argmax at the root and at every node (lookahead's Jacobi window learns from them)."""
 
     reads_hidden: tuple = ()
     needs_k: bool = True
     lone: bool = False
+    reads_argmax: bool = False
     # set for a lone row whose target verifies trees (trees.SideSizer): a drafter with a
     # distribution at each step gives its chain the side leaves it plans (proposals.with_leaves)
     sizer: SideSizer | None = None
@@ -113,6 +115,10 @@ class RowDrafter:
 
     def close(self) -> None:
         """The generation ended (or stopped early)."""
+
+    def observe(self, argmax: list[int]) -> None:
+        """A tree round's target argmax at the root and each node (N + 1), before ``settle``
+        (asked only where ``reads_argmax``)."""
 
     def propose(self, rows: Sequence[DraftRow], k: int, ks: list[int], keys: list) -> Drafts:
         """Up to k drafts for every row (row i: ks[i], a lone drafter may propose fewer, or
