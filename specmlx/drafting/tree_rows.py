@@ -59,7 +59,9 @@ class LookupRows(RowDrafter):
             found = found[: self.chooser.lookup_length(match, len(found), k, self.fallback)]
             return self._chain(found, match)
         depth = min(r.stops.room, SPEC_DEPTH)
-        spec = self.finder.speculate(depth, TREE_MAX if not self.size.off else depth)
+        # (a budget of TREE_MAX even for a chain: best first, branches may come before the
+        # likeliest path's deeper nodes)
+        spec = self.finder.speculate(depth, TREE_MAX)
         chain = spec.chain()
         match = min(spec.match, MATCH_BUCKET)
         chain = chain[: self.chooser.lookup_length(match, len(chain), k, self.fallback)]
