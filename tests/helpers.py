@@ -150,6 +150,20 @@ def count_host_syncs(monkeypatch, count: list[int]) -> None:
         monkeypatch.setattr(mx.array, name, counting(getattr(mx.array, name)))
 
 
+def syncs_per_round(monkeypatch, k: int = 3):
+    """A chooser that always asks for k and, in the list it returns with, (host syncs since
+    the round before, that round's report) at each round: count_host_syncs per round."""
+    count, counts = [0], []
+
+    def choose(last):
+        counts.append((count[0], last))
+        count[0] = 0
+        return k
+
+    count_host_syncs(monkeypatch, count)
+    return choose, counts
+
+
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "The quick brown fox jumps over the lazy dog. 0123456789",

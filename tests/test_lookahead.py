@@ -9,7 +9,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
-from helpers import count_host_syncs, generate, make_tiny, tiny_pair
+from helpers import generate, make_tiny, syncs_per_round, tiny_pair
 from typer.testing import CliRunner
 
 from specmlx.cli import app
@@ -87,14 +87,7 @@ def test_the_window_is_a_tree_and_learns_from_the_targets_argmax():
 
 @pytest.mark.parametrize("temp", [0.0, 1.0])
 def test_a_lookahead_round_has_one_host_sync(target, monkeypatch, temp):
-    count, counts = [0], []
-
-    def choose(last):
-        counts.append((count[0], last))
-        count[0] = 0
-        return 3
-
-    count_host_syncs(monkeypatch, count)
+    choose, counts = syncs_per_round(monkeypatch)
     stats = Stats()
     list(generate(target, None, PROMPT, k=choose, max_tokens=30, lookup=True, stats=stats,
                   lookup_by="lookahead:w=3,n=3,g=2", sampling=SamplingParams(temp), seed=1))  # fmt: skip

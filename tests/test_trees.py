@@ -8,7 +8,7 @@ of test_drafter_kinds.py."""
 import mlx.core as mx
 import pytest
 from families import build
-from helpers import count_host_syncs, generate, make_tiny
+from helpers import generate, make_tiny, syncs_per_round
 from typer.testing import CliRunner
 
 from specmlx.cli import app
@@ -87,14 +87,7 @@ def test_auto_adds_leaves_only_where_the_pass_cost_pays_for_them():
 @pytest.mark.parametrize("temp", [0.0, 1.0])
 def test_a_tree_round_has_one_host_sync(pair, monkeypatch, temp):
     target, draft = pair
-    count, counts = [0], []
-
-    def choose(last):
-        counts.append((count[0], last))
-        count[0] = 0
-        return 3
-
-    count_host_syncs(monkeypatch, count)
+    choose, counts = syncs_per_round(monkeypatch)
     stats = Stats()
     list(generate(target, draft, PROMPT, k=choose, max_tokens=40, tree=9, stats=stats,
                   sampling=SamplingParams(temp), seed=1))  # fmt: skip
