@@ -163,7 +163,6 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
     lone option) and for caches with no batch kind (row_drafters.fits_one_row); an early
     exit over the target's caches when ``shared`` (self_draft.SharedExit)."""
     drafters: list[RowDrafter] = []
-    width = logit_width(target)
     if decode.lookup:
         finder = Lookup(row.ctx, parts.lookup_memory)  # (it indexes the row's own list)
         drafters.append(_lookup(finder, target, kv, decode, next_k, row, draft is not None))
@@ -203,7 +202,7 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
         # lookup's continuation beside the drafter, in one tree; auto keeps the choice by
         # value, one of them a round (siblings measured slower here: BENCHMARKS.md, "Token
         # trees")
-        drafters = [SiblingRows(finder, next_k, holder, width)]
+        drafters = [SiblingRows(finder, next_k, holder, logit_width(target))]
     if not drafters:
         return None, None
     return (drafters[0] if len(drafters) == 1 else ChainRows(drafters)), holder
