@@ -1,7 +1,7 @@
 """Row drafters that propose trees of their own, for a lone row: prompt lookup (suffix
 lookup's tree of continuations), Medusa heads (their sparse tree each round) and lookup
-beside another drafter (SpecInfer's several drafters in one tree). The chains with side leaves are the drafters' own (row_drafters.py, through
-proposals.with_leaves)."""
+beside another drafter (SpecInfer's several drafters in one tree). The chains with side
+leaves are the drafters' own (row_drafters.py, through proposals.with_leaves)."""
 
 from __future__ import annotations
 
