@@ -136,9 +136,8 @@ class LookupMemory:
             docs.append(doc)
             total += len(doc)
         if skipped and self.warn is not None:
-            self.warn(
-                f"skipped {skipped} damaged or foreign file(s) in the lookup memory {self.directory}"
-            )
+            where = self.directory
+            self.warn(f"skipped {skipped} damaged or foreign file(s) in the lookup memory {where}")
         return docs[::-1]
 
     def _write(self, doc: list[int]) -> None:
@@ -239,8 +238,8 @@ class Lookup:
 
     def speculate(self, depth: int, budget: int) -> Speculation:
         """Suffix lookup (suffix.py): the best-scoring proposal tree from the context, from
-        memory and from lookahead's pool, at most ``budget`` nodes, none deeper than ``depth``; on a tie the
-        context's, since it is this very text."""
+        memory and from lookahead's pool, at most ``budget`` nodes, none deeper than
+        ``depth``; on a tie the context's, since it is this very text."""
         tail = self.index.tokens[-MAX_MATCH:]
         spec = self.index.speculate(tail, depth, budget)
         for other in (self.memory.index if self.memory else None, self.pool):
