@@ -42,6 +42,11 @@ class RoundReport:
     side: int = -1
     on_chain: int | None = None  # a tree: the kept path's nodes on the chain
 
+    @property
+    def chain_kept(self) -> int:
+        """A tree's drafts kept on its chain (a kept side leaf is the chain's rejection)."""
+        return self.on_chain if self.on_chain is not None else self.accepted - (self.side >= 0)
+
 
 @runtime_checkable
 class KChooser(Protocol):
@@ -169,8 +174,7 @@ class Stats:
         if report.chain is None:
             count_depths(self.depth_tried, self.depth_accepted, k, n)
         else:  # a tree: its chain's acceptance (a kept side leaf is its chain's rejection)
-            on = report.on_chain if report.on_chain is not None else n - (report.side >= 0)
-            count_depths(self.depth_tried, self.depth_accepted, report.chain, on)
+            count_depths(self.depth_tried, self.depth_accepted, report.chain, report.chain_kept)
         if report.chain is not None:
             self.tree_rounds += 1
             count_ranks(self.rank_tried, self.rank_kept, report)

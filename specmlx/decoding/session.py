@@ -76,7 +76,7 @@ class Request:
     extra_eos: ids that end generation besides the tokenizer's (e.g. end of infill); verify:
     "block" or "token"; draft_stop: per-token stopping (auto k with a draft model); tree:
     token trees (a trees.TreeSize, or what TreeSize.of reads: "off", "auto", an int);
-    lookup_by: how lookup reads its index ("suffix" or "ngram", engine.Decode's lookup_by);
+    lookup_by: how lookup proposes ("suffix", "ngram" or a lookahead form: engine.Decode's);
     time_limit_s, min_indent: an editor's limits on the text (stream.editor_limits:
     llama.cpp's t_max_predict_ms and n_indent; None: none); warm_up: put the prompt into the
     caches and generate nothing (llama.vim's n_predict 0: ``Generation.prefill``)."""

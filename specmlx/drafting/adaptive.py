@@ -376,8 +376,7 @@ class AdaptiveK(KChooser):
                     last.k, last.accepted, last.seconds, last.draft_seconds, last.lookup, last.made
                 )
             else:  # a tree: k sizes its chain; the pass verified all its nodes
-                on_chain = last.on_chain if last.on_chain is not None else last.accepted
-                self.update(last.chain, on_chain, last.seconds, last.draft_seconds,
+                self.update(last.chain, last.chain_kept, last.seconds, last.draft_seconds,
                             lookup=last.lookup, nodes=last.k)  # fmt: skip
             self.accept.observe(last.confidences[: last.k], last.accepted)
         if self.cost.level is None:
