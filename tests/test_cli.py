@@ -528,6 +528,7 @@ def test_bench_overhead_times_both_tools_on_the_same_tokens(specmlx_home, tmp_pa
         assert r["identical"], r  # the same greedy tokens from both tools
         assert r["specmlx_s"] > 0 and r["mlx_lm_s"] > 0
         assert r["ratio"] == pytest.approx(r["specmlx_s"] / r["mlx_lm_s"])  # one repeat
+        assert r["best_ratio"] == pytest.approx(r["ratio"])  # one repeat: its own best
     one_line_error(run("bench", "--overhead", "-n", "1"), 2, "--overhead")
 
 
