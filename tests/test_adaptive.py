@@ -15,11 +15,11 @@ from specmlx.drafting.adaptive import (
     STATE_VERSION,
     Acceptance,
     AdaptiveK,
-    CostCurve,
     best_k,
     expected_tokens,
 )
 from specmlx.drafting.choosers import for_drafter
+from specmlx.drafting.cost_curve import CostCurve
 from specmlx.drafting.probe import curve_from, probe_pass_cost
 
 

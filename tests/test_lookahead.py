@@ -16,8 +16,9 @@ from specmlx.cli import app
 from specmlx.core.kvstate import KVState
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats
-from specmlx.drafting.adaptive import AdaptiveK, CostCurve
+from specmlx.drafting.adaptive import AdaptiveK
 from specmlx.drafting.choosers import K, make_chooser
+from specmlx.drafting.cost_curve import CostCurve
 from specmlx.drafting.lookahead import LookaheadRows, LookaheadSize
 from specmlx.drafting.lookup import Lookup
 from specmlx.drafting.suffix import SEP

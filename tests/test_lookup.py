@@ -14,7 +14,8 @@ import pytest
 from helpers import TableLM, generate, make_tiny
 
 from specmlx.core.stats import Stats
-from specmlx.drafting.adaptive import AdaptiveK, CostCurve
+from specmlx.drafting.adaptive import AdaptiveK
+from specmlx.drafting.cost_curve import CostCurve
 from specmlx.drafting.lookup import (
     Lookup,
     LookupMemory,

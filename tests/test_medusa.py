@@ -29,8 +29,8 @@ from specmlx.drafting.medusa import (
     medusa_top,
     medusa_tree,
     ranks_needed,
-    read_torch_zip,
 )
+from specmlx.drafting.torch_zip import read_torch_zip
 from specmlx.errors import BadInput
 
 sys.path.insert(0, str(Path(__file__).parent / "reference"))

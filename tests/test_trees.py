@@ -15,8 +15,9 @@ from specmlx.cli import app
 from specmlx.core.kvstate import KVState
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats
-from specmlx.drafting.adaptive import AdaptiveK, CostCurve
+from specmlx.drafting.adaptive import AdaptiveK
 from specmlx.drafting.choosers import FixedK
+from specmlx.drafting.cost_curve import CostCurve
 from specmlx.drafting.trees import AUTO, OFF, SIDE_MAX, TREE_MAX, SideSizer, TreeSize, side_parents
 from specmlx.errors import BadInput
 

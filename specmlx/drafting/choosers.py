@@ -25,7 +25,8 @@ from ..core.stats import KChooser, RoundReport
 from ..errors import BadInput
 from ..machine import machine_id
 from ..paths import Warn, load_json, save_json, specmlx_home
-from .adaptive import LOOKUP_MAX, AdaptiveK, CostCurve
+from .adaptive import LOOKUP_MAX, AdaptiveK
+from .cost_curve import CostCurve
 from .probe import probe_pass_cost
 
 PROBE_VERSION = "v3"  # bump when the probe's method changes: old curves are then ignored

@@ -31,8 +31,9 @@ import mlx.core as mx
 from ..core.stats import KChooser
 from ..core.tree_acceptance import Tree
 from ..errors import BadInput
-from .adaptive import TREE_MAX, AdaptiveK, CostCurve
+from .adaptive import TREE_MAX, AdaptiveK
 from .choosers import count_of
+from .cost_curve import CostCurve
 from .drafters import Proposal
 from .lookup import Lookup
 from .proposals import Drafts, RowDrafter

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 
 from ..core.stats import KChooser, Stats
 from ..errors import BadInput
-from .adaptive import TREE_MAX, AdaptiveK, CostCurve
+from .adaptive import TREE_MAX, AdaptiveK
 from .choosers import count_of
+from .cost_curve import CostCurve
 
 AUTO_NODES = 16  # auto's cap on a tree's nodes
 SIDE_MAX = 4  # side leaves per depth: the draft's ranks 2 to 5 at most (a cap, not measured)
