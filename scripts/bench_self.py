@@ -5,7 +5,7 @@ target pass, the draft step's cost against a target step, decode tok/s against t
 configuration runs once per prompt, target-only interleaved before each, in one process.
 
   . scripts/env.sh && .venv/bin/python scripts/bench_self.py smollm2-135m [--draft ALIAS]
-      [--prompts 4] [-n 96] [-k 4]
+      [--prompts 4] [-n 96] [-k 4] [--only "self (auto"]
 """
 
 import argparse
@@ -35,6 +35,7 @@ ap.add_argument("--draft", default=None, help="a draft model alias to compare wi
 ap.add_argument("--prompts", type=int, default=4)
 ap.add_argument("-n", type=int, default=96)
 ap.add_argument("-k", type=int, default=4)
+ap.add_argument("--only", default=None, help="run the configurations whose name starts so")
 a = ap.parse_args()
 
 if a.draft:
@@ -53,9 +54,14 @@ configs = [(f"self:exit={e}", SelfDraft(target, SelfSpec(exit=e)), a.k) for e in
 configs.append((f"self:skip={depth // 2}-{depth - 2}", SelfDraft(target, SelfSpec(
     skip=tuple(range(depth // 2, depth - 1)))), a.k))  # fmt: skip
 configs.append((f"self (auto: exit={auto.exit}), -k auto", SelfDraft(target, auto), AUTO))
+# the same exit without auto's measured agreement: the chooser starts from its own prior
+configs.append((f"self (auto: exit={auto.exit}, no prior), -k auto",
+                SelfDraft(target, SelfSpec(exit=auto.exit)), AUTO))  # fmt: skip
 if drf is not None:
     configs.append((f"{a.draft}, -k {a.k}", drf.model, a.k))
     configs.append((f"{a.draft}, -k auto", drf.model, AUTO))
+if a.only:
+    configs = [c for c in configs if c[0].startswith(a.only)]
 
 
 def run(draft, k, p):

@@ -62,6 +62,25 @@ def test_a_block_drafter_is_charged_one_forward_a_round():
     assert not per_token.chooser.block
 
 
+def test_a_measured_hopeless_agreement_starts_plain_and_probes_rarely():
+    """A drafter measured before any round to agree 1% of the time (self-drafting's auto
+    exit): its chooser's first round is plain, it drafts in none of the next 60 (probes back
+    off fully from the start), where a fresh chooser drafts first and probes within 10 plain
+    rounds. A chooser that learned anything keeps it, and an agreeable prior still drafts."""
+    hopeless = for_drafter(AdaptiveK(), block=0, agreement=0.01)
+    ks = steady(Feed(hopeless), 62, accept=0.01, draft_s=0.03)
+    assert ks[0] == 0 and sum(ks) == 0, ks
+    fresh = steady(Feed(AdaptiveK()), 62, accept=0.01, draft_s=0.03)
+    assert fresh[0] > 0 and sum(k > 0 for k in fresh[10:]) >= 2, fresh
+    agreeable = for_drafter(AdaptiveK(), block=0, agreement=0.8)
+    assert steady(Feed(agreeable), 1, accept=0.8) == [2]
+    learned = AdaptiveK()
+    steady(Feed(learned), 3, accept=0.8)
+    before = list(learned.accept.first)
+    learned.expect(0.0, 16)
+    assert learned.accept.first == before and learned._wait < 8 * learned.reprobe_every
+
+
 def test_chooser_learns_from_rounds():
     chooser = AdaptiveK(k_max=8)
     feed = Feed(chooser)

@@ -165,6 +165,20 @@ def test_auto_picks_one_of_the_quarter_exits():
     target = make_tiny(5, layers=8, sharpen=3.0)
     spec = choose_exit(target, PROMPT * 3)
     assert spec.exit in (2, 4, 6)
+    assert 0.0 <= spec.agreement <= 1.0 and spec == SelfSpec(exit=spec.exit)
+
+
+def test_an_exit_measured_not_to_agree_never_drafts_and_stays_exact():
+    """Auto's measured agreement reaches the chooser (choosers.for_drafter): an exit that
+    agreed with the target on none of auto's passage drafts nothing in a short generation
+    (a chooser told nothing drafts its first round), and the output is the target's."""
+    target = make_tiny(5, layers=8)
+    plain = [e.token for e in generate(target, None, PROMPT, k=0, max_tokens=24)]
+    for agreement, drafts in ((0.0, False), (None, True)):
+        draft, stats = SelfDraft(target, SelfSpec(exit=2, agreement=agreement)), Stats()
+        out = generate(target, draft, PROMPT, k="auto", max_tokens=24, stats=stats)
+        assert [e.token for e in out] == plain
+        assert (stats.drafted > 0) == drafts, (agreement, stats.drafted)
 
 
 # ------------------------------------------------------------------------------ the CLI
@@ -208,8 +222,20 @@ def test_auto_keeps_its_choice(tiny_target, specmlx_home):
         app, ["run", "--target", str(tiny_target), "--draft", "self", "-n", "8", "def f"]
     )
     assert out.exit_code == 0, out.output
-    kept = json.loads((specmlx_home / "self_exits.json").read_text())
-    assert list(kept.values())[0] in (1, 2, 3)
+    path = specmlx_home / "self_exits.json"
+    (entry,) = json.loads(path.read_text()).values()
+    assert entry["exit"] in (1, 2, 3) and 0.0 <= entry["agreement"] <= 1.0, entry
+    again = runner.invoke(
+        app, ["run", "--target", str(tiny_target), "--draft", "self", "-n", "8", "def f"]
+    )
+    assert again.exit_code == 0 and "choosing" not in again.stderr, again.output
+    # an older file's bare exit number is measured again, and kept in today's form
+    path.write_text(json.dumps({key: entry["exit"] for key in json.loads(path.read_text())}))
+    old = runner.invoke(
+        app, ["run", "--target", str(tiny_target), "--draft", "self", "-n", "8", "def f"]
+    )
+    assert old.exit_code == 0 and "choosing" in old.stderr, old.output
+    assert list(json.loads(path.read_text()).values()) == [entry]
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,7 @@ from ..core.stats import Stats, TokenEvent
 from ..core.tree_pass import tree_refusal
 from ..core.vocab import draft_ids, logit_width
 from ..drafting.adaptive import AdaptiveK
-from ..drafting.choosers import make_chooser
+from ..drafting.choosers import for_drafter, make_chooser
 from ..drafting.drafters import ModelDrafter
 from ..drafting.lookahead import LookaheadRows, LookaheadSize
 from ..drafting.lookup import Lookup
@@ -102,7 +102,10 @@ def generate_tokens(
     parts = parts if parts is not None else Parts()
     prompt = token_ids(prompt_ids)
     head = reads_hidden(draft)
-    next_k = parts.chooser if parts.chooser is not None else make_chooser(decode.k)
+    next_k = parts.chooser
+    if next_k is None:  # a fresh one, set for the drafter as the session sets the store's
+        block, agreement = getattr(draft, "block_size", 0) or 0, getattr(draft, "agreement", None)
+        next_k = for_drafter(make_chooser(decode.k), block, agreement)
     if isinstance(next_k, AdaptiveK):
         next_k.widen = None  # (set again below where this generation branches)
     if decode.draft_stop and (head or draft is None or not next_k.plans):

@@ -84,7 +84,8 @@ class Parts:
         prompt is prefilled) and that hold the context afterwards; fresh ones if None.
     stats: updated live (a fresh one if None).
     chooser: picks k each round (a stats.KChooser, such as one kept across generations by
-        choosers.ChooserStore); None: a fresh one for Decode.k (choosers.make_chooser).
+        choosers.ChooserStore); None: a fresh one for Decode.k (choosers.make_chooser), set
+        for the drafter (choosers.for_drafter).
     lookup_memory: with lookup, also propose from these earlier outputs; this generation's
         output is added to it at the end (lookup.LookupMemory; None: the context only).
     lockstep: called with each round's new tokens before they are yielded; it may raise to

@@ -266,7 +266,11 @@ class AdaptiveK(KChooser):
                             lookup=last.lookup, nodes=last.k)  # fmt: skip
             self.accept.observe(last.confidences[: last.k], last.accepted)
         if self.cost.level is None:
-            return min(2, self.k_max)  # measure something first
+            # measure something first: draft, unless even drafts that cost nothing lose to a
+            # plain step at the hopeful a (a prior measured before any round, ``expect``,
+            # can say so), judged in units of a one-token pass; the plain round then times
+            untimed = replace(self.cost, level=1.0)
+            return min(2, self.k_max) if self.best_now(untimed) else 0
         if self.cost.t_plain is None:
             return 0  # then what it must beat
         # once it has stopped, only a probe restarts drafting: plain rounds alone make the
@@ -290,23 +294,39 @@ class AdaptiveK(KChooser):
         stopped and the probe is not due): the engine then queues the next plain pass early."""
         return 0 < self._zeros < max(self._wait, self.reprobe_every)
 
-    def best_now(self) -> int:
+    def expect(self, a: float, trials: float) -> None:
+        """Start from an acceptance measured before any round (self-drafting's exit agreement
+        on auto's passage): the first position's estimate becomes ``trials`` trials of ``a``,
+        where nothing was learned yet (a chooser the store resumed keeps what it learned).
+        Fewer than one expected acceptance in them: probes back off fully from the start, as
+        after a run of probes that scored nothing (what more probes of such a drafter learn
+        is mostly that it still does not pay)."""
+        if self.cost.level is not None or self._drafting_rounds:
+            return
+        self.accept.first = [a * trials, trials]
+        if a * trials < 1:
+            self._wait = 8 * self.reprobe_every
+
+    def best_now(self, cost: CostCurve | None = None) -> int:
         """The k the estimates favour now, before probing and neighbour exploration: the best
         on the point estimate of a, or 0 when even a, ``explore`` standard errors up, says a
-        plain step yields more tokens per second."""
-        td, curve, later = self.cost.t_draft or 0.0, self.pass_curve(), self.accept.later_rate
+        plain step yields more tokens per second. cost: what rounds cost (default: ``cost``;
+        the first round's choice passes an untimed one in units of a pass)."""
+        cost = cost or self.cost
+        td, later = cost.t_draft or 0.0, self.accept.later_rate
+        curve = cost.curve(max(self.k_max, self.lookup_max))
         k = best_k(self.accept.first_rate, td, curve, self.k_max, k_min=1, a_later=later,
                    block=self.block)  # fmt: skip
         extra = 0.0, 0
         if self.widen is not None:  # with side leaves a k may pay that alone would not
-            curve = self.cost.curve(TREE_MAX)  # (a tree's nodes, its chain's too, <= TREE_MAX)
+            curve = cost.curve(TREE_MAX)  # (a tree's nodes, its chain's too, <= TREE_MAX)
             k, extra = self._widest(td, curve, later)
         hopeful = self.accept.optimistic(self.explore)
         tokens = expected_tokens(hopeful, k, later) + extra[0]
         rate = tokens / (
             draft_seconds(k, td, self.block) + curve[min(k + extra[1], len(curve) - 1)]
         )
-        return k if rate > 1.0 / self.cost.plain_seconds() else 0
+        return k if rate > 1.0 / cost.plain_seconds() else 0
 
     def _widest(self, td: float, curve: list[float], later: float) -> tuple[int, tuple]:
         """The k >= 1 whose chain and side leaves (``widen``) yield the most tokens a second

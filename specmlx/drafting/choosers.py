@@ -103,12 +103,21 @@ def make_chooser(k: K) -> KChooser:
     return AdaptiveK() if k.auto else FixedK(k.fixed)
 
 
-def for_drafter(chooser: KChooser, block: int) -> KChooser:
+# what a drafter's agreement measured before any round is worth in trials (AdaptiveK.expect):
+# self-drafting's auto measures it over a 256-token passage of other text than the prompt's
+PRIOR_TRIALS = 16
+
+
+def for_drafter(chooser: KChooser, block: int, agreement: float | None = None) -> KChooser:
     """``chooser`` set for its drafter: an adaptive one over a block drafter (``block`` > 0,
     its block size) charges a round's drafting once, whatever k, and may draft up to
-    block - 1 (AdaptiveK.block); anything else is left as it is."""
+    block - 1 (AdaptiveK.block); one over a drafter whose greedy ``agreement`` with the
+    target was measured (self-drafting's auto exit) starts from it, worth PRIOR_TRIALS
+    trials, where it has learned nothing yet; anything else is left as it is."""
     if isinstance(chooser, AdaptiveK) and block > 0:
         chooser.block, chooser.k_max = True, block - 1
+    if isinstance(chooser, AdaptiveK) and agreement is not None:
+        chooser.expect(agreement, PRIOR_TRIALS)
     return chooser
 
 

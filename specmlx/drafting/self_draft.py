@@ -24,7 +24,7 @@ layers with windows or recurrent state, it keeps caches of its own.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -60,10 +60,13 @@ tokens ahead, and the large model checks all of the guesses in one pass.
 @dataclass(frozen=True)
 class SelfSpec:
     """What ``--draft self...`` asks for: an exit after ``exit`` layers, or the target with
-    ``skip`` left out; neither: auto (choose_exit)."""
+    ``skip`` left out; neither: auto (choose_exit). ``agreement``: the exit's greedy
+    agreement with the target where auto measured it (None: not measured); the k chooser
+    starts from it (AdaptiveK.expect)."""
 
     exit: int | None = None
     skip: tuple[int, ...] = ()
+    agreement: float | None = field(default=None, compare=False)
 
     @property
     def auto(self) -> bool:
@@ -276,6 +279,12 @@ class SelfDraft(nn.Module):
     def layers(self) -> list:
         return self.run_layers
 
+    @property
+    def agreement(self) -> float | None:
+        """Its greedy agreement with the target as auto measured it (None: not measured):
+        what the k chooser starts from (choosers.for_drafter)."""
+        return self.spec.agreement
+
     def make_cache(self) -> list:
         """The caches of the layers it runs, as the target makes them."""
         full = _fresh(self._target, layer_list(self._target))
@@ -398,7 +407,8 @@ def choose_exit(target: nn.Module, prompt: Sequence[int]) -> SelfSpec:
     (1 - a^(k+1)) / (1 - a) tokens a round at 1 + k·E/L target steps. (Whether any exit pays
     at all is -k auto's to find, round by round.)
 
-    target: the target model; prompt: token ids (its tail, at most 256, is read)."""
+    target: the target model; prompt: token ids (its tail, at most 256, is read). The spec
+    carries its exit's measured agreement."""
     depth = len(layer_list(target))
     tokens = mx.array(list(prompt)[-256:], dtype=mx.uint32)[None]  # (1, T)
     want = mx.argmax(target(tokens), axis=-1)  # (1, T)
@@ -409,5 +419,5 @@ def choose_exit(target: nn.Module, prompt: Sequence[int]) -> SelfSpec:
         a = min((guess == want).astype(mx.float32).mean().item(), 0.99)
         value = max((1 - a ** (k + 1)) / (1 - a) / (1 + k * e / depth) for k in range(1, 9))
         if value > score:
-            best, score = SelfSpec(exit=e), value
+            best, score = SelfSpec(exit=e, agreement=a), value
     return best

@@ -349,18 +349,21 @@ def load_self(target: Loaded, name: str, progress: Progress | None = None) -> Lo
 
 
 def kept_exit(target: Loaded, progress: Progress | None = None) -> SelfSpec:
-    """Auto's exit for ``target``: the one kept under $SPECMLX_HOME for its identity, else
-    measured on a fixed passage (self_draft.choose_exit) and kept (best-effort: a read-only
-    home measures it again next time)."""
+    """Auto's exit for ``target``, with its measured agreement: the one kept under
+    $SPECMLX_HOME for its identity, else measured on a fixed passage (self_draft.choose_exit)
+    and kept (best-effort: a read-only home measures it again next time)."""
     path = specmlx_home() / "self_exits.json"
     kept = load_json(path) or {}
-    exit_ = kept.get(target.identity)
+    entry = kept.get(target.identity)
     depth = len(layer_list(target.model))
-    if isinstance(exit_, int) and 1 <= exit_ < depth:
-        return SelfSpec(exit=exit_)
+    # {"exit": E, "agreement": a}; anything else (an older file's bare exit) is measured again
+    if isinstance(entry, dict):
+        exit_, a = entry.get("exit"), entry.get("agreement")
+        if isinstance(exit_, int) and 1 <= exit_ < depth and isinstance(a, float) and 0 <= a <= 1:
+            return SelfSpec(exit=exit_, agreement=a)
     say(progress, f"choosing {target.spec.alias}'s exit layer for self-drafting")
     spec = choose_exit(target.model, target.tokenizer.encode(PROBE_TEXT))
-    kept[target.identity] = spec.exit
+    kept[target.identity] = {"exit": spec.exit, "agreement": spec.agreement}
     save_json(path, kept)
     return spec
 
