@@ -114,19 +114,20 @@ def test_an_exit_is_the_first_layers_then_the_head():
     assert mx.allclose(got, want, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "gemma3_text"])
 @pytest.mark.parametrize("exit_", [1, 3])
 def test_the_exit_shares_the_targets_caches(family, exit_):
     """A lone generation's exit drafts over the target's own caches (SharedExit): it keeps
     none of its own, and afterwards the target's caches hold what a plain generation's hold
-    for the same tokens (within float32 tolerance: the verify pass is split at the exit)."""
+    for the same tokens (within float32 tolerance: the verify pass is split at the exit).
+    gemma3_text's sliding windows (8 wide here) slide many times over the 50 tokens."""
     target = build(family, 4, 1, scale=3.0)
     plain_kv, kv, stats = KVState(), KVState(), Stats()
     plain = [e.token for e in generate(target, None, PROMPT, max_tokens=30, kv=plain_kv)]
     draft = SelfDraft(target, SelfSpec(exit=exit_))
     assert shares_caches(draft)
     out = [e.token for e in generate(target, draft, PROMPT, k=3, max_tokens=30, kv=kv, stats=stats)]
-    assert out == plain and stats.drafted > 0
+    assert out == plain and stats.drafted > stats.accepted > 0  # (rollbacks happened)
     assert kv.draft is None and "draft" not in stats.caches  # nothing of its own
     assert kv.tokens == plain_kv.tokens
     for mine, theirs in zip(kv.target, plain_kv.target, strict=True):
@@ -148,8 +149,8 @@ def test_the_exit_shares_the_targets_caches(family, exit_):
     assert got == want
 
 
-def test_an_exit_over_windows_or_recurrent_layers_keeps_its_own_caches():
-    for family in ("gemma3_text", "qwen3_next"):
+def test_an_exit_over_recurrent_layers_keeps_its_own_caches():
+    for family in ("qwen3_next", "mamba2"):
         target = build(family, 4, 1)
         assert not shares_caches(SelfDraft(target, SelfSpec(exit=2)))
 

@@ -365,15 +365,24 @@ class SharedExit:
         self.waiting = []
 
 
+# the layer caches an exit may share (as mlx-lm makes them): full attention, and sliding
+# windows, which a lone generation keeps as core.caches.WindowKVCache: it gives back up to
+# ROLLBACK_SLACK of its newest keys however many passes wrote them, so the draft's one-token
+# steps and the verify pass's last token go back together like one pass's. A recurrent
+# state cannot: its rollback replays the verify pass it recorded, and the draft's steps
+# would be left in it.
+_SHAREABLE = ("KVCache", "RotatingKVCache")
+
+
 def shares_caches(draft) -> bool:
     """Whether ``draft`` is an exit that drafts over the target's own caches for a lone
-    generation (SharedExit): its first E layers keep full attention (a window or a recurrent
-    state below E would need the draft's writes rolled back apart).
+    generation (SharedExit): its first E layers keep full attention or sliding windows
+    (_SHAREABLE; a recurrent state below E keeps caches of its own).
 
     draft: the draft model (anything: only a SelfDraft's exit shares)."""
     if not isinstance(draft, SelfDraft) or draft.spec.exit is None:
         return False
-    return all(kind[0] == "KVCache" for kind in draft.kinds[: draft.spec.exit])
+    return all(kind[0] in _SHAREABLE for kind in draft.kinds[: draft.spec.exit])
 
 
 def _fresh(target: nn.Module, layers: list) -> list:
