@@ -411,6 +411,34 @@ def test_corrupt_and_unsupported_gguf(registry, tmp_path):
     one_line_error(run("run", "--target", str(bad), "--draft", "none", "x"), 1, "type 99")
 
 
+def test_a_gguf_without_a_chat_template_takes_one_from_models_toml(registry, tmp_path):
+    """--chat on a GGUF with no template is one line and exit 2; models.toml's chat_template
+    (a Jinja file) serves it; a template that does not render is one line at load."""
+    from helpers import build_tiny_gguf, write_gguf
+
+    _, _, meta, tensors = build_tiny_gguf(tmp_path)
+    meta = {k: v for k, v in meta.items() if k != "tokenizer.chat_template"}
+    path = write_gguf(tmp_path / "bare.gguf", meta, tensors)
+    good, bad = tmp_path / "chat.jinja", tmp_path / "bad.jinja"
+    good.write_text(
+        "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    bad.write_text("{{ messages[0]['content'] | no_such_filter }}")
+    toml = registry / "models.toml"
+    toml.write_text(
+        toml.read_text()
+        + f'[models.g]\nsource = "gguf:{path}"\n'
+        + f'[models.g-chat]\nsource = "gguf:{path}"\nchat_template = "{good}"\n'
+        + f'[models.g-bad]\nsource = "gguf:{path}"\nchat_template = "{bad}"\n'
+    )
+    one_line_error(run("run", "-t", "g", "-d", "none", "--chat", "hi"), 2, "no chat template")
+    ok = run("run", "-t", "g-chat", "-d", "none", "--chat", "-n", "3", "--json", "hi")
+    assert ok.exit_code == 0, ok.stderr
+    assert json.loads(ok.stdout)["stats"]["prompt_tokens"] > 1
+    one_line_error(run("run", "-t", "g-bad", "-d", "none", "x"), 1, "does not render", "bad.jinja")
+
+
 @pytest.mark.parametrize("prompt", ["-- top customers by revenue", "-1 + 2", "--\n-- a diff"])
 def test_a_prompt_that_starts_with_a_dash(registry, prompt):
     """An SQL comment or a diff hunk is a prompt, not an option: the error says how to pass

@@ -226,6 +226,37 @@ def test_a_gguf_is_requantized_at_load_once(tiny_gguf, specmlx_home, monkeypatch
     assert cached_quantized(spec) == quantized_dir(spec)
 
 
+GEMMA_LIKE = (
+    "{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def test_a_chat_template_file_serves_a_gguf_that_has_none(tiny_gguf, tmp_path):
+    """models.toml's chat_template (a Jinja file) gives a tokenizer without a template one;
+    a file that cannot be read or rendered is one line naming it, at load."""
+    own, _, meta, tensors = tiny_gguf
+    meta = {k: v for k, v in meta.items() if k != "tokenizer.chat_template"}
+    path = write_gguf(tmp_path / "bare.gguf", meta, tensors)
+    assert not getattr(load_model(gguf_spec(path)).tokenizer, "chat_template", None)
+    template = tmp_path / "gemma.jinja"
+    template.write_text(GEMMA_LIKE)
+    # a GGUF that has a template keeps it
+    kept = load_model(gguf_spec(own, chat_template=str(template))).tokenizer
+    assert "start_of_turn" not in kept.chat_template
+    tok = load_model(gguf_spec(path, chat_template=str(template))).tokenizer
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}")
+    for file, words in ((tmp_path / "none.jinja", "cannot read"), (bad, "does not render")):
+        with pytest.raises(ModelLoadError, match=words) as e:
+            load_model(gguf_spec(path, chat_template=str(file)))
+        assert str(file) in str(e.value) and "\n" not in str(e.value)
+
+
 def test_gguf_header_reader(tiny_gguf):
     path, _, meta, tensors = tiny_gguf
     got_meta, got_tensors = read_gguf_header(path)

@@ -31,7 +31,7 @@ from ..drafting.self_draft import (
     parse_self,
 )
 from ..errors import BadInput, IncompatiblePair, ModelLoadError
-from ..paths import load_json, save_json, specmlx_home
+from ..paths import expand_path, load_json, save_json, specmlx_home
 from .footprint import kv_bytes, plan_memory, require_fit
 from .gguf import load_gguf, read_gguf_header
 from .gguf_tokenizer import gguf_tokenizer
@@ -178,6 +178,8 @@ def load_model(
             # saved one as another class: Qwen2's, with its own pre-tokenizer)
             src = fetch(spec, progress=progress)
             tokenizer = gguf_tokenizer(read_gguf_header(src)[0], src)
+    if spec.chat_template:
+        _give_chat_template(tokenizer, spec)
     if shards > 1:
         model.shard(group)  # before any weight is evaluated: each rank reads its share
     _set_dtype(model, dtype)
@@ -189,6 +191,32 @@ def load_model(
     vocab = getattr(args, "vocab_size", None) or config.get("vocab_size") or text.get("vocab_size")
     seconds = time.perf_counter() - start
     return Loaded(model, tokenizer, spec, config, seconds, nbytes, vocab, identity)
+
+
+def _give_chat_template(tokenizer: TokenizerWrapper, spec: ModelSpec) -> None:
+    """The spec's chat_template file as the tokenizer's template, where it has none (a GGUF
+    that carries no tokenizer.chat_template); one that has its own keeps it. ModelLoadError
+    naming the file where it cannot be read."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # (the wrapper reads the HF tokenizer's)
+    if getattr(hf, "chat_template", None):
+        return
+    path = expand_path(spec.chat_template)
+    try:
+        hf.chat_template = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(
+            f"{spec.alias}: cannot read its chat_template {path}: {e.strerror or e}"
+        ) from None
+    try:  # a template that does not render fails here, in one line, not at the first request
+        hf.apply_chat_template(
+            [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=False
+        )
+    except Exception as e:  # jinja2's errors, and whatever the template raises
+        hf.chat_template = None
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise ModelLoadError(
+            f"{spec.alias}: its chat_template {path} does not render: {why}"
+        ) from None
 
 
 def _family(tokenizer) -> str:

@@ -88,6 +88,7 @@ class _ModelTable(_Table):  # [models.ALIAS]; "expected one of" lists the keys i
     context: PositiveInt | None = None
     label: str = ""
     build: Literal[BUILDS] | None = None
+    chat_template: str | None = None
 
 
 class _PairTable(_Table):  # [pairs.NAME]
@@ -149,6 +150,9 @@ class ModelSpec:
     context: int | None = None
     label: str = ""
     build: str | None = None  # the builder that makes it: `specmlx models build NAME`
+    # a Jinja chat template file for a tokenizer that has none (a GGUF without
+    # tokenizer.chat_template), as llama.cpp's --chat-template-file; it replaces none
+    chat_template: str | None = None
 
     @property
     def source(self) -> str:
