@@ -184,7 +184,7 @@ PAIR = '[models.a]\nsource = "hf:a/b"\n\n[pairs.p]\ntarget = "a"\ndraft = "a"\n'
             '[models.a]\nsource = "hf:a/b"\n\nlabels = "x"\n',
             4,
             "unknown key 'labels' in [models.a] (expected one of: source, dtype, quantize, "
-            "keep_quantized, context, label, build)",
+            "keep_quantized, context, label, build, chat_template)",
         ),
         (  # strict types: a quoted number is not an int, 1 is not a bool
             '[models.a]\nsource = "hf:a/b"\ncontext = "4096"\n',
