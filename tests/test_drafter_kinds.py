@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from families import build
+from families import build, noisy_copy
 from helpers import RowsTableLM, TableLM, distill_data, generate, make_tiny
 from kit_distribution import (
     JOINT_PROMPT,
@@ -231,6 +231,15 @@ def _dflash_tree(tmp: Path) -> Pair:
     return dataclasses.replace(_dflash(tmp), tree=6)
 
 
+def _window_tree(_tmp: Path) -> Pair:
+    """A sliding-window target (gemma3_text, window 8) and its noisy copy, drafting over its
+    own cursor (a window has no batch kind) with side leaves, after a prompt longer than the
+    window: the tree pass masks each node to its own window."""
+    target = build("gemma3_text", 3, 11, vocab=JV)
+    draft = noisy_copy("gemma3_text", 3, 11, noise=0.6, vocab=JV)
+    return Pair(target, draft, [3, 1, 4, 1, 5, 6, 2, 6, 5, 3], tree=6)
+
+
 def _batch_rows(_tmp: Path) -> Pair:
     """The draft model's tables in models that read each row of a batch at its own length."""
     return Pair(*_noisy_tables(RowsTableLM), JOINT_PROMPT, batched=True)
@@ -269,6 +278,7 @@ KINDS = {
     "siblings": Kind(_siblings, 4_000, 1_000, 0.02),
     "eagle3-tree": Kind(_eagle3_tree, 3_000, 600, 0.01),
     "dflash-tree": Kind(_dflash_tree, 3_000, 800, 0.01),
+    "window-tree": Kind(_window_tree, 2_000, 600, 0.02),
 }
 # (kind, rule): both rules for the draft model and the batch, one for each other kind
 RULED = [
@@ -277,7 +287,7 @@ RULED = [
     ("distilled", "block"), ("self-draft", "block"), ("batch-rows", "token"),
     ("batch-rows", "block"), ("tree", "token"), ("medusa", "token"),
     ("eagle3-tree", "token"), ("dflash-tree", "token"), ("siblings", "token"),
-    ("suffix-tree", "token"), ("lookahead", "block"),
+    ("suffix-tree", "token"), ("lookahead", "block"), ("window-tree", "token"),
 ]  # fmt: skip
 OUTCOMES = {"token": sampled_outcome, "block": block_outcome}
 

@@ -128,14 +128,26 @@ def test_auto_keeps_the_window_within_the_pass_cost(target):
 def test_a_target_that_cannot_verify_a_tree(target):
     from families import build
 
-    window = build("llama_swa", 2, 0, vocab=32)
+    recurrent = build("qwen3_next", 2, 0, vocab=32)
     with pytest.raises(BadInput, match="lookahead:w=2,n=3,g=2: the target cannot verify a tree"):
-        list(generate(window, None, [3, 4, 3], lookup=True, lookup_by="lookahead:w=2,n=3,g=2"))
+        list(generate(recurrent, None, [3, 4, 3], lookup=True, lookup_by="lookahead:w=2,n=3,g=2"))
     stats = Stats()
-    out = [e.token for e in generate(window, None, [3, 4, 3], lookup=True, max_tokens=12,
+    out = [e.token for e in generate(recurrent, None, [3, 4, 3], lookup=True, max_tokens=12,
                                      lookup_by="lookahead", stats=stats)]  # fmt: skip
-    assert out == [e.token for e in generate(window, None, [3, 4, 3], k=0, max_tokens=12)]
+    assert out == [e.token for e in generate(recurrent, None, [3, 4, 3], k=0, max_tokens=12)]
     assert "lookahead needs a tree the target cannot verify" in stats.tree_off
+
+
+def test_a_sliding_window_target_verifies_the_window(target):
+    """Window layers (llama_swa, window 8) take the tree pass: 30 tokens, the same as plain."""
+    from families import build
+
+    window = build("llama_swa", 2, 0, vocab=32)
+    stats = Stats()
+    out = [e.token for e in generate(window, None, [3, 4, 3], lookup=True, max_tokens=30,
+                                     lookup_by="lookahead:w=2,n=3,g=2", stats=stats)]  # fmt: skip
+    assert out == [e.token for e in generate(window, None, [3, 4, 3], k=0, max_tokens=30)]
+    assert stats.tree_rounds > 0 and not stats.tree_off, stats
 
 
 def test_run_and_serve_with_lookahead(tmp_path, specmlx_home, monkeypatch):

@@ -39,27 +39,42 @@ def _llama(scaling):
     return model
 
 
+WINDOWED = ["llama_swa", "gemma3_text", "gpt_oss", "cohere2", "olmo3", "ministral3", "exaone4",
+            "gemma4_text"]  # fmt: skip
+LONG = PREFIX * 3  # 21 tokens: past the families' window of 8, so each layer's window cuts
+
+
 def _plain_last(model, tokens):
     cache = make_caches(model)
     return model(mx.array([tokens]), cache=cache)[0, -1]
 
 
-def _filled(model):
+def _filled(model, prefix=PREFIX, steps=1):
+    """Caches holding ``prefix``, fed in ``steps`` passes (several: a window's buffer moves)."""
     cache = make_caches(model)
-    model(mx.array([PREFIX]), cache=cache)
+    cut = [len(prefix) * i // steps for i in range(steps + 1)]
+    for a, b in zip(cut, cut[1:], strict=False):
+        model(mx.array([prefix[a:b]]), cache=cache)
     return cache
 
 
-@pytest.mark.parametrize("model", [*(f"llama-{s}" for s in SCALINGS), "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "model", [*(f"llama-{s}" for s in SCALINGS), "qwen3", "qwen3_moe", *WINDOWED]
+)
 def test_each_node_sees_its_path(model):
-    target = _llama(SCALINGS[model[6:]]) if model.startswith("llama") else build(model, 2, 1)
-    cache = _filled(target)
-    logits = tree_logits(target, cache, mx.array(TOKENS, dtype=mx.uint32), TREE)
-    assert logits.shape[0] == TREE.size + 1
-    for node in range(TREE.size + 1):
-        path = [TOKENS[0]] + [TOKENS[j] for j in TREE.path(node)]
-        want = _plain_last(target, PREFIX + path)
-        assert mx.allclose(logits[node], want, atol=1e-4), (model, node)
+    if model.startswith("llama-"):
+        target, prefixes = _llama(SCALINGS[model[6:]]), [(PREFIX, 1)]
+    else:  # windows: a prefix inside one window, and past it fed in one pass or in five
+        target = build(model, 4 if model in WINDOWED else 2, 1)
+        prefixes = [(PREFIX, 1), (LONG, 1), (LONG, 5)] if model in WINDOWED else [(PREFIX, 1)]
+    for prefix, steps in prefixes:
+        cache = _filled(target, prefix, steps)
+        logits = tree_logits(target, cache, mx.array(TOKENS, dtype=mx.uint32), TREE)
+        assert logits.shape[0] == TREE.size + 1
+        for node in range(TREE.size + 1):
+            path = [TOKENS[0]] + [TOKENS[j] for j in TREE.path(node)]
+            want = _plain_last(target, prefix + path)
+            assert mx.allclose(logits[node], want, atol=1e-4), (model, len(prefix), node)
 
 
 def test_a_chain_pass_is_a_plain_pass():
@@ -71,30 +86,34 @@ def test_a_chain_pass_is_a_plain_pass():
     assert mx.allclose(got, want, atol=1e-5)
 
 
-def test_the_kept_path_continues_as_a_prefix():
-    """Keep root -> 1 -> 3 -> 6 of the tree: a plain pass after it equals one over the
-    prefix and that path; the control (the entries left in pass order) does not."""
-    target = make_tiny(3)
+@pytest.mark.parametrize("family", ["tiny", "llama_swa", "gemma3_text"])
+def test_the_kept_path_continues_as_a_prefix(family):
+    """Keep root -> 1 -> 3 -> 6 of the tree: plain passes after it equal ones over the
+    prefix and that path (windows: 12 more tokens, so the kept keys leave the window in
+    turn); the control (the entries left in pass order) does not."""
+    target = make_tiny(3) if family == "tiny" else build(family, 4, 3)
+    prefix = PREFIX if family == "tiny" else LONG
     path = [0, 1, 3, 6]
     kept = [TOKENS[j] for j in path]
-    want = _plain_last(target, PREFIX + kept + [12])
+    after = [12, 3, 7, 1, 9, 4, 4, 2, 8, 6, 5, 10]
+    want = target(mx.array([prefix + kept + after]), cache=make_caches(target))[0, -len(after) :]
     for compact in (True, False):
-        cache = _filled(target)
+        cache = _filled(target, prefix)
         tree_logits(target, cache, mx.array(TOKENS, dtype=mx.uint32), TREE)
         if compact:
-            keep_path(cache, len(PREFIX), path)
+            keep_path(cache, len(prefix), path)
         else:  # the wrong way: keep the first len(path) entries as the pass left them
             for c in cache:
-                c.offset = len(PREFIX) + len(path)
-        got = target(mx.array([[12]]), cache=cache)[0, -1]
-        assert mx.allclose(got, want, atol=1e-4) == compact
+                c.offset = len(prefix) + len(path)
+        got = mx.concatenate([target(mx.array([[t]]), cache=cache)[0] for t in after])
+        assert mx.allclose(got, want, atol=1e-4).item() == compact, (family, compact)
 
 
-@pytest.mark.parametrize("family", ["llama_swa", "gemma3_text", "qwen3_next", "mamba2"])
-def test_windows_and_recurrent_layers_are_refused_by_name(family):
+@pytest.mark.parametrize("family", ["qwen3_next", "mamba2"])
+def test_recurrent_layers_are_refused_by_name(family):
     target = build(family, 2, 1)
     why = tree_refusal(target, make_caches(target))
-    assert why and ("WindowKVCache" in why or "ArraysCache" in why or "Rotating" in why), why
+    assert why and "ArraysCache" in why, why
     with pytest.raises(ValueError, match="tree pass"):
         tree_logits(target, make_caches(target), mx.array(TOKENS, dtype=mx.uint32), TREE)
 
@@ -109,7 +128,7 @@ def test_the_node_test_fails_without_either_seam(wrong, monkeypatch):
         monkeypatch.setattr(tree_pass, "_ropes", lambda model: [])
         monkeypatch.setattr(tree_pass, "tree_refusal", lambda model, cache: None)
     else:
-        monkeypatch.setattr(tree_pass, "tree_mask", lambda tree, prefix: "causal")
+        monkeypatch.setattr(tree_pass, "tree_mask", lambda tree, prefix, window=None: "causal")
     target = make_tiny(4)
     logits = tree_logits(target, _filled(target), mx.array(TOKENS, dtype=mx.uint32), TREE)
     off = [
@@ -121,3 +140,25 @@ def test_the_node_test_fails_without_either_seam(wrong, monkeypatch):
         for node in range(TREE.size + 1)
     ]
     assert any(off), wrong
+
+
+def test_the_node_test_fails_when_a_window_is_not_applied(monkeypatch):
+    """The control for windows: a mask that lets each node see every key its layer gets
+    (the last window - 1 before the pass, then the pass) puts old keys in deep nodes' view."""
+    import specmlx.core.tree_pass as tree_pass
+
+    full = tree_pass.tree_mask
+    monkeypatch.setattr(
+        tree_pass, "tree_mask", lambda tree, prefix, window=None: full(tree, prefix)
+    )
+    target = build("gemma3_text", 4, 1)
+    logits = tree_logits(target, _filled(target, LONG), mx.array(TOKENS, dtype=mx.uint32), TREE)
+    off = [
+        not mx.allclose(
+            logits[node],
+            _plain_last(target, LONG + [TOKENS[0]] + [TOKENS[j] for j in TREE.path(node)]),
+            atol=1e-4,
+        ).item()
+        for node in range(TREE.size + 1)
+    ]
+    assert any(off) and not off[0], off

@@ -7,7 +7,7 @@ of test_drafter_kinds.py."""
 
 import mlx.core as mx
 import pytest
-from families import build
+from families import build, noisy_copy
 from helpers import generate, make_tiny, syncs_per_round
 from typer.testing import CliRunner
 
@@ -113,20 +113,42 @@ def test_the_targets_caches_after_a_tree_generation_are_a_plain_ones(pair):
         assert mx.allclose(a.values[..., :n, :], b.values[..., :n, :], atol=1e-4).item()
 
 
+@pytest.mark.parametrize("family", ["llama_swa", "gemma3_text"])
+def test_trees_over_sliding_windows_keep_the_targets_tokens_and_caches(family):
+    """A window of 8 and 40 tokens: kept paths leave the window in turn. Greedy output and
+    the window caches' last keys equal a plain generation's."""
+    target = build(family, 4, 2, scale=2.0, vocab=32)
+    draft = noisy_copy(family, 4, 2, noise=0.5, scale=2.0, vocab=32)
+    spec_kv, plain_kv, stats = KVState(), KVState(), Stats()
+    out = [e.token for e in generate(target, draft, PROMPT, k=3, max_tokens=40, tree=10,
+                                     kv=spec_kv, stats=stats)]  # fmt: skip
+    plain = [e.token for e in generate(target, None, PROMPT, k=0, max_tokens=40, kv=plain_kv)]
+    assert out == plain and stats.tree_rounds > 0 and sum(stats.rank_kept) > 0, stats
+    assert 0 < stats.accepted < stats.drafted, stats
+    n = len(plain_kv.tokens)
+    for a, b in zip(spec_kv.target, plain_kv.target, strict=True):
+        assert a.offset == b.offset == n
+        lo = max(getattr(a, "start", 0), getattr(b, "start", 0), n - 7)  # what a window keeps
+        for x, y in ((a.keys, b.keys), (a.values, b.values)):
+            got = x[..., lo - getattr(a, "start", 0) : n - getattr(a, "start", 0), :]
+            want = y[..., lo - getattr(b, "start", 0) : n - getattr(b, "start", 0), :]
+            assert mx.allclose(got, want, atol=1e-4).item(), (type(a).__name__, lo, n)
+
+
 def test_a_fixed_size_is_refused_by_name_where_no_tree_can_be_verified(pair):
     target, draft = pair
     with pytest.raises(BadInput, match="n-gram lookup cannot branch"):
         list(generate(target, None, PROMPT, lookup=True, lookup_by="ngram", tree=4))
     with pytest.raises(BadInput, match="nothing drafts cannot branch"):
         list(generate(target, None, PROMPT, k=0, tree=4))
-    window = build("llama_swa", 2, 0, vocab=32)
+    recurrent = build("qwen3_next", 2, 0, vocab=32)
     with pytest.raises(BadInput, match="the target cannot verify a tree: its layers keep"):
-        list(generate(window, draft, PROMPT, tree=4))
+        list(generate(recurrent, draft, PROMPT, tree=4))
     # auto: chains there, the same tokens
     stats = Stats()
-    auto = [e.token for e in generate(window, draft, PROMPT, max_tokens=12, tree="auto",
+    auto = [e.token for e in generate(recurrent, draft, PROMPT, max_tokens=12, tree="auto",
                                       stats=stats)]  # fmt: skip
-    assert auto == [e.token for e in generate(window, None, PROMPT, k=0, max_tokens=12)]
+    assert auto == [e.token for e in generate(recurrent, None, PROMPT, k=0, max_tokens=12)]
     assert stats.tree_rounds == 0 and stats.drafted > 0
     assert "the target cannot verify a tree: its layers keep" in stats.tree_off
 

@@ -122,7 +122,7 @@ class Cursor:
         """The pass that checks a token tree after ``last``: nodes (N,) shaped by ``tree``;
         logits at the root and every node (N + 1, V), lazy. The caches then hold the N + 1
         in pass order until ``keep_path`` (with a tap, ``hidden`` their states, in pass
-        order). Full-attention caches only (tree_pass.tree_refusal).
+        order). Full-attention and window caches only (tree_pass.tree_refusal).
         A queued pass is given back first (it fed ``last`` alone); context: what the caches
         hold, for that."""
         if self.queued is not None:

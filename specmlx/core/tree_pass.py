@@ -15,9 +15,11 @@ class is patched, the family's forward runs as written):
 
 Afterwards the caches hold all N + 1 entries in pass order; ``keep_path`` moves the kept
 path's keys and values to the front (their rotations are already those of their places on
-the path) and gives the rest back. Full-attention caches only: a sliding window's ring and a
-recurrent state cannot take a tree (``tree_refusal`` says why, by name); nor can a RoPE
-whose frequencies depend on the sequence's length (dynamic NTK).
+the path) and gives the rest back. Full-attention caches and specmlx's sliding windows
+(``WindowKVCache``, keys in time order): a window layer's mask also hides, from each node,
+the prefix keys more than a window behind the node's own position. A recurrent state cannot
+take a tree, nor can mlx-lm's ring or a chunked cache (``tree_refusal`` says why, by name);
+nor can a RoPE whose frequencies depend on the sequence's length (dynamic NTK).
 """
 
 from __future__ import annotations
@@ -28,19 +30,25 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .caches import layer_caches
+from .caches import WindowKVCache, layer_caches
 from .tree_acceptance import Tree
 
 # RoPE modules whose rotation depends on the whole length, not on each position alone
 _LENGTH_DEPENDENT = ("DynamicNTKScalingRoPE",)
+# the layer caches a tree pass can mask and compact: full attention, and the windows that keep
+# keys in time order (mlx-lm's RotatingKVCache keeps a ring, which make_caches replaces)
+_TREE_KINDS = {"KVCache", "WindowKVCache"}
 
 
 def tree_refusal(model: nn.Module, cache: Sequence) -> str | None:
     """Why ``model`` over ``cache`` cannot verify a tree in one pass (None: it can)."""
     kinds = {type(c).__name__ for c in layer_caches(cache)}
-    if kinds != {"KVCache"}:
-        other = ", ".join(sorted(kinds - {"KVCache"}))
-        return f"its layers keep {other}, which a tree pass cannot mask (full attention only)"
+    if not kinds <= _TREE_KINDS:
+        other = ", ".join(sorted(kinds - _TREE_KINDS))
+        return (
+            f"its layers keep {other}, which a tree pass cannot mask "
+            "(full attention and sliding windows only)"
+        )
     ropes = _ropes(model)
     if not ropes:
         return "no attention layer has a rope module whose positions a tree pass can set"
@@ -50,26 +58,43 @@ def tree_refusal(model: nn.Module, cache: Sequence) -> str | None:
     return None
 
 
-def tree_mask(tree: Tree, prefix: int) -> mx.array:
-    """(N + 1, prefix + N + 1) bool: node i sees the prefix, its ancestors and itself."""
+def tree_mask(tree: Tree, prefix: int, window: int | None = None) -> mx.array:
+    """(N + 1, prefix + N + 1) bool: node i sees the prefix, its ancestors and itself; with a
+    ``window``, only the keys less than a window behind its own position.
+
+    tree: the shape; prefix: the keys before the pass that its layer gets (the last of them
+    one position before the root); window: the layer's sliding window (None: full)."""
     n = tree.size + 1
+    depths = np.array(tree.depths())  # (N + 1,) the root's 0 first
     seen = np.zeros((n, n), dtype=bool)
     for i in range(n):
         seen[i, i] = True
         for j in tree.path(i):
             seen[i, j] = True
         seen[i, 0] = True  # the root: every node's first ancestor
-    return mx.concatenate([mx.ones((n, prefix), dtype=mx.bool_), mx.array(seen)], axis=1)
+    before = np.ones((n, prefix), dtype=bool)
+    if window is not None:
+        # key c of the prefix sits prefix - c positions before the root, node i depth(i)
+        # after it: visible while that distance is under the window
+        ago = prefix - np.arange(prefix)[None, :] + depths[:, None]  # (N + 1, prefix)
+        before = ago < window
+        seen &= (depths[:, None] - depths[None, :]) < window
+    return mx.array(np.concatenate([before, seen], axis=1))
 
 
 class _Masked:
-    """A layer cache for one tree pass: its mask is the tree's; all else is the cache's."""
+    """A layer cache for one tree pass: its mask is the tree's (over the keys this layer
+    gets: all it holds, or a window's last window - 1); all else is the cache's."""
 
-    def __init__(self, cache, mask: mx.array):
-        self._cache, self._mask = cache, mask
+    def __init__(self, cache, tree: Tree):
+        self._cache, self._tree = cache, tree
 
-    def make_mask(self, *args, **kwargs) -> mx.array:
-        return self._mask
+    def make_mask(self, N: int, window_size: int | None = None, **kwargs) -> mx.array:
+        c = self._cache
+        if isinstance(c, WindowKVCache):  # its pass gets min(held, window - 1) keys before
+            window = c.window if window_size is None else window_size
+            return tree_mask(self._tree, min(c.held, c.window - 1), window)
+        return tree_mask(self._tree, c.offset, window_size)
 
     def __getattr__(self, name):
         return getattr(self._cache, name)
@@ -103,19 +128,18 @@ def tree_logits(model: nn.Module, cache: Sequence, tokens: mx.array, tree: Tree)
     """The target's logits at the root and every node (N + 1, V), lazy, in one pass; the
     caches then hold the N + 1 entries after what they held (``keep_path`` next).
 
-    model: the target; cache: its layer caches (full attention: tree_refusal); tokens
+    model: the target; cache: its layer caches (full attention or windows: tree_refusal); tokens
     (N + 1,): the root's token, then the nodes'; tree: the shape."""
     why = tree_refusal(model, cache)
     if why:
         raise ValueError(f"a tree pass cannot run: {why}")
     held = next(c for c in layer_caches(cache)).offset
     positions = mx.array([held + d for d in tree.depths()])
-    mask = tree_mask(tree, held)
     ropes = _ropes(model)
     try:
         for m, rope in ropes:
             m["rope"] = _Placed(rope, positions)
-        return model(tokens[None], cache=[_Masked(c, mask) for c in cache])[0]
+        return model(tokens[None], cache=[_Masked(c, tree) for c in cache])[0]
     finally:
         for m, rope in ropes:
             m["rope"] = rope
@@ -126,10 +150,11 @@ def keep_path(cache: Sequence, held: int, nodes: Sequence[int]) -> None:
     pass, the root 0 first, then the kept path) at held, held + 1, ... and give back the rest.
 
     cache: the layer caches; held: what they held before the pass; nodes: the kept ones."""
-    at = mx.array([held + j for j in nodes], dtype=mx.int32)
     m = len(nodes)  # (0: the round's first token ended it; the root is not kept either)
     for c in layer_caches(cache):
         if m:
-            c.keys[..., held : held + m, :] = c.keys[..., at, :]
-            c.values[..., held : held + m, :] = c.values[..., at, :]
+            row = held - getattr(c, "start", 0)  # a window's buffer starts at c.start
+            at = mx.array([row + j for j in nodes], dtype=mx.int32)
+            c.keys[..., row : row + m, :] = c.keys[..., at, :]
+            c.values[..., row : row + m, :] = c.values[..., at, :]
         c.offset = held + m

@@ -185,14 +185,18 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
             holder, _ = row_drafter(target, draft, parts.vocab_size)
             holder.join(row, kv.draft, kv.draft_held, kv.waiting)
             drafters.append(holder)
-    # what branches: a row drafter with a distribution at each step (side leaves), Medusa
-    branches = isinstance(holder, (ModelRows, HeadRows, BlockRows, MedusaRows)) and _tree_sizer(
-        target, kv.target, decode, next_k, row.stats
-    )
+    # what branches: a drafter with a distribution at each step (side leaves), Medusa; the
+    # draft model over its own cursor as the LoneRows that holds it, but not its per-token
+    # stopping (whose chunks are cut after the leaves would be chosen)
+    own_cursor = isinstance(holder, ModelDrafter) and holder.plan is None
+    branching = drafters[-1] if own_cursor else holder
+    branches = isinstance(
+        branching, (ModelRows, HeadRows, BlockRows, MedusaRows, LoneRows)
+    ) and _tree_sizer(target, kv.target, decode, next_k, row.stats)
     if isinstance(holder, MedusaRows):  # its own trees; the chain of its heads' best elsewhere
         holder.size = decode.tree if branches else holder.size
     elif branches:
-        holder.sizer = branches
+        branching.sizer = branches
         if isinstance(next_k, AdaptiveK) and decode.tree.auto:  # k weighed with its leaves
             next_k.widen = lambda k: branches.gain(k, row.stats)
     elif not (decode.tree.off or decode.tree.auto or _branching_lookup(drafters, holder)):
@@ -205,7 +209,7 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
         # lookup's continuation beside the drafter, in one tree; auto keeps the choice by
         # value, one of them a round (siblings measured slower here: BENCHMARKS.md, "Token
         # trees")
-        drafters = [SiblingRows(finder, next_k, holder, logit_width(target))]
+        drafters = [SiblingRows(finder, next_k, branching, logit_width(target))]
     if not drafters:
         return None, None
     return (drafters[0] if len(drafters) == 1 else ChainRows(drafters)), holder
@@ -243,7 +247,7 @@ def _branching_lookup(drafters: list, holder) -> bool:
 
 
 # what a drafter is, for the refusal of a fixed tree size
-_DRAFTERS = {SharedExit: "an early exit", ModelDrafter: "the draft model over its own caches"}
+_DRAFTERS = {SharedExit: "an early exit", ModelDrafter: "the draft model with per-token stopping"}
 
 
 def _tree_sizer(target, cache: list, decode: Decode, next_k, stats) -> SideSizer | None:

@@ -50,6 +50,9 @@ class Proposal:
     draft_s: float | None = None  # seconds of drafting, when timed apart (one host sync)
     confidences: tuple[float, ...] = ()  # per-token stopping: the draft's q of each kept draft
     made: int | None = None  # per-token stopping: drafts made, when more than were kept
+    # a draft model's step scores, each (vocab,) lazy: the q a token was drawn from, or the
+    # logits a greedy one was the argmax of; a tree reads its side leaves from them
+    scores: tuple[mx.array, ...] = ()
 
     @property
     def k(self) -> int:
@@ -108,10 +111,13 @@ class ModelDrafter:
             k = max(1, min(self.plan([])[1], room))
             if key is not None:
                 key, more = mx.random.split(key)
-        d, q, conf = draft_model_propose(cur.feed, x, k, self.vocab, self.process, key)
+        scores: list[mx.array] = []
+        d, q, conf = draft_model_propose(
+            cur.feed, x, k, self.vocab, self.process, key, seen=lambda s: scores.append(s[0])
+        )
         if self.plan is not None:
             return self.stop_or_extend(d, q, conf, room, more, t0)
-        return Proposal(d[0], None if q is None else q[0], "model")
+        return Proposal(d[0], None if q is None else q[0], "model", scores=tuple(scores))
 
     def stop_or_extend(self, d, q, conf, room: int, key: mx.array | None, t0: float) -> Proposal:
         """Per-token stopping: read the draft's confidences (one host sync), draft more while
@@ -157,6 +163,7 @@ def draft_model_propose(
     vocab: int,
     process: Processor | None,
     key: mx.array | None,
+    seen: Callable[[mx.array], None] | None = None,
 ) -> tuple[mx.array, mx.array | None, mx.array]:
     """Feed the draft the tokens it has not seen yet, pending (B, L), then draft k tokens.
 
@@ -171,6 +178,8 @@ def draft_model_propose(
         cache grows by L + k - 1 (the last drafted token is never fed).
     key: randomness for sampling (unused, and may be None, when greedy).
     vocab: restricts proposals to ids the target has (Code Llama 7B has 16 more than 34B).
+    seen: given each step's scores (B, vocab), lazy: q when sampling, the logits when greedy
+        (a lone row's tree takes its side leaves from them).
     The engine uses B = 1; tests batch thousands of rounds through this same function.
     """
     keys = mx.random.split(key, k) if process is not None else None  # greedy draws nothing
@@ -185,6 +194,8 @@ def draft_model_propose(
             t = sample(q, keys[i])
             qs.append(q)
             confs.append(mx.take_along_axis(q, t[:, None].astype(mx.int32), axis=-1)[:, 0])
+        if seen is not None:
+            seen(logits if process is None else q)
         tokens.append(t)
         x = t[:, None]  # (B, 1)
         mx.async_eval(t)  # start computing while the next step's graph is built: no host wait

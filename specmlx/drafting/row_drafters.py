@@ -374,22 +374,33 @@ class LoneRows(RowDrafter):
     its own cursor) as a row drafter of one row; it keeps its own state, so it never joins a
     batch, and refuses a second row by name.
 
-    drafter: the lone drafter; name: what it is, for the refusal."""
+    drafter: the lone drafter; name: what it is, for the refusal. ``sizer``: side leaves for
+    a drafter whose proposals keep their step scores (the draft model without per-token
+    stopping), set where the target verifies trees."""
 
     lone = True
 
     def __init__(self, drafter: Drafter, name: str):
         self.drafter, self.name = drafter, name
         self.needs_k = drafter.needs_k
+        self.sizer = None
 
     def propose(self, rows, k, ks, keys) -> Drafts:
         if len(rows) != 1:
             raise BadInput(f"{self.name} drafts for a lone request only, not for {len(rows)} rows")
         r = rows[0]
-        return Drafts.one(self.drafter.propose(r.ctx, ks[0], r.stops.room, keys[0]))
+        p = self.drafter.propose(r.ctx, ks[0], r.stops.room, keys[0])
+        sides = side_plan(self.sizer, rows, p.k) if p.scores else []
+        if not any(sides):
+            return Drafts.one(p)
+        leaves = [next_best(p.scores[j], p.tokens[j], m) for j, m in enumerate(sides) if m]
+        return with_leaves(Drafts.one(p), p.k, sides, leaves)
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
-        self.drafter.settle(rows[0].ctx, len(rows[0].ctx) - 1)
+        # what the drafter saw of its own drafts and ctx still holds: a tree's path may leave
+        # the chain for a side leaf after ``accepted`` of its drafts
+        r = rows[0]
+        self.drafter.settle(r.ctx, min(len(r.ctx) - 1, fed[0] + 1 + accepted[0]))
 
     def close(self) -> None:
         self.drafter.close()
