@@ -4,6 +4,7 @@ import copy
 import json
 import random
 import statistics
+from types import SimpleNamespace
 
 import pytest
 from helpers import Feed, generate, make_tiny, steady
@@ -45,7 +46,7 @@ def test_a_block_drafter_is_charged_one_forward_a_round():
     curve = [1.0 + 0.02 * k for k in range(16)]
     assert best_k(0.7, 0.2, curve, 15) <= 3  # 0.2 a token: short chains
     assert best_k(0.7, 0.2, curve, 15, block=True) >= 8  # 0.2 a block: long blocks
-    chooser = for_drafter(AdaptiveK(), block=16)
+    chooser = for_drafter(AdaptiveK(), SimpleNamespace(block_size=16))
     assert chooser.block and chooser.k_max == 15
     feed = Feed(chooser)
     rng = random.Random(0)
@@ -58,7 +59,7 @@ def test_a_block_drafter_is_charged_one_forward_a_round():
     assert chooser.cost.t_draft == pytest.approx(0.05, rel=0.05)
     assert statistics.median(ks[-20:]) >= 8, ks
     per_token = Feed(AdaptiveK())
-    assert for_drafter(per_token.chooser, block=0) is per_token.chooser
+    assert for_drafter(per_token.chooser, None) is per_token.chooser
     assert not per_token.chooser.block
 
 
@@ -67,12 +68,12 @@ def test_a_measured_hopeless_agreement_starts_plain_and_probes_rarely():
     exit): its chooser's first round is plain, it drafts in none of the next 60 (probes back
     off fully from the start), where a fresh chooser drafts first and probes within 10 plain
     rounds. A chooser that learned anything keeps it, and an agreeable prior still drafts."""
-    hopeless = for_drafter(AdaptiveK(), block=0, agreement=0.01)
+    hopeless = for_drafter(AdaptiveK(), SimpleNamespace(agreement=0.01))
     ks = steady(Feed(hopeless), 62, accept=0.01, draft_s=0.03)
     assert ks[0] == 0 and sum(ks) == 0, ks
     fresh = steady(Feed(AdaptiveK()), 62, accept=0.01, draft_s=0.03)
     assert fresh[0] > 0 and sum(k > 0 for k in fresh[10:]) >= 2, fresh
-    agreeable = for_drafter(AdaptiveK(), block=0, agreement=0.8)
+    agreeable = for_drafter(AdaptiveK(), SimpleNamespace(agreement=0.8))
     assert steady(Feed(agreeable), 1, accept=0.8) == [2]
     learned = AdaptiveK()
     steady(Feed(learned), 3, accept=0.8)

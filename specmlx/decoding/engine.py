@@ -104,8 +104,7 @@ def generate_tokens(
     head = reads_hidden(draft)
     next_k = parts.chooser
     if next_k is None:  # a fresh one, set for the drafter as the session sets the store's
-        block, agreement = getattr(draft, "block_size", 0) or 0, getattr(draft, "agreement", None)
-        next_k = for_drafter(make_chooser(decode.k), block, agreement)
+        next_k = for_drafter(make_chooser(decode.k), draft)
     if isinstance(next_k, AdaptiveK):
         next_k.widen = None  # (set again below where this generation branches)
     if decode.draft_stop and (head or draft is None or not next_k.plans):

@@ -198,9 +198,7 @@ class Session:
             )
         elif chooser is None:
             chooser = make_chooser(k)
-        chooser = for_drafter(
-            chooser, getattr(draft, "block_size", 0) or 0, getattr(draft, "agreement", None)
-        )
+        chooser = for_drafter(chooser, draft)
         if world.distributed and lockstep is None:
             lockstep = Lockstep(world)
         if world.distributed and k.auto:

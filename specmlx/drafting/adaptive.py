@@ -20,8 +20,9 @@ proposal may run past the draft model's k_max, up to LOOKUP_MAX, wherever the ta
 pass-cost curve is flat enough to pay for it (copied text tends to go on being copied).
 
 By concern: the model (expected_tokens, best_k); Acceptance, what drafts score; CostCurve
-(cost_curve.py), what rounds cost; AdaptiveK, the choices that read both (k, the per-token stopping plan, the
-lookup length), holding one of each, and the one object the engine and drafters call.
+(cost_curve.py), what rounds cost; AdaptiveK, the choices that read both (k, the per-token
+stopping plan, the lookup length), holding one of each, and the one object the engine and
+drafters call.
 probe.py times the target for the curve's first shape: it runs models, nothing here does.
 """
 

@@ -108,12 +108,16 @@ def make_chooser(k: K) -> KChooser:
 PRIOR_TRIALS = 16
 
 
-def for_drafter(chooser: KChooser, block: int, agreement: float | None = None) -> KChooser:
-    """``chooser`` set for its drafter: an adaptive one over a block drafter (``block`` > 0,
-    its block size) charges a round's drafting once, whatever k, and may draft up to
-    block - 1 (AdaptiveK.block); one over a drafter whose greedy ``agreement`` with the
-    target was measured (self-drafting's auto exit) starts from it, worth PRIOR_TRIALS
-    trials, where it has learned nothing yet; anything else is left as it is."""
+def for_drafter(chooser: KChooser, draft: object | None) -> KChooser:
+    """``chooser`` set for its drafter: an adaptive one over a block drafter (a ``block_size``,
+    DFlash's) charges a round's drafting once, whatever k, and may draft up to block - 1
+    (AdaptiveK.block); one over a drafter whose greedy ``agreement`` with the target was
+    measured (self-drafting's auto exit) starts from it, worth PRIOR_TRIALS trials, where it
+    has learned nothing yet; anything else is left as it is.
+
+    chooser: the k chooser; draft: the draft model or head (None: nothing drafts but lookup)."""
+    block = getattr(draft, "block_size", 0) or 0
+    agreement = getattr(draft, "agreement", None)
     if isinstance(chooser, AdaptiveK) and block > 0:
         chooser.block, chooser.k_max = True, block - 1
     if isinstance(chooser, AdaptiveK) and agreement is not None:
