@@ -169,6 +169,29 @@ def test_run_with_trees_says_so_in_its_summary(tmp_path, specmlx_home, monkeypat
     assert stats["tree_rounds"] > 0 and stats["verified_per_pass"] > 3
 
 
+def test_bench_rows_with_trees_count_them(tmp_path, specmlx_home, monkeypatch):
+    """`specmlx bench --tree off,6`: the tree row's JSON and its caption count the passes
+    that verified a tree, drafts verified a pass and leaves kept by rank; the chain row has
+    none of them."""
+    import json
+
+    from helpers import tiny_pair
+
+    monkeypatch.setenv("SPECMLX_MODELS", str(tiny_pair(tmp_path)))
+    out = tmp_path / "bench.json"
+    r = CliRunner().invoke(app, [
+        "bench", "--limit", "1", "-k", "3", "--temp", "0", "-n", "12", "--repeats", "1",
+        "--compare", "none", "--tree", "off,6", "--json", str(out),
+    ])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    rows = {row["tree"]: row for row in json.loads(out.read_text())["rows"]}
+    assert "tree_passes" not in rows["off"], rows["off"]
+    tree = rows[6]
+    assert 0 < tree["tree_passes"] <= tree["passes"] and tree["verified_per_pass"] > 3, tree
+    assert tree["same_as_target"] == "identical"
+    assert "trees, tiny-d k=3 tree=6 T=0:" in " ".join(r.stdout.split())
+
+
 def test_the_cli_refuses_a_bad_tree_before_loading():
     r = CliRunner().invoke(app, ["run", "--tree", "0", "def f():"])
     assert r.exit_code == 2, r.output

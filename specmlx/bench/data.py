@@ -60,6 +60,11 @@ class Run:
     # per draft position: rounds that verified it with all before accepted, and accepted it
     depth_tried: list[int] = field(default_factory=list)
     depth_accepted: list[int] = field(default_factory=list)
+    # token trees (stats.Stats): passes that verified a tree, and side leaves by sibling rank
+    # tried where the chain was rejected, and kept
+    tree_rounds: int = 0
+    rank_tried: list[int] = field(default_factory=list)
+    rank_kept: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -3,6 +3,7 @@ near-tie or diverged), the statistics of each row, the environment facts, Markdo
 
 from __future__ import annotations
 
+import itertools
 import os
 import platform
 import statistics
@@ -162,9 +163,25 @@ def summarize(
                     "identical_to_target": None if same is None else same == "identical",
                     "decoded_tokens": sum(r.decoded for r in mine),
                     "accept_by_depth": _by_depth(mine),
+                    **(_tree_stats(mine) if trees else {}),
                 }
             )
     return rows
+
+
+def _tree_stats(runs: list[Run]) -> dict:
+    """A tree row's statistics, pooled over its runs: the passes that verified a tree and
+    all passes, drafted tokens a pass verified (a tree's nodes count), and P(side leaf of
+    rank s kept | the chain rejected at its depth), s = 0, 1, ..."""
+    passes = sum(_rounds(r) for r in runs)
+    tried = [sum(t) for t in itertools.zip_longest(*(r.rank_tried for r in runs), fillvalue=0)]
+    kept = [sum(k) for k in itertools.zip_longest(*(r.rank_kept for r in runs), fillvalue=0)]
+    return {
+        "tree_passes": sum(r.tree_rounds for r in runs),
+        "passes": passes,
+        "verified_per_pass": sum(r.drafted for r in runs) / max(1, passes),
+        "accept_by_rank": [k / t for k, t in zip(kept, tried, strict=True) if t],
+    }
 
 
 def _by_depth(runs: list[Run]) -> list[float]:

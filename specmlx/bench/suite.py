@@ -100,7 +100,8 @@ def run_one(
     memory: LookupMemory | None = None,
 ):
     """Generate once with one system; returns (tokens, decoded, decode_s, drafted, accepted,
-    (depth_tried, depth_accepted)): the last as stats.Stats keeps them.
+    (depth_tried, depth_accepted), (tree_rounds, rank_tried, rank_kept)): the last two as
+    stats.Stats keeps them.
     ``chooser`` is the system's adaptive-k state when k is "auto" (a fresh one if None);
     ``world``: the ranks the target is split over (k decided on rank 0, tokens compared);
     ``memory``: the lookup memory of a "+ memory" system (it remembers this output)."""
@@ -126,7 +127,7 @@ def run_one(
             else:
                 count_depths(tried, kept, system.k.fixed, run)
                 run = 0
-        return tokens, decoded, secs, rounds * system.k.fixed, accepted, (tried, kept)
+        return tokens, decoded, secs, rounds * system.k.fixed, accepted, (tried, kept), (0, [], [])
     first = system.drafter.split(" + ")[0]
     use_draft = first != "none" and not first.startswith("look")  # (lookup, lookahead)
     request = Request(
@@ -152,7 +153,16 @@ def run_one(
     if gen.lockstep is not None:
         gen.lockstep.check()
     st = gen.stats
-    return tokens, decoded, secs, st.drafted, st.accepted, (st.depth_tried, st.depth_accepted)
+    trees = (st.tree_rounds, st.rank_tried, st.rank_kept)
+    return (
+        tokens,
+        decoded,
+        secs,
+        st.drafted,
+        st.accepted,
+        (st.depth_tried, st.depth_accepted),
+        trees,
+    )
 
 
 def _lookup_by(drafter: str) -> str:
@@ -361,7 +371,7 @@ class _Testbed:
         }
 
     def run(self, system, ids, temp, rep, pid, memory) -> Run:
-        tokens, decoded, secs, drafted, accepted, depth = run_one(
+        tokens, decoded, secs, drafted, accepted, depth, trees = run_one(
             system,
             self.target,
             self.draft_of(system),
@@ -375,7 +385,8 @@ class _Testbed:
             memory,
         )
         return Run(system.label, pid, temp, rep, tokens, decoded, secs, drafted, accepted,
-                   depth_tried=depth[0], depth_accepted=depth[1])  # fmt: skip
+                   depth_tried=depth[0], depth_accepted=depth[1], tree_rounds=trees[0],
+                   rank_tried=trees[1], rank_kept=trees[2])  # fmt: skip
 
     def result(self, runs: list[Run]) -> dict:
         return {

@@ -160,6 +160,15 @@ def bench_table(result: dict) -> Table:
     t.caption = f"pass cost t(n)/t(1): {curve}" + (f"   c = {cost:.3f}" if cost else "")
     for note in result.get("notes", []):
         t.caption += f"\n{note}"
+    for r in result["rows"]:
+        if "tree_passes" in r:  # (a row asked for trees: how many it verified)
+            ranks = " ".join(f"{a:.0%}" for a in r["accept_by_rank"]) or "-"
+            t.caption += (
+                f"\ntrees, {r['drafter']} k={r['k']} tree={r.get('tree') or '-'} "
+                f"T={r['temperature']:g}: {r['tree_passes']} of {r['passes']} passes, "
+                f"{r['verified_per_pass']:.1f} drafts verified a pass, side leaves kept by "
+                f"rank {ranks}"
+            )
     return t
 
 
