@@ -231,6 +231,13 @@ def _dflash_tree(tmp: Path) -> Pair:
     return dataclasses.replace(_dflash(tmp), tree=6)
 
 
+def _dflash_ddtree(tmp: Path) -> Pair:
+    """The DFlash block's tree with room for every leaf and its continuations (14 nodes at
+    k = 2: the chain, four leaves a depth, a follower for each depth-1 leaf: the block's own
+    token at depth 2, a point mass there)."""
+    return dataclasses.replace(_dflash(tmp), tree=14)
+
+
 def _window_tree(_tmp: Path) -> Pair:
     """A sliding-window target (gemma3_text, window 8) and its noisy copy, drafting over its
     own cursor (a window has no batch kind) with side leaves, after a prompt longer than the
@@ -278,6 +285,7 @@ KINDS = {
     "siblings": Kind(_siblings, 4_000, 1_000, 0.02),
     "eagle3-tree": Kind(_eagle3_tree, 3_000, 600, 0.01),
     "dflash-tree": Kind(_dflash_tree, 3_000, 800, 0.01),
+    "dflash-ddtree": Kind(_dflash_ddtree, 3_000, 800, 0.01),
     "window-tree": Kind(_window_tree, 2_000, 600, 0.02),
 }
 # (kind, rule): both rules for the draft model and the batch, one for each other kind
@@ -288,6 +296,7 @@ RULED = [
     ("batch-rows", "block"), ("tree", "token"), ("medusa", "token"),
     ("eagle3-tree", "token"), ("dflash-tree", "token"), ("siblings", "token"),
     ("suffix-tree", "token"), ("lookahead", "block"), ("window-tree", "token"),
+    ("dflash-ddtree", "token"),
 ]  # fmt: skip
 OUTCOMES = {"token": sampled_outcome, "block": block_outcome}
 

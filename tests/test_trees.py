@@ -50,6 +50,33 @@ def test_side_parents_put_the_chain_first():
     assert side_parents(3, [2, 1, 0]) == (0, 1, 2, 0, 0, 1)
 
 
+def test_a_block_drafters_leaves_continue_node_after_node():
+    # leaves 4, 5 (depth 1) and 6 (depth 2); leaf 4 goes on one node, leaf 5 two
+    assert side_parents(3, [2, 1, 0], [1, 2, 0]) == (0, 1, 2, 0, 0, 1, 4, 5, 8)
+    assert side_parents(3, [2, 1, 0], []) == side_parents(3, [2, 1, 0])
+
+
+def test_continuations_go_in_by_value_and_only_for_a_block_drafter():
+    sure = _stats(0.9, 0.6)  # a chain that passes 90% a depth: a leaf's follower is likely
+    block = SideSizer(TreeSize(8), FixedK(3))
+    block.runs = True
+    sides, runs = block.plan_runs(3, sure)
+    assert sum(sides) + sum(runs) == 5 and sum(runs) > 0, (sides, runs)
+    assert len(runs) == sum(sides) and all(n <= 2 for n in runs)  # (within the block)
+    assert block.gain(3, sure)[1] == 5
+    chain = SideSizer(TreeSize(8), FixedK(3))  # a draft model's leaves cost a step to go on
+    assert chain.plan_runs(3, sure) == (chain.plan(3, sure), [])
+    # a follower is worth a_(d+1) of its leaf: under a weak chain, less than the next leaf
+    weak = SideSizer(TreeSize(6), FixedK(3))
+    weak.runs = True
+    assert weak.plan_runs(3, _stats(0.2, 0.1)) == ([3, 0, 0], [])
+    assert weak.plan_runs(3, _stats(0.2, 0.5))[1] == [1, 0]  # a strong first leaf: its follower
+    # a fixed size with room for all: every leaf and every follower in the block
+    full = SideSizer(TreeSize(14), FixedK(2))
+    full.runs = True
+    assert full.plan_runs(2, Stats()) == ([SIDE_MAX, SIDE_MAX], [1] * SIDE_MAX + [0] * SIDE_MAX)
+
+
 def _stats(depth_rate: float, rank_rate: float) -> Stats:
     """Statistics of 100 rounds whose chain passed depth_rate at each depth and whose
     rank-0 side leaf held the target's token rank_rate of the time."""

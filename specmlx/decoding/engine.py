@@ -196,6 +196,7 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
         holder.size = decode.tree if branches else holder.size
     elif branches:
         branching.sizer = branches
+        branches.runs = isinstance(branching, BlockRows)  # its leaves go on for free (trees.py)
         if isinstance(next_k, AdaptiveK) and decode.tree.auto:  # k weighed with its leaves
             next_k.widen = lambda k: branches.gain(k, row.stats)
     elif not (decode.tree.off or decode.tree.auto or _branching_lookup(drafters, holder)):

@@ -37,8 +37,8 @@ class Drafts:
     how: list[Proposal]
     # a lone row's token tree (trees.py): its shape over the k nodes, the drafter's chain
     # (nodes 1..chain, each the child of the one before) and its side leaves by depth (the
-    # nodes after the chain; any nodes after those are another drafter's, SiblingRows);
-    # None: the drafts are a chain
+    # nodes after the chain; after those, a block drafter's continuations of its leaves, or
+    # another drafter's nodes, SiblingRows); None: the drafts are a chain
     tree: Tree | None = None
     chain: int = 0
     sides: tuple[int, ...] = ()
@@ -147,6 +147,22 @@ def side_plan(sizer: SideSizer | None, rows, k: int) -> list[int]:
     return sizer.plan(k, rows[0].stats) if sizer is not None and len(rows) == 1 else []
 
 
+def block_plan(sizer: SideSizer | None, rows, k: int) -> tuple[list[int], list[int]]:
+    """A lone row's side leaves per depth and their continuations (trees.SideSizer.plan_runs:
+    a block drafter's leaves may go on with the block's later positions); none for a batch."""
+    if sizer is None or len(rows) != 1:
+        return [], []
+    return sizer.plan_runs(k, rows[0].stats)
+
+
+def followers(chain: mx.array, sides: list[int], runs: list[int]) -> list[mx.array]:
+    """The tokens of each leaf's continuation, in side_parents' order: after a leaf at depth
+    d, the chain's own tokens at depths d + 1, d + 2, ... (a block's later positions, drafted
+    from the context alone). chain (k,): the row's chain."""
+    depths = [d for d, m in enumerate(sides) for _ in range(m)]  # each leaf's 0-based depth
+    return [chain[d + 1 : d + 1 + n] for d, n in zip(depths, runs, strict=False) if n]
+
+
 def next_best(scores: mx.array, chosen: mx.array, m: int) -> mx.array:
     """The m best ids by ``scores`` (vocab,) other than ``chosen`` (the chain's draw), best
     first (m,): the side leaves at a step."""
@@ -155,10 +171,14 @@ def next_best(scores: mx.array, chosen: mx.array, m: int) -> mx.array:
     return top[mx.argsort(-value)[:m]]
 
 
-def with_leaves(drafts: Drafts, k: int, sides: list[int], leaves: list) -> Drafts:
+def with_leaves(
+    drafts: Drafts, k: int, sides: list[int], leaves: list, runs: Sequence[int] = ()
+) -> Drafts:
     """A lone row's chain of k with side leaves (trees.py): tokens (1, N), the chain's
     first; a sampled row's q (N, vocab) the chain's rows, then a point mass (one-hot) for each
-    leaf: the leaves are the draft's top ranks, chosen, not drawn (tree_acceptance)."""
+    leaf: the leaves are the draft's top ranks, chosen, not drawn (tree_acceptance). A block
+    drafter's ``leaves`` end with its continuations' tokens (followers), ``runs`` their
+    counts; they are point masses too: tokens chosen for a place other than their draw's."""
     leaf = mx.concatenate(leaves)  # (N - k,)
     tokens = mx.concatenate([drafts.tokens, leaf[None]], axis=1)  # (1, N)
     q = drafts.q[0]
@@ -166,4 +186,5 @@ def with_leaves(drafts: Drafts, k: int, sides: list[int], leaves: list) -> Draft
         one_hot = (mx.arange(q.shape[-1]) == leaf[:, None]).astype(q.dtype)  # (N - k, vocab)
         q = mx.concatenate([q, one_hot])
     n = tokens.shape[1]
-    return Drafts(tokens, [q], [n], drafts.how, Tree(side_parents(k, sides)), k, tuple(sides))
+    tree = Tree(side_parents(k, sides, runs))
+    return Drafts(tokens, [q], [n], drafts.how, tree, k, tuple(sides))

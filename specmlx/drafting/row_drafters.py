@@ -46,6 +46,8 @@ from .medusa import MedusaDraft
 from .proposals import (
     Drafts,
     RowDrafter,
+    block_plan,
+    followers,
     next_best,
     side_plan,
     with_leaves,
@@ -277,7 +279,7 @@ class BlockRows(RowDrafter):
         """Each row's block: its waiting context fed to its own cache, then a block of its
         own ks[i] + 1 positions after its newest token (zeros past ks[i])."""
         tokens, qs, leaves = [], [], []
-        sides = side_plan(self.sizer, rows, k)
+        sides, runs = block_plan(self.sizer, rows, k)
         for r, ki, key in zip(rows, ks, keys, strict=True):
             m = len_of(r.waiting)
             if m:
@@ -297,12 +299,13 @@ class BlockRows(RowDrafter):
             for j, m in enumerate(sides[:ki]):  # (a lone row: the top of each position)
                 if m:
                     leaves.append(next_best(logits[j] if q is None else q[j], d[j], m))
+            leaves += followers(d, sides[:ki], runs)
             tokens.append(mx.concatenate([d, mx.zeros((k - ki,), dtype=mx.uint32)]))
             qs.append(q)
         d = mx.stack(tokens)  # (B, k)
         mx.async_eval(d)
         drafts = Drafts.model(d, qs, ks)
-        return with_leaves(drafts, k, sides, leaves) if any(sides) else drafts
+        return with_leaves(drafts, k, sides, leaves, runs) if any(sides) else drafts
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The context this pass confirmed waits to be fed; a row that piles up more than

@@ -16,7 +16,17 @@ draft's best after the chain's token):
                   * h_s,  h_s = P(rank s is the target's token | the chain's was rejected)
 
 with P(reach d) = a_1 ... a_(d-1), each a learned by depth, and h_s learned by rank (the
-row's stats.Stats: a generation learns its own, from a prior). A fixed
+row's stats.Stats: a generation learns its own, from a prior).
+
+A block drafter (DFlash) drafts every position of its block at once, each from the context
+alone, so its later positions' tokens serve under a side leaf as well as under the chain, at
+no cost to the draft. Its leaves may continue (DDTree's branches, sized here by the learned
+rates rather than by the round's own probabilities, which the host would have to read): the
+m-th token after leaf (d, s) is the block's token at depth d + m, worth
+
+    value(d, s, m) = value(d, s) * a_(d+1) ... a_(d+m).
+
+A fixed
 ``--tree N`` adds the most valuable leaves up to N nodes; ``auto`` adds them while expected
 tokens per second grow, reading the k chooser's measured pass-cost curve (a chain, k = 0
 side leaves, when no leaf pays).
@@ -24,6 +34,7 @@ side leaves, when no leaf pays).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.stats import KChooser, Stats
@@ -81,13 +92,19 @@ class TreeSize:
 OFF, AUTO = TreeSize(), TreeSize.of("auto")
 
 
-def side_parents(k: int, sides: list[int]) -> tuple[int, ...]:
+def side_parents(k: int, sides: list[int], runs: Sequence[int] = ()) -> tuple[int, ...]:
     """The parents of a chain of k with ``sides[d]`` side leaves at depth d + 1: the chain
     is nodes 1..k (node i's parent i - 1), then each depth's leaves in rank order, children
-    of the chain's node at the depth above (the root for depth 1)."""
+    of the chain's node at the depth above (the root for depth 1); then, where ``runs`` (one
+    count per leaf, in that order) says so, each leaf's continuation, node after node."""
     parents = list(range(k))
     for d, m in enumerate(sides):
         parents += [d] * m
+    for leaf, n in enumerate(runs, start=k + 1):
+        at = leaf
+        for _ in range(n):
+            parents.append(at)
+            at = len(parents)  # (the node just added)
     return tuple(parents)
 
 
@@ -102,35 +119,53 @@ class SideSizer:
 
     def __init__(self, size: TreeSize, chooser: KChooser):
         self.size, self.chooser = size, chooser
+        self.runs = False  # leaves may continue (a block drafter's: see the module)
 
     def plan(self, k: int, stats: Stats) -> list[int]:
         """Side leaves at each depth 1..k for a chain of k (all 0: a chain). stats: the row's
         statistics so far."""
         return self._choose(k, stats)[0]
 
+    def plan_runs(self, k: int, stats: Stats) -> tuple[list[int], list[int]]:
+        """The side leaves at each depth, and each leaf's continuation (one count per leaf,
+        depth by depth, in rank order: side_parents' ``runs``; all 0 unless ``runs``)."""
+        sides, runs, _ = self._choose(k, stats)
+        return sides, runs
+
     def gain(self, k: int, stats: Stats) -> tuple[float, int]:
         """What the plan for a chain of k adds: (expected tokens, drafted tokens verified);
         an adaptive k chooser weighs each k with it (AdaptiveK.widen). stats: the row's."""
-        sides, value = self._choose(k, stats)
-        return value, sum(sides)
+        sides, runs, value = self._choose(k, stats)
+        return value, sum(sides) + sum(runs)
 
-    def _choose(self, k: int, stats: Stats) -> tuple[list[int], float]:
-        """(the plan, its leaves' summed value) for a chain of k."""
-        room = min(self.size.nodes - k, SIDE_MAX * k)
-        if k <= 0 or room <= 0:
-            return [0] * max(k, 0), 0.0
+    def _choose(self, k: int, stats: Stats) -> tuple[list[int], list[int], float]:
+        """(side leaves by depth, continuations by leaf, their summed value) for a chain of k."""
+        if k <= 0 or self.size.nodes - k <= 0:
+            return [0] * max(k, 0), [], 0.0
         a = [_rate(stats.depth_accepted, stats.depth_tried, d, _DEPTH_PRIOR) for d in range(k)]
         h = [_rate(stats.rank_kept, stats.rank_tried, s, _RANK_PRIOR) for s in range(SIDE_MAX)]
-        reach, leaves = 1.0, []  # (value, depth) of every leaf that may go in
+        reach, nodes = 1.0, []  # (value, depth, rank, m): leaf (d, s) and its m-th follower
         for d in range(k):
-            leaves += [(reach * (1.0 - a[d]) * h[s], d) for s in range(SIDE_MAX)]
+            for s in range(SIDE_MAX):
+                value = reach * (1.0 - a[d]) * h[s]
+                nodes.append((value, d, s, 0))
+                for m in range(1, k - d if self.runs else 1):
+                    value *= a[d + m]
+                    nodes.append((value, d, s, m))
             reach *= a[d]
-        leaves.sort(key=lambda v: -v[0])  # (within a depth, rank order is value order)
-        take = self._best_count(k, a, [v for v, _ in leaves[:room]])
-        sides = [0] * k
-        for _, d in leaves[:take]:
-            sides[d] += 1
-        return sides, sum(v for v, _ in leaves[:take])
+        # best first; a follower is worth less than what it follows, so any prefix of this
+        # order holds every chosen node's parent (within a depth, rank order is value order)
+        nodes.sort(key=lambda n: (-n[0], n[3], n[2]))
+        room = min(self.size.nodes - k, len(nodes))
+        take = self._best_count(k, a, [n[0] for n in nodes[:room]])
+        sides, follow = [0] * k, {}
+        for _, d, s, m in nodes[:take]:
+            if m == 0:
+                sides[d] += 1
+            else:
+                follow[d, s] = m
+        runs = [follow.get((d, s), 0) for d in range(k) for s in range(sides[d])]
+        return sides, runs if any(runs) else [], sum(n[0] for n in nodes[:take])
 
     def _best_count(self, k: int, a: list[float], values: list[float]) -> int:
         """How many of the leaves (by value, best first) to verify: all of them for a fixed
