@@ -14,6 +14,7 @@ from specmlx.drafting.adaptive import (
     CONF_BINS,
     LOOKUP_MAX,
     STATE_VERSION,
+    SUFFIX_MAX,
     Acceptance,
     AdaptiveK,
     best_k,
@@ -310,6 +311,22 @@ def test_copied_text_runs_past_the_draft_k_max_while_the_curve_is_flat():
     old.update(0, 0, 1.0)  # a plain step: 1 s
     assert old.pass_curve()[8:11] == pytest.approx([2.0, 2.1, 2.2])
     assert len(old.pass_curve()) == LOOKUP_MAX + 1
+
+
+def test_suffix_lookup_may_propose_past_the_ngram_cap():
+    """A copy that keeps every draft, under a flat curve: n-gram lookup stops at LOOKUP_MAX,
+    suffix lookup (longest=SUFFIX_MAX) runs on to its own cap; a climbing curve stops both."""
+    flat = AdaptiveK(cost=CostCurve(pass_ratio=[1.0] + [2.0] * SUFFIX_MAX))
+    flat.update(0, 0, 1.0)
+    for _ in range(30):
+        flat.update(SUFFIX_MAX, SUFFIX_MAX, 2.0, lookup=8)
+    assert flat.lookup_length(8, 40, 0, draft=False) == LOOKUP_MAX
+    assert flat.lookup_length(8, 40, 0, draft=False, longest=SUFFIX_MAX) == SUFFIX_MAX
+    assert flat.lookup_length(8, 20, 0, draft=False, longest=SUFFIX_MAX) == 20  # all on offer
+    steep = AdaptiveK(cost=CostCurve(pass_ratio=[1.0 + 0.1 * n * n for n in range(SUFFIX_MAX + 1)]))
+    steep.update(0, 0, 1.0)
+    steep.accept.lookup = copy.deepcopy(flat.accept.lookup)
+    assert steep.lookup_length(8, 40, 0, draft=False, longest=SUFFIX_MAX) < LOOKUP_MAX
 
 
 def test_pass_curve_from_sparse_probes():

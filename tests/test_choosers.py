@@ -11,7 +11,7 @@ from helpers import Feed, make_tiny, steady
 
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import KChooser
-from specmlx.drafting.adaptive import LOOKUP_MAX, STATE_VERSION, AdaptiveK
+from specmlx.drafting.adaptive import STATE_VERSION, SUFFIX_MAX, AdaptiveK
 from specmlx.drafting.choosers import (
     AUTO,
     K_MAX,
@@ -56,7 +56,7 @@ def test_store_resumes_per_pair_and_sampler(specmlx_home):
     model, ids = make_tiny(0), [1, 2, 3, 4]
     store = ChooserStore()
     fresh = store.get(model, "t", "d", GREEDY, ids)
-    assert fresh.cost.level is None and len(fresh.cost.pass_ratio) == LOOKUP_MAX + 1  # the probe
+    assert fresh.cost.level is None and len(fresh.cost.pass_ratio) == SUFFIX_MAX + 1  # the probe
     assert store.get(model, "t", "d", GREEDY, ids) is fresh  # live in this process
     steady(Feed(fresh), 30, accept=0.7)
     store.save(fresh)

@@ -30,7 +30,7 @@ from ..core.sampling import SamplingParams, make_processor, sample
 from ..core.stats import count_depths
 from ..decoding.session import Pair, Request, Session, drafter_of
 from ..distributed.ranks import World
-from ..drafting.adaptive import LOOKUP_MAX, AdaptiveK
+from ..drafting.adaptive import SUFFIX_MAX, AdaptiveK
 from ..drafting.choosers import AUTO, ChooserStore, K
 from ..drafting.lookup import LookupMemory
 from ..drafting.probe import PROBE_SIZES, curve_from, head_step_seconds, pass_times
@@ -331,7 +331,7 @@ class _Testbed:
         # one adaptive-k state per auto system and temperature, kept across its generations as
         # `specmlx run` keeps it on disk: what is measured is auto after its first few rounds.
         # They start from this measured curve and live in memory only.
-        store = ChooserStore(persist=False, pass_ratio=curve_from(t, LOOKUP_MAX))
+        store = ChooserStore(persist=False, pass_ratio=curve_from(t, SUFFIX_MAX))
         self.choosers = {
             (sy, temp): store.get(target, "bench", sy.label, _sampling(temp, s), ids)
             for sy in self.todo

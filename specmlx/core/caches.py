@@ -66,10 +66,10 @@ __all__ = [
     "trim",
 ]
 
-# the most tokens one rollback gives back: a verify pass feeds the last token plus up to 15
-# lookup proposals (adaptive.LOOKUP_MAX), per-token stopping drafts up to 8 past the chooser's
-# k, and an early close undoes one queued plain pass; 32 covers all of them with room to spare
-# (32 keys per sliding layer: a few KB on a small model)
+# the most tokens one rollback gives back: a verify pass feeds the last token plus up to 31
+# suffix lookup proposals (adaptive.SUFFIX_MAX), all 31 given back at worst; per-token
+# stopping drafts up to 8 past the chooser's k, and an early close undoes one queued plain
+# pass; 32 covers each of them (32 keys per sliding layer: a few KB on a small model)
 ROLLBACK_SLACK = 32
 
 

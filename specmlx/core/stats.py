@@ -69,10 +69,13 @@ class KChooser(Protocol):
         """True when the next call returns 0 whatever the current round brings."""
         return False
 
-    def lookup_length(self, match: int, available: int, k: int, draft: bool) -> int:
+    def lookup_length(
+        self, match: int, available: int, k: int, draft: bool, longest: int | None = None
+    ) -> int:
         """How many of ``available`` lookup tokens (after a ``match``-token n-gram) to verify
         this round, given the round's k and whether a draft model would draft instead
-        (``draft``); 0 declines them. By default up to k, as a fixed k drafts."""
+        (``draft``); 0 declines them; ``longest``: the most this lookup may propose (an
+        adaptive chooser's cap, where it has one). By default up to k, as a fixed k drafts."""
         return min(available, k)
 
     def draft_plan(self, confidences: Sequence[float], drafted: int = 0) -> tuple[int, int]:

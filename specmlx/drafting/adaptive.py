@@ -40,7 +40,12 @@ CONF_BINS = 10  # per-token stopping: acceptance is learned per tenth of draft c
 # a token. BENCHMARKS.md ("Per-token draft stopping") has the replays that chose this
 # schedule over starting with the chooser's k or with pairs (scripts/stop_sim.py).
 DRAFT_CHUNKS = (1, 1, 2)
-LOOKUP_MAX = 15  # the longest lookup proposal: a target pass over 16 tokens
+LOOKUP_MAX = 15  # the longest n-gram lookup proposal: a target pass over 16 tokens
+# the longest suffix lookup proposal: a pass over 32 tokens. SuffixDecoding sizes a proposal
+# by its match, with no short cap: a file copied whole keeps 95% of its drafts, and 15 was
+# the cap that bound (BENCHMARKS.md, "Suffix lookup and lookahead"). A rollback of 31 stays
+# within a window cache's ROLLBACK_SLACK, and the probe times passes this long.
+SUFFIX_MAX = 31
 TREE_MAX = 64  # the most drafted tokens one pass may verify, a token tree's (trees.py)
 
 
@@ -388,7 +393,9 @@ class AdaptiveK(KChooser):
                 return j, 0
         return m, min(_chunk(m), self.k_max - m)
 
-    def lookup_length(self, match: int, available: int, k: int, draft: bool) -> int:
+    def lookup_length(
+        self, match: int, available: int, k: int, draft: bool, longest: int | None = None
+    ) -> int:
         """How many of ``available`` lookup tokens (found by a ``match``-token n-gram) to
         verify this round: the length with the most expected tokens per second, or 0 when the
         alternative is worth more: drafting k tokens with the draft model (``draft``, k > 0),
@@ -396,14 +403,17 @@ class AdaptiveK(KChooser):
         the later ones, as for stopping: a match length never verified is tried wherever the
         pass-cost curve is below one pass a token, and what it scores then decides.
         Before anything is timed it is judged in units of a one-token pass: the choice
-        depends on the curve's shape only, as the rival scales with the same level."""
-        lengths = range(1, min(available, self.lookup_max) + 1)
+        depends on the curve's shape only, as the rival scales with the same level.
+        longest: the most this lookup may propose (default ``lookup_max``; suffix lookup's
+        SUFFIX_MAX)."""
+        top = self.lookup_max if longest is None else longest
+        lengths = range(1, min(available, top) + 1)
         if not lengths:
             return 0
         # (untimed, verifying everything on offer cost a first round of a steep CPU curve
         # 12 passes' time for one token when the match was wrong)
         cost = self.cost if self.cost.level is not None else replace(self.cost, level=1.0)
-        curve = cost.curve(max(self.k_max, self.lookup_max))
+        curve = cost.curve(max(self.k_max, top))
         a = self.accept.lookup_first(match, self.explore)
         later = self.accept.lookup_later(match, self.explore)
         best = max(lengths, key=lambda n: expected_tokens(a, n, later) / curve[n])

@@ -25,7 +25,7 @@ from ..core.stats import KChooser, RoundReport
 from ..errors import BadInput
 from ..machine import machine_id
 from ..paths import Warn, load_json, save_json, specmlx_home
-from .adaptive import LOOKUP_MAX, AdaptiveK
+from .adaptive import SUFFIX_MAX, AdaptiveK
 from .cost_curve import CostCurve
 from .probe import probe_pass_cost
 
@@ -209,14 +209,14 @@ class ChooserStore:
         if self.persist and path is not None:
             self._save(path, {"state": chooser.state()})
 
-    def cached_probe(self, target_id: str, k_max: int = LOOKUP_MAX) -> list[float] | None:
+    def cached_probe(self, target_id: str, k_max: int = SUFFIX_MAX) -> list[float] | None:
         """The target's pass-cost curve from an earlier probe on this machine, if any."""
         path = _state_path("probes", f"{target_id}|{k_max}|{PROBE_VERSION}")
         cached = load_json(path) if self.persist else None
         ratio = cached.get("ratio") if cached is not None else None
         return ratio if isinstance(ratio, list) else None
 
-    def probe(self, target: nn.Module, target_id: str, ids: list[int], k_max: int = LOOKUP_MAX):
+    def probe(self, target: nn.Module, target_id: str, ids: list[int], k_max: int = SUFFIX_MAX):
         """The target's pass-cost curve: cached on disk by identity, else probed and saved."""
         ratio = self.cached_probe(target_id, k_max)
         if ratio is None:

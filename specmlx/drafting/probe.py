@@ -12,10 +12,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..core.caches import can_rollback, make_caches, trim
-from .adaptive import LOOKUP_MAX
+from .adaptive import SUFFIX_MAX
 
 # token counts the pass-cost probe times; the curve between them is interpolated
-PROBE_SIZES = (*range(1, 10), 12, 16)
+PROBE_SIZES = (*range(1, 10), 12, 16, 24, 32)
 
 
 def pass_times(model: nn.Module, ids: list[int], ns: list[int], reps: int = 3) -> dict[int, float]:
@@ -85,7 +85,7 @@ def curve_from(times: dict[int, float], k_max: int) -> list[float]:
 
 
 def probe_pass_cost(
-    model: nn.Module, ids: list[int], k_max: int = LOOKUP_MAX, reps: int = 3
+    model: nn.Module, ids: list[int], k_max: int = SUFFIX_MAX, reps: int = 3
 ) -> list[float]:
     """t_verify(k) / t_verify(0) for k in 0..k_max: a target pass over k + 1 tokens against
     one token, timed at PROBE_SIZES (and k_max + 1) and interpolated between. On Metal this

@@ -10,7 +10,7 @@ import mlx.core as mx
 from ..core.stats import KChooser
 from ..core.tree_acceptance import Tree
 from ..errors import BadInput
-from .adaptive import TREE_MAX
+from .adaptive import SUFFIX_MAX, TREE_MAX
 from .drafters import Proposal
 from .lookup import Lookup
 from .medusa import MedusaDraft, tree_shape
@@ -64,7 +64,8 @@ class LookupRows(RowDrafter):
         spec = self.finder.speculate(depth, TREE_MAX)
         chain = spec.chain()
         match = min(spec.match, MATCH_BUCKET)
-        chain = chain[: self.chooser.lookup_length(match, len(chain), k, self.fallback)]
+        longest = SUFFIX_MAX  # (suffix lookup's proposals may run longer than n-gram's)
+        chain = chain[: self.chooser.lookup_length(match, len(chain), k, self.fallback, longest)]
         if not (self.size.off or self.size.auto):
             chain = chain[: self.size.nodes]  # a fixed size caps the tokens a pass verifies
         tokens, parents = self._tree(spec, chain)
