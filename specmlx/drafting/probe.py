@@ -15,7 +15,7 @@ from ..core.caches import can_rollback, make_caches, trim
 from .adaptive import SUFFIX_MAX
 
 # token counts the pass-cost probe times; the curve between them is interpolated
-PROBE_SIZES = (*range(1, 10), 12, 16, 24, 32)
+PROBE_SIZES = (*range(1, 10), 12, 16, 32)
 
 
 def pass_times(model: nn.Module, ids: list[int], ns: list[int], reps: int = 3) -> dict[int, float]:
