@@ -4,13 +4,17 @@ the chi-square over three-token sequences, with top-k, top-p and min-p on); and 
 chi-square rejects a rule that skips the residual, so each kind's test can fail.
 
 The kinds: a draft model (both verification rules), prompt lookup, suffix lookup's tree,
-lookahead decoding, lookup then a draft model (the chain), an MTP head, an EAGLE-3 head whose vocabulary is narrower than the target's
-(q = 0 outside it), a DFlash block drafter, a draft distilled by `specmlx distill`, the
-target drafting for itself (an early exit), and a draft model's rows in a batch that rows
-join and leave (both rules). What only one kind has
+lookahead decoding, lookup then a draft model (the chain), an MTP head, an EAGLE-3 head whose
+vocabulary is narrower than the target's (q = 0 outside it), a DFlash block drafter, a draft
+distilled by `specmlx distill`, the target drafting for itself (an early exit), a draft
+model's rows in a batch that rows join and leave (both rules); token trees from the draft
+model, an MTP head, an EAGLE-3 head, DFlash, Medusa, lookup beside a draft and over sliding
+windows; and trees in a batch: each row its own tree in one pass (the draft model's, a
+head's, a DFlash block's, over sliding windows). What only one kind has
 (the reference code, loading, the CLI, ranks) stays in that kind's module (tests/README.md)."""
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +34,8 @@ from kit_distribution import (
     sequence_joint,
     skips_the_residual,
 )
-from kit_mtp import random_head
-from mlx.utils import tree_map_with_path
+from kit_mtp import glm4_moe_config, random_head
+from mlx.utils import tree_map, tree_map_with_path
 
 from specmlx.core import tree_acceptance
 from specmlx.core.acceptance import RULES, block_outcome, sampled_outcome
@@ -221,6 +225,19 @@ def _siblings(tmp: Path) -> Pair:
     return dataclasses.replace(_tree(tmp), prompt=[4, 5, 3, 4, 5, 3], lookup=True)  # (tree=6)
 
 
+def _mtp_tree(_tmp: Path) -> Pair:
+    """An MTP head's chain with side leaves, over a full-attention family (GLM-4 MoE's NextN
+    layer: Qwen3.5's and Qwen3-Next's targets keep recurrent layers, which take no tree)."""
+    module = importlib.import_module("mlx_lm.models.glm4_moe")
+    mx.random.seed(0)
+    target = module.Model(module.ModelArgs.from_dict({**glm4_moe_config(2), "vocab_size": JV}))
+    # (the routers start at zero: random, so routing depends on the input)
+    target.update(tree_map(lambda p: p if mx.any(p).item() else 0.3 * mx.random.normal(p.shape),
+                           target.parameters()))  # fmt: skip
+    mx.eval(target.parameters())
+    return Pair(target, random_head(target, "glm4_moe", scale=0.5), [3, 5, 1, 3], tree=6)
+
+
 def _eagle3_tree(tmp: Path) -> Pair:
     """The EAGLE-3 head's chain with side leaves (its next-best tokens at each chained step)."""
     return dataclasses.replace(_eagle3(tmp), tree=6)
@@ -250,6 +267,11 @@ def _window_tree(_tmp: Path) -> Pair:
 def _batch_rows(_tmp: Path) -> Pair:
     """The draft model's tables in models that read each row of a batch at its own length."""
     return Pair(*_noisy_tables(RowsTableLM), JOINT_PROMPT, batched=True)
+
+
+def _batched(build: Callable[[Path], Pair]) -> Callable[[Path], Pair]:
+    """A tree kind's pair decoded as a batch's rows, a tree each (core.tree_pass's rows)."""
+    return lambda tmp: dataclasses.replace(build(tmp), batched=True)
 
 
 @dataclass(frozen=True)
@@ -284,9 +306,14 @@ KINDS = {
     "medusa": Kind(_medusa, 4_000, 1_000, 0.02),
     "siblings": Kind(_siblings, 4_000, 1_000, 0.02),
     "eagle3-tree": Kind(_eagle3_tree, 3_000, 600, 0.01),
+    "mtp-tree": Kind(_mtp_tree, 3_000, 1_200, 0.02),
     "dflash-tree": Kind(_dflash_tree, 3_000, 800, 0.01),
     "dflash-ddtree": Kind(_dflash_ddtree, 3_000, 800, 0.01),
     "window-tree": Kind(_window_tree, 2_000, 600, 0.02),
+    "batch-tree": Kind(_batched(_tree), 4_000, 1_000, 0.03),
+    "batch-eagle3-tree": Kind(_batched(_eagle3_tree), 3_000, 600, 0.01),
+    "batch-dflash-ddtree": Kind(_batched(_dflash_ddtree), 3_000, 800, 0.01),
+    "batch-window-tree": Kind(_batched(_window_tree), 2_000, 600, 0.02),
 }
 # (kind, rule): both rules for the draft model and the batch, one for each other kind
 RULED = [
@@ -296,7 +323,7 @@ RULED = [
     ("batch-rows", "block"), ("tree", "token"), ("medusa", "token"),
     ("eagle3-tree", "token"), ("dflash-tree", "token"), ("siblings", "token"),
     ("suffix-tree", "token"), ("lookahead", "block"), ("window-tree", "token"),
-    ("dflash-ddtree", "token"),
+    ("dflash-ddtree", "token"), ("batch-tree", "token"), ("mtp-tree", "token"),
 ]  # fmt: skip
 OUTCOMES = {"token": sampled_outcome, "block": block_outcome}
 
@@ -320,11 +347,14 @@ N_ROWS = 6  # rows decoded at once
 NEIGHBOURS = [SamplingParams(), SamplingParams(0.7), SamplingParams(1.3, top_k=3)]
 
 
-def batch_sequences(target, draft, verify: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+def batch_sequences(
+    target, draft, verify: str, n: int, tree: int | str = "off"
+) -> tuple[np.ndarray, np.ndarray]:
     """Counts of the three-token sequences of n rows sampled with JOINT_SAMPLING, each its
     own seed, decoded in one Batch that rows join and leave as they finish (continuous
     admission): every fourth row to join is a neighbour with another sampler and budget (not
-    counted), and k goes 2, 1, 3 round by round. Also how many rounds kept 0, 1, 2, 3 drafts."""
+    counted), and k goes 2, 1, 3 round by round; tree: each row's token trees. Also how many
+    rounds kept 0, 1, 2, 3 drafts."""
     batch, counts, kept = Batch(target, draft, JV), np.zeros(JV**3), np.zeros(4)
     joined = counted = rnd = 0
     counting = set()
@@ -334,9 +364,8 @@ def batch_sequences(target, draft, verify: str, n: int) -> tuple[np.ndarray, np.
                 s, budget = NEIGHBOURS[joined % len(NEIGHBOURS)], 5
             else:
                 s, budget = JOINT_SAMPLING, 3
-            row = batch.join(
-                JOINT_PROMPT, Decode(s, KSetting(3), budget, seed=joined, verify=verify)
-            )
+            decode = Decode(s, KSetting(3), budget, seed=joined, verify=verify, tree=tree)
+            row = batch.join(JOINT_PROMPT, decode)
             if s is JOINT_SAMPLING:
                 counting.add(id(row))
             joined += 1
@@ -356,12 +385,16 @@ def batch_sequences(target, draft, verify: str, n: int) -> tuple[np.ndarray, np.
 def batch_greedy(pair: Pair, prompts: list[list[int]], k: int, n: int) -> list[list[int]]:
     """Greedy rows, one per prompt, joined together and decoded until each is done."""
     batch = Batch(pair.target, pair.draft, JV)
-    rows = [batch.join(p, Decode(SamplingParams(), KSetting(k), n)) for p in prompts]
+    decode = Decode(SamplingParams(), KSetting(k), n, tree=pair.tree)
+    rows = [batch.join(p, decode) for p in prompts]
     while batch.rows:
         batch.round(k)
         for row in [r for r in batch.rows if r.done]:
             batch.leave(row)
     assert sum(row.stats.drafted for row in rows) > 0
+    if pair.tree != "off":  # every row verified trees, and some kept a side leaf
+        assert all(row.stats.tree_rounds for row in rows), [r.stats for r in rows]
+        assert sum(sum(row.stats.rank_kept) for row in rows) > 0, [r.stats for r in rows]
     return [row.ctx[len(p) :] for row, p in zip(rows, prompts, strict=True)]
 
 
@@ -370,7 +403,7 @@ def batch_greedy(pair: Pair, prompts: list[list[int]], k: int, n: int) -> list[l
 
 def sequences(pair: Pair, verify: str, n: int) -> tuple[np.ndarray, np.ndarray]:
     if pair.batched:
-        return batch_sequences(pair.target, pair.draft, verify, n)
+        return batch_sequences(pair.target, pair.draft, verify, n, pair.tree)
     return engine_sequences(
         pair.target, pair.draft, verify, n, prompt=pair.prompt, lookup=pair.lookup, tree=pair.tree,
         lookup_by=pair.lookup_by,

@@ -65,7 +65,7 @@ def test_the_window_is_a_tree_and_learns_from_the_targets_argmax():
         Lookup(ctx), make_chooser(K(4)), LookaheadSize.of("lookahead:w=3,n=3,g=1"), 48
     )
     drafts = rows.propose([row], 4, [4], [None])
-    assert drafts.tree.parents == (0, 1, 2) and drafts.chain == 0  # level 0: a chain of guesses
+    assert drafts.trees[0].parents == (0, 1, 2) and drafts.chain == 0  # level 0: a chain of guesses
     assert all(t in ctx for t in drafts.tokens[0].tolist())
     assert rows.placed == [1, 2, 3]
     rows.observe([0, 20, 21, 22])  # the target's argmax at the root and the three guesses
@@ -73,7 +73,7 @@ def test_the_window_is_a_tree_and_learns_from_the_targets_argmax():
     first = list(rows.levels[0])
     drafts = rows.propose([row], 4, [4], [None])
     # level 1's guess in each column is the child of level 0's
-    assert drafts.tree.parents == (0, 1, 2, 1, 2, 3)
+    assert drafts.trees[0].parents == (0, 1, 2, 1, 2, 3)
     assert drafts.tokens[0].tolist() == first + [20, 21, 22]
     rows.observe([0, 1, 1, 1, 30, 31, 32])  # the full window: n-grams, then a shift
     assert rows.levels == [[20, 21, 22], [30, 31, 32]]

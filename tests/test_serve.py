@@ -1262,3 +1262,30 @@ def test_editor_requests_stacked_past_the_rows_resume_newest_first_exactly(root)
         assert ends == ["c", "b", "a"], ends
     finally:
         worker.stop()
+
+
+def test_a_batchs_rows_verify_a_tree_each_and_keep_their_solo_text(tmp_path):
+    """`--tree 8`: requests decoding together verify a token tree a row in each batched
+    pass (/metrics counts those passes), and each gets the text it gets alone."""
+    s = Server(server_env(tmp_path, models_toml(tmp_path)), "--api-key", KEY, "--tree", "8")
+    try:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+        prompts = [CODE, "def g(y):\n    return", "class A:\n    def", CODE * 2]
+        alone = [client.completions.create(model="tiny-t", prompt=p, max_tokens=40)
+                 for p in prompts]  # fmt: skip
+        before = metrics(s)
+        assert before["specmlx_tree_passes_total"] > 0  # (alone, too)
+
+        def stream(p):
+            parts = client.completions.create(model="tiny-t", prompt=p, max_tokens=40, stream=True)
+            return "".join(c.choices[0].text for c in parts if c.choices)
+
+        with ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(stream, prompts))
+        assert together == [a.choices[0].text for a in alone]
+        after = metrics(s)
+        assert after["specmlx_batch_rounds_total"] > 0
+        assert after["specmlx_batch_tree_rounds_total"] > 0, after
+    finally:
+        code, err = s.stop()
+    assert code == 0 and "Traceback" not in err, err

@@ -9,8 +9,15 @@ from families import build
 from helpers import make_tiny
 
 from specmlx.core.caches import make_caches
+from specmlx.core.rows import attention_rows, rows_of
 from specmlx.core.tree_acceptance import Tree
-from specmlx.core.tree_pass import keep_path, tree_logits, tree_refusal
+from specmlx.core.tree_pass import (
+    keep_path,
+    keep_rows_paths,
+    rows_tree_logits,
+    tree_logits,
+    tree_refusal,
+)
 
 PREFIX = [5, 9, 2, 7, 1, 3, 8]
 TREE = Tree((0, 0, 1, 1, 2, 3))  # root -> 1, 2; 1 -> 3, 4; 2 -> 5; 3 -> 6 (depth 3)
@@ -162,3 +169,63 @@ def test_the_node_test_fails_when_a_window_is_not_applied(monkeypatch):
         for node in range(TREE.size + 1)
     ]
     assert any(off) and not off[0], off
+
+
+# a batch's rows (core.rows), a tree each: row 0 the tree above after PREFIX, row 1 a smaller
+# tree (padded in the pass) after a longer prefix
+ROW_TREES = [TREE, Tree((0, 0, 1))]
+ROW_TOKENS = [TOKENS, [9, 3, 5, 3]]
+
+
+def _rows(target, prefixes):
+    """Batch caches holding each of ``prefixes`` as a row (each prefilled alone)."""
+    cache = None
+    for prefix in prefixes:
+        cache = rows_of(cache, _filled(target, prefix))
+    return cache
+
+
+@pytest.mark.parametrize("family", ["tiny", "llama_swa", "gemma3_text"])
+def test_a_batch_of_trees_sees_each_row_its_own_paths(family):
+    """Every row's nodes get the logits of a plain pass over that row's own prefix and path
+    (windows: prefixes past the window of 8); after each row keeps a path, a batch pass over
+    more tokens gives every row a plain pass's logits. The control (each row's entries left
+    in pass order) does not."""
+    target = make_tiny(3) if family == "tiny" else build(family, 4, 3)
+    prefixes = [PREFIX, LONG] if family == "tiny" else [LONG, LONG + PREFIX[:4]]
+    n = max(len(t) for t in ROW_TOKENS)
+    x = mx.array([t + [0] * (n - len(t)) for t in ROW_TOKENS], dtype=mx.uint32)  # (2, N + 1)
+    cache = _rows(target, prefixes)
+    logits = rows_tree_logits(target, cache, x, ROW_TREES)
+    assert logits.shape[:2] == (2, n)
+    for b, (prefix, tree, tokens) in enumerate(zip(prefixes, ROW_TREES, ROW_TOKENS, strict=True)):
+        for node in range(tree.size + 1):
+            want = _plain_last(target, prefix + [tokens[0]] + [tokens[j] for j in tree.path(node)])
+            assert mx.allclose(logits[b, node], want, atol=1e-4), (family, b, node)
+    paths = [[0, 1, 3, 6], [0, 2]]
+    after = [[12, 3], [7, 1]]
+    for compact in (True, False):
+        cache = _rows(target, prefixes)
+        rows_tree_logits(target, cache, x, ROW_TREES)
+        held = [len(p) for p in prefixes]
+        if compact:
+            keep_rows_paths(cache, held, paths)
+        else:  # the wrong way: keep each row's first len(path) entries as the pass left them
+            for c in attention_rows(cache):
+                c.lens = [h + len(p) for h, p in zip(held, paths, strict=True)]
+        got = target(mx.array(after), cache=cache)  # (2, 2, V)
+        same = []
+        for b, (prefix, tokens) in enumerate(zip(prefixes, ROW_TOKENS, strict=True)):
+            kept = [tokens[j] for j in paths[b]]
+            want = _plain_last(target, prefix + kept + after[b][:1])
+            want2 = _plain_last(target, prefix + kept + after[b])
+            same.append(mx.allclose(got[b, 0], want, atol=1e-4).item()
+                        and mx.allclose(got[b, 1], want2, atol=1e-4).item())  # fmt: skip
+        assert all(same) if compact else not all(same), (family, compact, same)
+
+
+def test_a_batch_refuses_trees_over_recurrent_rows():
+    target = build("qwen3_next", 2, 1)
+    cache = _rows(target, [PREFIX, PREFIX[:3]])
+    why = tree_refusal(target, cache)
+    assert why and "RowsArraysCache" in why, why

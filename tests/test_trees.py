@@ -8,15 +8,17 @@ of test_drafter_kinds.py."""
 import mlx.core as mx
 import pytest
 from families import build, noisy_copy
-from helpers import generate, make_tiny, syncs_per_round
+from helpers import count_host_syncs, generate, make_tiny, syncs_per_round
 from typer.testing import CliRunner
 
 from specmlx.cli import app
 from specmlx.core.kvstate import KVState
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats
+from specmlx.decoding.batch import Batch
+from specmlx.decoding.request import Decode
 from specmlx.drafting.adaptive import AdaptiveK
-from specmlx.drafting.choosers import FixedK
+from specmlx.drafting.choosers import FixedK, K
 from specmlx.drafting.cost_curve import CostCurve
 from specmlx.drafting.trees import AUTO, OFF, SIDE_MAX, TREE_MAX, SideSizer, TreeSize, side_parents
 from specmlx.errors import BadInput
@@ -258,3 +260,48 @@ def test_a_tree_after_a_queued_plain_pass(pair):
                                      stats=stats)]  # fmt: skip
     assert out == [e.token for e in generate(target, None, PROMPT, k=0, max_tokens=30)]
     assert stats.tree_rounds > 0
+
+
+# ------------------------------------------------------------------- trees in a batch
+
+
+class _Row:
+    """What the sizer reads of a batch's row."""
+
+    def __init__(self, stats: Stats, tree: bool = True):
+        self.stats, self.tree = stats, tree
+
+
+def test_a_batchs_rows_take_one_count_of_leaves_each_from_the_curve_at_its_width():
+    """Every row that takes trees gets the same count of leaves (its own best: the pass is
+    as wide as its widest row), a row that asked for none gets none; auto builds them on a
+    flat curve, and a curve that is flat for one row but not for four keeps a batch of four
+    at chains."""
+    rich, poor = _stats(0.3, 0.3), _stats(0.8, 0.3)
+    rows = [_Row(rich), _Row(poor), _Row(rich, tree=False)]
+    sides, _ = SideSizer(TreeSize(8), FixedK(3)).plan_rows([3, 3, 3], rows)
+    assert [sum(s) for s in sides] == [5, 5, 0]
+    assert sides[0] != sides[1]  # each its own best: the weak chain's leaves sit shallower
+    flat = SideSizer(AUTO, _chooser(0.0))
+    assert sum(sum(s) for s in flat.plan_rows([3, 3], rows[:2])[0]) > 0
+    # flat up to 9 tokens a pass, then +10% a token (memory-bound, then compute-bound): a lone
+    # row's leaves ride the flat part; a batch of four is past the knee before any leaf
+    knee = [1.0 + 0.1 * max(0, k - 8) for k in range(TREE_MAX + 1)]
+    bent = SideSizer(AUTO, AdaptiveK(cost=CostCurve(pass_ratio=knee, t_draft=0.05, level=1.0)))
+    assert sum(bent.plan_rows([3], [_Row(rich)])[0][0]) > 0
+    assert bent.plan_rows([3] * 4, [_Row(rich)] * 4)[0] == [[0, 0, 0]] * 4
+
+
+def test_a_batch_tree_round_has_one_host_sync(pair, monkeypatch):
+    """Rows of a batch, a tree each, greedy and sampled side by side: one read a round."""
+    target, draft = pair
+    batch = Batch(target, draft)
+    for i, p in enumerate([PROMPT, [2], [4, 4, 8, 15]]):
+        s = SamplingParams(0.0 if i != 1 else 1.0)
+        batch.join(p, Decode(s, K(3), 40, seed=i, tree=8))
+    batch.round(3)
+    count = [0]
+    count_host_syncs(monkeypatch, count)
+    for _ in range(3):
+        batch.round(3)
+    assert count[0] == 3 and all(r.stats.tree_rounds == 4 for r in batch.rows)

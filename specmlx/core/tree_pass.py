@@ -15,7 +15,12 @@ class is patched, the family's forward runs as written):
 
 Afterwards the caches hold all N + 1 entries in pass order; ``keep_path`` moves the kept
 path's keys and values to the front (their rotations are already those of their places on
-the path) and gives the rest back. Full-attention caches and specmlx's sliding windows
+the path) and gives the rest back.
+
+A batch's rows (core.rows' caches, each row at its own length) take one tree each in one
+pass: ``rows_tree_logits`` feeds B rows of N + 1 (a row with fewer nodes is padded with
+nodes under its root that nothing reads), each row's mask its own tree's after its own
+prefix, each node at its row's length + depth; ``keep_rows_paths`` keeps each row's path. Full-attention caches and specmlx's sliding windows
 (``WindowKVCache``, keys in time order): a window layer's mask also hides, from each node,
 the prefix keys more than a window behind the node's own position. A recurrent state cannot
 take a tree, nor can mlx-lm's ring or a chunked cache (``tree_refusal`` says why, by name);
@@ -29,15 +34,17 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import CacheList
 
 from .caches import WindowKVCache, layer_caches
+from .rows import RowsKVCache, attention_rows
 from .tree_acceptance import Tree
 
 # RoPE modules whose rotation depends on the whole length, not on each position alone
 _LENGTH_DEPENDENT = ("DynamicNTKScalingRoPE",)
 # the layer caches a tree pass can mask and compact: full attention, and the windows that keep
 # keys in time order (mlx-lm's RotatingKVCache keeps a ring, which make_caches replaces)
-_TREE_KINDS = {"KVCache", "WindowKVCache"}
+_TREE_KINDS = {"KVCache", "WindowKVCache", "RowsKVCache"}  # (a batch's rows: either kind)
 
 
 def tree_refusal(model: nn.Module, cache: Sequence) -> str | None:
@@ -64,6 +71,11 @@ def tree_mask(tree: Tree, prefix: int, window: int | None = None) -> mx.array:
 
     tree: the shape; prefix: the keys before the pass that its layer gets (the last of them
     one position before the root); window: the layer's sliding window (None: full)."""
+    return mx.array(_seen(tree, prefix, window))
+
+
+def _seen(tree: Tree, prefix: int, window: int | None) -> np.ndarray:
+    """tree_mask's booleans, on the host."""
     n = tree.size + 1
     depths = np.array(tree.depths())  # (N + 1,) the root's 0 first
     seen = np.zeros((n, n), dtype=bool)
@@ -79,7 +91,25 @@ def tree_mask(tree: Tree, prefix: int, window: int | None = None) -> mx.array:
         ago = prefix - np.arange(prefix)[None, :] + depths[:, None]  # (N + 1, prefix)
         before = ago < window
         seen &= (depths[:, None] - depths[None, :]) < window
-    return mx.array(np.concatenate([before, seen], axis=1))
+    return np.concatenate([before, seen], axis=1)
+
+
+def rows_tree_mask(trees: Sequence[Tree], lens: Sequence[int], window: int | None) -> mx.array:
+    """(B, 1, N + 1, max(lens) + N + 1) bool: row b's nodes see its own first lens[b] keys
+    (within the window) and their ancestors among its own N + 1 keys, written at lens[b]
+    (rows.RowsKVCache keeps every row's keys at their positions); the rest is another row's
+    length or stale. trees: one a row, each of N nodes (padded: ``padded``)."""
+    n = trees[0].size + 1
+    out = np.zeros((len(trees), 1, n, max(lens) + n), dtype=bool)
+    for b, (tree, held) in enumerate(zip(trees, lens, strict=True)):
+        out[b, 0, :, : held + n] = _seen(tree, held, window)
+    return mx.array(out)
+
+
+def padded(tree: Tree, n: int) -> Tree:
+    """``tree`` with nodes added under the root up to ``n`` nodes (a batch's rows share one
+    width; the pads' keys see only the prefix and the root, and no path goes through them)."""
+    return Tree(tree.parents + (0,) * (n - tree.size))
 
 
 class _Masked:
@@ -100,6 +130,21 @@ class _Masked:
         return getattr(self._cache, name)
 
 
+class _MaskedRows:
+    """A batch layer cache (rows.RowsKVCache) for one pass of a tree a row: each row's mask
+    is its own tree's (``rows_tree_mask``); all else is the cache's."""
+
+    def __init__(self, cache: RowsKVCache, trees: Sequence[Tree]):
+        self._cache, self._trees = cache, trees
+
+    def make_mask(self, N: int, window_size: int | None = None, **kwargs) -> mx.array:
+        c = self._cache
+        return rows_tree_mask(self._trees, c.lens, window_size or c.window)
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
 class _Placed(nn.Module):
     """A rope module for one tree pass: the module's own rotation at each node's position
     (the nodes moved to the batch axis, one offset each)."""
@@ -109,9 +154,11 @@ class _Placed(nn.Module):
         self.__dict__["_rope"], self.__dict__["_positions"] = rope, positions
 
     def __call__(self, x: mx.array, offset=0, **kwargs) -> mx.array:
-        # x (1, H, L, D) -> (L, H, 1, D): a row a node, rotated at its own position
-        y = self._rope(x.transpose(2, 1, 0, 3), offset=self._positions, **kwargs)
-        return y.transpose(2, 1, 0, 3)
+        # x (B, H, L, D) -> (B * L, H, 1, D): a row a node, rotated at its own position
+        B, H, L, D = x.shape
+        y = self._rope(x.transpose(0, 2, 1, 3).reshape(B * L, H, 1, D), offset=self._positions,
+                       **kwargs)  # fmt: skip
+        return y.reshape(B, L, H, D).transpose(0, 2, 1, 3)
 
 
 def _ropes(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
@@ -130,16 +177,53 @@ def tree_logits(model: nn.Module, cache: Sequence, tokens: mx.array, tree: Tree)
 
     model: the target; cache: its layer caches (full attention or windows: tree_refusal); tokens
     (N + 1,): the root's token, then the nodes'; tree: the shape."""
+    _refuse(model, cache)
+    held = next(c for c in layer_caches(cache)).offset
+    positions = mx.array([held + d for d in tree.depths()])
+    return _pass(model, cache, tokens[None], positions, [_Masked(c, tree) for c in cache])[0]
+
+
+def rows_tree_logits(
+    model: nn.Module, cache: Sequence, tokens: mx.array, trees: Sequence[Tree]
+) -> mx.array:
+    """A batch's rows, a tree each, in one pass: logits (B, N + 1, V), lazy; each row's
+    caches then hold its N + 1 entries after its length (``keep_rows_paths`` next).
+
+    model: the target; cache: the batch's layer caches (rows.RowsKVCache: tree_refusal);
+    tokens (B, N + 1): each row's root token, then its nodes' (a row's pads past its own
+    tree, any ids); trees: each row's shape (fewer nodes than N: padded here)."""
+    _refuse(model, cache)
+    n = tokens.shape[1] - 1
+    trees = [padded(t, n) for t in trees]
+    lens = attention_rows(cache)[0].lens
+    # (B * (N + 1),) row by row: each node at its row's length + its depth
+    positions = mx.array(
+        [held + d for t, held in zip(trees, lens, strict=True) for d in t.depths()]
+    )
+    return _pass(model, cache, tokens, positions, [_rows_masked(c, trees) for c in cache])
+
+
+def _refuse(model: nn.Module, cache: Sequence) -> None:
     why = tree_refusal(model, cache)
     if why:
         raise ValueError(f"a tree pass cannot run: {why}")
-    held = next(c for c in layer_caches(cache)).offset
-    positions = mx.array([held + d for d in tree.depths()])
+
+
+def _rows_masked(cache, trees: Sequence[Tree]):
+    """A batch layer cache (CacheList entries unpacked) behind its tree-mask stand-in."""
+    if isinstance(cache, CacheList):
+        return CacheList(*[_rows_masked(c, trees) for c in cache.caches])
+    return _MaskedRows(cache, trees)
+
+
+def _pass(model: nn.Module, cache: Sequence, x: mx.array, positions: mx.array, masked) -> mx.array:
+    """The model over x (B, L) with every rope placed at ``positions`` (B * L,) and the
+    layer caches ``masked`` standing in for ``cache``; logits (B, L, V)."""
     ropes = _ropes(model)
     try:
         for m, rope in ropes:
             m["rope"] = _Placed(rope, positions)
-        return model(tokens[None], cache=[_Masked(c, tree) for c in cache])[0]
+        return model(x, cache=masked)
     finally:
         for m, rope in ropes:
             m["rope"] = rope
@@ -158,3 +242,17 @@ def keep_path(cache: Sequence, held: int, nodes: Sequence[int]) -> None:
             c.keys[..., row : row + m, :] = c.keys[..., at, :]
             c.values[..., row : row + m, :] = c.values[..., at, :]
         c.offset = held + m
+
+
+def keep_rows_paths(cache: Sequence, held: Sequence[int], paths: Sequence[Sequence[int]]) -> None:
+    """After ``rows_tree_logits`` from rows of ``held`` tokens: row b keeps the entries of
+    paths[b] (indices into its pass, the root 0 first, then its kept path) at held[b],
+    held[b] + 1, ... and gives back the rest. cache: the batch's layer caches."""
+    for c in attention_rows(cache):
+        for b, (at, nodes) in enumerate(zip(held, paths, strict=True)):
+            m = len(nodes)
+            if m and list(nodes) != list(range(m)):  # (a prefix of the pass stays where it is)
+                src = mx.array([at + j for j in nodes], dtype=mx.int32)
+                c.keys[b : b + 1, :, at : at + m] = c.keys[b : b + 1, :, src]
+                c.values[b : b + 1, :, at : at + m] = c.values[b : b + 1, :, src]
+        c.lens = [at + len(nodes) for at, nodes in zip(held, paths, strict=True)]

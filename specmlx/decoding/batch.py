@@ -25,14 +25,19 @@ from collections.abc import Sequence
 import mlx.nn as nn
 
 from ..core.acceptance import sampled_rule
+from ..core.caches import make_caches
 from ..core.hidden import HiddenTap
 from ..core.kvstate import KVState, common_prefix
 from ..core.rows import batchable, row_of, rows_of, solo_of
 from ..core.sampling import make_processor
 from ..core.stats import Stats, TokenEvent
+from ..core.tree_pass import tree_refusal
 from ..core.vocab import logit_width
+from ..drafting.adaptive import AdaptiveK
+from ..drafting.cost_curve import CostCurve
 from ..drafting.proposals import RowDrafter
-from ..drafting.row_drafters import row_drafter
+from ..drafting.row_drafters import BlockRows, row_drafter
+from ..drafting.trees import SideSizer, TreeSize
 from ..errors import BadInput, IncompatiblePair
 from .engine import prefill
 from .request import Decode, token_ids
@@ -49,9 +54,23 @@ class Batch:
 
     target, draft: mlx-lm models (draft None: batched plain decoding), or a chained head over
     the target as the draft; both must batch (rows.batchable). vocab_size: how many ids the
-    draft may propose (default: the smaller logit width)."""
+    draft may propose (default: the smaller logit width). pass_ratio: the target's measured
+    pass-cost curve (choosers.ChooserStore.probe), which sizes a batch's trees under
+    ``--tree auto`` (None: CostCurve's guess, +10% a token, until it is set).
 
-    def __init__(self, target: nn.Module, draft: nn.Module | None, vocab_size: int | None = None):
+    Token trees: a row whose request asks for them (its Decode's ``tree``) takes side leaves
+    as the batch's sizer plans them (trees.SideSizer.plan_rows: one count for every such
+    row, from the curve at the batch's width), each row its own tree in one pass
+    (core.tree_pass); the first such row's setting sizes them all. A target with recurrent
+    layers verifies chains (its rows say why in ``stats.tree_off``)."""
+
+    def __init__(
+        self,
+        target: nn.Module,
+        draft: nn.Module | None,
+        vocab_size: int | None = None,
+        pass_ratio: list[float] | None = None,
+    ):
         for what, model in (("target", target), ("draft", draft)):
             why = batchable(model) if model is not None else None
             if why:
@@ -66,6 +85,10 @@ class Batch:
         self.tap = HiddenTap(target, places) if places else None
         self.rows: list[Row] = []
         self.verifier = RowsTarget(target, self.tap)  # the target's batch caches
+        self.pass_ratio = pass_ratio
+        self.tree_pass = False  # the last round verified a tree a row
+        # why no row takes a tree (None: they may, once one asks)
+        self.no_trees = tree_refusal(target, make_caches(target))
 
     def join(
         self,
@@ -105,12 +128,28 @@ class Batch:
         stops = Stops(decode.eos_ids, decode.stop_ids, decode.max_tokens, made)
         rule = sampled_rule(decode.verify)
         row = Row(list(prompt), decode.k, stops, seed, process, rule, stats, drafts=drafts)
+        row.tree = self._trees(decode.tree, stats)
         self.verifier.cache = rows_of(self.verifier.cache, kv.target)  # prompt[:-1]
         self.verifier.rows_changed()
         if self.drafter is not None:
             self.drafter.join(row, kv.draft, kv.draft_held, kv.waiting)
         self.rows.append(row)
         return row
+
+    def _trees(self, size: TreeSize, stats: Stats) -> bool:
+        """Whether a row asking for ``size`` takes trees; the first that does sets the
+        batch's sizer (a draft with none drafts chains: there is nothing to branch)."""
+        if size.off or self.drafter is None:
+            return False
+        if self.no_trees:
+            stats.tree_off = f"the target cannot verify a tree: {self.no_trees}"
+            return False
+        if self.drafter.sizer is None:
+            self.drafter.sizer = SideSizer(size, AdaptiveK(cost=CostCurve()))
+            self.drafter.sizer.runs = isinstance(self.drafter, BlockRows)
+        cost = self.drafter.sizer.chooser.cost
+        cost.pass_ratio = cost.pass_ratio or self.pass_ratio  # (a probe may come later)
+        return True
 
     def share(self, prompt_ids: Sequence[int], kv: KVState) -> KVState:
         """The caches a joining prompt starts from: ``kv`` (a prompt cache's), or a copy of
@@ -167,4 +206,6 @@ class Batch:
         asked = [k] * len(rows) if isinstance(k, int) else list(k)
         if len(asked) != len(rows):
             raise ValueError(f"{len(asked)} k for {len(rows)} rows")
-        return [events for events, _ in one_round(rows, self.verifier, self.drafter, asked)]
+        out = one_round(rows, self.verifier, self.drafter, asked)
+        self.tree_pass = any(report.chain is not None for _, report in out)
+        return [events for events, _ in out]

@@ -47,6 +47,7 @@ class Row:
     stats: Stats = field(default_factory=Stats)
     done: bool = False
     drafts: bool = True  # False: it asked for no draft (plain steps in a batch's passes)
+    tree: bool = False  # a batch's row: it takes side leaves where the batch plans a tree
     draft_held: int = 0  # how much of ctx the draft's row holds (a prefix of ctx[:-1])
     # a head's row: the target's features at positions draft_held.. it has not been fed
     # yet (m, F), the pairs' hidden states; None: none (a one-token prompt's first round)
@@ -75,15 +76,16 @@ class Verifier(Protocol):
         ...
 
     def verify_tree(
-        self, rows: Sequence[Row], nodes: mx.array, tree: Tree
+        self, rows: Sequence[Row], nodes: mx.array, trees: Sequence[Tree]
     ) -> tuple[mx.array, mx.array | None]:
-        """A lone row's pass over its last token and a token tree's nodes (1, N): logits
-        (1, N + 1, V) and, for a drafter that reads them, the tapped features (1, N + 1, F)
-        in pass order; both lazy."""
+        """The pass over each row's last token and its token tree's nodes (B, N; row i's
+        first trees[i].size, then pads): logits (B, N + 1, V) and, for a drafter that reads
+        them, the tapped features (B, N + 1, F) in pass order; both lazy."""
         ...
 
-    def keep_path(self, rows: Sequence[Row], nodes: list[int]) -> None:
-        """After ``verify_tree``: keep the pass's ``nodes`` (0 the root, then the kept path)."""
+    def keep_path(self, rows: Sequence[Row], paths: Sequence[list[int]]) -> None:
+        """After ``verify_tree``: row i keeps its pass's paths[i] (0 the root, then its kept
+        path)."""
         ...
 
 
@@ -121,8 +123,8 @@ def one_round(
     if timed and any(h.source == "model" and h.draft_s is None for h in drafts.how):
         mx.eval(drafts.tokens, *[q for q in drafts.q if q is not None])
         draft_s = time.perf_counter() - t0
-    if drafts.tree is not None:  # a lone row's token tree: its own accept and keep
-        return [_tree_round(rows[0], target, drafter, drafts, keys[0], t0, draft_s)]
+    if drafts.trees is not None:  # a token tree a row: their own accept and keep
+        return _tree_round(rows, target, drafter, drafts, keys, t0, draft_s)
     logits, feats = target.verify(rows, drafts.tokens)  # (B, k + 1, V), (B, k + 1, F)
     plain = not k and all(r.process is None for r in rows)  # greedy plain steps
     if plain:  # the argmax alone (B,): as cheap as target-only decoding
@@ -173,50 +175,71 @@ def _report(r: Row, k: int, accepted: int, new: list[int], how, seconds: float, 
     return [TokenEvent(t, j < accepted) for j, t in enumerate(new)], report
 
 
-def _tree_round(r: Row, target: Verifier, drafter: RowDrafter, drafts: Drafts, keys, t0: float,
-                draft_s) -> tuple[list[TokenEvent], RoundReport]:  # fmt: skip
-    """The rest of a lone row's round over a token tree (drafts.tree, N nodes): one pass over
-    the root and the nodes, the kept path by the tree's rule (tree_acceptance: the longest
-    argmax path, or multi-step speculative sampling), its keys and values kept contiguous,
-    then the drafter settled on how far the path followed its chain."""
-    tree, nodes = drafts.tree, drafts.tokens  # (1, N)
-    logits, feats = target.verify_tree([r], nodes, tree)  # (1, N + 1, V), (1, N + 1, F)
-    if r.process is None:
-        node, nxt = accept_tree_greedy(logits[0], nodes[0], tree)
-    else:
-        p, q = r.process(logits[0]), drafts.q[0]  # (N + 1, V), (N, V_q)
-        if q.shape[-1] < p.shape[-1]:  # a narrower draft: its q is 0 past its ids
-            q = mx.pad(q, [(0, 0), (0, p.shape[-1] - q.shape[-1])])
-        u = mx.random.uniform(shape=(tree.size,), key=keys[1])
-        node, nxt = accept_tree(p, q, nodes[0], tree, u, keys[2])
-    # a drafter that learns from the pass (lookahead's Jacobi window): the target's argmax at
-    # the root and every node (N + 1,), read in the same sync
-    seen = [mx.argmax(logits[0], axis=-1).astype(mx.uint32)] if drafter.reads_argmax else []
-    out = mx.concatenate([node.astype(mx.uint32).reshape(1), nxt.reshape(1), nodes[0], *seen])
-    at, nxt, *tokens = out.tolist()  # the round's one host sync
-    if seen:
-        tokens, seen = tokens[: tree.size], tokens[tree.size :]
-        drafter.observe(seen)
-    path = tree.path(at)
-    fed = len(r.ctx) - 1
-    add, reason = r.stops.cut([tokens[j - 1] for j in path] + [nxt])
-    r.ctx += add
-    r.stats.finish_reason, r.done = reason, bool(reason)
-    target.keep_path([r], ([0] + path)[: len(r.ctx) - 1 - fed])
-    on_chain, side, chain = len(path), -1, max(tree.depths())  # a tree of its own (Medusa)
-    if drafts.chain:  # a drafter's chain, nodes 1..chain: how far the path followed it
-        on_chain, chain = (
-            next((j for j, u in enumerate(path) if u != j + 1), len(path)),
-            drafts.chain,
-        )
-        # a kept side leaf's rank: the leaves follow the chain, depth by depth, in rank order
-        first = chain + sum(drafts.sides[:on_chain]) + 1  # its depth's first leaf
-        width = drafts.sides[on_chain] if on_chain < len(drafts.sides) else 0
-        if on_chain < len(path) and first <= path[on_chain] < first + width:
-            side = path[on_chain] - first
-    if feats is not None:  # the kept positions' features, in order (1, 1 + len(path), F)
-        feats = feats[:, mx.array([0, *path], dtype=mx.int32)]
-    drafter.settle([r], drafts.chain, [fed], [on_chain], feats)  # (Medusa: no chain)
-    return _report(r, drafts.k, len(path), add, drafts.how[0], time.perf_counter() - t0,
-                   draft_s, chain=chain, sides=drafts.sides, side=side,
-                   on_chain=on_chain)  # fmt: skip
+def _tree_round(rows: Sequence[Row], target: Verifier, drafter: RowDrafter, drafts: Drafts,
+                keys: list, t0: float, draft_s) -> list[tuple[list[TokenEvent], RoundReport]]:  # fmt: skip
+    """The rest of a round over a token tree a row (drafts.trees; row i's first ks[i] of
+    the N nodes): one pass over every row's root and nodes, each row's kept path by the
+    tree's rule (tree_acceptance: the longest argmax path, or multi-step speculative
+    sampling), its keys and values kept contiguous, then the drafter settled on how far
+    each path followed its chain."""
+    nodes = drafts.tokens  # (B, N)
+    logits, feats = target.verify_tree(rows, nodes, drafts.trees)  # (B, N + 1, V), (B, N + 1, F)
+    outs = []
+    for i, (r, tree) in enumerate(zip(rows, drafts.trees, strict=True)):
+        n, mine = tree.size, nodes[i, : tree.size]  # (a row's pads are never read)
+        if r.process is None:
+            node, nxt = accept_tree_greedy(logits[i, : n + 1], mine, tree)
+        else:
+            p, q = r.process(logits[i, : n + 1]), drafts.q[i]  # (n + 1, V), (n, V_q)
+            q = q if q is not None else mx.zeros((0, p.shape[-1]), p.dtype)
+            if q.shape[-1] < p.shape[-1]:  # a narrower draft: its q is 0 past its ids
+                q = mx.pad(q, [(0, 0), (0, p.shape[-1] - q.shape[-1])])
+            u = mx.random.uniform(shape=(n,), key=keys[i][1])
+            node, nxt = accept_tree(p, q, mine, tree, u, keys[i][2])
+        outs.append(mx.concatenate([node.astype(mx.uint32).reshape(1), nxt.reshape(1), nodes[i]]))
+    # a drafter that learns from the pass (lookahead's Jacobi window, a lone row's): the
+    # target's argmax at the root and every node (N + 1,), read in the same sync
+    if drafter.reads_argmax:
+        outs[0] = mx.concatenate([outs[0], mx.argmax(logits[0], axis=-1).astype(mx.uint32)])
+    got = outs[0][None].tolist() if len(outs) == 1 else mx.stack(outs).tolist()  # one sync
+    if drafter.reads_argmax:
+        drafter.observe(got[0][2 + nodes.shape[1] :])
+    fed, paths, on_chains, out = [], [], [], []
+    for i, (r, tree, (at, nxt, *tokens)) in enumerate(zip(rows, drafts.trees, got, strict=True)):
+        path = tree.path(at)
+        fed.append(len(r.ctx) - 1)
+        add, reason = r.stops.cut([tokens[j - 1] for j in path] + [nxt])
+        r.ctx += add
+        r.stats.finish_reason, r.done = reason, bool(reason)
+        paths.append(([0] + path)[: len(r.ctx) - 1 - fed[-1]])
+        on_chain, side, chain = _followed(path, tree, drafts.chains[i], drafts.sides[i])
+        on_chains.append(on_chain)
+        out.append((add, path, chain, side, on_chain))
+    target.keep_path(rows, paths)
+    if feats is not None:  # each row's kept positions' features, in order (B, 1 + path, F)
+        m = max(len(p) for _, p, *_ in out)
+        at = mx.array([[0, *p] + [0] * (m - len(p)) for _, p, *_ in out], dtype=mx.int32)
+        feats = mx.take_along_axis(feats, at[..., None], axis=1)
+    drafter.settle(rows, drafts.chain, fed, on_chains, feats)  # (Medusa: no chain)
+    seconds = time.perf_counter() - t0
+    return [_report(r, drafts.ks[i], len(path), add, drafts.how[i], seconds, draft_s,
+                    chain=chain, sides=drafts.sides[i], side=side, on_chain=on_chain)
+            for i, (r, (add, path, chain, side, on_chain)) in enumerate(zip(rows, out, strict=True))]  # fmt: skip
+
+
+def _followed(path: list[int], tree: Tree, chain: int, sides: tuple) -> tuple[int, int, int]:
+    """How a kept path went through a row's tree: (how far it followed the drafter's chain,
+    nodes 1..chain; the rank of the side leaf it then took, -1: none; the chain's length,
+    or the tree's depth for a tree of its own, Medusa's)."""
+    if not chain:
+        return len(path), -1, max(tree.depths())
+    on_chain = next((j for j, u in enumerate(path) if u != j + 1), len(path))
+    # a kept side leaf's rank: the leaves follow the chain, depth by depth, in rank order
+    first = chain + sum(sides[:on_chain]) + 1  # its depth's first leaf
+    width = sides[on_chain] if on_chain < len(sides) else 0
+    side = (
+        path[on_chain] - first
+        if on_chain < len(path) and first <= path[on_chain] < first + width
+        else -1
+    )
+    return on_chain, side, chain

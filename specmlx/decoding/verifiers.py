@@ -15,6 +15,7 @@ from ..core.hidden import HiddenTap
 from ..core.recurrent import PassRecorder
 from ..core.rows import attention_rows
 from ..core.tree_acceptance import Tree
+from ..core.tree_pass import keep_rows_paths, rows_tree_logits
 from .round import Row
 
 
@@ -32,13 +33,13 @@ class LoneTarget:
         hidden = self.cursor.hidden
         return logits[None], (hidden.states[None] if hidden is not None else None)
 
-    def verify_tree(self, rows: Sequence[Row], nodes: mx.array, tree: Tree):
-        logits = self.cursor.verify_tree(rows[0].ctx[-1], nodes[0], tree, rows[0].ctx)
+    def verify_tree(self, rows: Sequence[Row], nodes: mx.array, trees: Sequence[Tree]):
+        logits = self.cursor.verify_tree(rows[0].ctx[-1], nodes[0], trees[0], rows[0].ctx)
         hidden = self.cursor.hidden if self.cursor.tap is not None else None
         return logits[None], (hidden.states[None] if hidden is not None else None)
 
-    def keep_path(self, rows: Sequence[Row], nodes: list[int]) -> None:
-        self.cursor.keep_path(nodes)
+    def keep_path(self, rows: Sequence[Row], paths: Sequence[list[int]]) -> None:
+        self.cursor.keep_path(paths[0])
 
     def queue(self, token: mx.array) -> None:
         self.cursor.queue(token)
@@ -61,6 +62,7 @@ class RowsTarget:
         layers = recurrent_layers(make_caches(target))
         self.recorder = PassRecorder(target, layers) if layers else None
         self._before: list = []  # the recurrent states before the latest pass
+        self._held: list[int] = []  # each row's length before the latest tree pass
 
     def rows_changed(self) -> None:
         """A row joined: the recorder follows the new batch caches."""
@@ -82,11 +84,17 @@ class RowsTarget:
     def queue(self, token: mx.array) -> None:
         raise NotImplementedError("a batch queues no plain pass")
 
-    def verify_tree(self, rows: Sequence[Row], nodes: mx.array, tree: Tree):
-        raise NotImplementedError("a batch verifies chains (its rows already widen the pass)")
+    def verify_tree(self, rows: Sequence[Row], nodes: mx.array, trees: Sequence[Tree]):
+        last = mx.array([[r.ctx[-1]] for r in rows], dtype=mx.uint32)  # (B, 1)
+        self._held = [len(r.ctx) - 1 for r in rows]
+        with self.tap or nullcontext():  # (recurrent rows take no tree: tree_refusal)
+            logits = rows_tree_logits(
+                self.model, self.cache, mx.concatenate([last, nodes], 1), trees
+            )
+        return logits, (self.tap.features() if self.tap is not None else None)
 
-    def keep_path(self, rows: Sequence[Row], nodes: list[int]) -> None:
-        raise NotImplementedError("a batch verifies chains")
+    def keep_path(self, rows: Sequence[Row], paths: Sequence[list[int]]) -> None:
+        keep_rows_paths(self.cache, self._held, paths)
 
     def keep(self, rows: Sequence[Row], fed: list[int], kept: list[int]) -> None:
         # a row fed ctx[-1] and its drafts; it keeps what its new ctx[:-1] holds

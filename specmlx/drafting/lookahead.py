@@ -131,7 +131,7 @@ class LookaheadRows(RowDrafter):
         if not self.levels or len(self.levels[0]) != w:  # (re)start: guesses from the context
             self.levels = [[self._rng.choice(r.ctx) for _ in range(w)]]
         v = drafts.k
-        parents = list(drafts.tree.parents if drafts.tree is not None else range(v))
+        parents = list(drafts.trees[0].parents if drafts.trees is not None else range(v))
         tokens: list[int] = []
         below = [0] * w  # each column's node in the level below (level 0: a chain)
         for level in self.levels:
@@ -146,8 +146,8 @@ class LookaheadRows(RowDrafter):
         if r.process is not None:  # point masses (chosen, not drawn)
             q = (mx.arange(self.width) == both[0][:, None]).astype(mx.float32)  # (N, width)
         how = drafts.how[0] if v else Proposal(source="lookup")
-        chain = drafts.chain if drafts.tree is not None else v
-        return Drafts(both, [q], [both.shape[1]], [how], Tree(tuple(parents)), chain)
+        chain = drafts.chain if drafts.trees is not None else v
+        return Drafts.tree_of_one(both, q, how, Tree(tuple(parents)), chain)
 
     def observe(self, argmax: list[int]) -> None:
         """The window's next level: what the target predicts after each column's top guess;

@@ -1,14 +1,14 @@
 """What a row drafter gives the round and the interface every one keeps (decoding/round.py
 reads nothing else of a drafter): ``Drafts`` for B rows, the ``RowDrafter`` interface, and the
-side leaves a drafter with a distribution at each step adds to a lone row's chain (a token
-tree, drafting/trees.py). The drafters themselves: row_drafters.py (the draft model, the
+side leaves a drafter with a distribution at each step adds to each row's chain (a token
+tree a row, drafting/trees.py). The drafters themselves: row_drafters.py (the draft model, the
 heads, the block drafter, lone drafters and chains) and tree_rows.py (Medusa's trees, lookup
 beside a drafter)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import mlx.core as mx
@@ -35,13 +35,15 @@ class Drafts:
     q: list
     ks: list[int]
     how: list[Proposal]
-    # a lone row's token tree (trees.py): its shape over the k nodes, the drafter's chain
-    # (nodes 1..chain, each the child of the one before) and its side leaves by depth (the
-    # nodes after the chain; after those, a block drafter's continuations of its leaves, or
-    # another drafter's nodes, SiblingRows); None: the drafts are a chain
-    tree: Tree | None = None
+    # a token tree a row (trees.py): row i's shape over its first ks[i] nodes, the
+    # drafter's chain first (nodes 1..chains[i], each the child of the one before), then
+    # its side leaves by depth (sides[i]; after those, a block drafter's continuations of
+    # its leaves, or another drafter's nodes, SiblingRows); chain: what the drafter drafted
+    # for every row, which its settle is told (0: a tree of its own, Medusa's); None: chains
+    trees: list[Tree] | None = None
     chain: int = 0
-    sides: tuple[int, ...] = ()
+    chains: list[int] = field(default_factory=list)
+    sides: list[tuple[int, ...]] = field(default_factory=list)
 
     @property
     def k(self) -> int:
@@ -62,6 +64,14 @@ class Drafts:
         """A row drafter's drafts (B, k), its q per row and ks."""
         return cls(tokens, q, list(ks), [BY_MODEL] * len(ks))
 
+    @classmethod
+    def tree_of_one(
+        cls, tokens: mx.array, q, how: Proposal, tree: Tree, chain: int = 0, sides=()
+    ) -> Drafts:
+        """A lone row's token tree: tokens (1, N) shaped by ``tree``, q its (N, V_q) or None,
+        the drafter's chain nodes 1..chain (0: none) and its side leaves by depth."""
+        return cls(tokens, [q], [tree.size], [how], [tree], chain, [chain], [tuple(sides)])
+
 
 class DraftRow(Protocol):
     """What a row drafter reads and writes of a row (decoding.round.Row)."""
@@ -69,6 +79,7 @@ class DraftRow(Protocol):
     ctx: list[int]
     process: Processor | None
     stats: Stats
+    tree: bool  # it takes side leaves where the drafter's sizer plans them
     draft_held: int
     waiting: mx.array | None
     own_cache: list | None
@@ -89,8 +100,8 @@ class RowDrafter:
     needs_k: bool = True
     lone: bool = False
     reads_argmax: bool = False
-    # set for a lone row whose target verifies trees (trees.SideSizer): a drafter with a
-    # distribution at each step gives its chain the side leaves it plans (proposals.with_leaves)
+    # set where the target verifies trees (trees.SideSizer): a drafter with a distribution
+    # at each step gives each row's chain the side leaves it plans (proposals.with_leaves)
     sizer: SideSizer | None = None
 
     def limit(self, row: DraftRow) -> int | None:
@@ -142,17 +153,22 @@ class RowDrafter:
         raise NotImplementedError
 
 
-def side_plan(sizer: SideSizer | None, rows, k: int) -> list[int]:
-    """A lone row's side leaves per depth this round (trees.SideSizer); none for a batch."""
-    return sizer.plan(k, rows[0].stats) if sizer is not None and len(rows) == 1 else []
+def side_plan(sizer: SideSizer | None, rows, ks: list[int]) -> list[list[int]]:
+    """Each row's side leaves per depth of its chain of ks[i] this round (trees.SideSizer;
+    [] without a sizer: chains)."""
+    return sizer.plan_rows(ks, rows)[0] if sizer is not None else []
 
 
-def block_plan(sizer: SideSizer | None, rows, k: int) -> tuple[list[int], list[int]]:
-    """A lone row's side leaves per depth and their continuations (trees.SideSizer.plan_runs:
-    a block drafter's leaves may go on with the block's later positions); none for a batch."""
-    if sizer is None or len(rows) != 1:
-        return [], []
-    return sizer.plan_runs(k, rows[0].stats)
+def block_plan(sizer: SideSizer | None, rows, ks: list[int]) -> tuple[list, list]:
+    """Each row's side leaves per depth and their continuations (trees.SideSizer.plan_rows:
+    a block drafter's leaves may go on with the block's later positions); [], [] without a
+    sizer."""
+    return sizer.plan_rows(ks, rows) if sizer is not None else ([], [])
+
+
+def branched(sides: list[list[int]]) -> bool:
+    """Whether a plan (``side_plan``'s) adds any leaf."""
+    return any(any(s) for s in sides)
 
 
 def followers(chain: mx.array, sides: list[int], runs: list[int]) -> list[mx.array]:
@@ -172,19 +188,27 @@ def next_best(scores: mx.array, chosen: mx.array, m: int) -> mx.array:
 
 
 def with_leaves(
-    drafts: Drafts, k: int, sides: list[int], leaves: list, runs: Sequence[int] = ()
+    drafts: Drafts, sides: list[list[int]], leaves: list[list], runs: Sequence = ()
 ) -> Drafts:
-    """A lone row's chain of k with side leaves (trees.py): tokens (1, N), the chain's
-    first; a sampled row's q (N, vocab) the chain's rows, then a point mass (one-hot) for each
-    leaf: the leaves are the draft's top ranks, chosen, not drawn (tree_acceptance). A block
-    drafter's ``leaves`` end with its continuations' tokens (followers), ``runs`` their
-    counts; they are point masses too: tokens chosen for a place other than their draw's."""
-    leaf = mx.concatenate(leaves)  # (N - k,)
-    tokens = mx.concatenate([drafts.tokens, leaf[None]], axis=1)  # (1, N)
-    q = drafts.q[0]
-    if q is not None:
-        one_hot = (mx.arange(q.shape[-1]) == leaf[:, None]).astype(q.dtype)  # (N - k, vocab)
-        q = mx.concatenate([q, one_hot])
-    n = tokens.shape[1]
-    tree = Tree(side_parents(k, sides, runs))
-    return Drafts(tokens, [q], [n], drafts.how, tree, k, tuple(sides))
+    """Each row's chain (its first ks[i] drafts) with side leaves (trees.py), a tree a row:
+    tokens (B, N), row i's chain first, then its leaves (``leaves[i]``: arrays of tokens),
+    padded with zeros to the widest row; a sampled row's q (N_i, vocab) its chain's rows,
+    then a point mass (one-hot) for each leaf: the leaves are the draft's top ranks, chosen,
+    not drawn (tree_acceptance). A block drafter's ``leaves[i]`` end with its continuations'
+    tokens (followers), ``runs[i]`` their counts; they are point masses too: tokens chosen
+    for a place other than their draw's. sides: each row's leaves by depth (side_plan's)."""
+    rows, qs, trees = [], [], []
+    for i, (c, row_sides, row_leaves) in enumerate(zip(drafts.ks, sides, leaves, strict=True)):
+        chain = drafts.tokens[i, :c]
+        leaf = mx.concatenate(row_leaves) if row_leaves else chain[:0]  # (N_i - c,)
+        rows.append(mx.concatenate([chain, leaf]))
+        q = drafts.q[i]
+        if q is not None:
+            one_hot = (mx.arange(q.shape[-1]) == leaf[:, None]).astype(q.dtype)  # (N_i - c, V)
+            q = mx.concatenate([q[:c], one_hot])
+        qs.append(q)
+        trees.append(Tree(side_parents(c, row_sides[:c], runs[i] if runs else ())))
+    n = max(t.size for t in trees)
+    tokens = mx.stack([mx.pad(t, [(0, n - t.shape[0])]) for t in rows])  # (B, N)
+    return Drafts(tokens, qs, [t.size for t in trees], drafts.how, trees, drafts.k,
+                  list(drafts.ks), [tuple(s) for s in sides])  # fmt: skip

@@ -47,6 +47,7 @@ from .proposals import (
     Drafts,
     RowDrafter,
     block_plan,
+    branched,
     followers,
     next_best,
     side_plan,
@@ -139,8 +140,8 @@ class ModelRows(_SharedCache):
         keep = lambda: [list(c.cache) for c in recurrent]  # noqa: E731 - references only
         self._states = [keep()] if recurrent else []
         steps = _step_keys(keys, ks)
-        sides = side_plan(self.sizer, rows, k)
-        tokens, qs, leaves = [], [], []
+        sides = side_plan(self.sizer, rows, ks)
+        tokens, qs, leaves = [], [], [[] for _ in rows]
         for j in range(k):
             if j:
                 fed = mx.where(tokens[-1] < self.embeds, tokens[-1], SAFE_ID)
@@ -149,13 +150,12 @@ class ModelRows(_SharedCache):
                     self._states.append(keep())
             t, q = _draw(rows, logits, [s[j] if s is not None and j < s.shape[0] else None
                                         for s in steps])  # fmt: skip
-            if sides and sides[j]:  # (the q a draw used, or the logits of a greedy one)
-                leaves.append(next_best(logits[0] if q[0] is None else q[0], t[0], sides[j]))
+            _add_leaves(leaves, sides, j, logits, t, q)
             tokens.append(t)
             qs.append(q)
             mx.async_eval(t)  # the host builds the next step while this one runs
         drafts = Drafts.model(mx.stack(tokens, axis=1), _per_row(rows, qs), ks)
-        return with_leaves(drafts, k, sides, leaves) if any(sides) else drafts
+        return with_leaves(drafts, sides, leaves) if branched(sides) else drafts
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The draft fed ctx and k - 1 drafts: each row keeps what its ctx confirms of them
@@ -201,21 +201,20 @@ class HeadRows(_SharedCache):
     def propose(self, rows, k, ks, keys):
         g, logits = self._feed_waiting(rows, keep_last=False)  # (B, 1, H), (B, vocab)
         steps = _step_keys(keys, ks)
-        sides = side_plan(self.sizer, rows, k)
-        tokens, qs, leaves = [], [], []
+        sides = side_plan(self.sizer, rows, ks)
+        tokens, qs, leaves = [], [], [[] for _ in rows]
         for j in range(k):
             if j:
                 g, logits = self.model(g, tokens[-1][:, None], self.cache)
                 g, logits = g[:, -1:], logits[:, -1, : self.vocab]
             t, q = _draw(rows, logits, [s[j] if s is not None and j < s.shape[0] else None
                                         for s in steps])  # fmt: skip
-            if sides and sides[j]:
-                leaves.append(next_best(logits[0] if q[0] is None else q[0], t[0], sides[j]))
+            _add_leaves(leaves, sides, j, logits, t, q)
             tokens.append(t)
             qs.append(q)
             mx.async_eval(t)
         drafts = Drafts.model(mx.stack(tokens, axis=1), _per_row(rows, qs), ks)
-        return with_leaves(drafts, k, sides, leaves) if any(sides) else drafts
+        return with_leaves(drafts, sides, leaves) if branched(sides) else drafts
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The pairs (h_j, t_{j+1}) this pass confirmed wait to be fed; the chained entries
@@ -278,9 +277,9 @@ class BlockRows(RowDrafter):
     def propose(self, rows, k, ks, keys):
         """Each row's block: its waiting context fed to its own cache, then a block of its
         own ks[i] + 1 positions after its newest token (zeros past ks[i])."""
-        tokens, qs, leaves = [], [], []
-        sides, runs = block_plan(self.sizer, rows, k)
-        for r, ki, key in zip(rows, ks, keys, strict=True):
+        tokens, qs, leaves = [], [], [[] for _ in rows]
+        sides, runs = block_plan(self.sizer, rows, ks)
+        for i, (r, ki, key) in enumerate(zip(rows, ks, keys, strict=True)):
             m = len_of(r.waiting)
             if m:
                 self.model(r.waiting[None], None, r.own_cache)
@@ -296,16 +295,17 @@ class BlockRows(RowDrafter):
             else:  # (each position has its own q, drawn independently)
                 q = r.process(logits)
                 d = sample(q, key)
-            for j, m in enumerate(sides[:ki]):  # (a lone row: the top of each position)
-                if m:
-                    leaves.append(next_best(logits[j] if q is None else q[j], d[j], m))
-            leaves += followers(d, sides[:ki], runs)
+            if sides and any(sides[i]):  # the top of each position, then the followers
+                for j, m in enumerate(sides[i][:ki]):
+                    if m:
+                        leaves[i].append(next_best(logits[j] if q is None else q[j], d[j], m))
+                leaves[i] += followers(d, sides[i][:ki], runs[i])
             tokens.append(mx.concatenate([d, mx.zeros((k - ki,), dtype=mx.uint32)]))
             qs.append(q)
         d = mx.stack(tokens)  # (B, k)
         mx.async_eval(d)
         drafts = Drafts.model(d, qs, ks)
-        return with_leaves(drafts, k, sides, leaves, runs) if any(sides) else drafts
+        return with_leaves(drafts, sides, leaves, runs) if branched(sides) else drafts
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The context this pass confirmed waits to be fed; a row that piles up more than
@@ -340,6 +340,14 @@ def _add_waiting(rows, fed: list[int], feats: mx.array) -> None:
     for i, (r, f) in enumerate(zip(rows, fed, strict=True)):
         new = feats[i, : len(r.ctx) - 1 - f]
         r.waiting = new if r.waiting is None else mx.concatenate([r.waiting, new])
+
+
+def _add_leaves(leaves: list[list], sides: list[list[int]], j: int, logits, t, q) -> None:
+    """Step j's side leaves, row by row (side_plan's ``sides``): the best ids of the q each
+    draw used, or a greedy row's logits (B, vocab), other than its draw t (B,)."""
+    for i, plan in enumerate(sides):
+        if j < len(plan) and plan[j]:
+            leaves[i].append(next_best(logits[i] if q[i] is None else q[i], t[i], plan[j]))
 
 
 def _step_keys(keys: list, ks: list[int]) -> list:
@@ -393,11 +401,11 @@ class LoneRows(RowDrafter):
             raise BadInput(f"{self.name} drafts for a lone request only, not for {len(rows)} rows")
         r = rows[0]
         p = self.drafter.propose(r.ctx, ks[0], r.stops.room, keys[0])
-        sides = side_plan(self.sizer, rows, p.k) if p.scores else []
-        if not any(sides):
+        sides = side_plan(self.sizer, rows, [p.k]) if p.scores else []
+        if not branched(sides):
             return Drafts.one(p)
-        leaves = [next_best(p.scores[j], p.tokens[j], m) for j, m in enumerate(sides) if m]
-        return with_leaves(Drafts.one(p), p.k, sides, leaves)
+        leaves = [next_best(p.scores[j], p.tokens[j], m) for j, m in enumerate(sides[0]) if m]
+        return with_leaves(Drafts.one(p), sides, [leaves])
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         # what the drafter saw of its own drafts and ctx still holds: a tree's path may leave

@@ -76,7 +76,7 @@ class LookupRows(RowDrafter):
         if r.process is not None:  # point masses (chosen, not drawn)
             q = (mx.arange(self.width) == look[:, None]).astype(mx.float32)  # (N, width)
         how = Proposal(source="lookup", match=match)
-        return Drafts(look[None], [q], [len(tokens)], [how], Tree(parents), len(chain))
+        return Drafts.tree_of_one(look[None], q, how, Tree(parents), len(chain))
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         self.finder.sync()  # the row's ctx is the index's own list: index what joined it
@@ -172,9 +172,10 @@ class MedusaRows(RowDrafter):
         q = None
         if r.process is not None:  # point masses (chosen, not drawn)
             q = (mx.arange(self.vocab) == tokens[:, None]).astype(mx.float32)  # (N, vocab)
-        n = tokens.shape[0]
         mx.async_eval(tokens)
-        return Drafts(tokens[None], [q], [n], [BY_MODEL], tree)  # (a tree of its own: no chain)
+        if tree is None:  # trees off: the chain of each head's best
+            return Drafts(tokens[None], [q], [tokens.shape[0]], [BY_MODEL])
+        return Drafts.tree_of_one(tokens[None], q, BY_MODEL, tree)  # (its own tree: no chain)
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The heads read next the target's state at the row's last kept position: feats
@@ -225,16 +226,16 @@ class SiblingRows(RowDrafter):
         look = mx.array(found, dtype=mx.uint32)
         if not drafts.k:  # lookup alone: a chain of point masses
             return Drafts.one(Proposal(look, None, "lookup", match=match))
-        n, chain = drafts.k, drafts.chain if drafts.tree is not None else drafts.k
-        parents = drafts.tree.parents if drafts.tree is not None else tuple(range(n))
+        n, tree = drafts.k, drafts.trees[0] if drafts.trees is not None else Tree.chain(drafts.k)
+        chain, sides = (drafts.chain, drafts.sides[0]) if drafts.trees is not None else (n, ())
+        parents = tree.parents
         parents += (0,) + tuple(range(n + 1, n + len(found)))  # lookup's branch, under the root
         q = drafts.q[0]
         if q is not None:  # a sampled row: its drafter's q, then a point mass at each of lookup's
             q = mx.pad(q, [(0, 0), (0, self.width - q.shape[-1])])
             q = mx.concatenate([q, (mx.arange(self.width) == look[:, None]).astype(q.dtype)])
         tokens = mx.concatenate([drafts.tokens, look[None]], axis=1)  # (1, N + L)
-        size = tokens.shape[1]
-        return Drafts(tokens, [q], [size], drafts.how, Tree(parents), chain, drafts.sides)
+        return Drafts.tree_of_one(tokens, q, drafts.how[0], Tree(parents), chain, sides)
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """k: the drafter's chain (0 where lookup's drafts went alone: its state saw none)."""

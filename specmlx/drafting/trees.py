@@ -132,6 +132,29 @@ class SideSizer:
         sides, runs, _ = self._choose(k, stats)
         return sides, runs
 
+    def plan_rows(
+        self, ks: Sequence[int], rows: Sequence
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        """Each row's side leaves by depth and their continuations (``plan_runs``'s), for
+        chains of ks[i]. rows: each row's ``stats``, and ``tree``: whether it takes leaves.
+
+        A lone row's plan is ``plan_runs``'s. A batch's rows share one pass, as wide as its
+        widest row (core.tree_pass pads the others), so every row that takes leaves gets the
+        same count, its own best; for auto, the count that maximizes the batch's expected
+        tokens per second, a pass over B rows of w tokens costing what the pass-cost curve
+        says of B * w tokens (every row's tokens share the reads of the weights). The
+        drafting time is left out: it does not change with the leaves, and leaving it out
+        only ever picks fewer."""
+        if len(rows) == 1:
+            sides, runs, _ = self._choose(ks[0], rows[0].stats)
+            return [sides], [runs]
+        k = max(ks, default=0)
+        ranked = [self._ranked(ki, r.stats, r.tree) for ki, r in zip(ks, rows, strict=True)]
+        most = min(max(0, self.size.nodes - k), max(len(nodes) for nodes, _ in ranked))
+        n = self._batch_count(k, ranked, most) if self.size.auto else most
+        plans = [self._take(ki, nodes[:n]) for ki, (nodes, _) in zip(ks, ranked, strict=True)]
+        return [p[0] for p in plans], [p[1] for p in plans]
+
     def gain(self, k: int, stats: Stats) -> tuple[float, int]:
         """What the plan for a chain of k adds: (expected tokens, drafted tokens verified);
         an adaptive k chooser weighs each k with it (AdaptiveK.widen). stats: the row's."""
@@ -142,41 +165,59 @@ class SideSizer:
         """(side leaves by depth, continuations by leaf, their summed value) for a chain of k."""
         if k <= 0 or self.size.nodes - k <= 0:
             return [0] * max(k, 0), [], 0.0
+        nodes, chain = self._ranked(k, stats)
+        room = min(self.size.nodes - k, len(nodes))
+        take = room  # a fixed size: all the room; auto: the count that pays most
+        if self.size.auto:
+            take = paying(self.chooser, k, chain, [n[0] for n in nodes[:room]], drafting=True)
+        return self._take(k, nodes[:take])
+
+    def _ranked(self, k: int, stats: Stats, branches: bool = True) -> tuple[list[tuple], float]:
+        """Every leaf and follower a chain of k could take, best first, as (value, depth,
+        rank, m: the m-th follower of leaf (depth, rank); 0 the leaf), and the chain's own
+        expected tokens (1 + a_1 + a_1 a_2 + ...). branches: False gives no nodes."""
         a = [_rate(stats.depth_accepted, stats.depth_tried, d, _DEPTH_PRIOR) for d in range(k)]
         h = [_rate(stats.rank_kept, stats.rank_tried, s, _RANK_PRIOR) for s in range(SIDE_MAX)]
-        reach, nodes = 1.0, []  # (value, depth, rank, m): leaf (d, s) and its m-th follower
+        reach, chain, nodes = 1.0, 1.0, []
         for d in range(k):
-            for s in range(SIDE_MAX):
+            for s in range(SIDE_MAX if branches else 0):
                 value = reach * (1.0 - a[d]) * h[s]
                 nodes.append((value, d, s, 0))
                 for m in range(1, k - d if self.runs else 1):
                     value *= a[d + m]
                     nodes.append((value, d, s, m))
             reach *= a[d]
+            chain += reach
         # best first; a follower is worth less than what it follows, so any prefix of this
         # order holds every chosen node's parent (within a depth, rank order is value order)
         nodes.sort(key=lambda n: (-n[0], n[3], n[2]))
-        room = min(self.size.nodes - k, len(nodes))
-        take = self._best_count(k, a, [n[0] for n in nodes[:room]])
-        sides, follow = [0] * k, {}
-        for _, d, s, m in nodes[:take]:
+        return nodes, chain
+
+    @staticmethod
+    def _take(k: int, nodes: list[tuple]) -> tuple[list[int], list[int], float]:
+        """The plan that takes ``nodes`` (a prefix of ``_ranked``'s): (side leaves by depth,
+        continuations by leaf, their summed value)."""
+        sides, follow = [0] * max(k, 0), {}
+        for _, d, s, m in nodes:
             if m == 0:
                 sides[d] += 1
             else:
                 follow[d, s] = m
         runs = [follow.get((d, s), 0) for d in range(k) for s in range(sides[d])]
-        return sides, runs if any(runs) else [], sum(n[0] for n in nodes[:take])
+        return sides, runs if any(runs) else [], sum(n[0] for n in nodes)
 
-    def _best_count(self, k: int, a: list[float], values: list[float]) -> int:
-        """How many of the leaves (by value, best first) to verify: all of them for a fixed
-        size; for auto, the count that maximizes expected tokens per second of the round."""
-        if not self.size.auto:
-            return len(values)
-        chain, reach = 1.0, 1.0  # expected tokens of the chain alone: 1 + a_1 + a_1 a_2 + ...
-        for d in range(k):
-            reach *= a[d]
-            chain += reach
-        return paying(self.chooser, k, chain, values, drafting=True)
+    def _batch_count(self, k: int, ranked: list[tuple[list[tuple], float]], most: int) -> int:
+        """How many leaves each row of a batch takes (auto): see ``plan_rows``. ranked: each
+        row's ``_ranked``; most: the cap."""
+        cost = self.chooser.cost if isinstance(self.chooser, AdaptiveK) else CostCurve()
+        b, tokens = len(ranked), sum(chain for _, chain in ranked)
+        best, best_rate = 0, 0.0
+        for n in range(most + 1):
+            tokens += sum(nodes[n - 1][0] for nodes, _ in ranked if 0 < n <= len(nodes))
+            rate = tokens / cost.shape(b * (k + 1 + n) - 1)  # (the level is common to all n)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
 
 
 def paying(chooser: KChooser, k: int, tokens: float, values: list[float], drafting=False) -> int:

@@ -274,6 +274,7 @@ class Batcher:
         if p is None:
             return
         drafts = lv.job.request.uses_draft
+        self._probed()
         lv.row = self.batch.join(p.ids, p.decode, lv.kv, lv.job.stats, drafts, p.made)
         self.w.cache.keep_branch(lv.kv)  # (its caches are the row's now)
         lv.kv = None
@@ -339,6 +340,7 @@ class Batcher:
         drafts = lv.job.request.uses_draft
         try:
             kv = self.w.cache.take(p.ids)
+            self._probed()
             lv.row = self.batch.join(p.ids, p.decode, kv, lv.job.stats, drafts, p.made)
             self.w.cache.keep_branch(kv)
         except Exception as e:  # noqa: BLE001 - this request's error; serving goes on
@@ -372,6 +374,7 @@ class Batcher:
             return
         width = len(self.live)
         self.w.totals.batch_rounds += 1
+        self.w.totals.batch_tree_rounds += self.batch.tree_pass
         if k is not None:  # (rows that keep their own k tell BatchK nothing of its choice)
             self.k.observe(width, k, sum(len(ev) for ev in events), time.perf_counter() - t0)
         for lv, evs in zip(list(self.live), events, strict=True):
@@ -446,7 +449,15 @@ class Batcher:
                 lv.solo.close()
             else:
                 self.batch.leave(lv.row)
-        self.batch = Batch(self.batch.target, self.batch.draft, self.batch.vocab)
+        b = self.batch
+        self.batch = Batch(b.target, b.draft, b.vocab, b.pass_ratio)
+
+    def _probed(self) -> None:
+        """A batch's trees are sized from the target's probed pass costs once a probe has run
+        (a lone auto request's); with ranks, from the guessed curve, which every rank has
+        (their plans must agree)."""
+        if self.batch.pass_ratio is None and not self.ranks:
+            self.batch.pass_ratio = self.w.choosers.cached_probe(self.w.session.pair.target_id)
 
     def jobs(self) -> list:
         return [lv.job for lv in self.live + self.parked] + self.warmups.waiting

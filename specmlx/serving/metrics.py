@@ -51,6 +51,8 @@ class ServerMetrics:
             ("prompt_cache_entries", "gauge", "sequences kept", t.cache_entries),
             ("batch_rows", "gauge", "requests decoding together now", t.batch_rows),
             ("batch_rounds_total", "counter", "batched target passes (one a round, whatever the rows)", t.batch_rounds),
+            ("batch_tree_rounds_total", "counter", "batched target passes that verified a token tree a row", t.batch_tree_rounds),
+            ("tree_passes_total", "counter", "target passes that verified a token tree, per request", t.tree_rounds),
             ("generated_tokens_total", "counter", "tokens generated", t.generated),
             ("drafted_tokens_total", "counter", "tokens drafted", t.drafted),
             ("accepted_tokens_total", "counter", "drafts accepted", t.accepted),

@@ -102,6 +102,8 @@ class Totals:
     cache_entries: int = 0
     batch_rows: int = 0  # requests decoding together now (--max-batch > 1)
     batch_rounds: int = 0  # batched target passes (one a round, whatever the rows)
+    batch_tree_rounds: int = 0  # of those, passes that verified a token tree a row
+    tree_rounds: int = 0  # target passes that verified a tree, per request (as ``rounds``)
 
 
 class Worker:
@@ -456,6 +458,7 @@ class Worker:
         t.drafted += stats.drafted
         t.accepted += stats.accepted
         t.rounds += stats.rounds
+        t.tree_rounds += stats.tree_rounds
         t.decode_s += stats.decode_s
         t.prefill_s += stats.prefill_s
         mx.clear_cache()  # between requests: give the allocator's free blocks back
