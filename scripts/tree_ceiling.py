@@ -12,6 +12,7 @@ frequent rank-path prefixes; this reports, in tokens per pass over all start pos
 - the chain of depth D (ranks 0, 0, ...);
 - chain + side leaves (what specmlx's side leaves can build: paths of zeros then one rank s,
   s <= SIDE_MAX at each depth), best of N;
+- chain + side leaves + their children (one level of expansion past the leaves), best of N;
 - the best of all trees of N nodes at depth <= D (EAGLE-2's dynamic trees, DDTree and
   Sequoia all build trees of this family).
 
@@ -76,6 +77,12 @@ def side_path(p: tuple) -> bool:
     return all(x == 0 for x in p[:-1]) and 1 <= p[-1] <= SIDE_MAX
 
 
+def leaf_child_path(p: tuple) -> bool:
+    """A side leaf's path, or one of its children's (one level of EAGLE-2's expansion past
+    the side leaves: zeros, then a rank s, then any rank r)."""
+    return side_path(p) or (len(p) >= 2 and side_path(p[:-1]) and p[-1] <= SIDE_MAX)
+
+
 chain = {(0,) * d for d in range(1, a.depth + 1)}
 ordered = [p for p, _ in prefixes.most_common()]
 top = Counter(x for r in ranks for x in r)
@@ -88,9 +95,11 @@ c = tokens_per_pass(chain)
 print(f"chain of {a.depth}: {c:.3f} tokens/pass")
 for nodes in (int(x) for x in a.nodes.split(",")):
     sides = chain | set([p for p in ordered if side_path(p)][: nodes - a.depth])
+    children = chain | set([p for p in ordered if leaf_child_path(p)][: nodes - a.depth])
     best = set(ordered[:nodes])
     for name, tree in (
         (f"chain + side leaves (<= {SIDE_MAX} a depth)", sides),
+        ("chain + side leaves + their children", children),
         ("best tree", best),
     ):
         tpp = tokens_per_pass(tree)

@@ -305,3 +305,18 @@ def test_a_batch_tree_round_has_one_host_sync(pair, monkeypatch):
     for _ in range(3):
         batch.round(3)
     assert count[0] == 3 and all(r.stats.tree_rounds == 4 for r in batch.rows)
+
+
+def test_auto_fills_a_wider_pass_the_probe_found_cheaper_but_no_interpolated_dip():
+    """Where the probe timed 16 tokens faster than 9 (this CPU's BLAS), auto fills a pass of
+    16 with leaves (a chain of 3 and 12 leaves); the same dip between timed counts (at 14
+    tokens, interpolated) is not trusted: the plan stays within the flat part."""
+    rich = _stats(0.3, 0.3)
+
+    def chooser(dip_at: int) -> AdaptiveK:
+        ratio = [1.0 + 0.3 * min(k, 8) + 0.3 * max(0, k - 8) for k in range(32)]  # steep
+        ratio[dip_at - 1] = 1.5  # a pass over dip_at tokens: cheaper than 3 tokens
+        return AdaptiveK(cost=CostCurve(pass_ratio=ratio, t_draft=0.05, level=1.0))
+
+    assert sum(SideSizer(AUTO, chooser(16)).plan(3, rich)) == 12
+    assert sum(SideSizer(AUTO, chooser(14)).plan(3, rich)) < 5

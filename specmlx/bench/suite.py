@@ -32,8 +32,9 @@ from ..decoding.session import Pair, Request, Session, drafter_of
 from ..distributed.ranks import World
 from ..drafting.adaptive import SUFFIX_MAX, AdaptiveK
 from ..drafting.choosers import AUTO, ChooserStore, K
+from ..drafting.cost_curve import PROBE_SIZES
 from ..drafting.lookup import LookupMemory
-from ..drafting.probe import PROBE_SIZES, curve_from, head_step_seconds, pass_times
+from ..drafting.probe import curve_from, head_step_seconds, pass_times
 from ..drafting.trees import OFF
 from .data import MEMORY, NGRAM, STOP, BenchSettings, Run, System, code_of, edit_step, runs_at
 from .report import judge_greedy_runs, summarize

@@ -325,7 +325,7 @@ class AdaptiveK(KChooser):
                    block=self.block)  # fmt: skip
         extra = 0.0, 0
         if self.widen is not None:  # with side leaves a k may pay that alone would not
-            curve = cost.curve(TREE_MAX)  # (a tree's nodes, its chain's too, <= TREE_MAX)
+            curve = cost.tree_curve(TREE_MAX)  # (a tree's nodes, its chain's too, <= TREE_MAX)
             k, extra = self._widest(td, curve, later)
         hopeful = self.accept.optimistic(self.explore)
         tokens = expected_tokens(hopeful, k, later) + extra[0]

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 # the first timings of the draft are taken at their minimum, later ones averaged
 EARLY_TIMES = 3
+# token counts the pass-cost probe times (probe.py); the curve between them is interpolated
+PROBE_SIZES = (*range(1, 10), 12, 16, 32)
 
 
 @dataclass
@@ -57,6 +59,21 @@ class CostCurve:
             curve.append(max(t, curve[-1]) if curve else t)
         self._memo = (key, curve)
         return curve
+
+    def tree_curve(self, k_last: int) -> list[float]:
+        """t_verify(n) for n in 0..k_last where the drafter picks n (a token tree's nodes):
+        ``curve``'s, except at the token counts the probe timed, where a pass is taken at
+        what was measured even when that is less than a narrower pass's: some hardware runs
+        a wider pass faster (this CPU's BLAS: 16 tokens in 0.75x the time of 9), and a
+        tree can fill it with leaves. Between the timed counts an interpolated dip is not
+        trusted. In units of a one-token pass until a round is timed (``level`` None)."""
+        level = self.level or 1.0
+        clamped = [level * self.shape(0)]
+        for n in range(1, k_last + 1):
+            clamped.append(max(level * self.shape(n), clamped[-1]))
+        timed = len(self.pass_ratio or ())
+        return [level * self.shape(n) if n + 1 in PROBE_SIZES and n < timed else t
+                for n, t in enumerate(clamped)]  # fmt: skip
 
     def plain_seconds(self) -> float:
         """A plain step: the lower of the timed one and the curve's t_verify(0). A wrong stop

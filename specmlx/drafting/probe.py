@@ -13,9 +13,7 @@ import mlx.nn as nn
 
 from ..core.caches import can_rollback, make_caches, trim
 from .adaptive import SUFFIX_MAX
-
-# token counts the pass-cost probe times; the curve between them is interpolated
-PROBE_SIZES = (*range(1, 10), 12, 16, 32)
+from .cost_curve import PROBE_SIZES
 
 
 def pass_times(model: nn.Module, ids: list[int], ns: list[int], reps: int = 3) -> dict[int, float]:

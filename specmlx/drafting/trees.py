@@ -211,10 +211,11 @@ class SideSizer:
         row's ``_ranked``; most: the cap."""
         cost = self.chooser.cost if isinstance(self.chooser, AdaptiveK) else CostCurve()
         b, tokens = len(ranked), sum(chain for _, chain in ranked)
+        curve = cost.tree_curve(b * (k + 1 + most) - 1)  # by the tokens a pass verifies, less one
         best, best_rate = 0, 0.0
         for n in range(most + 1):
             tokens += sum(nodes[n - 1][0] for nodes, _ in ranked if 0 < n <= len(nodes))
-            rate = tokens / cost.shape(b * (k + 1 + n) - 1)  # (the level is common to all n)
+            rate = tokens / curve[b * (k + 1 + n) - 1]
             if rate > best_rate:
                 best, best_rate = n, rate
         return best
@@ -227,14 +228,12 @@ def paying(chooser: KChooser, k: int, tokens: float, values: list[float], drafti
     AdaptiveK; otherwise CostCurve's guessed shape). drafting: add the k drafts' drafting
     time (a model's; lookup's is free)."""
     cost = chooser.cost if isinstance(chooser, AdaptiveK) else CostCurve()
-    # seconds by drafts verified (unmeasured: shape); one length for every k, so the curve
-    # is built once per change of what it reads, not once per k the chooser weighs
-    curve = cost.curve(TREE_MAX)
+    curve = cost.tree_curve(TREE_MAX)  # seconds by drafts verified (a pass's, untimed)
     spent = k * (cost.t_draft or 0.0) if drafting else 0.0
     best, best_rate, gained = 0, 0.0, 0.0
     for n in range(min(len(values), TREE_MAX - k) + 1):
         gained += values[n - 1] if n else 0.0
-        t = spent + (curve[k + n] if cost.level else cost.shape(k + n))
+        t = spent + curve[k + n]
         rate = (tokens + gained) / t if t > 0 else 0.0
         if rate > best_rate:
             best, best_rate = n, rate
