@@ -269,7 +269,7 @@ class _Row:
     """What the sizer reads of a batch's row."""
 
     def __init__(self, stats: Stats, tree: bool = True):
-        self.stats, self.tree = stats, tree
+        self.stats, self.tree, self.process = stats, tree, None
 
 
 def test_a_batchs_rows_take_one_count_of_leaves_each_from_the_curve_at_its_width():
@@ -320,3 +320,13 @@ def test_auto_fills_a_wider_pass_the_probe_found_cheaper_but_no_interpolated_dip
 
     assert sum(SideSizer(AUTO, chooser(16)).plan(3, rich)) == 12
     assert sum(SideSizer(AUTO, chooser(14)).plan(3, rich)) < 5
+    # a sampled row's acceptance costs what the probe did not time: it fills no dip, alone
+    # or in a batch with a sampled row
+    sampled = SideSizer(AUTO, chooser(16))
+    sampled.dips = False
+    assert sum(sampled.plan(3, rich)) < 5
+    greedy, drawn = _Row(rich), _Row(rich)
+    drawn.process = lambda logits: logits
+    batch = SideSizer(AUTO, chooser(16))
+    assert [sum(s) for s in batch.plan_rows([3], [greedy])[0]] == [12]
+    assert sum(batch.plan_rows([3], [drawn])[0][0]) < 5

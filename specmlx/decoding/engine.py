@@ -197,8 +197,10 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
     elif branches:
         branching.sizer = branches
         branches.runs = isinstance(branching, BlockRows)  # its leaves go on for free (trees.py)
+        branches.dips = decode.sampling.greedy  # (a sampled round's acceptance is not probed)
         if isinstance(next_k, AdaptiveK) and decode.tree.auto:  # k weighed with its leaves
             next_k.widen = lambda k: branches.gain(k, row.stats)
+            next_k.tree_dips = branches.dips
     elif not (decode.tree.off or decode.tree.auto or _branching_lookup(drafters, holder)):
         what = _DRAFTERS.get(type(holder), "n-gram lookup") if drafters else "nothing drafts"
         raise BadInput(

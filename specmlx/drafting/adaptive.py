@@ -258,6 +258,7 @@ class AdaptiveK(KChooser):
     widen: Callable[[int], tuple[float, int]] | None = field(
         default=None, repr=False, compare=False
     )
+    tree_dips: bool = field(default=True, repr=False, compare=False)  # trees.SideSizer.dips
 
     def __call__(self, last: RoundReport | None) -> int:
         """The next round's k, after folding in ``last`` (None: a generation starts; what
@@ -325,7 +326,7 @@ class AdaptiveK(KChooser):
                    block=self.block)  # fmt: skip
         extra = 0.0, 0
         if self.widen is not None:  # with side leaves a k may pay that alone would not
-            curve = cost.tree_curve(TREE_MAX)  # (a tree's nodes, its chain's too, <= TREE_MAX)
+            curve = cost.tree_curve(TREE_MAX, self.tree_dips)  # (nodes, the chain's, <= TREE_MAX)
             k, extra = self._widest(td, curve, later)
         hopeful = self.accept.optimistic(self.explore)
         tokens = expected_tokens(hopeful, k, later) + extra[0]

@@ -60,18 +60,22 @@ class CostCurve:
         self._memo = (key, curve)
         return curve
 
-    def tree_curve(self, k_last: int) -> list[float]:
+    def tree_curve(self, k_last: int, dips: bool = True) -> list[float]:
         """t_verify(n) for n in 0..k_last where the drafter picks n (a token tree's nodes):
         ``curve``'s, except at the token counts the probe timed, where a pass is taken at
         what was measured even when that is less than a narrower pass's: some hardware runs
         a wider pass faster (this CPU's BLAS: 16 tokens in 0.75x the time of 9), and a
         tree can fill it with leaves. Between the timed counts an interpolated dip is not
-        trusted. In units of a one-token pass until a round is timed (``level`` None)."""
+        trusted. In units of a one-token pass until a round is timed (``level`` None).
+
+        dips: False never lets a wider pass cost less (a sampled round's acceptance works
+        over every node's whole distribution, a cost the probe does not time: a run that
+        filled the dip there lost to the chain, BENCHMARKS.md "Token trees")."""
         level = self.level or 1.0
         clamped = [level * self.shape(0)]
         for n in range(1, k_last + 1):
             clamped.append(max(level * self.shape(n), clamped[-1]))
-        timed = len(self.pass_ratio or ())
+        timed = len(self.pass_ratio or ()) if dips else 0
         return [level * self.shape(n) if n + 1 in PROBE_SIZES and n < timed else t
                 for n, t in enumerate(clamped)]  # fmt: skip
 

@@ -68,7 +68,7 @@ class LookupRows(RowDrafter):
         chain = chain[: self.chooser.lookup_length(match, len(chain), k, self.fallback, longest)]
         if not (self.size.off or self.size.auto):
             chain = chain[: self.size.nodes]  # a fixed size caps the tokens a pass verifies
-        tokens, parents = self._tree(spec, chain)
+        tokens, parents = self._tree(spec, chain, r.process is None)
         if len(tokens) == len(chain):
             return self._chain(tokens, match)
         look = mx.array(tokens, dtype=mx.uint32)
@@ -89,9 +89,12 @@ class LookupRows(RowDrafter):
             return Drafts.none(1)
         return Drafts.one(Proposal(mx.array(found, dtype=mx.uint32), None, "lookup", match=match))
 
-    def _tree(self, spec: Speculation, chain: list[int]) -> tuple[list[int], tuple[int, ...]]:
+    def _tree(
+        self, spec: Speculation, chain: list[int], greedy: bool
+    ) -> tuple[list[int], tuple[int, ...]]:
         """The proposal's tokens and parents: the chain's nodes first (1..n), then the other
-        nodes no deeper than the chain, best first, as many as the size allows or pay."""
+        nodes no deeper than the chain, best first, as many as the size allows or pay (greedy:
+        the row decodes greedily, so a cheaper wider pass may be filled: trees.paying)."""
         n = len(chain)
         if self.size.off or not n:
             return [spec.tokens[j - 1] for j in chain], tuple(range(n))
@@ -105,7 +108,8 @@ class LookupRows(RowDrafter):
         room = self.size.nodes - n
         if self.size.auto:
             reach = 1.0 + sum(spec.probs[j - 1] for j in chain)
-            room = paying(self.chooser, n, reach, [spec.probs[j - 1] for j in rest[:room]])
+            values = [spec.probs[j - 1] for j in rest[:room]]
+            room = paying(self.chooser, n, reach, values, dips=greedy)
         for j in rest[: max(room, 0)]:
             place[j] = len(place)
         nodes = sorted(place, key=place.get)[1:]  # ours, in order

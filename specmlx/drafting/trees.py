@@ -120,6 +120,7 @@ class SideSizer:
     def __init__(self, size: TreeSize, chooser: KChooser):
         self.size, self.chooser = size, chooser
         self.runs = False  # leaves may continue (a block drafter's: see the module)
+        self.dips = True  # a lone row may fill a cheaper wider pass (greedy: tree_curve)
 
     def plan(self, k: int, stats: Stats) -> list[int]:
         """Side leaves at each depth 1..k for a chain of k (all 0: a chain). stats: the row's
@@ -145,13 +146,14 @@ class SideSizer:
         says of B * w tokens (every row's tokens share the reads of the weights). The
         drafting time is left out: it does not change with the leaves, and leaving it out
         only ever picks fewer."""
+        greedy = all(getattr(r, "process", None) is None for r in rows)
         if len(rows) == 1:
-            sides, runs, _ = self._choose(ks[0], rows[0].stats)
+            sides, runs, _ = self._choose(ks[0], rows[0].stats, self.dips and greedy)
             return [sides], [runs]
         k = max(ks, default=0)
         ranked = [self._ranked(ki, r.stats, r.tree) for ki, r in zip(ks, rows, strict=True)]
         most = min(max(0, self.size.nodes - k), max(len(nodes) for nodes, _ in ranked))
-        n = self._batch_count(k, ranked, most) if self.size.auto else most
+        n = self._batch_count(k, ranked, most, self.dips and greedy) if self.size.auto else most
         plans = [self._take(ki, nodes[:n]) for ki, (nodes, _) in zip(ks, ranked, strict=True)]
         return [p[0] for p in plans], [p[1] for p in plans]
 
@@ -161,15 +163,20 @@ class SideSizer:
         sides, runs, value = self._choose(k, stats)
         return value, sum(sides) + sum(runs)
 
-    def _choose(self, k: int, stats: Stats) -> tuple[list[int], list[int], float]:
-        """(side leaves by depth, continuations by leaf, their summed value) for a chain of k."""
+    def _choose(
+        self, k: int, stats: Stats, dips: bool | None = None
+    ) -> tuple[list[int], list[int], float]:
+        """(side leaves by depth, continuations by leaf, their summed value) for a chain of k;
+        dips: a cheaper wider pass may be filled (None: ``self.dips``)."""
         if k <= 0 or self.size.nodes - k <= 0:
             return [0] * max(k, 0), [], 0.0
         nodes, chain = self._ranked(k, stats)
         room = min(self.size.nodes - k, len(nodes))
         take = room  # a fixed size: all the room; auto: the count that pays most
         if self.size.auto:
-            take = paying(self.chooser, k, chain, [n[0] for n in nodes[:room]], drafting=True)
+            values = [n[0] for n in nodes[:room]]
+            dips = self.dips if dips is None else dips
+            take = paying(self.chooser, k, chain, values, drafting=True, dips=dips)
         return self._take(k, nodes[:take])
 
     def _ranked(self, k: int, stats: Stats, branches: bool = True) -> tuple[list[tuple], float]:
@@ -206,12 +213,14 @@ class SideSizer:
         runs = [follow.get((d, s), 0) for d in range(k) for s in range(sides[d])]
         return sides, runs if any(runs) else [], sum(n[0] for n in nodes)
 
-    def _batch_count(self, k: int, ranked: list[tuple[list[tuple], float]], most: int) -> int:
+    def _batch_count(
+        self, k: int, ranked: list[tuple[list[tuple], float]], most: int, dips: bool
+    ) -> int:
         """How many leaves each row of a batch takes (auto): see ``plan_rows``. ranked: each
-        row's ``_ranked``; most: the cap."""
+        row's ``_ranked``; most: the cap; dips: every row greedy (CostCurve.tree_curve)."""
         cost = self.chooser.cost if isinstance(self.chooser, AdaptiveK) else CostCurve()
         b, tokens = len(ranked), sum(chain for _, chain in ranked)
-        curve = cost.tree_curve(b * (k + 1 + most) - 1)  # by the tokens a pass verifies, less one
+        curve = cost.tree_curve(b * (k + 1 + most) - 1, dips)  # by a pass's tokens, less one
         best, best_rate = 0, 0.0
         for n in range(most + 1):
             tokens += sum(nodes[n - 1][0] for nodes, _ in ranked if 0 < n <= len(nodes))
@@ -221,14 +230,16 @@ class SideSizer:
         return best
 
 
-def paying(chooser: KChooser, k: int, tokens: float, values: list[float], drafting=False) -> int:
+def paying(
+    chooser: KChooser, k: int, tokens: float, values: list[float], drafting=False, dips=True
+) -> int:
     """How many more nodes (their values: expected tokens each adds, best first) a pass that
     already verifies k drafts for ``tokens`` expected tokens should verify: the count that
     maximizes expected tokens per second, by the chooser's measured pass-cost curve (an
     AdaptiveK; otherwise CostCurve's guessed shape). drafting: add the k drafts' drafting
-    time (a model's; lookup's is free)."""
+    time (a model's; lookup's is free); dips: a greedy row's (CostCurve.tree_curve)."""
     cost = chooser.cost if isinstance(chooser, AdaptiveK) else CostCurve()
-    curve = cost.tree_curve(TREE_MAX)  # seconds by drafts verified (a pass's, untimed)
+    curve = cost.tree_curve(TREE_MAX, dips)  # seconds by drafts verified (a pass's, untimed)
     spent = k * (cost.t_draft or 0.0) if drafting else 0.0
     best, best_rate, gained = 0, 0.0, 0.0
     for n in range(min(len(values), TREE_MAX - k) + 1):
