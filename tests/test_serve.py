@@ -177,17 +177,22 @@ def test_chat_requests_running_at_once_share_their_system_prompts_cache(client, 
         assert g.choices[0].message.content == chat(q, max_tokens=24).choices[0].message.content
 
 
+def streamed_together(client, prompts: list[str], max_tokens: int) -> list[str]:
+    """Each prompt's streamed completion, all sent at once (one thread a prompt)."""
+
+    def stream(p):
+        parts = client.completions.create(model="tiny-t", prompt=p, max_tokens=max_tokens,
+                                          stream=True)  # fmt: skip
+        return "".join(c.choices[0].text for c in parts if c.choices)
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(stream, prompts))
+
+
 def test_eight_concurrent_streams_each_complete_and_unmixed(client):
     prompts = [f"def f{i}(x):\n    return x * {i}\n" for i in range(8)]
     alone = [client.completions.create(model="tiny-t", prompt=p, max_tokens=24) for p in prompts]
-
-    def stream(p):
-        parts = client.completions.create(model="tiny-t", prompt=p, max_tokens=24, stream=True)
-        return "".join(c.choices[0].text for c in parts if c.choices)
-
-    with ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(stream, prompts))
-    assert together == [a.choices[0].text for a in alone]
+    assert streamed_together(client, prompts, 24) == [a.choices[0].text for a in alone]
 
 
 def test_requests_join_and_leave_a_running_batch_and_each_gets_its_solo_text(server, client):
@@ -1276,13 +1281,7 @@ def test_a_batchs_rows_verify_a_tree_each_and_keep_their_solo_text(tmp_path):
         before = metrics(s)
         assert before["specmlx_tree_passes_total"] > 0  # (alone, too)
 
-        def stream(p):
-            parts = client.completions.create(model="tiny-t", prompt=p, max_tokens=40, stream=True)
-            return "".join(c.choices[0].text for c in parts if c.choices)
-
-        with ThreadPoolExecutor(4) as pool:
-            together = list(pool.map(stream, prompts))
-        assert together == [a.choices[0].text for a in alone]
+        assert streamed_together(client, prompts, 40) == [a.choices[0].text for a in alone]
         after = metrics(s)
         assert after["specmlx_batch_rounds_total"] > 0
         assert after["specmlx_batch_tree_rounds_total"] > 0, after
