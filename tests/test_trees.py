@@ -17,8 +17,9 @@ from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
 from specmlx.decoding.request import Decode
+from specmlx.decoding.session import Pair, Request, Session
 from specmlx.drafting.adaptive import AdaptiveK
-from specmlx.drafting.choosers import FixedK, K
+from specmlx.drafting.choosers import ChooserStore, FixedK, K
 from specmlx.drafting.cost_curve import CostCurve
 from specmlx.drafting.trees import AUTO, OFF, SIDE_MAX, TREE_MAX, SideSizer, TreeSize, side_parents
 from specmlx.errors import BadInput
@@ -330,3 +331,22 @@ def test_auto_fills_a_wider_pass_the_probe_found_cheaper_but_no_interpolated_dip
     batch = SideSizer(AUTO, chooser(16))
     assert [sum(s) for s in batch.plan_rows([3], [greedy])[0]] == [12]
     assert sum(batch.plan_rows([3], [drawn])[0][0]) < 5
+
+
+def test_a_fixed_k_sizes_auto_trees_by_the_targets_probe(pair):
+    """`-k 3 --tree auto` reads the target's probe as auto k does (FixedK's cost): on the
+    guessed curve a lone row never filled the wider pass the probe found cheaper, where a
+    batch's row of one (which reads the probe) did."""
+    target, draft = pair
+    rich = _stats(0.3, 0.3)
+    ratio = [1.0 + 0.3 * min(k, 8) + 0.3 * max(0, k - 8) for k in range(32)]
+    ratio[15] = 1.5  # a pass over 16 tokens: cheaper than one over 3
+    assert sum(SideSizer(AUTO, FixedK(3, CostCurve(pass_ratio=ratio))).plan(3, rich)) == 12
+    assert sum(SideSizer(AUTO, FixedK(3)).plan(3, rich)) < 12  # the guess: +10% a token
+    # the session hands a fixed k's auto trees its store's curve; a chain's k, nothing
+    session = Session(Pair(target, draft), choosers=ChooserStore(persist=False, pass_ratio=ratio))
+    for tree, k, curve in ((AUTO, K(3), ratio), (OFF, K(3), None), (TreeSize(8), K(3), None)):
+        gen = session.start(Request(prompt_ids=PROMPT, k=k, tree=tree, max_tokens=4))
+        assert isinstance(gen.parts.chooser, FixedK)
+        assert gen.parts.chooser.cost.pass_ratio == curve
+        assert len(list(gen.tokens())) == 4

@@ -27,11 +27,11 @@ import mlx.core as mx
 from ..core.acceptance import sampled_rule
 from ..core.caches import mlx_lm_speculates
 from ..core.sampling import SamplingParams, make_processor, sample
-from ..core.stats import count_depths
+from ..core.stats import KChooser, count_depths
 from ..decoding.session import Pair, Request, Session, drafter_of
 from ..distributed.ranks import World
-from ..drafting.adaptive import SUFFIX_MAX, AdaptiveK
-from ..drafting.choosers import AUTO, ChooserStore, K
+from ..drafting.adaptive import SUFFIX_MAX
+from ..drafting.choosers import AUTO, ChooserStore, K, make_chooser
 from ..drafting.cost_curve import PROBE_SIZES
 from ..drafting.lookup import LookupMemory
 from ..drafting.probe import curve_from, head_step_seconds, pass_times
@@ -96,14 +96,15 @@ def run_one(
     s: BenchSettings,
     seed: int,
     shared: int | None,
-    chooser: AdaptiveK | None = None,
+    chooser: KChooser | None = None,
     world: World | None = None,
     memory: LookupMemory | None = None,
 ):
     """Generate once with one system; returns (tokens, decoded, decode_s, drafted, accepted,
     (depth_tried, depth_accepted), (tree_rounds, rank_tried, rank_kept)): the last two as
     stats.Stats keeps them.
-    ``chooser`` is the system's adaptive-k state when k is "auto" (a fresh one if None);
+    ``chooser`` is the system's adaptive-k state when k is "auto", or a fixed k's FixedK
+    holding the measured curve its auto trees read (None: a fresh one);
     ``world``: the ranks the target is split over (k decided on rank 0, tokens compared);
     ``memory``: the lookup memory of a "+ memory" system (it remembers this output)."""
     params = _sampling(temp, s)
@@ -332,11 +333,16 @@ class _Testbed:
         # one adaptive-k state per auto system and temperature, kept across its generations as
         # `specmlx run` keeps it on disk: what is measured is auto after its first few rounds.
         # They start from this measured curve and live in memory only.
-        store = ChooserStore(persist=False, pass_ratio=curve_from(t, SUFFIX_MAX))
+        # A fixed k's auto trees read the same curve (FixedK's cost), as `specmlx run` reads
+        # the target's probe for them (not over ranks: each rank measured its own).
+        ratio, ranked = curve_from(t, SUFFIX_MAX), self.world is not None and self.world.distributed
+        store = ChooserStore(persist=False, pass_ratio=ratio)
         self.choosers = {
             (sy, temp): store.get(target, "bench", sy.label, _sampling(temp, s), ids)
-            for sy in self.todo
             if sy.k.auto
+            else make_chooser(sy.k, ratio)
+            for sy in self.todo
+            if sy.k.auto or (sy.k.fixed and sy.tree.auto and not ranked)
             for temp in s.temps
             if runs_at(sy, temp, s)
         }

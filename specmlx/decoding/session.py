@@ -182,11 +182,12 @@ class Session:
         ``tokens()`` or ``text()``. kv: caches to reuse (a prompt cache); stats: filled live
         (a fresh one if None); lockstep: the ranks' per-round check (default: a plain one
         when distributed); chooser: the k chooser to use as it is, in place of the store's
-        or a fresh one for ``req.k`` (the bench keeps its own per system)."""
+        or a fresh one for ``req.k`` (the bench keeps its own per system: an AdaptiveK for
+        auto, a FixedK holding its measured curve for a fixed k's auto trees)."""
         pair, world, ids = self.pair, self.world, list(req.prompt_ids)
         draft = pair.draft if req.uses_draft else None
         k = req.k if (draft is not None or req.uses_lookup) else K(0)
-        saved, chooser = None, chooser if k.auto else None  # (a fixed k is its own chooser)
+        saved, chooser = None, chooser if k.auto or k.fixed else None  # (k 0: nothing drafts)
         if chooser is None and k.auto and self.choosers is not None:
             store = self.choosers
             if world.distributed and store.pass_ratio is None:  # one curve for all ranks
@@ -197,7 +198,11 @@ class Session:
                 pair.target, pair.target_id, drafter, req.sampling, ids, verify=req.verify
             )
         elif chooser is None:
-            chooser = make_chooser(k)
+            # a fixed k's auto trees are sized by the target's probe, as auto's are (not over
+            # ranks: every rank must plan the same tree, and SharedK guesses the curve there)
+            trees = k.fixed > 0 and req.tree.auto and not world.distributed
+            store = self.choosers if trees else None
+            chooser = make_chooser(k, store and store.curve(pair.target, pair.target_id, ids))
         chooser = for_drafter(chooser, draft)
         if world.distributed and lockstep is None:
             lockstep = Lockstep(world)

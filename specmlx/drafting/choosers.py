@@ -85,10 +85,14 @@ def count_of(value: object) -> int | None:
 
 class FixedK(KChooser):
     """A fixed k, as a chooser: lookup verifies up to k (the protocol's default), and it
-    does not plan drafts."""
+    does not plan drafts.
 
-    def __init__(self, k: int):
-        self.k = k
+    k: the drafts a round; cost: the target's pass-cost curve (its probe, untimed), which a
+    token tree's ``auto`` sizer reads as it reads an adaptive chooser's (trees.pass_cost;
+    None: CostCurve's guessed shape). The k itself reads nothing."""
+
+    def __init__(self, k: int, cost: CostCurve | None = None):
+        self.k, self.cost = k, cost
 
     def __call__(self, _last: RoundReport | None) -> int:
         return self.k
@@ -97,10 +101,12 @@ class FixedK(KChooser):
         return self.k == 0
 
 
-def make_chooser(k: K) -> KChooser:
+def make_chooser(k: K, pass_ratio: list[float] | None = None) -> KChooser:
     """A fresh chooser for ``k``: FixedK, or an AdaptiveK (ChooserStore.get gives one that
-    carries what earlier runs learned)."""
-    return AdaptiveK() if k.auto else FixedK(k.fixed)
+    carries what earlier runs learned). pass_ratio: the target's probed pass-cost curve, for
+    both to start from (None: guessed)."""
+    cost = CostCurve(pass_ratio=pass_ratio)
+    return AdaptiveK(cost=cost) if k.auto else FixedK(k.fixed, cost)
 
 
 # what a drafter's agreement measured before any round is worth in trials (AdaptiveK.expect):
@@ -197,8 +203,9 @@ class ChooserStore:
             if chooser is None and self.warn is not None:
                 self.warn(f"ignoring {path}: it does not fit this version of specmlx")
         if chooser is None:
-            ratio = self.pass_ratio or self.probe(target, target_id, list(prompt_ids))
-            chooser = AdaptiveK(cost=CostCurve(pass_ratio=ratio))
+            chooser = AdaptiveK(
+                cost=CostCurve(pass_ratio=self.curve(target, target_id, prompt_ids))
+            )
         self._live[key] = chooser
         self._paths[id(chooser)] = path
         return chooser
@@ -208,6 +215,11 @@ class ChooserStore:
         path = self._paths.get(id(chooser))
         if self.persist and path is not None:
             self._save(path, {"state": chooser.state()})
+
+    def curve(self, target: nn.Module, target_id: str, prompt_ids: Sequence[int]) -> list[float]:
+        """The pass-cost curve fresh choosers start from: the store's ``pass_ratio``, else the
+        target's probe (``probe``: cached on disk, else run over ``prompt_ids``)."""
+        return self.pass_ratio or self.probe(target, target_id, list(prompt_ids))
 
     def cached_probe(self, target_id: str, k_max: int = SUFFIX_MAX) -> list[float] | None:
         """The target's pass-cost curve from an earlier probe on this machine, if any."""

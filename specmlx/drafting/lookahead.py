@@ -31,15 +31,14 @@ import mlx.core as mx
 from ..core.stats import KChooser
 from ..core.tree_acceptance import Tree
 from ..errors import BadInput
-from .adaptive import TREE_MAX, AdaptiveK
+from .adaptive import TREE_MAX
 from .choosers import count_of
-from .cost_curve import CostCurve
 from .drafters import Proposal
 from .lookup import Lookup
 from .proposals import Drafts, RowDrafter
 from .suffix import SEP, SuffixIndex
 from .tree_rows import LOOKUP_METHODS, LookupRows
-from .trees import AUTO, TreeSize
+from .trees import AUTO, TreeSize, pass_cost
 
 WINDOWS = (8, 4, 2, 1)  # the window widths auto tries, widest first
 WINDOW_COST = 1.1  # auto's window may make a pass at most this much slower
@@ -177,7 +176,7 @@ class LookaheadRows(RowDrafter):
         levels = self.size.ngram - 1
         if not self.size.auto:
             return self.size.window
-        cost = self.chooser.cost if isinstance(self.chooser, AdaptiveK) else CostCurve()
+        cost = pass_cost(self.chooser)
         base = cost.shape(v)
         for w in WINDOWS:
             if v + w * levels <= TREE_MAX and cost.shape(v + w * levels) <= WINDOW_COST * base:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from ..core.stats import KChooser, Stats
 from ..errors import BadInput
-from .adaptive import TREE_MAX, AdaptiveK
+from .adaptive import TREE_MAX
 from .choosers import count_of
 from .cost_curve import CostCurve
 
@@ -114,8 +114,8 @@ class SideSizer:
     a prior before any round).
 
     size: the setting (not off); chooser: the k chooser, whose pass-cost curve and draft
-    timing ``auto`` reads where it has them (an AdaptiveK); otherwise a pass is taken to cost
-    10% more a token (CostCurve's guess where nothing was probed)."""
+    timing ``auto`` reads where it has them (``pass_cost``: an AdaptiveK's, or the probe of
+    a FixedK); otherwise a pass is taken to cost 10% more a token (CostCurve's guess)."""
 
     def __init__(self, size: TreeSize, chooser: KChooser):
         self.size, self.chooser = size, chooser
@@ -218,7 +218,7 @@ class SideSizer:
     ) -> int:
         """How many leaves each row of a batch takes (auto): see ``plan_rows``. ranked: each
         row's ``_ranked``; most: the cap; dips: every row greedy (CostCurve.tree_curve)."""
-        cost = self.chooser.cost if isinstance(self.chooser, AdaptiveK) else CostCurve()
+        cost = pass_cost(self.chooser)
         b, tokens = len(ranked), sum(chain for _, chain in ranked)
         curve = cost.tree_curve(b * (k + 1 + most) - 1, dips)  # by a pass's tokens, less one
         best, best_rate = 0, 0.0
@@ -236,9 +236,10 @@ def paying(
     """How many more nodes (their values: expected tokens each adds, best first) a pass that
     already verifies k drafts for ``tokens`` expected tokens should verify: the count that
     maximizes expected tokens per second, by the chooser's measured pass-cost curve (an
-    AdaptiveK; otherwise CostCurve's guessed shape). drafting: add the k drafts' drafting
-    time (a model's; lookup's is free); dips: a greedy row's (CostCurve.tree_curve)."""
-    cost = chooser.cost if isinstance(chooser, AdaptiveK) else CostCurve()
+    AdaptiveK, or the probe a FixedK holds: ``pass_cost``). drafting: add the k drafts'
+    drafting time (a model's, where timed; lookup's is free); dips: a greedy row's
+    (CostCurve.tree_curve)."""
+    cost = pass_cost(chooser)
     curve = cost.tree_curve(TREE_MAX, dips)  # seconds by drafts verified (a pass's, untimed)
     spent = k * (cost.t_draft or 0.0) if drafting else 0.0
     best, best_rate, gained = 0, 0.0, 0.0
@@ -249,6 +250,14 @@ def paying(
         if rate > best_rate:
             best, best_rate = n, rate
     return best
+
+
+def pass_cost(chooser: KChooser) -> CostCurve:
+    """The pass-cost curve a tree is sized by: the chooser's own (an AdaptiveK's, learned from
+    rounds; a FixedK's, the target's probe where the session ran one), else CostCurve's
+    guessed shape (+10% a token; SharedK over ranks: every rank plans alike)."""
+    cost = getattr(chooser, "cost", None)
+    return cost if isinstance(cost, CostCurve) else CostCurve()
 
 
 def _rate(hits: list[int], tries: list[int], i: int, prior: tuple[float, float]) -> float:
