@@ -14,10 +14,14 @@ frequent rank-path prefixes; this reports, in tokens per pass over all start pos
   s <= SIDE_MAX at each depth), best of N;
 - chain + side leaves + their children (one level of expansion past the leaves), best of N;
 - the best of all trees of N nodes at depth <= D (EAGLE-2's dynamic trees, DDTree and
-  Sequoia all build trees of this family).
+  Sequoia all build trees of this family);
+- with --followers: where a side leaf holds the target's token, how often the token after it
+  is the draft's own next after that leaf (the leaf's child: what a draft pass over the
+  leaves would propose) and how often it is the chain's next token (a follower that costs no
+  draft pass, as DFlash's block gives its leaves: one more draft forward a position here).
 
   . scripts/env.sh && .venv/bin/python scripts/tree_ceiling.py cpu-demo-target \
-      cpu-distilled-draft [--prompts 6] [-n 64] [--nodes 8,16] [--depth 3]
+      cpu-distilled-draft [--prompts 6] [-n 64] [--nodes 8,16] [--depth 3] [--followers]
 """
 
 import argparse
@@ -42,6 +46,7 @@ ap.add_argument("--prompts", type=int, default=6)
 ap.add_argument("-n", type=int, default=64)
 ap.add_argument("--nodes", default="8", help="tree sizes, e.g. 8,16")
 ap.add_argument("--depth", type=int, default=3)
+ap.add_argument("--followers", action="store_true", help="a kept leaf's child vs the chain's next")
 a = ap.parse_args()
 
 tgt, drf, shared = load_pair(a.target, a.draft)
@@ -49,6 +54,7 @@ prompts = [r["prompt"] for _, r in read_jsonl(None, "prompts.jsonl", "prompts")
            if r.get("kind") == "code"][: a.prompts]  # fmt: skip
 
 ranks: list[list[int]] = []  # per prompt: R_t over its generated tokens
+kept = [0, 0, 0]  # --followers: side leaves kept; their child right; the chain's next right
 for text in prompts:
     ids = tgt.tokenizer.encode(text)
     out = [e.token for e in generate_tokens(tgt.model, None, ids, Decode(k=0, max_tokens=a.n))]
@@ -57,6 +63,13 @@ for text in prompts:
     want = mx.array(out)[:, None]
     above = (logits > mx.take_along_axis(logits, want, axis=1)).sum(axis=1)  # (n,)
     ranks.append(above.tolist())
+    if a.followers:  # positions t whose side leaf holds the target's token, t + 1 known
+        best = mx.argmax(logits, axis=-1).tolist()  # the chain's token at each position
+        for t in [t for t in range(len(out) - 1) if 1 <= ranks[-1][t] <= SIDE_MAX]:
+            kept[0] += 1
+            kept[1] += ranks[-1][t + 1] == 0  # the leaf's own child is the target's next
+            y = mx.array(ids + out[:t] + [best[t]], dtype=mx.uint32)[None]  # the chain's path
+            kept[2] += mx.argmax(drf.model(y)[0, -1, :shared]).item() == out[t + 1]
 
 prefixes: Counter = Counter()
 starts = 0
@@ -106,3 +119,9 @@ for nodes in (int(x) for x in a.nodes.split(",")):
         shown = sorted(tree, key=lambda p: (len(p), p))
         print(f"{nodes} nodes, {name}: {tpp:.3f} tokens/pass, {tpp / c:.2f}x the chain"
               + (f"; paths: {shown}" if nodes <= 8 else ""))  # fmt: skip
+if a.followers:
+    print(
+        f"side leaves holding the target's token: {kept[0]}; the token after it is the "
+        f"leaf's own child {kept[1] / max(kept[0], 1):.0%} of the time, the chain's next "
+        f"{kept[2] / max(kept[0], 1):.0%}"
+    )
