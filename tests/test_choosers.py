@@ -11,6 +11,7 @@ from helpers import Feed, make_tiny, steady
 
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import KChooser
+from specmlx.drafting import choosers
 from specmlx.drafting.adaptive import STATE_VERSION, SUFFIX_MAX, AdaptiveK
 from specmlx.drafting.choosers import (
     AUTO,
@@ -179,3 +180,16 @@ def test_atomic_writes_from_two_writers_at_once(tmp_path):
     assert save_json(tmp_path / "state" / "t.json", {"a": 1}) and load_json(
         path.with_name("t.json")
     )
+
+
+def test_a_store_that_does_not_persist_probes_once_and_answers_with_it(monkeypatch):
+    """A store that does not persist probed again for each new chooser, and a server's
+    batch, which reads only a probe already run, found none: a lone row's trees and its
+    batch's were sized from two curves."""
+    runs = []
+    monkeypatch.setattr(choosers, "probe_pass_cost", lambda *a: runs.append(1) or [1.0, 1.5])
+    store, model = ChooserStore(persist=False), make_tiny(0)
+    assert store.cached_probe("t") is None
+    assert store.curve(model, "t", [1, 2]) == [1.0, 1.5] == store.probe(model, "t", [1, 2])
+    assert store.cached_probe("t") == [1.0, 1.5] and store.cached_probe("u") is None
+    assert len(runs) == 1

@@ -293,6 +293,34 @@ def test_a_batchs_rows_take_one_count_of_leaves_each_from_the_curve_at_its_width
     assert bent.plan_rows([3] * 4, [_Row(rich)] * 4)[0] == [[0, 0, 0]] * 4
 
 
+def test_a_sampled_rows_tree_is_its_lone_one_in_any_batch():
+    """A sampled row's draws depend on its tree, and a seeded request must draw the same
+    tokens alone and in any batch (test_batcher: "whatever moves it"): its plan is its lone
+    plan, whatever rows run beside it, where a greedy row's follows the batch (the knee
+    curve above keeps four greedy rows at chains)."""
+    rich = _stats(0.3, 0.3)
+    knee = [1.0 + 0.1 * max(0, k - 8) for k in range(TREE_MAX + 1)]
+    for size in (AUTO, TreeSize(8)):
+        sizer = SideSizer(size, AdaptiveK(cost=CostCurve(pass_ratio=knee, level=1.0)))
+        drawn = _Row(rich)
+        drawn.process = lambda logits: logits
+        alone = sizer.plan_rows([2], [drawn])[0][0]
+        assert sum(alone) > 0
+        sides, _ = sizer.plan_rows([2, 3, 3, 3], [drawn] + [_Row(rich) for _ in range(3)])
+        assert sides[0] == alone
+        if size.auto:  # the batch's greedy rows: past the knee, chains
+            assert sides[1:] == [[0, 0, 0]] * 3
+    # with a fixed k it reads the guessed curve, not the measured one: its text may not
+    # depend on a probe, which differs by machine and run
+    flat = SideSizer(AUTO, _chooser(0.0))
+    seeded, adaptive = _Row(rich), _Row(rich)
+    seeded.process = adaptive.process = lambda logits: logits
+    seeded.k, adaptive.k = K(3), K.of("auto")
+    guessed = SideSizer(AUTO, FixedK(3)).plan_rows([3], [seeded])[0]
+    assert flat.plan_rows([3], [seeded])[0] == guessed
+    assert sum(flat.plan_rows([3], [adaptive])[0][0]) > sum(guessed[0])
+
+
 def test_a_batch_tree_round_has_one_host_sync(pair, monkeypatch):
     """Rows of a batch, a tree each, greedy and sampled side by side: one read a round."""
     target, draft = pair

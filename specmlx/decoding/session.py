@@ -198,9 +198,11 @@ class Session:
                 pair.target, pair.target_id, drafter, req.sampling, ids, verify=req.verify
             )
         elif chooser is None:
-            # a fixed k's auto trees are sized by the target's probe, as auto's are (not over
-            # ranks: every rank must plan the same tree, and SharedK guesses the curve there)
-            trees = k.fixed > 0 and req.tree.auto and not world.distributed
+            # a fixed k's greedy auto trees are sized by the target's probe, as auto's are
+            # (a sampled row's by the guess: trees.SideSizer.plan_rows; not over ranks: every
+            # rank must plan the same tree, and SharedK guesses the curve there)
+            greedy = req.sampling.greedy and not world.distributed
+            trees = k.fixed > 0 and req.tree.auto and greedy
             store = self.choosers if trees else None
             chooser = make_chooser(k, store and store.curve(pair.target, pair.target_id, ids))
         chooser = for_drafter(chooser, draft)

@@ -161,6 +161,7 @@ class ChooserStore:
         self.persist, self.pass_ratio, self.warn = persist, pass_ratio, warn
         self._live: dict[str, AdaptiveK] = {}
         self._paths: dict[int, Path] = {}
+        self._probes: dict[str, list[float]] = {}  # by probe key: what this process knows
         self._warned = False
 
     @staticmethod
@@ -222,20 +223,29 @@ class ChooserStore:
         return self.pass_ratio or self.probe(target, target_id, list(prompt_ids))
 
     def cached_probe(self, target_id: str, k_max: int = SUFFIX_MAX) -> list[float] | None:
-        """The target's pass-cost curve from an earlier probe on this machine, if any."""
-        path = _state_path("probes", f"{target_id}|{k_max}|{PROBE_VERSION}")
-        cached = load_json(path) if self.persist else None
-        ratio = cached.get("ratio") if cached is not None else None
-        return ratio if isinstance(ratio, list) else None
+        """The target's pass-cost curve from an earlier probe on this machine, if any: one
+        this store ran or read (kept in memory, so a store that does not persist answers the
+        same for the whole process: a lone row's trees and its batch's read one curve), else
+        one on disk."""
+        key = f"{target_id}|{k_max}|{PROBE_VERSION}"
+        if key not in self._probes:
+            cached = load_json(_state_path("probes", key)) if self.persist else None
+            ratio = cached.get("ratio") if cached is not None else None
+            if not isinstance(ratio, list):
+                return None
+            self._probes[key] = ratio
+        return self._probes[key]
 
     def probe(self, target: nn.Module, target_id: str, ids: list[int], k_max: int = SUFFIX_MAX):
-        """The target's pass-cost curve: cached on disk by identity, else probed and saved."""
+        """The target's pass-cost curve: cached by identity (``cached_probe``), else probed
+        and saved."""
         ratio = self.cached_probe(target_id, k_max)
         if ratio is None:
             ratio = probe_pass_cost(target, ids, k_max)
+            key = f"{target_id}|{k_max}|{PROBE_VERSION}"
+            self._probes[key] = ratio
             if self.persist:
-                path = _state_path("probes", f"{target_id}|{k_max}|{PROBE_VERSION}")
-                self._save(path, {"identity": target_id, "ratio": ratio})
+                self._save(_state_path("probes", key), {"identity": target_id, "ratio": ratio})
         return ratio
 
     def _save(self, path: Path, data: dict) -> None:

@@ -16,7 +16,7 @@ from .lookup import Lookup
 from .medusa import MedusaDraft, tree_shape
 from .proposals import BY_MODEL, Drafts, RowDrafter
 from .suffix import Speculation
-from .trees import OFF, TreeSize, paying
+from .trees import OFF, TreeSize, pass_cost, paying
 
 LOOKUP_METHODS = ("suffix", "ngram")  # how lookup reads its index (LookupRows)
 SPEC_DEPTH = 32  # the deepest node suffix lookup proposes
@@ -109,7 +109,7 @@ class LookupRows(RowDrafter):
         if self.size.auto:
             reach = 1.0 + sum(spec.probs[j - 1] for j in chain)
             values = [spec.probs[j - 1] for j in rest[:room]]
-            room = paying(self.chooser, n, reach, values, dips=greedy)
+            room = paying(pass_cost(self.chooser), n, reach, values, dips=greedy)
         for j in rest[: max(room, 0)]:
             place[j] = len(place)
         nodes = sorted(place, key=place.get)[1:]  # ours, in order

@@ -139,22 +139,34 @@ class SideSizer:
         """Each row's side leaves by depth and their continuations (``plan_runs``'s), for
         chains of ks[i]. rows: each row's ``stats``, and ``tree``: whether it takes leaves.
 
-        A lone row's plan is ``plan_runs``'s. A batch's rows share one pass, as wide as its
-        widest row (core.tree_pass pads the others), so every row that takes leaves gets the
-        same count, its own best; for auto, the count that maximizes the batch's expected
-        tokens per second, a pass over B rows of w tokens costing what the pass-cost curve
-        says of B * w tokens (every row's tokens share the reads of the weights). The
-        drafting time is left out: it does not change with the leaves, and leaving it out
-        only ever picks fewer."""
-        greedy = all(getattr(r, "process", None) is None for r in rows)
+        A lone row's plan is ``plan_runs``'s, and so is a sampled row's in any batch: its
+        draws depend on its tree, and a seeded request with a fixed k must draw the same
+        tokens alone and in whatever batch it joins, on any machine; so such a row reads the
+        guessed curve, never a measured one (``_seeded``). A batch's rows share one pass, as wide as its widest row
+        (core.tree_pass pads the others), so every greedy row that takes leaves gets the
+        same count, its own best; for auto, the count that maximizes the greedy rows'
+        expected tokens per second, a pass over B rows of w tokens costing what the
+        pass-cost curve says of B * w tokens (every row's tokens share the reads of the
+        weights). The drafting time is left out: it does not change with the leaves, and
+        leaving it out only ever picks fewer."""
+        drawn = [getattr(r, "process", None) is not None for r in rows]
         if len(rows) == 1:
-            sides, runs, _ = self._choose(ks[0], rows[0].stats, self.dips and greedy)
+            cost = _seeded(rows[0])
+            sides, runs, _ = self._choose(ks[0], rows[0].stats, self.dips and not drawn[0], cost)
             return [sides], [runs]
-        k = max(ks, default=0)
-        ranked = [self._ranked(ki, r.stats, r.tree) for ki, r in zip(ks, rows, strict=True)]
-        most = min(max(0, self.size.nodes - k), max(len(nodes) for nodes, _ in ranked))
-        n = self._batch_count(k, ranked, most, self.dips and greedy) if self.size.auto else most
-        plans = [self._take(ki, nodes[:n]) for ki, (nodes, _) in zip(ks, ranked, strict=True)]
+        plans = [self._choose(ki, r.stats, False, _seeded(r)) if d and r.tree else None
+                 for ki, r, d in zip(ks, rows, drawn, strict=True)]  # fmt: skip
+        greedy = [i for i, d in enumerate(drawn) if not d]
+        if greedy:
+            k = max(ks[i] for i in greedy)
+            ranked = {i: self._ranked(ks[i], rows[i].stats, rows[i].tree) for i in greedy}
+            most = min(max(0, self.size.nodes - k), max(len(n) for n, _ in ranked.values()))
+            dips = self.dips and not any(drawn)
+            auto = self.size.auto
+            n = self._batch_count(k, list(ranked.values()), most, dips) if auto else most
+            for i, (nodes, _) in ranked.items():
+                plans[i] = self._take(ks[i], nodes[:n])
+        plans = [p or ([0] * ki, [], 0.0) for ki, p in zip(ks, plans, strict=True)]
         return [p[0] for p in plans], [p[1] for p in plans]
 
     def gain(self, k: int, stats: Stats) -> tuple[float, int]:
@@ -164,10 +176,11 @@ class SideSizer:
         return value, sum(sides) + sum(runs)
 
     def _choose(
-        self, k: int, stats: Stats, dips: bool | None = None
+        self, k: int, stats: Stats, dips: bool | None = None, cost: CostCurve | None = None
     ) -> tuple[list[int], list[int], float]:
         """(side leaves by depth, continuations by leaf, their summed value) for a chain of k;
-        dips: a cheaper wider pass may be filled (None: ``self.dips``)."""
+        dips: a cheaper wider pass may be filled (None: ``self.dips``); cost: the curve auto
+        reads (None: the chooser's, ``pass_cost``)."""
         if k <= 0 or self.size.nodes - k <= 0:
             return [0] * max(k, 0), [], 0.0
         nodes, chain = self._ranked(k, stats)
@@ -176,7 +189,7 @@ class SideSizer:
         if self.size.auto:
             values = [n[0] for n in nodes[:room]]
             dips = self.dips if dips is None else dips
-            take = paying(self.chooser, k, chain, values, drafting=True, dips=dips)
+            take = paying(cost or pass_cost(self.chooser), k, chain, values, True, dips)
         return self._take(k, nodes[:take])
 
     def _ranked(self, k: int, stats: Stats, branches: bool = True) -> tuple[list[tuple], float]:
@@ -231,15 +244,13 @@ class SideSizer:
 
 
 def paying(
-    chooser: KChooser, k: int, tokens: float, values: list[float], drafting=False, dips=True
+    cost: CostCurve, k: int, tokens: float, values: list[float], drafting=False, dips=True
 ) -> int:
     """How many more nodes (their values: expected tokens each adds, best first) a pass that
     already verifies k drafts for ``tokens`` expected tokens should verify: the count that
-    maximizes expected tokens per second, by the chooser's measured pass-cost curve (an
-    AdaptiveK, or the probe a FixedK holds: ``pass_cost``). drafting: add the k drafts'
-    drafting time (a model's, where timed; lookup's is free); dips: a greedy row's
-    (CostCurve.tree_curve)."""
-    cost = pass_cost(chooser)
+    maximizes expected tokens per second, by the pass-cost curve ``cost`` (a chooser's:
+    ``pass_cost``). drafting: add the k drafts' drafting time (a model's, where timed;
+    lookup's is free); dips: a greedy row's (CostCurve.tree_curve)."""
     curve = cost.tree_curve(TREE_MAX, dips)  # seconds by drafts verified (a pass's, untimed)
     spent = k * (cost.t_draft or 0.0) if drafting else 0.0
     best, best_rate, gained = 0, 0.0, 0.0
@@ -250,6 +261,15 @@ def paying(
         if rate > best_rate:
             best, best_rate = n, rate
     return best
+
+
+def _seeded(row) -> CostCurve | None:
+    """The guessed curve for a sampled row with a fixed k (its text then depends on its seed
+    and settings alone, not on a probe that differs by machine and run); None for the rest:
+    the chooser's curve."""
+    k = getattr(row, "k", None)
+    drawn = getattr(row, "process", None) is not None
+    return CostCurve() if drawn and k is not None and not k.auto else None
 
 
 def pass_cost(chooser: KChooser) -> CostCurve:
