@@ -18,6 +18,7 @@ from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
 from specmlx.decoding.request import Decode
 from specmlx.drafting.choosers import K
+from specmlx.drafting.trees import TreeSize
 from specmlx.errors import IncompatiblePair
 from specmlx.serving.batch_k import BatchK
 
@@ -137,6 +138,23 @@ def test_a_sampled_row_draws_what_its_solo_run_draws(pair, verify):
     moved = other.join(PROMPTS[0], Decode(samplers[0], K(3), 20, seed=12, verify=verify))
     drain(other, 3, [moved], out)
     assert out[id(moved)] != want[0]  # the seed matters: the comparison means something
+
+
+@pytest.mark.parametrize("verify", ["token", "block"])
+def test_a_sampled_chain_beside_a_tree_draws_what_its_solo_run_draws(pair, verify):
+    """A greedy row's tree makes the batch's round a tree round; a sampled row without leaves
+    still accepts its chain by its own rule (not the tree's, which draws other tokens from the
+    same keys), so it draws what it draws alone."""
+    target, draft = pair
+    hot = SamplingParams(0.9)
+    want = solo(target, draft, PROMPTS[0], 3, 20, sampling=hot, seed=5, verify=verify)
+    greedy = solo(target, draft, PROMPTS[2], 3, 20)
+    batch, out = Batch(target, draft), {}
+    rows = [batch.join(PROMPTS[0], Decode(hot, K(3), 20, seed=5, verify=verify)),
+            batch.join(PROMPTS[2], Decode(k=K(3), max_tokens=20, tree=TreeSize(8)))]  # fmt: skip
+    drain(batch, 3, rows, out)
+    assert rows[1].stats.tree_rounds > 0  # (the rounds were tree rounds)
+    assert [out[id(r)] for r in rows] == [want, greedy]
 
 
 def test_a_k_past_what_the_rows_can_emit_drafts_only_what_they_can_use(pair):

@@ -187,7 +187,13 @@ def _tree_round(rows: Sequence[Row], target: Verifier, drafter: RowDrafter, draf
     outs = []
     for i, (r, tree) in enumerate(zip(rows, drafts.trees, strict=True)):
         n, mine = tree.size, nodes[i, : tree.size]  # (a row's pads are never read)
-        if r.process is None:
+        if tree.parents == tuple(range(n)):  # a chain (other rows branch): its own rule, so
+            # a seeded row draws in a batch's tree round what it draws in a chain round
+            q = drafts.q[i][:n] if drafts.q[i] is not None else None
+            node, nxt = accept_proposal(
+                logits[i, : n + 1], mine, q, r.process, r.rule, *keys[i][1:]
+            )
+        elif r.process is None:
             node, nxt = accept_tree_greedy(logits[i, : n + 1], mine, tree)
         else:
             p, q = r.process(logits[i, : n + 1]), drafts.q[i]  # (n + 1, V), (n, V_q)
