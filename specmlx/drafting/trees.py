@@ -142,13 +142,14 @@ class SideSizer:
         A lone row's plan is ``plan_runs``'s, and so is a sampled row's in any batch: its
         draws depend on its tree, and a seeded request with a fixed k must draw the same
         tokens alone and in whatever batch it joins, on any machine; so such a row reads the
-        guessed curve, never a measured one (``_seeded``). A batch's rows share one pass, as wide as its widest row
-        (core.tree_pass pads the others), so every greedy row that takes leaves gets the
-        same count, its own best; for auto, the count that maximizes the greedy rows'
-        expected tokens per second, a pass over B rows of w tokens costing what the
-        pass-cost curve says of B * w tokens (every row's tokens share the reads of the
-        weights). The drafting time is left out: it does not change with the leaves, and
-        leaving it out only ever picks fewer."""
+        guessed curve, never a measured one (``_seeded``).
+
+        A batch's rows share one pass, as wide as its widest row (core.tree_pass pads the
+        others), so every greedy row that takes leaves gets the same count, its own best;
+        for auto, the count that maximizes the greedy rows' expected tokens per second, a
+        pass over B rows of w tokens costing what the pass-cost curve says of B * w tokens
+        (every row's tokens share the reads of the weights). The drafting time is left
+        out: it does not change with the leaves, and leaving it out only ever picks fewer."""
         drawn = [getattr(r, "process", None) is not None for r in rows]
         if len(rows) == 1:
             cost = _seeded(rows[0])
