@@ -371,10 +371,19 @@ def test_a_fixed_k_sizes_auto_trees_by_the_targets_probe(pair):
     ratio[15] = 1.5  # a pass over 16 tokens: cheaper than one over 3
     assert sum(SideSizer(AUTO, FixedK(3, CostCurve(pass_ratio=ratio))).plan(3, rich)) == 12
     assert sum(SideSizer(AUTO, FixedK(3)).plan(3, rich)) < 12  # the guess: +10% a token
-    # the session hands a fixed k's auto trees its store's curve; a chain's k, nothing
-    session = Session(Pair(target, draft), choosers=ChooserStore(persist=False, pass_ratio=ratio))
-    for tree, k, curve in ((AUTO, K(3), ratio), (OFF, K(3), None), (TreeSize(8), K(3), None)):
-        gen = session.start(Request(prompt_ids=PROMPT, k=k, tree=tree, max_tokens=4))
+    # the session hands a fixed k's auto trees the curve its store knows; a chain's k,
+    # a fixed size or a store that knows none, nothing (a fixed k runs no probe itself)
+    known, none = ChooserStore(persist=False, pass_ratio=ratio), ChooserStore(persist=False)
+    cases = (
+        (known, AUTO, ratio),
+        (known, OFF, None),
+        (known, TreeSize(8), None),
+        (none, AUTO, None),
+    )
+    for store, tree, curve in cases:
+        gen = Session(Pair(target, draft), choosers=store).start(
+            Request(prompt_ids=PROMPT, k=K(3), tree=tree, max_tokens=4)
+        )
         assert isinstance(gen.parts.chooser, FixedK)
         assert gen.parts.chooser.cost.pass_ratio == curve
         assert len(list(gen.tokens())) == 4

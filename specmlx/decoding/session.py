@@ -198,13 +198,13 @@ class Session:
                 pair.target, pair.target_id, drafter, req.sampling, ids, verify=req.verify
             )
         elif chooser is None:
-            # a fixed k's greedy auto trees are sized by the target's probe, as auto's are
-            # (a sampled row's by the guess: trees.SideSizer.plan_rows; not over ranks: every
-            # rank must plan the same tree, and SharedK guesses the curve there)
+            # a fixed k's greedy auto trees are sized by the target's probe once one has run
+            # (auto's), as a server's batch sizes them; it runs none itself. Not a sampled
+            # row's (the guess: trees.SideSizer.plan_rows), nor over ranks: every rank must
+            # plan the same tree, and SharedK guesses the curve there.
             greedy = req.sampling.greedy and not world.distributed
-            trees = k.fixed > 0 and req.tree.auto and greedy
-            store = self.choosers if trees else None
-            chooser = make_chooser(k, store and store.curve(pair.target, pair.target_id, ids))
+            trees = k.fixed > 0 and req.tree.auto and greedy and self.choosers is not None
+            chooser = make_chooser(k, self.choosers.known_curve(pair.target_id) if trees else None)
         chooser = for_drafter(chooser, draft)
         if world.distributed and lockstep is None:
             lockstep = Lockstep(world)

@@ -222,6 +222,11 @@ class ChooserStore:
         target's probe (``probe``: cached on disk, else run over ``prompt_ids``)."""
         return self.pass_ratio or self.probe(target, target_id, list(prompt_ids))
 
+    def known_curve(self, target_id: str) -> list[float] | None:
+        """The pass-cost curve known without running anything: the store's ``pass_ratio``,
+        else a probe already run (``cached_probe``), else None."""
+        return self.pass_ratio or self.cached_probe(target_id)
+
     def cached_probe(self, target_id: str, k_max: int = SUFFIX_MAX) -> list[float] | None:
         """The target's pass-cost curve from an earlier probe on this machine, if any: one
         this store ran or read (kept in memory, so a store that does not persist answers the

@@ -457,7 +457,7 @@ class Batcher:
         (a lone auto request's); with ranks, from the guessed curve, which every rank has
         (their plans must agree)."""
         if self.batch.pass_ratio is None and not self.ranks:
-            self.batch.pass_ratio = self.w.choosers.cached_probe(self.w.session.pair.target_id)
+            self.batch.pass_ratio = self.w.choosers.known_curve(self.w.session.pair.target_id)
 
     def jobs(self) -> list:
         return [lv.job for lv in self.live + self.parked] + self.warmups.waiting
