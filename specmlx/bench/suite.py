@@ -333,14 +333,15 @@ class _Testbed:
         # one adaptive-k state per auto system and temperature, kept across its generations as
         # `specmlx run` keeps it on disk: what is measured is auto after its first few rounds.
         # They start from this measured curve and live in memory only.
-        # A fixed k's auto trees read the same curve (FixedK's cost), as `specmlx run` reads
-        # the target's probe for them (not over ranks: each rank measured its own).
+        # A fixed k's greedy auto trees read the same curve (FixedK's cost), as `specmlx run`
+        # reads a probe already run for them (not sampled ones, which read the guess there,
+        # nor over ranks: each rank measured its own).
         ratio, ranked = curve_from(t, SUFFIX_MAX), self.world is not None and self.world.distributed
         store = ChooserStore(persist=False, pass_ratio=ratio)
         self.choosers = {
             (sy, temp): store.get(target, "bench", sy.label, _sampling(temp, s), ids)
             if sy.k.auto
-            else make_chooser(sy.k, ratio)
+            else make_chooser(sy.k, ratio if temp == 0 else None)
             for sy in self.todo
             if sy.k.auto or (sy.k.fixed and sy.tree.auto and not ranked)
             for temp in s.temps
