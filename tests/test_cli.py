@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from helpers import DEMO_FACTS, make_tiny_model
+from huggingface_hub import constants as hub_constants
 from typer.testing import CliRunner
 
 from specmlx.cli import app
@@ -251,12 +252,13 @@ def test_registry_errors(registry, tmp_path, monkeypatch):
     one_line_error(run("run", "x"), 2, "bad.toml:3", "dtyp")
 
 
-def test_offline_model_not_in_cache(registry, tmp_path):
-    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+def test_offline_model_not_in_cache(registry, tmp_path, monkeypatch):
+    # huggingface_hub reads HF_HUB_OFFLINE and HF_HOME once, when it is imported (as a
+    # user's shell sets them before specmlx starts): in this process, set what it read
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
     one_line_error(
-        run("run", "--target", "someone/not-cached-model", "--draft", "none", "x", env=env),
-        1,
-        "cache",
+        run("run", "--target", "someone/not-cached-model", "--draft", "none", "x"), 1, "cache"
     )
 
 
