@@ -36,7 +36,18 @@ from ..drafting.cost_curve import PROBE_SIZES
 from ..drafting.lookup import LookupMemory
 from ..drafting.probe import curve_from, head_step_seconds, pass_times
 from ..drafting.trees import OFF
-from .data import MEMORY, NGRAM, STOP, BenchSettings, Run, System, code_of, edit_step, runs_at
+from .data import (
+    MEMORY,
+    NGRAM,
+    STOP,
+    BenchSettings,
+    Generated,
+    Run,
+    System,
+    code_of,
+    edit_step,
+    runs_at,
+)
 from .report import judge_greedy_runs, summarize
 
 
@@ -99,10 +110,8 @@ def run_one(
     chooser: KChooser | None = None,
     world: World | None = None,
     memory: LookupMemory | None = None,
-):
-    """Generate once with one system; returns (tokens, decoded, decode_s, drafted, accepted,
-    (depth_tried, depth_accepted), (tree_rounds, rank_tried, rank_kept)): the last two as
-    stats.Stats keeps them.
+) -> Generated:
+    """Generate once with one system: its tokens, timing and statistics.
     ``chooser`` is the system's adaptive-k state when k is "auto", or a fixed k's FixedK
     holding the measured curve its auto trees read (None: a fresh one);
     ``world``: the ranks the target is split over (k decided on rank 0, tokens compared);
@@ -129,7 +138,7 @@ def run_one(
             else:
                 count_depths(tried, kept, system.k.fixed, run)
                 run = 0
-        return tokens, decoded, secs, rounds * system.k.fixed, accepted, (tried, kept), (0, [], [])
+        return Generated(tokens, decoded, secs, rounds * system.k.fixed, accepted, tried, kept)
     first = system.drafter.split(" + ")[0]
     use_draft = first != "none" and not first.startswith("look")  # (lookup, lookahead)
     request = Request(
@@ -155,16 +164,8 @@ def run_one(
     if gen.lockstep is not None:
         gen.lockstep.check()
     st = gen.stats
-    trees = (st.tree_rounds, st.rank_tried, st.rank_kept)
-    return (
-        tokens,
-        decoded,
-        secs,
-        st.drafted,
-        st.accepted,
-        (st.depth_tried, st.depth_accepted),
-        trees,
-    )
+    return Generated(tokens, decoded, secs, st.drafted, st.accepted, st.depth_tried,
+                     st.depth_accepted, st.tree_rounds, st.rank_tried, st.rank_kept)  # fmt: skip
 
 
 def _lookup_by(drafter: str) -> str:
@@ -379,7 +380,7 @@ class _Testbed:
         }
 
     def run(self, system, ids, temp, rep, pid, memory) -> Run:
-        tokens, decoded, secs, drafted, accepted, depth, trees = run_one(
+        made = run_one(
             system,
             self.target,
             self.draft_of(system),
@@ -392,9 +393,7 @@ class _Testbed:
             self.world,
             memory,
         )
-        return Run(system.label, pid, temp, rep, tokens, decoded, secs, drafted, accepted,
-                   depth_tried=depth[0], depth_accepted=depth[1], tree_rounds=trees[0],
-                   rank_tried=trees[1], rank_kept=trees[2])  # fmt: skip
+        return Run(system.label, pid, temp, rep, **asdict(made))
 
     def result(self, runs: list[Run]) -> dict:
         return {
