@@ -68,23 +68,6 @@ class Run:
 
 
 @dataclass
-class Generated:
-    """What one generation gave (suite.run_one): a Run's fields after its identity (label,
-    prompt, temperature, repeat), its statistics as stats.Stats keeps them."""
-
-    tokens: list[int]
-    decoded: int
-    decode_s: float
-    drafted: int
-    accepted: int
-    depth_tried: list[int] = field(default_factory=list)
-    depth_accepted: list[int] = field(default_factory=list)
-    tree_rounds: int = 0
-    rank_tried: list[int] = field(default_factory=list)
-    rank_kept: list[int] = field(default_factory=list)
-
-
-@dataclass
 class BenchSettings:
     ks: list[K] = field(default_factory=lambda: [K(1), K(2), K(4), K(8), AUTO])
     temps: list[float] = field(default_factory=lambda: [0.0, 0.8])

@@ -36,18 +36,7 @@ from ..drafting.cost_curve import PROBE_SIZES
 from ..drafting.lookup import LookupMemory
 from ..drafting.probe import curve_from, head_step_seconds, pass_times
 from ..drafting.trees import OFF
-from .data import (
-    MEMORY,
-    NGRAM,
-    STOP,
-    BenchSettings,
-    Generated,
-    Run,
-    System,
-    code_of,
-    edit_step,
-    runs_at,
-)
+from .data import MEMORY, NGRAM, STOP, BenchSettings, Run, System, code_of, edit_step, runs_at
 from .report import judge_greedy_runs, summarize
 
 
@@ -110,8 +99,8 @@ def run_one(
     chooser: KChooser | None = None,
     world: World | None = None,
     memory: LookupMemory | None = None,
-) -> Generated:
-    """Generate once with one system: its tokens, timing and statistics.
+) -> Run:
+    """Generate once with one system: its Run, whose prompt and repeat its caller names.
     ``chooser`` is the system's adaptive-k state when k is "auto", or a fixed k's FixedK
     holding the measured curve its auto trees read (None: a fresh one);
     ``world``: the ranks the target is split over (k decided on rank 0, tokens compared);
@@ -138,7 +127,9 @@ def run_one(
             else:
                 count_depths(tried, kept, system.k.fixed, run)
                 run = 0
-        return Generated(tokens, decoded, secs, rounds * system.k.fixed, accepted, tried, kept)
+        drafted = rounds * system.k.fixed
+        return Run(system.label, "", temp, 0, tokens, decoded, secs, drafted, accepted,
+                   depth_tried=tried, depth_accepted=kept)  # fmt: skip
     first = system.drafter.split(" + ")[0]
     use_draft = first != "none" and not first.startswith("look")  # (lookup, lookahead)
     request = Request(
@@ -164,8 +155,10 @@ def run_one(
     if gen.lockstep is not None:
         gen.lockstep.check()
     st = gen.stats
-    return Generated(tokens, decoded, secs, st.drafted, st.accepted, st.depth_tried,
-                     st.depth_accepted, st.tree_rounds, st.rank_tried, st.rank_kept)  # fmt: skip
+    return Run(system.label, "", temp, 0, tokens, decoded, secs, st.drafted, st.accepted,
+               depth_tried=st.depth_tried, depth_accepted=st.depth_accepted,
+               tree_rounds=st.tree_rounds, rank_tried=st.rank_tried,
+               rank_kept=st.rank_kept)  # fmt: skip
 
 
 def _lookup_by(drafter: str) -> str:
@@ -393,7 +386,7 @@ class _Testbed:
             self.world,
             memory,
         )
-        return Run(system.label, pid, temp, rep, **asdict(made))
+        return replace(made, prompt=pid, repeat=rep)
 
     def result(self, runs: list[Run]) -> dict:
         return {
