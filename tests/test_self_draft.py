@@ -30,6 +30,9 @@ from specmlx.drafting.self_draft import (
     shares_caches,
 )
 from specmlx.errors import BadInput, IncompatiblePair
+from specmlx.models import loading
+from specmlx.models.footprint import kv_bytes
+from specmlx.models.loading import self_kv_bytes
 
 PROMPT = list(range(3, 23))
 
@@ -247,6 +250,48 @@ def test_run_refuses_a_bad_spec_in_one_line(tiny_target, name, words):
     assert out.exit_code == 2, out.output
     lines = out.stderr.strip().splitlines()
     assert lines == [ln for ln in lines if ln.startswith("error:")] and words in lines[0], lines
+
+
+LLAMA8 = {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 64,
+          "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+
+
+def test_the_memory_plan_counts_only_the_kv_the_draft_keeps_of_its_own():
+    """An exit drafting over the target's own caches (a lone generation, attention below the
+    exit) adds no KV cache; a server's exit, a skip list and an exit over a recurrent layer
+    keep their layers' own, and auto plans for its deepest exit."""
+    full = kv_bytes(LLAMA8, 1000, 2)
+    plan = lambda name, lone, config=LLAMA8: self_kv_bytes(config, name, 1000, 2, lone)  # noqa: E731
+    assert plan("self:exit=2", True) == plan("self", True) == 0
+    assert plan("self:exit=2", False) == full * 2 // 8
+    assert plan("self", False) == int(full * 0.75)
+    assert plan("self:skip=1,2", True) == plan("self:skip=1,2", False) == full * 6 // 8
+    hybrid = LLAMA8 | {"hybrid_override_pattern": "*M******"}  # a recurrent layer 1
+    assert plan("self:exit=1", True, hybrid) == 0  # (the layer below it keeps attention)
+    assert plan("self:exit=2", True, hybrid) == int(kv_bytes(hybrid, 1000, 2) * 2 / 8) > 0
+    with pytest.raises(BadInput, match="1 to 7"):
+        plan("self:exit=8", True)
+
+
+@pytest.mark.parametrize("stop", [False, True])
+def test_run_and_bench_plan_an_exit_as_lone_unless_it_stops_per_token(tiny_target, monkeypatch,
+                                                                      stop):  # fmt: skip
+    """`run` and `bench` generate alone: the exit shares the target's caches, unless
+    per-token stopping drafts over the exit's own."""
+    seen = []
+
+    def refuse(*args, **kw):
+        seen.append(kw.get("lone"))
+        raise BadInput("planned")
+
+    monkeypatch.setattr(loading, "load_pair", refuse)
+    more = ["--draft-stop", "-k", "auto"] if stop else []
+    for cmd in (["run", "x"], ["bench", "-n", "4"]):
+        out = CliRunner().invoke(
+            app, [*cmd, "--target", str(tiny_target), "--draft", "self:exit=1", *more]
+        )
+        assert out.exit_code == 2 and "planned" in out.stderr, out.output
+    assert seen == [not stop, not stop]
 
 
 def test_a_pair_names_self_drafting(tiny_target, tmp_path, monkeypatch):

@@ -173,6 +173,7 @@ def bench(
         registry=registry,
         group=world.group if world.distributed else None,
         progress=lambda m: console.print(m, style="dim", soft_wrap=True, markup=False),
+        lone=not draft_stop,  # (generations run one at a time)
     )
     watchdog = None
     if world.distributed:  # a rank that hangs ends every rank, with one line

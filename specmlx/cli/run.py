@@ -207,7 +207,7 @@ def _run_local(
     planned = min(limit, size + request.max_tokens + 64)
     tgt, drf, shared = load_pair(
         models.target, models.draft, registry=registry, context=planned, progress=say,
-        group=world.group if world.distributed else None,
+        group=world.group if world.distributed else None, lone=not request.draft_stop,
     )  # fmt: skip
     lockstep = None
     if world.distributed:

@@ -6,6 +6,7 @@ quantized.py and whether a target splits from sharding.py."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from ..drafting.self_draft import (
 )
 from ..errors import BadInput, IncompatiblePair, ModelLoadError
 from ..paths import expand_path, load_json, save_json, specmlx_home
-from .footprint import kv_bytes, plan_memory, require_fit
+from .footprint import kv_bytes, layer_kinds, plan_memory, require_fit
 from .gguf import load_gguf, read_gguf_header
 from .gguf_tokenizer import gguf_tokenizer
 from .inspection import peek, read_config, resolve_dtype
@@ -396,6 +397,26 @@ def kept_exit(target: Loaded, progress: Progress | None = None) -> SelfSpec:
     return spec
 
 
+def self_kv_bytes(config: dict, name: str, context: int, dtype_bytes: int, lone: bool) -> int:
+    """The KV cache bytes ``--draft self...`` adds to its target's for ``context`` tokens (the
+    weights are the target's): its share of the target's layers, none for an exit that drafts
+    over the target's own caches (a lone generation, where every layer below the exit keeps
+    attention: self_draft.shares_caches; auto's exit is at most max(EXIT_FRACTIONS) deep).
+    BadInput for a bad spec, before anything loads.
+
+    config: the target's; name: the --draft value; dtype_bytes: the target's cache dtype's;
+    lone: every generation runs alone (run, bench; a server's batch rows keep own caches)."""
+    depth, share, deepest = config.get("num_hidden_layers"), max(EXIT_FRACTIONS), None
+    if isinstance(depth, int):
+        spec = parse_self(name, depth)
+        deepest = math.ceil(share * depth) if spec.auto else spec.exit
+        share = share if spec.auto else len(spec.run(depth)) / depth
+    if lone and deepest is not None:
+        if all(kind in ("full", "window") for kind in layer_kinds(config)[:deepest]):
+            return 0
+    return int(kv_bytes(config, context, dtype_bytes) * share)
+
+
 def load_pair(
     target_name: str,
     draft_name: str | None = None,
@@ -405,6 +426,7 @@ def load_pair(
     reserve: int = 0,
     group: mx.distributed.Group | None = None,
     progress: Progress | None = None,
+    lone: bool = False,
 ) -> tuple[Loaded, Loaded | None, int]:
     """Resolve, plan memory, load both models and check them: (target, draft, shared ids).
 
@@ -417,19 +439,16 @@ def load_pair(
     bytes of KV caches to plan beyond that (a server's prompt cache); group: ranks to split
     the target over (the draft is loaded whole on each; the plan is per rank, and a target
     that cannot be split is refused before anything loads); progress: gets a line before
-    slow steps."""
+    slow steps; lone: every generation runs alone without per-token stopping (run, bench),
+    so an early exit drafts over the target's own caches and plans none (self_kv_bytes)."""
     registry = registry or load_registry()
     target = registry.resolve(target_name)
     if is_self(draft_name):  # the target drafts for itself: its own layers, extra KV only
         planned = context or registry.context_for(target)
         config = peek(target, progress=progress)[0]
-        depth, share = config.get("num_hidden_layers"), max(EXIT_FRACTIONS)  # (auto's most)
-        if isinstance(depth, int):  # a bad spec: refused before anything loads
-            spec = parse_self(draft_name, depth)
-            share = share if spec.auto else len(spec.run(depth)) / depth
         shards = group.size() if group is not None else 1
-        # the draft's own KV: its share of the target's layers (the weights are the target's)
-        extra = int(kv_bytes(config, planned, resolve_dtype(target.dtype).size) * share) // shards
+        nbytes = resolve_dtype(target.dtype).size
+        extra = self_kv_bytes(config, draft_name, planned, nbytes, lone) // shards
         plan = plan_memory(target, None, planned, reserve=reserve + extra, shards=shards,
                            progress=progress)  # fmt: skip
         require_fit(plan, target, None)
