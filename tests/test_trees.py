@@ -44,7 +44,7 @@ def test_the_setting_is_read_once():
     assert TreeSize.of("auto") == AUTO and AUTO.auto and AUTO.value == "auto"
     assert TreeSize.of("8") == TreeSize(8) == TreeSize.of(8) and TreeSize(8).value == 8
     for bad in (0, -1, TREE_MAX + 1, "many", True, 2.5):
-        with pytest.raises(BadInput, match="--tree must be 'off', 'auto' or an integer"):
+        with pytest.raises(BadInput, match="--tree must be 'off', 'auto', an integer"):
             TreeSize.of(bad, "--tree")
 
 
@@ -226,7 +226,7 @@ def test_the_cli_refuses_a_bad_tree_before_loading():
     r = CliRunner().invoke(app, ["run", "--tree", "0", "def f():"])
     assert r.exit_code == 2, r.output
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--tree must be 'off', 'auto' or an integer" in lines[0], lines
+    assert len(lines) == 1 and "--tree must be 'off', 'auto', an integer" in lines[0], lines
 
 
 def test_adaptive_k_weighs_a_chain_with_its_leaves():

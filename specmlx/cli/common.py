@@ -59,7 +59,8 @@ TreeOpt = Annotated[
     typer.Option(
         "--tree",
         help="Token trees: 'off' (chains), 'auto' (the default: side leaves where the cost "
-        f"model says they pay) or N (1-{TREE_MAX}: the most drafted tokens a pass verifies).",
+        f"model says they pay), N (1-{TREE_MAX}: the most drafted tokens a pass verifies) or "
+        "expand:N (a draft model grows a tree of N by EAGLE-2's expansion; greedy).",
     ),
 ]
 DraftStopOpt = Annotated[

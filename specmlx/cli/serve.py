@@ -170,6 +170,7 @@ def serve(
     from ..core.sampling import SamplingParams
     from ..distributed.launch import join, launched
     from ..distributed.ranks import Watchdog, barrier
+    from ..drafting.expand import expand_refusal
     from ..models.footprint import parse_size
     from ..models.loading import load_pair
     from ..models.registry import load_registry
@@ -249,6 +250,9 @@ def serve(
         group=world.group if world.distributed else None,
         progress=say,
     )
+    why = expand_refusal(drf.model if drf else None, draft_stop)
+    if models.tree.expand and why:  # (a batch's head would take side leaves unsaid)
+        raise BadInput(f"--tree {models.tree}: {why}")
     worker = Worker(tgt, drf, shared, max_queue=max_queue, cache_budget=cache_budget,
                     warn=warn, world=world, lookup_memory=lookup_memory,
                     draft_stop=draft_stop, watchdog=watchdog, fatal=fatal,

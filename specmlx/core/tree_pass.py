@@ -209,6 +209,41 @@ def rows_tree_logits(
     return _pass(model, cache, tokens, positions, [_rows_masked(c, trees) for c in cache])
 
 
+def masked_logits(
+    model: nn.Module, cache: Sequence, tokens: mx.array, positions: mx.array, mask: mx.array
+) -> mx.array:
+    """Logits (B, L, V), lazy, of a pass over tokens (B, L) whose every token sits at its own
+    position and sees the keys ``mask`` says: a draft growing its tree a level at a time
+    (drafting/expand.py), its nodes' ancestors scattered among the entries of earlier levels.
+
+    model: any model tree_refusal accepts over ``cache``; cache: its layer caches (each row's
+    L entries are written after its length); positions (B * L,): each token's, row by row;
+    mask (B, 1, L, S) bool: which of the S keys the layer then holds each token sees."""
+    _refuse(model, cache)
+    return _pass(model, cache, tokens, positions, [_given(c, mask) for c in cache])
+
+
+class _Given:
+    """A layer cache whose mask for one pass is given (``masked_logits``); all else is the
+    cache's."""
+
+    def __init__(self, cache, mask: mx.array):
+        self._cache, self._mask = cache, mask
+
+    def make_mask(self, N: int, **kwargs) -> mx.array:
+        return self._mask
+
+    def __getattr__(self, name):
+        return getattr(self._cache, name)
+
+
+def _given(cache, mask: mx.array):
+    """A layer cache (CacheList entries unpacked) behind a given mask."""
+    if isinstance(cache, CacheList):
+        return CacheList(*[_given(c, mask) for c in cache.caches])
+    return _Given(cache, mask)
+
+
 def _refuse(model: nn.Module, cache: Sequence) -> None:
     why = tree_refusal(model, cache)
     if why:

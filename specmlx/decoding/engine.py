@@ -41,6 +41,7 @@ from ..core.vocab import draft_ids, logit_width
 from ..drafting.adaptive import AdaptiveK
 from ..drafting.choosers import for_drafter, make_chooser
 from ..drafting.drafters import ModelDrafter
+from ..drafting.expand import expand_refusal
 from ..drafting.lookahead import LookaheadRows, LookaheadSize
 from ..drafting.lookup import Lookup
 from ..drafting.proposals import RowDrafter
@@ -184,6 +185,12 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
             holder, _ = row_drafter(target, draft, parts.vocab_size)
             holder.join(row, kv.draft, kv.draft_held, kv.waiting)
             drafters.append(holder)
+    if decode.tree.expand:  # EAGLE-2's grown tree: a draft model's, as a row (expand.py)
+        why = expand_refusal(draft, decode.draft_stop)
+        if why is None and not isinstance(holder, ModelRows):
+            why = "the draft's caches have no batch kind: it drafts over its own, chains"
+        if why:
+            raise BadInput(f"tree {decode.tree}: {why}")
     # what branches: a drafter with a distribution at each step (side leaves), Medusa; the
     # draft model over its own cursor as the LoneRows that holds it, but not its per-token
     # stopping (whose chunks are cut after the leaves would be chosen)

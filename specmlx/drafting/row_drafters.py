@@ -42,8 +42,10 @@ from ..core.sampling import sample
 from ..core.vocab import draft_ids, logit_width
 from ..errors import BadInput
 from .drafters import FEED_AFTER, SAFE_ID, Drafter
+from .expand import Grown, grow, keep
 from .medusa import MedusaDraft
 from .proposals import (
+    BY_MODEL,
     Drafts,
     RowDrafter,
     block_plan,
@@ -117,6 +119,7 @@ class ModelRows(_SharedCache):
         super().__init__(model, vocab)
         self.embeds = embeds
         self._states: list[list[list]] = []  # recurrent layers' states after each step
+        self._grown: Grown | None = None  # this round's grown tree (expand.py)
 
     def propose(self, rows, k, ks, keys):
         """Each draft row is fed its unseen tokens first, right-padded to the longest (a pad
@@ -137,6 +140,11 @@ class ModelRows(_SharedCache):
         logits = mx.take_along_axis(logits, at, axis=1)[:, 0, : self.vocab]  # (B, vocab)
         for c in attention_rows(self.cache):
             c.give_back([width - len(p) for p in unseen])  # the pads
+        if self._grows(rows, k):  # EAGLE-2's tree instead of a chain (expand.py)
+            self._grown = grow(self.model, self.cache, logits[0], k, self.sizer.size.nodes,
+                               self.embeds)  # fmt: skip
+            tokens = mx.array(self._grown.tokens, dtype=mx.uint32)[None]  # (1, N)
+            return Drafts.tree_of_one(tokens, None, BY_MODEL, self._grown.tree)
         keep = lambda: [list(c.cache) for c in recurrent]  # noqa: E731 - references only
         self._states = [keep()] if recurrent else []
         steps = _step_keys(keys, ks)
@@ -157,9 +165,23 @@ class ModelRows(_SharedCache):
         drafts = Drafts.model(mx.stack(tokens, axis=1), _per_row(rows, qs), ks)
         return with_leaves(drafts, sides, leaves) if branched(sides) else drafts
 
+    def _grows(self, rows, k: int) -> bool:
+        """Whether this round grows EAGLE-2's tree (``--tree expand:N``): a lone greedy row
+        (a batch's rows, and a sampled row, whose seeded draws must not depend on the rows
+        beside it, take the chain and its side leaves)."""
+        size = self.sizer.size if self.sizer is not None else None
+        return bool(size and size.expand and k and len(rows) == 1 and rows[0].process is None)
+
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The draft fed ctx and k - 1 drafts: each row keeps what its ctx confirms of them
-        (its recurrent layers: the state after that many steps)."""
+        (its recurrent layers: the state after that many steps); after a grown tree, the
+        entries of the nodes it fed along the kept path."""
+        if self._grown is not None:
+            r, held = rows[0], fed[0] + 1
+            slots = self._grown.kept(r.ctx[held : len(r.ctx) - 1])
+            keep(self.cache, held, slots)
+            r.draft_held, self._grown = held + len(slots), None
+            return
         if not k:
             return
         steps = []

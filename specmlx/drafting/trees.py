@@ -44,6 +44,7 @@ from .choosers import count_of
 from .cost_curve import CostCurve
 
 AUTO_NODES = 16  # auto's cap on a tree's nodes
+EXPAND = "expand:"  # --tree expand:N, EAGLE-2's dynamic tree of N nodes
 SIDE_MAX = 4  # side leaves per depth: the draft's ranks 2 to 5 at most (a cap, not measured)
 # (hits, trials) before any round: a chain's draft passes half the time; a side leaf holds
 # the target's token a fifth of the time where the chain's was rejected
@@ -54,27 +55,32 @@ _DEPTH_PRIOR, _RANK_PRIOR = (1.0, 2.0), (1.0, 5.0)
 class TreeSize:
     """The ``--tree`` setting, parsed once (``TreeSize.of``): ``nodes`` 0 is off (chains),
     ``auto`` sizes each round by the cost model up to AUTO_NODES, a number N caps the drafted
-    tokens one pass verifies and fills them with the most valuable leaves."""
+    tokens one pass verifies and fills them with the most valuable leaves; ``expand`` ("expand:N")
+    grows a draft model's tree of N by EAGLE-2's expansion instead (drafting/expand.py)."""
 
     nodes: int = 0
     auto: bool = False
+    expand: bool = False
 
     @classmethod
     def of(cls, value: TreeSize | int | str, name: str = "tree") -> TreeSize:
-        """'off', 'auto', an integer from 1 to TREE_MAX (or its text), or a TreeSize as it is;
-        BadInput otherwise, naming the setting as ``name`` (the CLI's "--tree")."""
+        """'off', 'auto', an integer from 1 to TREE_MAX (or its text), 'expand:' and such an
+        integer, or a TreeSize as it is; BadInput otherwise, naming the setting as ``name``
+        (the CLI's "--tree")."""
         if isinstance(value, TreeSize):
             return value
         if value == "off":
             return cls()
         if value == "auto":
             return cls(AUTO_NODES, auto=True)
-        n = count_of(value)
+        expand = isinstance(value, str) and value.startswith(EXPAND)
+        n = count_of(value[len(EXPAND) :] if expand else value)
         if n is None or not 1 <= n <= TREE_MAX:
             raise BadInput(
-                f"{name} must be 'off', 'auto' or an integer from 1 to {TREE_MAX}, got {value!r}"
+                f"{name} must be 'off', 'auto', an integer from 1 to {TREE_MAX} or "
+                f"'{EXPAND}' and one, got {value!r}"
             )
-        return cls(n)
+        return cls(n, expand=expand)
 
     @property
     def off(self) -> bool:
@@ -82,7 +88,9 @@ class TreeSize:
 
     @property
     def value(self) -> int | str:
-        """As JSON and models.toml write it: "off", "auto" or the int."""
+        """As JSON and models.toml write it: "off", "auto", the int or "expand:" and it."""
+        if self.expand:
+            return f"{EXPAND}{self.nodes}"
         return "off" if self.off else "auto" if self.auto else self.nodes
 
     def __str__(self) -> str:

@@ -1,0 +1,221 @@
+"""EAGLE-2's grown tree (``--tree expand:N``, drafting/expand.py): the tree a draft grows
+level by level is the one plain passes over every path would grow; a generation with it
+keeps the target's greedy tokens, and the draft's caches hold the kept path's keys as a
+plain pass would; a grown round reads the host twice (the tree's shape, then the round's);
+sampled rows and a batch's rows take side leaves; what cannot grow one is refused by name."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from families import build
+from helpers import generate, make_tiny, syncs_per_round, tiny_pair
+from typer.testing import CliRunner
+
+from specmlx.cli import app
+from specmlx.core.caches import make_caches
+from specmlx.core.kvstate import KVState
+from specmlx.core.rows import rows_of
+from specmlx.core.sampling import SamplingParams
+from specmlx.core.stats import Stats
+from specmlx.decoding.batch import Batch
+from specmlx.decoding.request import Decode
+from specmlx.drafting import expand
+from specmlx.drafting.choosers import K
+from specmlx.drafting.trees import TreeSize
+from specmlx.errors import BadInput
+
+PROMPT = [1, 5, 9, 3, 7, 2]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """A tiny llama and a draft that is its copy with a noisy head (it agrees often, not
+    always, so paths leave the draft's best and the tree's other nodes get their chance)."""
+    target = make_tiny(5, vocab=32, layers=2, sharpen=3.0)
+    draft = make_tiny(5, vocab=32, layers=2, sharpen=3.0)
+    noise = mx.random.normal(draft.lm_head.weight.shape, key=mx.random.key(9))
+    draft.lm_head.weight = draft.lm_head.weight + 0.6 * noise
+    mx.eval(draft.parameters())
+    return target, draft
+
+
+def _reference(draft, ctx: list[int], k: int, nodes: int, w: int) -> set[tuple[int, ...]]:
+    """EAGLE-2's tree from a plain pass over each path (no cache, no tree mask): the paths
+    of its N best nodes by summed log-probability."""
+
+    def logp(path: tuple[int, ...]) -> list[float]:
+        logits = draft(mx.array([ctx + list(path)]))[0, -1].astype(mx.float32)
+        return nn.log_softmax(logits).tolist()
+
+    def best(scores: list[float]) -> list[int]:
+        return sorted(range(len(scores)), key=lambda t: -scores[t])[:w]
+
+    root = logp(())
+    level = [((t,), root[t]) for t in best(root)]
+    grown = list(level)
+    for _ in range(1, k):
+        frontier = sorted(level, key=lambda n: -n[1])[:w]
+        level = []
+        for path, s in frontier:
+            lp = logp(path)
+            level += [(path + (t,), s + lp[t]) for t in best(lp)]
+        grown += level
+    grown.sort(key=lambda n: (-n[1], len(n[0])))
+    return {path for path, _ in grown[:nodes]}
+
+
+def _paths(g: expand.Grown) -> set[tuple[int, ...]]:
+    out, parents = set(), g.tree.parents
+    for i in range(1, len(parents) + 1):
+        path, at = [], i
+        while at:
+            path.append(g.tokens[at - 1])
+            at = parents[at - 1]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+@pytest.mark.parametrize("k, nodes, w", [(3, 9, 2), (4, 12, 3), (4, 30, 3), (1, 3, 4)])
+def test_a_grown_tree_is_the_one_plain_passes_over_every_path_grow(pair, k, nodes, w):
+    _, draft = pair
+    ctx = PROMPT + [4, 8]
+    cache = rows_of(None, make_caches(draft))
+    logits = draft(mx.array([ctx]), cache=cache)[0, -1]
+    g = expand.grow(draft, cache, logits, k, nodes, embeds=32, width=w)
+    assert len(g.tokens) == nodes and max(g.tree.depths()) == k
+    assert _paths(g) == _reference(draft, ctx, k, nodes, w)
+    assert cache[0].lens == [len(ctx) + (k - 1) * w]  # every level's entries, until kept
+
+
+def test_the_draft_keeps_the_kept_paths_keys_as_a_plain_pass_would(pair):
+    """Keep a path of the grown tree: the draft's caches then hold the context and the
+    path's fed nodes, each key as a plain pass over them computes it."""
+    _, draft = pair
+    ctx = PROMPT + [4, 8]
+    cache = rows_of(None, make_caches(draft))
+    logits = draft(mx.array([ctx]), cache=cache)[0, -1]
+    g = expand.grow(draft, cache, logits, 4, 14, embeds=32, width=3)
+    deepest = max(range(1, g.tree.size + 1), key=lambda i: (g.tree.depths()[i], -i))
+    path = [g.tokens[j - 1] for j in g.tree.path(deepest)]
+    slots = g.kept(path)
+    assert len(slots) == 3  # (the last level's node was never fed)
+    expand.keep(cache, len(ctx), slots)
+    n = len(ctx) + 3
+    assert cache[0].lens == [n]
+    plain = make_caches(draft)
+    draft(mx.array([ctx + path[:3]]), cache=plain)
+    for a, b in zip(cache, plain, strict=True):
+        assert mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-4).item()
+        assert mx.allclose(a.values[..., :n, :], b.values[..., :n, :], atol=1e-4).item()
+
+
+def test_a_grown_generation_keeps_the_targets_tokens_and_both_caches(pair, monkeypatch):
+    target, draft = pair
+    grown = []
+    real = expand.grow
+    monkeypatch.setattr(
+        "specmlx.drafting.row_drafters.grow", lambda *a, **kw: grown.append(1) or real(*a, **kw)
+    )
+    spec_kv, plain_kv, stats = KVState(), KVState(), Stats()
+    out = [e.token for e in generate(target, draft, PROMPT, k=3, max_tokens=40,
+                                     tree="expand:8", kv=spec_kv, stats=stats)]  # fmt: skip
+    plain = [e.token for e in generate(target, None, PROMPT, k=0, max_tokens=40, kv=plain_kv)]
+    assert out == plain and stats.tree_rounds == len(grown) >= 5, stats
+    assert 0 < stats.accepted < stats.drafted and stats.verified_per_pass > 4, stats
+    n = len(plain_kv.tokens)
+    for a, b in zip(spec_kv.target, plain_kv.target, strict=True):
+        assert a.offset == b.offset == n
+        assert mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-4).item()
+    held = spec_kv.draft_held
+    assert held >= n - 3, (held, n)  # (a round's last kept nodes wait to be fed)
+    plain = make_caches(draft)
+    draft(mx.array([spec_kv.tokens[:held]]), cache=plain)
+    for a, b in zip(spec_kv.draft, plain, strict=True):
+        assert a.offset == held
+        assert mx.allclose(a.keys[..., :held, :], b.keys[..., :held, :], atol=1e-4).item()
+
+
+def test_a_grown_round_reads_the_host_twice(pair, monkeypatch):
+    """The tree's shape (the target's mask) once, then the round's one sync."""
+    target, draft = pair
+    choose, counts = syncs_per_round(monkeypatch)
+    list(generate(target, draft, PROMPT, k=choose, max_tokens=40, tree="expand:8"))
+    trees = [(n, last) for n, last in counts[1:] if last.chain is not None]
+    assert len(trees) >= 5
+    assert all(n == 2 + (last.draft_seconds is not None) for n, last in trees), trees
+
+
+def test_sampled_rows_take_side_leaves_and_stay_seeded(pair, monkeypatch):
+    """A sampled row's draws must not depend on whether it runs alone: it takes the chain
+    and its side leaves, drawing what it draws with ``--tree 8``."""
+    target, draft = pair
+    monkeypatch.setattr("specmlx.drafting.row_drafters.grow", None)  # (never called)
+    runs = [[e.token for e in generate(target, draft, PROMPT, k=3, max_tokens=30, tree=tree,
+                                       sampling=SamplingParams(1.0), seed=4)]
+            for tree in ("expand:8", 8)]  # fmt: skip
+    assert runs[0] == runs[1]
+
+
+def test_the_setting_and_what_cannot_grow_a_tree(pair):
+    target, draft = pair
+    assert TreeSize.of("expand:8") == TreeSize(8, expand=True)
+    assert TreeSize.of("expand:8").value == "expand:8" and not TreeSize.of("expand:8").auto
+    for bad in ("expand:0", "expand:", "expand:x", "expand:65"):
+        with pytest.raises(BadInput, match="'expand:' and one"):
+            TreeSize.of(bad, "--tree")
+    with pytest.raises(BadInput, match="expand:4: only a draft model grows one, none drafts"):
+        list(generate(target, None, PROMPT, lookup=True, tree="expand:4"))
+    with pytest.raises(BadInput, match="per-token stopping drafts chains"):
+        list(generate(target, draft, PROMPT, k="auto", draft_stop=True, tree="expand:4"))
+    window = build("llama_swa", 4, 2, vocab=32)
+    with pytest.raises(BadInput, match="sliding windows"):
+        list(generate(target, window, PROMPT, tree="expand:4"))
+    recurrent = build("qwen3_next", 2, 0, vocab=32)
+    with pytest.raises(BadInput, match="the draft cannot grow it: its layers keep"):
+        list(generate(target, recurrent, PROMPT, tree="expand:4"))
+
+
+def test_run_grows_trees_from_the_cli(tmp_path, specmlx_home, monkeypatch):
+    monkeypatch.setenv("SPECMLX_MODELS", str(tiny_pair(tmp_path)))
+    r = CliRunner().invoke(app, ["run", "-n", "16", "--tree", "expand:6", "-k", "3", "hello"])
+    assert r.exit_code == 0, r.output
+    assert "trees " in r.stderr
+    r = CliRunner().invoke(app, ["run", "-n", "4", "--tree", "expand:0", "hello"])
+    assert r.exit_code == 2 and "--tree must be" in r.stderr, r.output
+
+
+def test_serve_refuses_a_grown_tree_it_cannot_grow_before_listening(
+    tmp_path, specmlx_home, monkeypatch
+):
+    monkeypatch.setenv("SPECMLX_MODELS", str(tiny_pair(tmp_path)))
+    r = CliRunner().invoke(app, ["serve", "--draft", "lookup", "--tree", "expand:4",
+                                 "--port", "0"])  # fmt: skip
+    assert r.exit_code == 2, r.output
+    assert "--tree expand:4: only a draft model grows one, none drafts" in r.stderr
+
+
+def test_a_batch_grows_for_a_lone_greedy_row_and_takes_side_leaves_for_two(pair, monkeypatch):
+    """A server's batch: its one greedy row grows trees; with a second row joined, both take
+    the chain and side leaves. Each row's text is the target's alone."""
+    target, draft = pair
+    grown = []
+    real = expand.grow
+    monkeypatch.setattr(
+        "specmlx.drafting.row_drafters.grow", lambda *a, **kw: grown.append(1) or real(*a, **kw)
+    )
+    batch = Batch(target, draft)
+    first = batch.join(PROMPT, Decode(SamplingParams(0.0), K(3), 30, tree="expand:8"))
+    for _ in range(3):
+        batch.round(3)
+    assert len(grown) == 3
+    second = batch.join([4, 4, 8, 15], Decode(SamplingParams(0.0), K(3), 30, tree="expand:8"))
+    for _ in range(3):
+        batch.round(3)
+    assert len(grown) == 3 and second.stats.tree_rounds == 3
+    while batch.rows:
+        batch.round(3)
+        for r in [r for r in batch.rows if r.done]:
+            batch.leave(r)
+    for row, prompt in ((first, PROMPT), (second, [4, 4, 8, 15])):
+        plain = [e.token for e in generate(target, None, prompt, k=0, max_tokens=30)]
+        assert row.ctx[len(prompt) :] == plain
