@@ -287,6 +287,12 @@ class Kind:
 
 
 # the draft model's 10,000 over the 154 possible sequences keep every cell's expected count
+def _grown(build: Callable[[Path], Pair]) -> Callable[[Path], Pair]:
+    """A kind's pair growing EAGLE-2's tree of 6 instead (``--tree expand:6``: greedy rows
+    only; a sampled row takes side leaves, as the kind's own tree does)."""
+    return lambda tmp: dataclasses.replace(build(tmp), tree="expand:6")
+
+
 # high for the pooled chi-square (the enumeration in test_acceptance.py carries the fine
 # math); a head's pass costs a tiny model's (~5 ms a generation), so fewer there. A wrong
 # rule is far off: each control's count shows it at p < 1e-12
@@ -314,6 +320,10 @@ KINDS = {
     "batch-eagle3-tree": Kind(_batched(_eagle3_tree), 3_000, 600, 0.01),
     "batch-dflash-ddtree": Kind(_batched(_dflash_ddtree), 3_000, 800, 0.01),
     "batch-window-tree": Kind(_batched(_window_tree), 2_000, 600, 0.02),
+    # greedy only (not in RULED): a sampled row takes the side leaves of "tree", "mtp-tree"
+    "grown": Kind(_grown(_tree), 0, 0, 0.0),
+    "eagle3-grown": Kind(_grown(_eagle3), 0, 0, 0.0),
+    "mtp-grown": Kind(_grown(_mtp_tree), 0, 0, 0.0),
 }
 # (kind, rule): both rules for the draft model and the batch, one for each other kind
 RULED = [
@@ -429,7 +439,8 @@ def test_greedy_decoding_is_the_targets_own(pairs, kind):
     assert stats.drafted > 0
     if pair.tree != "off" or kind == "lookahead":  # trees were verified and kept drafts
         assert stats.tree_rounds > 0 and stats.accepted > 0, stats
-        ranked = kind not in ("medusa", "siblings", "suffix-tree", "lookahead")  # side leaves
+        grown = ("grown", "eagle3-grown", "mtp-grown")  # (no side leaves: EAGLE-2's trees)
+        ranked = kind not in ("medusa", "siblings", "suffix-tree", "lookahead", *grown)
         assert sum(stats.rank_kept) > 0 or not ranked, stats
 
 

@@ -4,11 +4,14 @@ keeps the target's greedy tokens, and the draft's caches hold the kept path's ke
 plain pass would; a grown round reads the host twice (the tree's shape, then the round's);
 sampled rows and a batch's rows take side leaves; what cannot grow one is refused by name."""
 
+import copy
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from families import build
 from helpers import generate, make_tiny, syncs_per_round, tiny_pair
+from mlx.utils import tree_map_with_path
 from typer.testing import CliRunner
 
 from specmlx.cli import app
@@ -19,7 +22,7 @@ from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
 from specmlx.decoding.request import Decode
-from specmlx.drafting import expand
+from specmlx.drafting import eagle3, expand
 from specmlx.drafting.choosers import K
 from specmlx.drafting.trees import TreeSize
 from specmlx.errors import BadInput
@@ -47,6 +50,13 @@ def _reference(draft, ctx: list[int], k: int, nodes: int, w: int) -> set[tuple[i
         logits = draft(mx.array([ctx + list(path)]))[0, -1].astype(mx.float32)
         return nn.log_softmax(logits).tolist()
 
+    return _reference_from(logp, k, nodes, w)
+
+
+def _reference_from(logp, k: int, nodes: int, w: int) -> dict[tuple[int, ...], float]:
+    """EAGLE-2's tree from ``logp(path)``: the draft's log-probabilities after a path; each
+    chosen node's path and score."""
+
     def best(scores: list[float]) -> list[int]:
         return sorted(range(len(scores)), key=lambda t: -scores[t])[:w]
 
@@ -61,18 +71,24 @@ def _reference(draft, ctx: list[int], k: int, nodes: int, w: int) -> set[tuple[i
             level += [(path + (t,), s + lp[t]) for t in best(lp)]
         grown += level
     grown.sort(key=lambda n: (-n[1], len(n[0])))
-    return {path for path, _ in grown[:nodes]}
+    return dict(grown[:nodes])
 
 
-def _paths(g: expand.Grown) -> set[tuple[int, ...]]:
-    out, parents = set(), g.tree.parents
+def _paths(g: expand.Grown) -> dict[tuple[int, ...], float]:
+    """Each node's path of tokens and its score."""
+    out, parents = {}, g.tree.parents
     for i in range(1, len(parents) + 1):
         path, at = [], i
         while at:
             path.append(g.tokens[at - 1])
             at = parents[at - 1]
-        out.add(tuple(reversed(path)))
+        out[tuple(reversed(path))] = g.scores[i - 1]
     return out
+
+
+def _same(got: dict, want: dict) -> bool:
+    """The same paths, each scored alike (float32 sums)."""
+    return got.keys() == want.keys() and all(abs(got[p] - want[p]) < 1e-4 for p in got)
 
 
 @pytest.mark.parametrize("k, nodes, w", [(3, 9, 2), (4, 12, 3), (4, 30, 3), (1, 3, 4)])
@@ -81,10 +97,53 @@ def test_a_grown_tree_is_the_one_plain_passes_over_every_path_grow(pair, k, node
     ctx = PROMPT + [4, 8]
     cache = rows_of(None, make_caches(draft))
     logits = draft(mx.array([ctx]), cache=cache)[0, -1]
-    g = expand.grow(draft, cache, logits, k, nodes, embeds=32, width=w)
+    g = expand.grow(expand.model_feed(draft, cache, 32), len(ctx), logits, k, nodes, w)
     assert len(g.tokens) == nodes and max(g.tree.depths()) == k
-    assert _paths(g) == _reference(draft, ctx, k, nodes, w)
+    assert _same(_paths(g), _reference(draft, ctx, k, nodes, w))
     assert cache[0].lens == [len(ctx) + (k - 1) * w]  # every level's entries, until kept
+
+
+def _eagle3_head(target, width: int):
+    """A random EAGLE-3 head (its full vocabulary) over ``target``, weights as the reference
+    tests give one (norms near one, the rest at 0.3)."""
+    config = eagle3.Eagle3Config(
+        hidden=width, heads=4, kv_heads=2, head_dim=8, intermediate=64, eps=1e-5,
+        rope_theta=10000.0, rope_scaling=None, max_positions=2048, vocab=32, draft_vocab=32,
+        target_hidden=width, layers=(0, 1, 3),
+    )  # fmt: skip
+    head = eagle3.Eagle3Head(target, config)
+    mx.random.seed(4)
+    head.update(tree_map_with_path(
+        lambda name, p: float(name.endswith("norm.weight")) + 0.3 * mx.random.normal(p.shape),
+        head.parameters(),
+    ))  # fmt: skip
+    mx.eval(head.parameters())
+    return head
+
+
+def test_a_heads_grown_tree_is_the_one_its_chained_steps_over_every_path_grow():
+    """An EAGLE-3 head grows from its features: each level's nodes read their parent's output,
+    as its chained steps along each path would."""
+    target = build("llama", 4, 0, vocab=32)
+    width = target.model.embed_tokens.weight.shape[1]
+    head = _eagle3_head(target, width)
+    feats = mx.random.normal((1, 5, 3 * width), key=mx.random.key(2))
+    pairs = mx.array([[5, 9, 3, 7, 2]])
+    cache = rows_of(None, head.make_cache())
+    g, logits = head(feats, pairs, cache)
+    mx.eval(g, logits, cache[0].keys)
+    before = copy.deepcopy(cache)
+    k, nodes, w = 4, 20, 3
+    grown = expand.grow(expand.HeadFeed(head, cache, g[:, -1:]), 5, logits[0, -1], k, nodes, w)
+
+    def logp(path: tuple[int, ...]) -> list[float]:
+        c, h, out = copy.deepcopy(before), g[:, -1:], logits[0, -1]
+        for t in path:  # the head's chained steps, node after node
+            h, step = head(h, mx.array([[t]]), c)
+            out = step[0, -1]
+        return nn.log_softmax(out.astype(mx.float32)).tolist()
+
+    assert _same(_paths(grown), _reference_from(logp, k, nodes, w))
 
 
 def test_the_draft_keeps_the_kept_paths_keys_as_a_plain_pass_would(pair):
@@ -94,7 +153,7 @@ def test_the_draft_keeps_the_kept_paths_keys_as_a_plain_pass_would(pair):
     ctx = PROMPT + [4, 8]
     cache = rows_of(None, make_caches(draft))
     logits = draft(mx.array([ctx]), cache=cache)[0, -1]
-    g = expand.grow(draft, cache, logits, 4, 14, embeds=32, width=3)
+    g = expand.grow(expand.model_feed(draft, cache, 32), len(ctx), logits, 4, 14, 3)
     deepest = max(range(1, g.tree.size + 1), key=lambda i: (g.tree.depths()[i], -i))
     path = [g.tokens[j - 1] for j in g.tree.path(deepest)]
     slots = g.kept(path)
@@ -163,7 +222,9 @@ def test_the_setting_and_what_cannot_grow_a_tree(pair):
     for bad in ("expand:0", "expand:", "expand:x", "expand:65"):
         with pytest.raises(BadInput, match="'expand:' and one"):
             TreeSize.of(bad, "--tree")
-    with pytest.raises(BadInput, match="expand:4: only a draft model grows one, none drafts"):
+    with pytest.raises(
+        BadInput, match="expand:4: only a draft model or a chained head grows one, none drafts"
+    ):
         list(generate(target, None, PROMPT, lookup=True, tree="expand:4"))
     with pytest.raises(BadInput, match="per-token stopping drafts chains"):
         list(generate(target, draft, PROMPT, k="auto", draft_stop=True, tree="expand:4"))
@@ -191,7 +252,9 @@ def test_serve_refuses_a_grown_tree_it_cannot_grow_before_listening(
     r = CliRunner().invoke(app, ["serve", "--draft", "lookup", "--tree", "expand:4",
                                  "--port", "0"])  # fmt: skip
     assert r.exit_code == 2, r.output
-    assert "--tree expand:4: only a draft model grows one, none drafts" in r.stderr
+    assert (
+        "--tree expand:4: only a draft model or a chained head grows one, none drafts" in r.stderr
+    )
 
 
 def test_a_batch_grows_for_a_lone_greedy_row_and_takes_side_leaves_for_two(pair, monkeypatch):

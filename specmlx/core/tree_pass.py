@@ -219,8 +219,15 @@ def masked_logits(
     model: any model tree_refusal accepts over ``cache``; cache: its layer caches (each row's
     L entries are written after its length); positions (B * L,): each token's, row by row;
     mask (B, 1, L, S) bool: which of the S keys the layer then holds each token sees."""
+    return masked_pass(model, cache, positions, mask, lambda c: model(tokens, cache=c))
+
+
+def masked_pass(model: nn.Module, cache: Sequence, positions: mx.array, mask: mx.array, run):
+    """``run(caches)``'s result, with ``model``'s ropes placed at ``positions`` and ``cache``
+    behind stand-ins that answer with ``mask`` (masked_logits's, for a module called its own
+    way: a head's ``head(hidden, tokens, cache)``)."""
     _refuse(model, cache)
-    return _pass(model, cache, tokens, positions, [_given(c, mask) for c in cache])
+    return _pass(model, cache, None, positions, [_given(c, mask) for c in cache], run)
 
 
 class _Given:
@@ -257,14 +264,16 @@ def _rows_masked(cache, trees: Sequence[Tree]):
     return _MaskedRows(cache, trees)
 
 
-def _pass(model: nn.Module, cache: Sequence, x: mx.array, positions: mx.array, masked) -> mx.array:
+def _pass(model: nn.Module, cache: Sequence, x: mx.array | None, positions: mx.array, masked,
+          run=None):  # fmt: skip
     """The model over x (B, L) with every rope placed at ``positions`` (B * L,) and the
-    layer caches ``masked`` standing in for ``cache``; logits (B, L, V)."""
+    layer caches ``masked`` standing in for ``cache``; logits (B, L, V). run: call the model
+    another way instead, given the masked caches (x unused)."""
     ropes = _ropes(model)
     try:
         for m, rope in ropes:
             m["rope"] = _Placed(rope, positions)
-        return model(x, cache=masked)
+        return run(masked) if run is not None else model(x, cache=masked)
     finally:
         for m, rope in ropes:
             m["rope"] = rope

@@ -187,7 +187,7 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
             drafters.append(holder)
     if decode.tree.expand:  # EAGLE-2's grown tree: a draft model's, as a row (expand.py)
         why = expand_refusal(draft, decode.draft_stop)
-        if why is None and not isinstance(holder, ModelRows):
+        if why is None and not isinstance(holder, (ModelRows, HeadRows)):
             why = "the draft's caches have no batch kind: it drafts over its own, chains"
         if why:
             raise BadInput(f"tree {decode.tree}: {why}")

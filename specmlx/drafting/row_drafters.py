@@ -42,7 +42,7 @@ from ..core.sampling import sample
 from ..core.vocab import draft_ids, logit_width
 from ..errors import BadInput
 from .drafters import FEED_AFTER, SAFE_ID, Drafter
-from .expand import Grown, grow, keep
+from .expand import Grown, HeadFeed, grow, keep, model_feed
 from .medusa import MedusaDraft
 from .proposals import (
     BY_MODEL,
@@ -96,6 +96,22 @@ class _SharedCache(RowDrafter):
     def __init__(self, model, vocab: int):
         self.model, self.vocab = model, vocab
         self.cache: list | None = None  # per layer: core.rows' batch caches
+        self._grown: Grown | None = None  # this round's grown tree (expand.py)
+
+    def _grows(self, rows, k: int) -> bool:
+        """Whether this round grows EAGLE-2's tree (``--tree expand:N``, expand.py): a lone
+        greedy row (a batch's rows, and a sampled row, whose seeded draws must not depend on
+        the rows beside it, take the chain and its side leaves)."""
+        size = self.sizer.size if self.sizer is not None else None
+        return bool(size and size.expand and k and len(rows) == 1 and rows[0].process is None)
+
+    def _grow(self, feed, logits: mx.array, k: int) -> Drafts:
+        """The lone row's grown tree of depth k as its drafts; logits (vocab,): the draft's
+        after the root (expand.grow)."""
+        held = attention_rows(self.cache)[0].lens[0]
+        self._grown = grow(feed, held, logits, k, self.sizer.size.nodes)
+        tokens = mx.array(self._grown.tokens, dtype=mx.uint32)[None]  # (1, N)
+        return Drafts.tree_of_one(tokens, None, BY_MODEL, self._grown.tree)
 
     def join(self, row, draft, held, waiting) -> None:
         self.cache = rows_of(self.cache, draft)
@@ -119,7 +135,6 @@ class ModelRows(_SharedCache):
         super().__init__(model, vocab)
         self.embeds = embeds
         self._states: list[list[list]] = []  # recurrent layers' states after each step
-        self._grown: Grown | None = None  # this round's grown tree (expand.py)
 
     def propose(self, rows, k, ks, keys):
         """Each draft row is fed its unseen tokens first, right-padded to the longest (a pad
@@ -141,10 +156,8 @@ class ModelRows(_SharedCache):
         for c in attention_rows(self.cache):
             c.give_back([width - len(p) for p in unseen])  # the pads
         if self._grows(rows, k):  # EAGLE-2's tree instead of a chain (expand.py)
-            self._grown = grow(self.model, self.cache, logits[0], k, self.sizer.size.nodes,
-                               self.embeds)  # fmt: skip
-            tokens = mx.array(self._grown.tokens, dtype=mx.uint32)[None]  # (1, N)
-            return Drafts.tree_of_one(tokens, None, BY_MODEL, self._grown.tree)
+            feed = model_feed(self.model, self.cache, self.embeds)
+            return self._grow(feed, logits[0], k)
         keep = lambda: [list(c.cache) for c in recurrent]  # noqa: E731 - references only
         self._states = [keep()] if recurrent else []
         steps = _step_keys(keys, ks)
@@ -164,13 +177,6 @@ class ModelRows(_SharedCache):
             mx.async_eval(t)  # the host builds the next step while this one runs
         drafts = Drafts.model(mx.stack(tokens, axis=1), _per_row(rows, qs), ks)
         return with_leaves(drafts, sides, leaves) if branched(sides) else drafts
-
-    def _grows(self, rows, k: int) -> bool:
-        """Whether this round grows EAGLE-2's tree (``--tree expand:N``): a lone greedy row
-        (a batch's rows, and a sampled row, whose seeded draws must not depend on the rows
-        beside it, take the chain and its side leaves)."""
-        size = self.sizer.size if self.sizer is not None else None
-        return bool(size and size.expand and k and len(rows) == 1 and rows[0].process is None)
 
     def settle(self, rows, k, fed, accepted, feats) -> None:
         """The draft fed ctx and k - 1 drafts: each row keeps what its ctx confirms of them
@@ -222,6 +228,8 @@ class HeadRows(_SharedCache):
 
     def propose(self, rows, k, ks, keys):
         g, logits = self._feed_waiting(rows, keep_last=False)  # (B, 1, H), (B, vocab)
+        if self._grows(rows, k):  # EAGLE-2's tree instead of a chain (expand.py)
+            return self._grow(HeadFeed(self.model, self.cache, g), logits[0], k)
         steps = _step_keys(keys, ks)
         sides = side_plan(self.sizer, rows, ks)
         tokens, qs, leaves = [], [], [[] for _ in rows]
@@ -242,7 +250,8 @@ class HeadRows(_SharedCache):
         """The pairs (h_j, t_{j+1}) this pass confirmed wait to be fed; the chained entries
         are never kept (they read drafts)."""
         _add_waiting(rows, fed, feats)
-        if k:
+        if k or self._grown is not None:
+            self._grown = None
             for c in attention_rows(self.cache):
                 c.lens = [r.draft_held for r in rows]
         if max(len_of(r.waiting) for r in rows) > FEED_AFTER:
