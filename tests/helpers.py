@@ -134,6 +134,17 @@ class RecurrentTableLM(TableLM):
         return self.table[before, ids] + self.mix[sums]  # (B, L, V)
 
 
+def noisy_tiny_pair():
+    """A tiny llama and a draft that is its copy with a noisy head (it agrees often, not
+    always, so chains break and a tree's other nodes get their chance)."""
+    target = make_tiny(5, vocab=32, layers=2, sharpen=3.0)
+    draft = make_tiny(5, vocab=32, layers=2, sharpen=3.0)
+    noise = mx.random.normal(draft.lm_head.weight.shape, key=mx.random.key(9))
+    draft.lm_head.weight = draft.lm_head.weight + 0.6 * noise
+    mx.eval(draft.parameters())
+    return target, draft
+
+
 def count_host_syncs(monkeypatch, count: list[int]) -> None:
     """Add one to count[0] at every way the host waits for MLX (eval, item, tolist, the
     conversions); async_eval only queues work without waiting, so it is not counted."""

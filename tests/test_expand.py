@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from families import build
-from helpers import generate, make_tiny, syncs_per_round, tiny_pair
+from helpers import generate, noisy_tiny_pair, syncs_per_round, tiny_pair
 from mlx.utils import tree_map_with_path
 from typer.testing import CliRunner
 
@@ -32,14 +32,7 @@ PROMPT = [1, 5, 9, 3, 7, 2]
 
 @pytest.fixture(scope="module")
 def pair():
-    """A tiny llama and a draft that is its copy with a noisy head (it agrees often, not
-    always, so paths leave the draft's best and the tree's other nodes get their chance)."""
-    target = make_tiny(5, vocab=32, layers=2, sharpen=3.0)
-    draft = make_tiny(5, vocab=32, layers=2, sharpen=3.0)
-    noise = mx.random.normal(draft.lm_head.weight.shape, key=mx.random.key(9))
-    draft.lm_head.weight = draft.lm_head.weight + 0.6 * noise
-    mx.eval(draft.parameters())
-    return target, draft
+    return noisy_tiny_pair()
 
 
 def _reference(draft, ctx: list[int], k: int, nodes: int, w: int) -> set[tuple[int, ...]]:

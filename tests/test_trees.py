@@ -8,7 +8,7 @@ of test_drafter_kinds.py."""
 import mlx.core as mx
 import pytest
 from families import build, noisy_copy
-from helpers import count_host_syncs, generate, make_tiny, syncs_per_round
+from helpers import count_host_syncs, generate, noisy_tiny_pair, syncs_per_round
 from typer.testing import CliRunner
 
 from specmlx.cli import app
@@ -29,14 +29,7 @@ PROMPT = [1, 5, 9, 3, 7, 2]
 
 @pytest.fixture(scope="module")
 def pair():
-    """A tiny llama and a draft that is its copy with a noisy head (it agrees often, not
-    always, so chains break and side leaves get their chance)."""
-    target = make_tiny(5, vocab=32, layers=2, sharpen=3.0)
-    draft = make_tiny(5, vocab=32, layers=2, sharpen=3.0)
-    noise = mx.random.normal(draft.lm_head.weight.shape, key=mx.random.key(9))
-    draft.lm_head.weight = draft.lm_head.weight + 0.6 * noise
-    mx.eval(draft.parameters())
-    return target, draft
+    return noisy_tiny_pair()
 
 
 def test_the_setting_is_read_once():
