@@ -185,7 +185,7 @@ def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row,
             holder, _ = row_drafter(target, draft, parts.vocab_size)
             holder.join(row, kv.draft, kv.draft_held, kv.waiting)
             drafters.append(holder)
-    if decode.tree.expand:  # EAGLE-2's grown tree: a draft model's, as a row (expand.py)
+    if decode.tree.expand:  # EAGLE-2's grown tree: a draft model's or a head's, as a row
         why = expand_refusal(draft, decode.draft_stop)
         if why is None and not isinstance(holder, (ModelRows, HeadRows)):
             why = "the draft's caches have no batch kind: it drafts over its own, chains"
