@@ -75,13 +75,15 @@ def expand_refusal(draft: nn.Module | None, chunks: bool = False) -> str | None:
     drafting as a row (not in chunks cut by per-token stopping).
 
     draft: the draft model or head (None: none); chunks: it drafts with per-token stopping."""
-    if draft is None or isinstance(draft, (SelfDraft, MedusaDraft)):
-        what = {None: "none drafts", SelfDraft: "not an early exit"}.get(
-            type(draft) if draft is not None else None, "not Medusa's heads (their own tree)"
-        )
-        return f"only a draft model or a chained head grows one, {what}"
+    only = "only a draft model or a chained head grows one"
+    if draft is None:
+        return f"{only}, none drafts"
+    if isinstance(draft, SelfDraft):
+        return f"{only}, not an early exit"
+    if isinstance(draft, MedusaDraft):
+        return f"{only}, not Medusa's heads (their own tree)"
     if getattr(draft, "block_size", None):
-        return "only a draft model or a chained head grows one, not DFlash (its block's tree)"
+        return f"{only}, not DFlash (its block's tree)"
     if chunks:
         return "per-token stopping drafts chains"
     cache = draft.make_cache() if reads_hidden(draft) else make_caches(draft)
