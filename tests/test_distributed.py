@@ -188,6 +188,23 @@ def test_two_ranks_sampled_with_a_seed_equal_one_process(models):
     assert tokens(other) != tokens(one)  # the seed matters: the comparison above means something
 
 
+@pytest.mark.parametrize("temp", ["0", "0.9"])
+def test_two_ranks_grow_the_trees_one_process_grows(models, temp):
+    """EAGLE-2's grown trees (``--tree expand:8``) with the target split: each rank's draft
+    grows the same tree, so the tokens, and every round's drafts and keeps, are one
+    process's, greedy and seeded sampled. The target drafts for itself (each rank holds it
+    whole as the draft), so trees are kept: the tiny pair's draft agrees with nothing."""
+    env = models["env"]
+    args = ["run", "--json", "-q", "-n", "40", "-k", "3", "--tree", "expand:8", "--temp", temp,
+            "--seed", "11", "--draft", "tiny-t"]  # fmt: skip
+    one, two = specmlx(env, *args, PROMPT), specmlx(env, *args, *TWO, PROMPT)
+    assert tokens(two) == tokens(one)
+    got, want = json.loads(two.stdout)["stats"], json.loads(one.stdout)["stats"]
+    assert want["tree_rounds"] > 0 and want["accepted"] > 0, want
+    for key in ("drafted", "accepted", "accept_hist", "tree_rounds"):
+        assert got[key] == want[key], key
+
+
 def test_two_ranks_text_stats_stdin_and_one_writer(models):
     env = models["env"]
     two = specmlx(env, "run", "-n", "12", *TWO, "-", input=PROMPT)

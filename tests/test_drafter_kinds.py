@@ -288,8 +288,8 @@ class Kind:
 
 # the draft model's 10,000 over the 154 possible sequences keep every cell's expected count
 def _grown(build: Callable[[Path], Pair]) -> Callable[[Path], Pair]:
-    """A kind's pair growing EAGLE-2's tree of 6 instead (``--tree expand:6``: greedy rows
-    only; a sampled row takes side leaves, as the kind's own tree does)."""
+    """A kind's pair growing EAGLE-2's tree of 6 instead (``--tree expand:6``: every node a
+    point mass, greedy or sampled, alone or in a batch)."""
     return lambda tmp: dataclasses.replace(build(tmp), tree="expand:6")
 
 
@@ -320,10 +320,12 @@ KINDS = {
     "batch-eagle3-tree": Kind(_batched(_eagle3_tree), 3_000, 600, 0.01),
     "batch-dflash-ddtree": Kind(_batched(_dflash_ddtree), 3_000, 800, 0.01),
     "batch-window-tree": Kind(_batched(_window_tree), 2_000, 600, 0.02),
-    # greedy only (not in RULED): a sampled row takes the side leaves of "tree", "mtp-tree"
-    "grown": Kind(_grown(_tree), 0, 0, 0.0),
-    "eagle3-grown": Kind(_grown(_eagle3), 0, 0, 0.0),
-    "mtp-grown": Kind(_grown(_mtp_tree), 0, 0, 0.0),
+    # a grown tree's nodes are point masses, each kept with the target's own probability:
+    # rounds that keep 2 are rarer (1-2%) than a drawn chain's
+    "grown": Kind(_grown(_tree), 3_000, 800, 0.005),
+    "eagle3-grown": Kind(_grown(_eagle3), 2_000, 600, 0.005),
+    "mtp-grown": Kind(_grown(_mtp_tree), 0, 0, 0.0),  # (greedy only: the head's is eagle3's)
+    "batch-grown": Kind(_batched(_grown(_tree)), 3_000, 800, 0.005),
 }
 # (kind, rule): both rules for the draft model and the batch, one for each other kind
 RULED = [
@@ -334,6 +336,7 @@ RULED = [
     ("eagle3-tree", "token"), ("dflash-tree", "token"), ("siblings", "token"),
     ("suffix-tree", "token"), ("lookahead", "block"), ("window-tree", "token"),
     ("dflash-ddtree", "token"), ("batch-tree", "token"), ("mtp-tree", "token"),
+    ("grown", "token"), ("eagle3-grown", "token"), ("batch-grown", "token"),
 ]  # fmt: skip
 OUTCOMES = {"token": sampled_outcome, "block": block_outcome}
 
@@ -402,9 +405,11 @@ def batch_greedy(pair: Pair, prompts: list[list[int]], k: int, n: int) -> list[l
         for row in [r for r in batch.rows if r.done]:
             batch.leave(row)
     assert sum(row.stats.drafted for row in rows) > 0
-    if pair.tree != "off":  # every row verified trees, and some kept a side leaf
+    if pair.tree != "off":  # every row verified trees, and some kept a side leaf (or drafts)
         assert all(row.stats.tree_rounds for row in rows), [r.stats for r in rows]
-        assert sum(sum(row.stats.rank_kept) for row in rows) > 0, [r.stats for r in rows]
+        grown = str(pair.tree).startswith("expand:")  # (no side leaves: EAGLE-2's trees)
+        kept = [r.stats.accepted if grown else sum(r.stats.rank_kept) for r in rows]
+        assert sum(kept) > 0, [r.stats for r in rows]
     return [row.ctx[len(p) :] for row, p in zip(rows, prompts, strict=True)]
 
 
@@ -439,7 +444,12 @@ def test_greedy_decoding_is_the_targets_own(pairs, kind):
     assert stats.drafted > 0
     if pair.tree != "off" or kind == "lookahead":  # trees were verified and kept drafts
         assert stats.tree_rounds > 0 and stats.accepted > 0, stats
-        grown = ("grown", "eagle3-grown", "mtp-grown")  # (no side leaves: EAGLE-2's trees)
+        grown = (
+            "grown",
+            "eagle3-grown",
+            "mtp-grown",
+            "batch-grown",
+        )  # (no side leaves: EAGLE-2's trees)
         ranked = kind not in ("medusa", "siblings", "suffix-tree", "lookahead", *grown)
         assert sum(stats.rank_kept) > 0 or not ranked, stats
 

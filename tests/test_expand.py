@@ -2,7 +2,8 @@
 level by level is the one plain passes over every path would grow; a generation with it
 keeps the target's greedy tokens, and the draft's caches hold the kept path's keys as a
 plain pass would; a grown round reads the host twice (the tree's shape, then the round's);
-sampled rows and a batch's rows take side leaves; what cannot grow one is refused by name."""
+a batch's rows grow together the trees they grow alone, and a seeded sampled row draws
+alike alone and in a batch; what cannot grow one is refused by name."""
 
 import copy
 
@@ -17,7 +18,7 @@ from typer.testing import CliRunner
 from specmlx.cli import app
 from specmlx.core.caches import make_caches
 from specmlx.core.kvstate import KVState
-from specmlx.core.rows import rows_of
+from specmlx.core.rows import rows_of, solo_of
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
@@ -90,7 +91,8 @@ def test_a_grown_tree_is_the_one_plain_passes_over_every_path_grow(pair, k, node
     ctx = PROMPT + [4, 8]
     cache = rows_of(None, make_caches(draft))
     logits = draft(mx.array([ctx]), cache=cache)[0, -1]
-    g = expand.grow(expand.model_feed(draft, cache, 32), len(ctx), logits, k, nodes, w)
+    feed = expand.model_feed(draft, cache, 32)
+    g = expand.grow(feed, [len(ctx)], logits[None], [k], nodes, w)[0]
     assert len(g.tokens) == nodes and max(g.tree.depths()) == k
     assert _same(_paths(g), _reference(draft, ctx, k, nodes, w))
     assert cache[0].lens == [len(ctx) + (k - 1) * w]  # every level's entries, until kept
@@ -127,7 +129,8 @@ def test_a_heads_grown_tree_is_the_one_its_chained_steps_over_every_path_grow():
     mx.eval(g, logits, cache[0].keys)
     before = copy.deepcopy(cache)
     k, nodes, w = 4, 20, 3
-    grown = expand.grow(expand.HeadFeed(head, cache, g[:, -1:]), 5, logits[0, -1], k, nodes, w)
+    feed = expand.HeadFeed(head, cache, g[:, -1:])
+    grown = expand.grow(feed, [5], logits[:, -1], [k], nodes, w)[0]
 
     def logp(path: tuple[int, ...]) -> list[float]:
         c, h, out = copy.deepcopy(before), g[:, -1:], logits[0, -1]
@@ -145,13 +148,13 @@ def test_the_draft_keeps_the_kept_paths_keys_as_a_plain_pass_would(pair):
     _, draft = pair
     ctx = PROMPT + [4, 8]
     cache = rows_of(None, make_caches(draft))
-    logits = draft(mx.array([ctx]), cache=cache)[0, -1]
-    g = expand.grow(expand.model_feed(draft, cache, 32), len(ctx), logits, 4, 14, 3)
+    logits = draft(mx.array([ctx]), cache=cache)[:, -1]
+    g = expand.grow(expand.model_feed(draft, cache, 32), [len(ctx)], logits, [4], 14, 3)[0]
     deepest = max(range(1, g.tree.size + 1), key=lambda i: (g.tree.depths()[i], -i))
     path = [g.tokens[j - 1] for j in g.tree.path(deepest)]
     slots = g.kept(path)
     assert len(slots) == 3  # (the last level's node was never fed)
-    expand.keep(cache, len(ctx), slots)
+    expand.keep(cache, [len(ctx)], [slots])
     n = len(ctx) + 3
     assert cache[0].lens == [n]
     plain = make_caches(draft)
@@ -197,15 +200,87 @@ def test_a_grown_round_reads_the_host_twice(pair, monkeypatch):
     assert all(n == 2 + (last.draft_seconds is not None) for n, last in trees), trees
 
 
-def test_sampled_rows_take_side_leaves_and_stay_seeded(pair, monkeypatch):
-    """A sampled row's draws must not depend on whether it runs alone: it takes the chain
-    and its side leaves, drawing what it draws with ``--tree 8``."""
+def test_a_sampled_row_grows_and_draws_alike_alone_and_in_a_batch(pair, monkeypatch):
+    """A sampled row grows its tree (point masses: its draws come from the target and its
+    keys only), and a seeded row draws the same tokens alone and in a batch beside other
+    rows, sampled and greedy, that grow theirs."""
     target, draft = pair
-    monkeypatch.setattr("specmlx.drafting.row_drafters.grow", None)  # (never called)
-    runs = [[e.token for e in generate(target, draft, PROMPT, k=3, max_tokens=30, tree=tree,
-                                       sampling=SamplingParams(1.0), seed=4)]
-            for tree in ("expand:8", 8)]  # fmt: skip
-    assert runs[0] == runs[1]
+    grown = []
+    real = expand.grow
+    monkeypatch.setattr(
+        "specmlx.drafting.row_drafters.grow", lambda *a, **kw: grown.append(1) or real(*a, **kw)
+    )
+    hot, stats = SamplingParams(1.0), Stats()
+    alone = [e.token for e in generate(target, draft, PROMPT, k=3, max_tokens=30,
+                                       tree="expand:8", sampling=hot, seed=4, stats=stats)]  # fmt: skip
+    assert stats.tree_rounds == len(grown) > 0 and stats.accepted > 0, stats
+    batch, out = Batch(target, draft), {}
+    ask = lambda s, seed: Decode(s, K(3), 30, seed=seed, tree="expand:8")  # noqa: E731
+    rows = [batch.join([4, 4, 8, 15], ask(SamplingParams(0.7), 9)),
+            batch.join(PROMPT, ask(hot, 4)), batch.join([2, 6], ask(SamplingParams(), 0))]  # fmt: skip
+    while batch.rows:
+        for r, events in zip(list(batch.rows), batch.round(3), strict=True):
+            out.setdefault(id(r), []).extend(e.token for e in events)
+        for r in [r for r in batch.rows if r.done]:
+            batch.leave(r)
+    assert out[id(rows[1])] == alone
+    assert all(r.stats.tree_rounds > 0 for r in rows)
+    other = [e.token for e in generate(target, draft, PROMPT, k=3, max_tokens=30,
+                                       tree="expand:8", sampling=hot, seed=5)]  # fmt: skip
+    assert other != alone  # (the seed matters: the comparison means something)
+
+
+@pytest.mark.parametrize("head", [False, True])
+def test_a_batchs_rows_grow_the_trees_they_grow_alone(pair, head):
+    """Rows of three lengths grow in one pass a level the trees each grows alone, each to its
+    own depth (0: none), and each keeps its kept path's entries as alone."""
+    target, draft = pair
+    ctxs, ks = [PROMPT + [4, 8], [3, 1], [9, 9, 2, 7]], [4, 2, 0]
+    if head:
+        width = target.model.embed_tokens.weight.shape[1]
+        model = _eagle3_head(build("llama", 4, 0, vocab=32), width)
+        feats = [mx.random.normal((1, len(c) - 1, 3 * width), key=mx.random.key(i))
+                 for i, c in enumerate(ctxs)]  # fmt: skip
+
+        def start(i):
+            cache = rows_of(None, model.make_cache())
+            g, logits = model(feats[i], mx.array([ctxs[i][1:]]), cache)
+            return cache, g[:, -1:], logits[:, -1], len(ctxs[i]) - 1
+
+        feed = lambda cache, g: expand.HeadFeed(model, cache, g)  # noqa: E731
+    else:
+
+        def start(i):
+            cache = rows_of(None, make_caches(draft))
+            return cache, None, draft(mx.array([ctxs[i]]), cache=cache)[:, -1], len(ctxs[i])
+
+        feed = lambda cache, g: expand.model_feed(draft, cache, 32)  # noqa: E731
+    nodes = 30 if head else 9  # (the random head's tree is wide: all 30 nodes, to depth 4)
+    solo = [start(i) for i in range(3)]
+    alone = [expand.grow(feed(c, g), [n], x, [ks[i]], nodes, 3)[0]
+             for i, (c, g, x, n) in enumerate(solo)]  # fmt: skip
+    assert [max(g.tree.depths()) for g in alone] == [4, 2, 0]
+    rows = [start(i) for i in range(3)]
+    cache = None
+    for c, *_ in rows:
+        cache = rows_of(cache, solo_of(c, 0))
+    g = mx.concatenate([r[1] for r in rows]) if head else None
+    held = [r[3] for r in rows]
+    logits = mx.concatenate([r[2] for r in rows])
+    both = expand.grow(feed(cache, g), held, logits, ks, nodes, 3)
+    for one, many in zip(alone, both, strict=True):
+        assert one.tree == many.tree and one.tokens == many.tokens and one.slots == many.slots
+        assert _same(_paths(one), _paths(many))
+    if head:
+        return
+    paths = [[g.tokens[j - 1] for j in g.tree.path(g.tree.size)] for g in alone]
+    expand.keep(cache, held, [g.kept(p) for g, p in zip(both, paths, strict=True)])
+    for i, (c, _, _, n) in enumerate(solo):
+        expand.keep(c, [n], [alone[i].kept(paths[i])])
+        m = c[0].lens[0]
+        assert cache[0].lens[i] == m
+        for a, b in zip(cache, c, strict=True):
+            assert mx.allclose(a.keys[i, :, :m], b.keys[0, :, :m], atol=1e-4).item()
 
 
 def test_the_setting_and_what_cannot_grow_a_tree(pair):
@@ -250,28 +325,31 @@ def test_serve_refuses_a_grown_tree_it_cannot_grow_before_listening(
     )
 
 
-def test_a_batch_grows_for_a_lone_greedy_row_and_takes_side_leaves_for_two(pair, monkeypatch):
-    """A server's batch: its one greedy row grows trees; with a second row joined, both take
-    the chain and side leaves. Each row's text is the target's alone."""
+def test_a_batch_grows_for_every_row_and_keeps_chains_beside_a_row_without_trees(pair, monkeypatch):
+    """A server's batch: its greedy rows, joining at other lengths and asking other k, grow
+    their trees together; a row that asked for no tree keeps the batch on chains and side
+    leaves while it is there. Each row's text is the target's alone."""
     target, draft = pair
     grown = []
     real = expand.grow
-    monkeypatch.setattr(
-        "specmlx.drafting.row_drafters.grow", lambda *a, **kw: grown.append(1) or real(*a, **kw)
-    )
+    monkeypatch.setattr("specmlx.drafting.row_drafters.grow",
+                        lambda *a, **kw: grown.append(len(a[2])) or real(*a, **kw))  # fmt: skip
     batch = Batch(target, draft)
-    first = batch.join(PROMPT, Decode(SamplingParams(0.0), K(3), 30, tree="expand:8"))
+    prompts = [PROMPT, [4, 4, 8, 15], [2, 6], [5, 5, 5]]
+    rows = [batch.join(p, Decode(SamplingParams(0.0), K(k), 30, tree="expand:8"))
+            for p, k in zip(prompts[:3], (3, 2, 4), strict=True)]  # fmt: skip
     for _ in range(3):
         batch.round(3)
-    assert len(grown) == 3
-    second = batch.join([4, 4, 8, 15], Decode(SamplingParams(0.0), K(3), 30, tree="expand:8"))
-    for _ in range(3):
+    assert grown == [3, 3, 3]
+    chained = batch.join(prompts[3], Decode(SamplingParams(0.0), K(3), 8))  # (leaves first)
+    for _ in range(2):
         batch.round(3)
-    assert len(grown) == 3 and second.stats.tree_rounds == 3
+    assert len(grown) == 3 and rows[0].stats.tree_rounds == 5
     while batch.rows:
         batch.round(3)
         for r in [r for r in batch.rows if r.done]:
             batch.leave(r)
-    for row, prompt in ((first, PROMPT), (second, [4, 4, 8, 15])):
-        plain = [e.token for e in generate(target, None, prompt, k=0, max_tokens=30)]
+    assert len(grown) > 3  # (the rows grow again once it has left)
+    for row, prompt, n in zip([*rows, chained], prompts, (30, 30, 30, 8), strict=True):
+        plain = [e.token for e in generate(target, None, prompt, k=0, max_tokens=n)]
         assert row.ctx[len(prompt) :] == plain

@@ -60,7 +60,7 @@ TreeOpt = Annotated[
         "--tree",
         help="Token trees: 'off' (chains), 'auto' (the default: side leaves where the cost "
         f"model says they pay), N (1-{TREE_MAX}: the most drafted tokens a pass verifies) or "
-        "expand:N (a draft model or chained head grows a tree of N, EAGLE-2's; greedy).",
+        "expand:N (a draft model or chained head grows a tree of N, EAGLE-2's).",
     ),
 ]
 DraftStopOpt = Annotated[

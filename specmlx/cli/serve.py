@@ -251,7 +251,7 @@ def serve(
         progress=say,
     )
     why = expand_refusal(drf.model if drf else None, draft_stop)
-    if models.tree.expand and why:  # (a batch's head would take side leaves unsaid)
+    if models.tree.expand and why:  # (its rows would take chains unsaid)
         raise BadInput(f"--tree {models.tree}: {why}")
     worker = Worker(tgt, drf, shared, max_queue=max_queue, cache_budget=cache_budget,
                     warn=warn, world=world, lookup_memory=lookup_memory,

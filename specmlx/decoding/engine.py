@@ -131,7 +131,8 @@ def generate_tokens(
         _fill(target, own, prompt, kv, stats, parts.prefill_step, tap)
         process = None if decode.sampling.greedy else make_processor(decode.sampling)
         rule = sampled_rule(decode.verify)
-        row = Row(list(prompt), decode.k, stops, seed, process, rule, stats)
+        row = Row(list(prompt), decode.k, stops, seed, process, rule, stats,
+                  tree=not decode.tree.off)  # fmt: skip
         drafter, holder = _drafter(target, draft, decode, parts, kv, row, next_k, shared)
         # the shared exit's verify pass is split at its layer: the cursor runs it through it
         model = holder.verifies if shared else target

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from ..core.acceptance import Rule, accept_proposal
+from ..core.acceptance import Rule, accept_proposal, point_mass
 from ..core.sampling import Processor, round_keys
 from ..core.stats import RoundReport, Stats, TokenEvent
 from ..core.tree_acceptance import Tree, accept_tree, accept_tree_greedy
@@ -47,7 +47,7 @@ class Row:
     stats: Stats = field(default_factory=Stats)
     done: bool = False
     drafts: bool = True  # False: it asked for no draft (plain steps in a batch's passes)
-    tree: bool = False  # a batch's row: it takes side leaves where the batch plans a tree
+    tree: bool = False  # it asked for trees: side leaves where the sizer plans them, or grown
     draft_held: int = 0  # how much of ctx the draft's row holds (a prefix of ctx[:-1])
     # a head's row: the target's features at positions draft_held.. it has not been fed
     # yet (m, F), the pairs' hidden states; None: none (a one-token prompt's first round)
@@ -197,7 +197,8 @@ def _tree_round(rows: Sequence[Row], target: Verifier, drafter: RowDrafter, draf
             node, nxt = accept_tree_greedy(logits[i, : n + 1], mine, tree)
         else:
             p, q = r.process(logits[i, : n + 1]), drafts.q[i]  # (n + 1, V), (n, V_q)
-            q = q if q is not None else mx.zeros((0, p.shape[-1]), p.dtype)
+            # q None: every node a point mass (a grown tree's: chosen, not drawn)
+            q = q if q is not None else point_mass(mine, p.shape[-1]).astype(p.dtype)
             if q.shape[-1] < p.shape[-1]:  # a narrower draft: its q is 0 past its ids
                 q = mx.pad(q, [(0, 0), (0, p.shape[-1] - q.shape[-1])])
             u = mx.random.uniform(shape=(n,), key=keys[i][1])

@@ -1,6 +1,6 @@
 """EAGLE-2's dynamic draft tree (Li et al. 2024, arXiv 2406.16858) grown by a draft model or
-a chained head (MTP, EAGLE-3) for one greedy row (``--tree expand:N``; row_drafters.ModelRows
-and HeadRows call it).
+a chained head (MTP, EAGLE-3) for every row of a round (``--tree expand:N``;
+row_drafters.ModelRows and HeadRows call it).
 
 A chain with side leaves (trees.py) branches only off the draft's own best path. EAGLE-2
 grows the tree where the draft is confident instead, a level a draft pass:
@@ -14,11 +14,14 @@ grows the tree where the draft is confident instead, a level a draft pass:
 - the tree: the N best-scored nodes of all. A node scores no more than its parent, so the
   parent of every chosen node is chosen too.
 
-k levels cost k - 1 draft passes of W tokens each, where the chain's cost k - 1 of one.
-The nodes are chosen, not drawn: point masses for the tree's acceptance (tree_acceptance),
-exact whatever chose them; a greedy row's output is the target's argmax path either way.
-The scores are read on the host once, after the last level (the tree's shape is the
-target's mask), where a chain reads nothing before its verify.
+A batch's rows grow together, each level one pass over B rows of W nodes (each row's at its
+own length, core.rows). k levels cost k - 1 draft passes of W tokens each, where the chain's
+cost k - 1 of one. The nodes are chosen, not drawn, from the draft's raw scores: point
+masses for the tree's acceptance (tree_acceptance), exact whatever chose them, at any
+temperature; a greedy row's output is the target's argmax path either way, and a sampled
+row's tree does not depend on its keys or on the rows beside it, so a seeded row draws
+alike alone and in a batch. The scores are read on the host once, after the last level
+(the trees' shapes are the target's mask), where a chain reads nothing before its verify.
 """
 
 from __future__ import annotations
@@ -94,9 +97,10 @@ def expand_refusal(draft: nn.Module | None, chunks: bool = False) -> str | None:
 
 
 class Feed(Protocol):
-    """A level through the draft: tokens (1, w), each one's parent among the level above's
-    fed nodes (w,) (None: the root's children), positions (w,) and the mask (1, 1, w, S);
-    the logits after each (w, vocab), lazy."""
+    """A level through the draft for B rows: tokens (B, w), each one's parent among its
+    row's fed nodes of the level above (B, w) (None: the root's children), positions
+    (B * w,) row by row, and the mask (B, 1, w, S); the logits after each (B, w, vocab),
+    lazy."""
 
     def __call__(self, x: mx.array, parent: mx.array | None, at: mx.array, mask: mx.array): ...
 
@@ -105,70 +109,107 @@ def model_feed(model: nn.Module, cache: Sequence, embeds: int) -> Feed:
     """A draft model's levels, over its caches; ids past ``embeds`` are fed as SAFE_ID."""
 
     def feed(x, parent, at, mask):
-        return masked_logits(model, cache, mx.where(x < embeds, x, SAFE_ID), at, mask)[0]
+        return masked_logits(model, cache, mx.where(x < embeds, x, SAFE_ID), at, mask)
 
     return feed
 
 
 class HeadFeed:
     """A chained head's levels (head(hidden, tokens, cache) -> (g, logits)): a node is fed
-    with its parent's output g, the root's children with ``g`` (1, 1, H), the root's."""
+    with its parent's output g, the root's children with ``g`` (B, 1, H), the root's."""
 
     def __init__(self, head: nn.Module, cache: Sequence, g: mx.array):
-        self.head, self.cache, self.g = head, cache, g  # (the last level's g, (1, w, H))
+        self.head, self.cache, self.g = head, cache, g  # (the last level's g, (B, w, H))
 
     def __call__(self, x, parent, at, mask):
-        hidden = self.g[:, parent] if parent is not None else mx.repeat(self.g, x.shape[1], 1)
+        if parent is None:
+            hidden = mx.repeat(self.g, x.shape[1], 1)
+        else:  # row b's node j reads g[b, parent[b, j]]
+            hidden = self.g[mx.arange(x.shape[0])[:, None], parent]  # (B, w, H)
         run = lambda c: self.head(hidden, x, c)  # noqa: E731
         self.g, logits = masked_pass(self.head, self.cache, at, mask, run)
-        return logits[0]
+        return logits
 
 
-def grow(feed: Feed, held: int, logits: mx.array, k: int, nodes: int, width: int = WIDTH) -> Grown:
-    """The N best-scored nodes of a tree grown to depth k (see the module), for one row; the
-    draft's caches then hold (k - 1) * width entries of the levels after what they held
-    (``keep`` next).
+def _level_mask(held: mx.array, seen: mx.array, top: int) -> mx.array:
+    """The mask of a level (B, 1, w, S = top): row b's nodes see its first held[b] keys, then
+    among the entries after them (each level's, w a level) those ``seen`` (B, w, d * w) says:
+    their fed ancestors and themselves. Rows of other lengths hold their levels elsewhere."""
+    rel = mx.arange(top)[None] - held[:, None]  # (B, S): each key's place after the row's context
+    n = seen.shape[-1]
+    among = mx.take_along_axis(seen, mx.clip(rel, 0, n - 1)[:, None, :], axis=-1)  # (B, w, S)
+    return ((rel < 0)[:, None, :] | (among & (rel < n)[:, None, :]))[:, None]
 
-    feed: the draft (``model_feed``, a ``HeadFeed``); held: the entries its caches hold (the
-    last at the root's position, or just before it for a head); logits (vocab,): the
-    draft's after the root; k: the depth; nodes: N; width: W."""
+
+def grow(
+    feed: Feed,
+    held: Sequence[int],
+    logits: mx.array,
+    ks: Sequence[int],
+    nodes: int,
+    width: int = WIDTH,
+) -> list[Grown]:
+    """Each row's N best-scored nodes of a tree grown to depth ks[b] (see the module); the
+    draft's caches then hold (max(ks) - 1) * width entries of the levels after what each row
+    held (``keep`` next). A row of depth 0 gets an empty tree.
+
+    feed: the draft (``model_feed``, a ``HeadFeed``); held: the entries its caches hold a row
+    (the last at the root's position, or just before it for a head); logits (B, vocab): the
+    draft's after each row's root; ks: each row's depth; nodes: N; width: W."""
+    B, k = logits.shape[0], max(ks)
     w = min(width, logits.shape[-1])
-    score = nn.log_softmax(logits.astype(mx.float32))  # (vocab,)
-    tok = mx.argpartition(-score, kth=w - 1)[:w]  # (w,) depth 1
-    toks, cums, parents = [tok], [score[tok]], [mx.full((w,), -1, dtype=mx.int32)]
-    offset, fed, seen = 0, [], mx.zeros((w, 0), dtype=mx.bool_)  # (seen: fed ancestors)
+    score = nn.log_softmax(logits.astype(mx.float32))  # (B, vocab)
+    tok = mx.argpartition(-score, kth=w - 1, axis=-1)[:, :w]  # (B, w) depth 1
+    toks, cums = [tok], [mx.take_along_axis(score, tok, axis=-1)]
+    parents = [mx.full((B, w), -1, dtype=mx.int32)]
+    offset, fed, seen = 0, [], mx.zeros((B, w, 0), dtype=mx.bool_)  # (seen: fed ancestors)
     local = None  # each node of the level's parent among the level above's picked
+    rows, base = mx.arange(B)[:, None], mx.array(list(held), dtype=mx.int32)  # base: (B,)
     for d in range(1, k):
-        level_tok, level_cum = toks[-1], cums[-1]
-        pick = mx.argpartition(-level_cum, kth=w - 1)[:w] if d > 1 else mx.arange(w)  # (w,)
+        level_tok, level_cum = toks[-1], cums[-1]  # (B, m)
+        if d > 1:
+            pick = mx.argpartition(-level_cum, kth=w - 1, axis=-1)[:, :w]  # (B, w)
+        else:
+            pick = mx.broadcast_to(mx.arange(w), (B, w))
         fed.append(offset + pick)
-        parent = local[pick] if local is not None else None
+        parent = local[pick] if local is not None else None  # (B, w)
         if parent is not None:  # each picked node's fed ancestors: its parent's, and its parent
-            seen = seen[parent]
-        seen = mx.concatenate([seen, mx.eye(w, dtype=mx.bool_)], axis=1)  # (w, d * w)
-        mask = mx.concatenate([mx.ones((w, held), dtype=mx.bool_), seen], axis=1)
-        at = mx.full((w,), held - 1 + d, dtype=mx.int32)  # a level shares its depth
-        out = feed(level_tok[pick][None], parent, at, mask[None, None])[:, : logits.shape[-1]]
-        child = level_cum[pick][:, None] + nn.log_softmax(out.astype(mx.float32))  # (w, vocab)
-        best = mx.argpartition(-child, kth=w - 1, axis=-1)[:, :w]  # (w, w)
-        toks.append(best.reshape(-1))
-        cums.append(mx.take_along_axis(child, best, axis=-1).reshape(-1))
+            seen = seen[rows, parent]
+        eye = mx.broadcast_to(mx.eye(w, dtype=mx.bool_), (B, w, w))
+        seen = mx.concatenate([seen, eye], axis=-1)  # (B, w, d * w)
+        mask = _level_mask(base, seen, max(held) + d * w)
+        at = mx.repeat(base - 1 + d, w)  # (B * w,): a level shares its depth
+        x = mx.take_along_axis(level_tok, pick, axis=-1)  # (B, w)
+        out = feed(x, parent, at, mask)[..., : logits.shape[-1]]  # (B, w, vocab)
+        child = mx.take_along_axis(level_cum, pick, axis=-1)[..., None]
+        child = child + nn.log_softmax(out.astype(mx.float32))  # (B, w, vocab)
+        best = mx.argpartition(-child, kth=w - 1, axis=-1)[..., :w]  # (B, w, w)
+        toks.append(best.reshape(B, -1))
+        cums.append(mx.take_along_axis(child, best, axis=-1).reshape(B, -1))
         local = mx.repeat(mx.arange(w), w)  # (w * w,)
-        parents.append((offset + pick)[local])
-        offset += level_tok.shape[0]
-    n = offset + toks[-1].shape[0]  # every node grown
-    fed_at = mx.concatenate(fed) if fed else mx.zeros((0,), dtype=mx.int32)  # ((k - 1) w,)
-    parts = [mx.concatenate(toks), mx.concatenate(cums), mx.concatenate(parents), fed_at]
-    # the tree's one host read (its shape is the target's mask), as float32: ids below 2^24
-    got = mx.concatenate([a.astype(mx.float32) for a in parts]).tolist()
+        parents.append((offset + pick)[:, local])
+        offset += level_tok.shape[1]
+    n = offset + toks[-1].shape[1]  # every node grown a row
+    fed_at = mx.concatenate(fed, axis=1) if fed else mx.zeros((B, 0), dtype=mx.int32)
+    parts = [mx.concatenate(toks, 1), mx.concatenate(cums, 1), mx.concatenate(parents, 1), fed_at]
+    # the trees' one host read (their shapes are the target's mask), as float32: ids < 2^24
+    got = mx.concatenate([a.astype(mx.float32) for a in parts], axis=1).tolist()
+    return [_best(row, n, w, depth, nodes) for row, depth in zip(got, ks, strict=True)]
+
+
+def _best(got: list[float], n: int, w: int, k: int, nodes: int) -> Grown:
+    """A row's tree from its n grown nodes (tokens, scores, parents, then its fed nodes, as
+    ``grow`` reads them): the N best-scored of depth k or less."""
     tokens, scores = [int(t) for t in got[:n]], got[n : 2 * n]
     parent = [int(p) for p in got[2 * n : 3 * n]]
     depth = [1] * w
     for i in range(w, n):
         depth.append(depth[parent[i]] + 1)
-    slot = {int(g): j for j, g in enumerate(got[3 * n :])}  # fed node -> its entry
+    # fed node -> its entry; a level past the row's own depth (a deeper row's) kept as
+    # unfed, so the row keeps what it keeps alone
+    slot = {int(g): j for j, g in enumerate(got[3 * n :]) if depth[int(g)] < k}
     # best first; a parent scores at least its child and is shallower, so comes first
-    order = sorted(range(n), key=lambda i: (-scores[i], depth[i], i))
+    order = sorted((i for i in range(n) if depth[i] <= k), key=lambda i: (-scores[i], depth[i], i))
     chosen, taken = [], set()
     for i in order:
         if len(chosen) == nodes:
@@ -186,7 +227,8 @@ def grow(feed: Feed, held: int, logits: mx.array, k: int, nodes: int, width: int
     )
 
 
-def keep(cache: Sequence, held: int, slots: Sequence[int]) -> None:
-    """After ``grow`` from ``held`` tokens: keep the entries at ``slots`` (``Grown.kept``'s, a
-    kept path's fed nodes) at held, held + 1, ... and give back the rest of the levels'."""
-    keep_rows_paths(cache, [held], [list(slots)])
+def keep(cache: Sequence, held: Sequence[int], slots: Sequence[Sequence[int]]) -> None:
+    """After ``grow`` from rows of ``held`` tokens: row b keeps the entries at slots[b]
+    (``Grown.kept``'s, its kept path's fed nodes) at held[b], held[b] + 1, ... and gives back
+    the rest of the levels'."""
+    keep_rows_paths(cache, held, slots)

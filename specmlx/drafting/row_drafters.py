@@ -96,22 +96,31 @@ class _SharedCache(RowDrafter):
     def __init__(self, model, vocab: int):
         self.model, self.vocab = model, vocab
         self.cache: list | None = None  # per layer: core.rows' batch caches
-        self._grown: Grown | None = None  # this round's grown tree (expand.py)
+        self._grown: list[Grown] | None = None  # this round's grown trees (expand.py)
 
-    def _grows(self, rows, k: int) -> bool:
-        """Whether this round grows EAGLE-2's tree (``--tree expand:N``, expand.py): a lone
-        greedy row (a batch's rows, and a sampled row, whose seeded draws must not depend on
-        the rows beside it, take the chain and its side leaves)."""
+    def _grows(self, rows, ks: list[int]) -> bool:
+        """Whether this round grows EAGLE-2's trees (``--tree expand:N``, expand.py): where
+        every row that drafts takes trees. A row that asked for none (a library caller's
+        mix: a server gives every row one setting) keeps the batch on chains and side
+        leaves, as a row's draws must not change with the rows beside it."""
         size = self.sizer.size if self.sizer is not None else None
-        return bool(size and size.expand and k and len(rows) == 1 and rows[0].process is None)
+        return bool(
+            size and size.expand and any(ks)
+            and all(r.tree for r, n in zip(rows, ks, strict=True) if n)
+        )  # fmt: skip
 
-    def _grow(self, feed, logits: mx.array, k: int) -> Drafts:
-        """The lone row's grown tree of depth k as its drafts; logits (vocab,): the draft's
-        after the root (expand.grow)."""
-        held = attention_rows(self.cache)[0].lens[0]
-        self._grown = grow(feed, held, logits, k, self.sizer.size.nodes)
-        tokens = mx.array(self._grown.tokens, dtype=mx.uint32)[None]  # (1, N)
-        return Drafts.tree_of_one(tokens, None, BY_MODEL, self._grown.tree)
+    def _grow(self, feed, logits: mx.array, ks: list[int]) -> Drafts:
+        """Each row's grown tree of depth ks[i] as its drafts; logits (B, vocab): the draft's
+        after each row's root (expand.grow)."""
+        held = attention_rows(self.cache)[0].lens
+        self._grown = grow(feed, held, logits, ks, self.sizer.size.nodes)
+        n = max(len(g.tokens) for g in self._grown)
+        tokens = mx.array([g.tokens + [0] * (n - len(g.tokens)) for g in self._grown],
+                          dtype=mx.uint32)  # (B, N), zeros past a row's own tree  # fmt: skip
+        trees = [g.tree for g in self._grown]
+        b = len(trees)
+        return Drafts(tokens, [None] * b, [t.size for t in trees], [BY_MODEL] * b, trees,
+                      0, [0] * b, [()] * b)  # fmt: skip
 
     def join(self, row, draft, held, waiting) -> None:
         self.cache = rows_of(self.cache, draft)
@@ -155,9 +164,8 @@ class ModelRows(_SharedCache):
         logits = mx.take_along_axis(logits, at, axis=1)[:, 0, : self.vocab]  # (B, vocab)
         for c in attention_rows(self.cache):
             c.give_back([width - len(p) for p in unseen])  # the pads
-        if self._grows(rows, k):  # EAGLE-2's tree instead of a chain (expand.py)
-            feed = model_feed(self.model, self.cache, self.embeds)
-            return self._grow(feed, logits[0], k)
+        if self._grows(rows, ks):  # EAGLE-2's trees instead of chains (expand.py)
+            return self._grow(model_feed(self.model, self.cache, self.embeds), logits, ks)
         keep = lambda: [list(c.cache) for c in recurrent]  # noqa: E731 - references only
         self._states = [keep()] if recurrent else []
         steps = _step_keys(keys, ks)
@@ -183,10 +191,13 @@ class ModelRows(_SharedCache):
         (its recurrent layers: the state after that many steps); after a grown tree, the
         entries of the nodes it fed along the kept path."""
         if self._grown is not None:
-            r, held = rows[0], fed[0] + 1
-            slots = self._grown.kept(r.ctx[held : len(r.ctx) - 1])
+            held = [f + 1 for f in fed]
+            slots = [g.kept(r.ctx[h : len(r.ctx) - 1])
+                     for g, r, h in zip(self._grown, rows, held, strict=True)]  # fmt: skip
             keep(self.cache, held, slots)
-            r.draft_held, self._grown = held + len(slots), None
+            for r, h, s in zip(rows, held, slots, strict=True):
+                r.draft_held = h + len(s)
+            self._grown = None
             return
         if not k:
             return
@@ -228,8 +239,8 @@ class HeadRows(_SharedCache):
 
     def propose(self, rows, k, ks, keys):
         g, logits = self._feed_waiting(rows, keep_last=False)  # (B, 1, H), (B, vocab)
-        if self._grows(rows, k):  # EAGLE-2's tree instead of a chain (expand.py)
-            return self._grow(HeadFeed(self.model, self.cache, g), logits[0], k)
+        if self._grows(rows, ks):  # EAGLE-2's trees instead of chains (expand.py)
+            return self._grow(HeadFeed(self.model, self.cache, g), logits, ks)
         steps = _step_keys(keys, ks)
         sides = side_plan(self.sizer, rows, ks)
         tokens, qs, leaves = [], [], [[] for _ in rows]
