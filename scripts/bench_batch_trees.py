@@ -1,10 +1,11 @@
 """Trees in a batch against chains in a batch, side by side in one process (issue 46): B
 requests decoding together (the built-in code prompts' first B), greedy, k fixed, each
-request its own tree a round (`--tree 8`) or the batch's sizer choosing (`auto`, from the
-target's probed pass-cost curve), against the same batch verifying chains (`off`).
+request its own tree a round (`--tree 8`), the batch's sizer choosing (`auto`, from the
+target's probed pass-cost curve) or each request growing EAGLE-2's tree (`expand:8`, with
+``--settings off,8,expand:8``), against the same batch verifying chains (`off`).
 
   . scripts/env.sh && .venv/bin/python scripts/bench_batch_trees.py \
-      [--target T --draft D -n 48 -k 3 --batches 1,2,4 --repeats 2]
+      [--target T --draft D -n 48 -k 3 --batches 1,2,4 --repeats 2 --settings off,8,auto]
 
 Per (B, setting): tokens per target pass per request, aggregate tok/s, and both as ratios
 to the chain's in the same repeat (the settings alternate within each repeat, their order
@@ -34,8 +35,6 @@ from specmlx.drafting.choosers import ChooserStore, K  # noqa: E402
 from specmlx.machine import blas_in_use  # noqa: E402
 from specmlx.models.loading import load_pair  # noqa: E402
 
-SETTINGS = ("off", 8, "auto")
-
 
 def run(tgt, drf, shared, ratio, prompts, k: int, n: int, tree) -> dict:
     """One batch of ``prompts`` to the end: tokens, passes, seconds, outputs, tree passes."""
@@ -63,7 +62,11 @@ def main() -> None:
     ap.add_argument("-k", type=int, default=3)
     ap.add_argument("--batches", default="1,2,4")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--settings", default="off,8,auto", help="--tree settings, off first")
     a = ap.parse_args()
+    settings = a.settings.split(",")
+    if settings[0] != "off":
+        ap.error("--settings must start with off (the chain every ratio is to)")
     tgt, drf, shared = load_pair(a.target, a.draft)
     texts = [r["prompt"] for _, r in read_jsonl(None, "prompts.jsonl", "prompts")
              if r.get("kind") == "code"]  # fmt: skip
@@ -71,14 +74,15 @@ def main() -> None:
     # the curve auto reads: the target's probe, as the server's batch reads it
     ratio = ChooserStore().probe(tgt.model, tgt.identity, ids[0])
     for b in [int(x) for x in a.batches.split(",")]:
-        for s in SETTINGS:  # warm-up at this width: fault in weights, first shapes
+        for s in settings:  # warm-up at this width: fault in weights, first shapes
             run(tgt, drf, shared, ratio, ids[:b], a.k, 8, s)
-        got: dict = {s: [] for s in SETTINGS}
+        got: dict = {s: [] for s in settings}
         for rep in range(a.repeats):  # the order turns each repeat: no setting always first
-            for s in SETTINGS[rep % 3 :] + SETTINGS[: rep % 3]:
+            turn = rep % len(settings)
+            for s in settings[turn:] + settings[:turn]:
                 got[s].append(run(tgt, drf, shared, ratio, ids[:b], a.k, a.n, s))
         chain = got["off"]
-        for s in SETTINGS:
+        for s in settings:
             runs = got[s]
             print(json.dumps({
                 "B": b, "k": a.k, "tree": s,

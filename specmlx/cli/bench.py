@@ -89,7 +89,7 @@ def bench(
         "off,auto",
         "--tree",
         help="Comma-separated token-tree settings for the draft model's and a head's rows "
-        "(with --lookup, theirs beside lookup too): off, auto, N.",
+        "(with --lookup, theirs beside lookup too): off, auto, N, expand:N.",
     ),
     verifies: str = typer.Option(
         DEFAULT_VERIFY,
