@@ -1269,10 +1269,12 @@ def test_editor_requests_stacked_past_the_rows_resume_newest_first_exactly(root)
         worker.stop()
 
 
-def test_a_batchs_rows_verify_a_tree_each_and_keep_their_solo_text(tmp_path):
-    """`--tree 8`: requests decoding together verify a token tree a row in each batched
-    pass (/metrics counts those passes), and each gets the text it gets alone."""
-    s = Server(server_env(tmp_path, models_toml(tmp_path)), "--api-key", KEY, "--tree", "8")
+@pytest.mark.parametrize("tree", ["8", "expand:8"])
+def test_a_batchs_rows_verify_a_tree_each_and_keep_their_solo_text(tmp_path, tree):
+    """`--tree 8` (side leaves) and `--tree expand:8` (EAGLE-2's trees, grown for every row
+    at once): requests decoding together verify a token tree a row in each batched pass
+    (/metrics counts those passes), and each gets the text it gets alone."""
+    s = Server(server_env(tmp_path, models_toml(tmp_path)), "--api-key", KEY, "--tree", tree)
     try:
         client = openai.OpenAI(base_url=s.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
         prompts = [CODE, "def g(y):\n    return", "class A:\n    def", CODE * 2]
