@@ -6,6 +6,7 @@ a batch's rows grow together the trees they grow alone, and a seeded sampled row
 alike alone and in a batch; what cannot grow one is refused by name."""
 
 import copy
+import math
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,7 +20,7 @@ from specmlx.cli import app
 from specmlx.core.caches import make_caches
 from specmlx.core.kvstate import KVState
 from specmlx.core.rows import rows_of, solo_of
-from specmlx.core.sampling import SamplingParams
+from specmlx.core.sampling import SamplingParams, make_processor
 from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
 from specmlx.decoding.request import Decode
@@ -64,6 +65,7 @@ def _reference_from(logp, k: int, nodes: int, w: int) -> dict[tuple[int, ...], f
             lp = logp(path)
             level += [(path + (t,), s + lp[t]) for t in best(lp)]
         grown += level
+    grown = [n for n in grown if n[1] > -math.inf]  # (a token filtered out: never proposed)
     grown.sort(key=lambda n: (-n[1], len(n[0])))
     return dict(grown[:nodes])
 
@@ -96,6 +98,26 @@ def test_a_grown_tree_is_the_one_plain_passes_over_every_path_grow(pair, k, node
     assert len(g.tokens) == nodes and max(g.tree.depths()) == k
     assert _same(_paths(g), _reference(draft, ctx, k, nodes, w))
     assert cache[0].lens == [len(ctx) + (k - 1) * w]  # every level's entries, until kept
+
+
+def test_a_sampled_rows_tree_is_scored_by_its_own_sampling(pair):
+    """A sampled row scores its nodes by the draft's probabilities after the row's own
+    processing (what its target's p goes through): with top-k 2, no node is a token its
+    filters leave out, so at most 2 children a node."""
+    _, draft = pair
+    ctx = PROMPT + [4, 8]
+    process = make_processor(SamplingParams(0.7, top_k=2))
+    cache = rows_of(None, make_caches(draft))
+    logits = draft(mx.array([ctx]), cache=cache)[:, -1]
+    feed = expand.model_feed(draft, cache, 32)
+    g = expand.grow(feed, [len(ctx)], logits, [3], 9, 4, process=[process])[0]
+
+    def logp(path: tuple[int, ...]) -> list[float]:
+        out = draft(mx.array([ctx + list(path)]))[0, -1]
+        return mx.log(process(out)).tolist()
+
+    assert _same(_paths(g), _reference_from(logp, 3, 9, 4))
+    assert len(g.tokens) == 9 and max(len(c) for c in g.tree.children()) == 2
 
 
 def _eagle3_head(target, width: int):

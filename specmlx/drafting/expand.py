@@ -16,16 +16,19 @@ grows the tree where the draft is confident instead, a level a draft pass:
 
 A batch's rows grow together, each level one pass over B rows of W nodes (each row's at its
 own length, core.rows). k levels cost k - 1 draft passes of W tokens each, where the chain's
-cost k - 1 of one. The nodes are chosen, not drawn, from the draft's raw scores: point
-masses for the tree's acceptance (tree_acceptance), exact whatever chose them, at any
-temperature; a greedy row's output is the target's argmax path either way, and a sampled
-row's tree does not depend on its keys or on the rows beside it, so a seeded row draws
-alike alone and in a batch. The scores are read on the host once, after the last level
-(the trees' shapes are the target's mask), where a chain reads nothing before its verify.
+cost k - 1 of one. The nodes are chosen, not drawn: point masses for the tree's acceptance
+(tree_acceptance), exact whatever chose them, at any temperature. A sampled row scores them
+by the draft's probabilities after its own processing (temperature, top-k, top-p, min-p),
+as a point mass is kept with the target's processed probability of its token. A greedy
+row's output is the target's argmax path either way, and a sampled row's tree does not
+depend on its keys or on the rows beside it, so a seeded row draws alike alone and in a
+batch. The scores are read on the host once, after the last level (the trees' shapes are
+the target's mask), where a chain reads nothing before its verify.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,6 +38,7 @@ import mlx.nn as nn
 
 from ..core.caches import WindowKVCache, layer_caches, make_caches
 from ..core.kvstate import reads_hidden
+from ..core.sampling import Processor
 from ..core.tree_acceptance import Tree
 from ..core.tree_pass import keep_rows_paths, masked_logits, masked_pass, tree_refusal
 from .drafters import SAFE_ID
@@ -141,6 +145,18 @@ def _level_mask(held: mx.array, seen: mx.array, top: int) -> mx.array:
     return ((rel < 0)[:, None, :] | (among & (rel < n)[:, None, :]))[:, None]
 
 
+def _log_probs(logits: mx.array, process: Sequence[Processor | None]) -> mx.array:
+    """The draft's log-probabilities (B, ..., vocab) that score each row's nodes: for a
+    sampled row, after its own processing (temperature, then top-k, top-p, min-p: what the
+    target's p goes through), as a node is kept with the target's processed probability of
+    its token; -inf for a token its filters leave out."""
+    x = logits.astype(mx.float32)
+    if all(p is None for p in process):
+        return nn.log_softmax(x, axis=-1)
+    return mx.stack([nn.log_softmax(x[b], axis=-1) if p is None else mx.log(p(x[b]))
+                     for b, p in enumerate(process)])  # fmt: skip
+
+
 def grow(
     feed: Feed,
     held: Sequence[int],
@@ -148,6 +164,7 @@ def grow(
     ks: Sequence[int],
     nodes: int,
     width: int = WIDTH,
+    process: Sequence[Processor | None] = (),
 ) -> list[Grown]:
     """Each row's N best-scored nodes of a tree grown to depth ks[b] (see the module); the
     draft's caches then hold (max(ks) - 1) * width entries of the levels after what each row
@@ -155,10 +172,12 @@ def grow(
 
     feed: the draft (``model_feed``, a ``HeadFeed``); held: the entries its caches hold a row
     (the last at the root's position, or just before it for a head); logits (B, vocab): the
-    draft's after each row's root; ks: each row's depth; nodes: N; width: W."""
+    draft's after each row's root; ks: each row's depth; nodes: N; width: W; process: each
+    row's sampling processor (None or none given: greedy), see ``_log_probs``."""
     B, k = logits.shape[0], max(ks)
     w = min(width, logits.shape[-1])
-    score = nn.log_softmax(logits.astype(mx.float32))  # (B, vocab)
+    process = list(process) or [None] * B
+    score = _log_probs(logits, process)  # (B, vocab)
     tok = mx.argpartition(-score, kth=w - 1, axis=-1)[:, :w]  # (B, w) depth 1
     toks, cums = [tok], [mx.take_along_axis(score, tok, axis=-1)]
     parents = [mx.full((B, w), -1, dtype=mx.int32)]
@@ -182,7 +201,7 @@ def grow(
         x = mx.take_along_axis(level_tok, pick, axis=-1)  # (B, w)
         out = feed(x, parent, at, mask)[..., : logits.shape[-1]]  # (B, w, vocab)
         child = mx.take_along_axis(level_cum, pick, axis=-1)[..., None]
-        child = child + nn.log_softmax(out.astype(mx.float32))  # (B, w, vocab)
+        child = child + _log_probs(out, process)  # (B, w, vocab)
         best = mx.argpartition(-child, kth=w - 1, axis=-1)[..., :w]  # (B, w, w)
         toks.append(best.reshape(B, -1))
         cums.append(mx.take_along_axis(child, best, axis=-1).reshape(B, -1))
@@ -209,7 +228,9 @@ def _best(got: list[float], n: int, w: int, k: int, nodes: int) -> Grown:
     # unfed, so the row keeps what it keeps alone
     slot = {int(g): j for j, g in enumerate(got[3 * n :]) if depth[int(g)] < k}
     # best first; a parent scores at least its child and is shallower, so comes first
-    order = sorted((i for i in range(n) if depth[i] <= k), key=lambda i: (-scores[i], depth[i], i))
+    # (a token the row's filters leave out, -inf, would be rejected: never proposed)
+    fit = (i for i in range(n) if depth[i] <= k and scores[i] > -math.inf)
+    order = sorted(fit, key=lambda i: (-scores[i], depth[i], i))
     chosen, taken = [], set()
     for i in order:
         if len(chosen) == nodes:

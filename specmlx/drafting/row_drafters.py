@@ -109,11 +109,12 @@ class _SharedCache(RowDrafter):
             and all(r.tree for r, n in zip(rows, ks, strict=True) if n)
         )  # fmt: skip
 
-    def _grow(self, feed, logits: mx.array, ks: list[int]) -> Drafts:
-        """Each row's grown tree of depth ks[i] as its drafts; logits (B, vocab): the draft's
-        after each row's root (expand.grow)."""
+    def _grow(self, rows, feed, logits: mx.array, ks: list[int]) -> Drafts:
+        """Each row's grown tree of depth ks[i] as its drafts, scored by its own sampling
+        (expand.grow); logits (B, vocab): the draft's after each row's root."""
         held = attention_rows(self.cache)[0].lens
-        self._grown = grow(feed, held, logits, ks, self.sizer.size.nodes)
+        process = [r.process for r in rows]
+        self._grown = grow(feed, held, logits, ks, self.sizer.size.nodes, process=process)
         n = max(len(g.tokens) for g in self._grown)
         tokens = mx.array([g.tokens + [0] * (n - len(g.tokens)) for g in self._grown],
                           dtype=mx.uint32)  # (B, N), zeros past a row's own tree  # fmt: skip
@@ -165,7 +166,7 @@ class ModelRows(_SharedCache):
         for c in attention_rows(self.cache):
             c.give_back([width - len(p) for p in unseen])  # the pads
         if self._grows(rows, ks):  # EAGLE-2's trees instead of chains (expand.py)
-            return self._grow(model_feed(self.model, self.cache, self.embeds), logits, ks)
+            return self._grow(rows, model_feed(self.model, self.cache, self.embeds), logits, ks)
         keep = lambda: [list(c.cache) for c in recurrent]  # noqa: E731 - references only
         self._states = [keep()] if recurrent else []
         steps = _step_keys(keys, ks)
@@ -240,7 +241,7 @@ class HeadRows(_SharedCache):
     def propose(self, rows, k, ks, keys):
         g, logits = self._feed_waiting(rows, keep_last=False)  # (B, 1, H), (B, vocab)
         if self._grows(rows, ks):  # EAGLE-2's trees instead of chains (expand.py)
-            return self._grow(HeadFeed(self.model, self.cache, g), logits, ks)
+            return self._grow(rows, HeadFeed(self.model, self.cache, g), logits, ks)
         steps = _step_keys(keys, ks)
         sides = side_plan(self.sizer, rows, ks)
         tokens, qs, leaves = [], [], [[] for _ in rows]
