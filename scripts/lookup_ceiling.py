@@ -1,0 +1,139 @@
+"""What any copying drafter could keep on the agent-style trace, under greedy decoding
+(issue 48, BENCHMARKS.md "Suffix lookup and lookahead").
+
+The trace is the bench's: the editing sequences, each request rewriting the file the request
+before it wrote (`specmlx bench --set edit-sequence`). Greedy, the target writes the same
+tokens whatever is drafted, so its outputs are generated once, target alone, and each round is
+then replayed from the known future. A copying drafter (n-gram lookup, suffix lookup, a
+memory of past outputs: anything that proposes continuations of earlier occurrences of the
+context's tail) keeps at most, from position i, the longest L <= cap such that the last
+confirmed token and the next L target tokens occur, in that order, in text it has seen: the
+prompt and the output so far, and, with memory, every earlier output of the trace. The round
+keeps L + 1 tokens. That bound (every occurrence of a one-token tail at once: a tree as wide as
+it needs) is an upper bound on tokens per pass for any lookup, whatever it scores or sizes.
+
+Beside it, in the same replay:
+- "ngram": the lookup of git 2ff7373 as it drafts a chain (the latest earlier occurrence of the
+  longest tail of 4 tokens down to 1, in the context, else in memory; up to `cap` tokens);
+- "best of 16": the best continuation among only the 16 most recent occurrences of the longest
+  tail that occurs (4 down to 1): what suffix lookup's trie reads, as one chain, picked by
+  hindsight.
+
+  . scripts/env.sh; .venv/bin/python scripts/lookup_ceiling.py smollm2-135m [-n 192] [--cap 31]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from specmlx.bench.data import code_of, edit_step, load_sequences  # noqa: E402
+from specmlx.decoding.engine import generate_tokens  # noqa: E402
+from specmlx.decoding.request import Decode  # noqa: E402
+from specmlx.decoding.stream import encode_prompt  # noqa: E402
+from specmlx.models.loading import load_pair  # noqa: E402
+
+ap = argparse.ArgumentParser()
+ap.add_argument("target")
+ap.add_argument("-n", type=int, default=192)
+ap.add_argument("--cap", type=int, default=31, help="the most tokens one round drafts")
+a = ap.parse_args()
+tgt, _, _ = load_pair(a.target, None)
+
+
+def run_len(text: np.ndarray, starts: np.ndarray, want: list[int], cap: int) -> np.ndarray:
+    """For each start s (text[s] is the tail's token), how many of ``want`` follow it in
+    ``text`` (at most cap, never past the end)."""
+    got = np.zeros(len(starts), dtype=int)
+    live = np.ones(len(starts), dtype=bool)
+    for j, w in enumerate(want[:cap]):
+        pos = starts + 1 + j
+        ok = live & (pos < len(text))
+        ok[ok] = text[pos[ok]] == w
+        got += ok
+        live = ok
+        if not live.any():
+            break
+    return got
+
+
+def occurrences(text: np.ndarray, end: int, tail: list[int]) -> np.ndarray:
+    """Where ``tail`` ends in text[:end] (positions of its last token), oldest first."""
+    if end < len(tail):
+        return np.zeros(0, dtype=int)
+    hit = np.ones(end - len(tail) + 1, dtype=bool)
+    for j, t in enumerate(tail):
+        hit &= text[j : end - len(tail) + 1 + j] == t
+    return np.nonzero(hit)[0] + len(tail) - 1
+
+
+def longest_tail(texts, ctx_end, seq, n_max=4):
+    """(n, per text its occurrences) for the longest tail of seq (n_max down to 1) found."""
+    for n in range(min(n_max, len(seq)), 0, -1):
+        found = [occurrences(t, e, seq[-n:]) for t, e in zip(texts, ctx_end, strict=True)]
+        if any(len(f) for f in found):
+            return n, found
+    return 0, [np.zeros(0, dtype=int) for _ in texts]
+
+
+def replay(ids, out, memory, cap):
+    """Tokens and rounds for the three drafters over one request's known output."""
+    res = {}
+    for what in ("oracle", "ngram", "best of 16"):
+        i = rounds = 0
+        while i < len(out):
+            seq = ids + out[:i]
+            ctx = np.array(seq + out[i:], dtype=np.int64)  # the future sits past ctx_end
+            texts = [ctx] + memory
+            ends = [len(seq) - 1] + [len(m) for m in memory]  # occurrences strictly earlier
+            want = out[i:]
+            if what == "oracle":
+                L = 0
+                for t, e in zip(texts, ends, strict=True):
+                    st = occurrences(t, e, seq[-1:])
+                    if len(st):
+                        lens = run_len(t, st, want, cap)
+                        if t is ctx:  # the copied tokens must be confirmed text
+                            lens = np.minimum(lens, len(seq) - 1 - st)
+                        L = max(L, int(lens.max()))
+            else:
+                n, found = longest_tail(texts, ends, seq)
+                L = 0
+                for t, st in zip(texts, found, strict=True):
+                    if not len(st):
+                        continue
+                    st = st[-1:] if what == "ngram" else st[-16:]
+                    lens = run_len(t, st, want, cap)
+                    if t is ctx:
+                        lens = np.minimum(lens, len(seq) - 1 - st)
+                    L = max(L, int(lens.max()))
+                    if what == "ngram":
+                        break  # the context's latest occurrence, else memory's
+            i += L + 1
+            rounds += 1
+        res[what] = (len(out), rounds)
+    return res
+
+
+totals = {m: {w: [0, 0] for w in ("oracle", "ngram", "best of 16")} for m in ("memory", "none")}
+memory: list[np.ndarray] = []
+for seq in load_sequences():
+    file = seq["file"]
+    for step in range(len(seq["edits"])):
+        row = edit_step(seq, step, file)
+        ids = encode_prompt(tgt.tokenizer, row["prompt"], chat=True)
+        out = [e.token for e in generate_tokens(tgt.model, None, ids, Decode(k=0, max_tokens=a.n))]
+        for m, mem in (("memory", memory), ("none", [])):
+            for w, (toks, rounds) in replay(ids, out, mem, a.cap).items():
+                totals[m][w][0] += toks
+                totals[m][w][1] += rounds
+        memory.append(np.array(out, dtype=np.int64))
+        file = code_of(tgt.tokenizer.decode(out))
+        print(row["id"], len(ids), "prompt tokens,", len(out), "out", flush=True)
+
+for m, by in totals.items():
+    line = ", ".join(f"{w} {t / r:.2f}" for w, (t, r) in by.items())
+    print(f"tok/pass, {'+ memory' if m == 'memory' else 'no memory'}: {line}")
