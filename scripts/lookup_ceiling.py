@@ -16,8 +16,8 @@ Beside it, in the same replay:
 - "ngram": the lookup of git 2ff7373 as it drafts a chain (the latest earlier occurrence of the
   longest tail of 4 tokens down to 1, in the context, else in memory; up to `cap` tokens);
 - "best of 16": the best continuation among only the 16 most recent occurrences of the longest
-  tail that occurs (4 down to 1): what suffix lookup's trie reads, as one chain, picked by
-  hindsight.
+  tail that occurs (4 down to 1), in the context and in memory each: what suffix lookup's
+  tries read, as one chain, picked by hindsight.
 
   . scripts/env.sh; .venv/bin/python scripts/lookup_ceiling.py smollm2-135m [-n 192] [--cap 31]
 """
@@ -70,25 +70,28 @@ def occurrences(text: np.ndarray, end: int, tail: list[int]) -> np.ndarray:
     return np.nonzero(hit)[0] + len(tail) - 1
 
 
-def longest_tail(texts, ctx_end, seq, n_max=4):
-    """(n, per text its occurrences) for the longest tail of seq (n_max down to 1) found."""
+def longest_tail(texts, ends, seq, n_max=4):
+    """Per text, the occurrences of the longest tail of seq (n_max tokens down to 1) that
+    occurs in any of them."""
     for n in range(min(n_max, len(seq)), 0, -1):
-        found = [occurrences(t, e, seq[-n:]) for t, e in zip(texts, ctx_end, strict=True)]
+        found = [occurrences(t, e, seq[-n:]) for t, e in zip(texts, ends, strict=True)]
         if any(len(f) for f in found):
-            return n, found
-    return 0, [np.zeros(0, dtype=int) for _ in texts]
+            return found
+    return [np.zeros(0, dtype=int) for _ in texts]
 
 
 def replay(ids, out, memory, cap):
-    """Tokens and rounds for the three drafters over one request's known output."""
+    """Tokens and rounds for the three drafters over one request's known output; memory: the
+    earlier outputs, oldest first, each after a separator no token equals (so no copied run
+    crosses from one output into the next, and the most recent occurrences come last)."""
     res = {}
     for what in ("oracle", "ngram", "best of 16"):
         i = rounds = 0
         while i < len(out):
             seq = ids + out[:i]
             ctx = np.array(seq + out[i:], dtype=np.int64)  # the future sits past ctx_end
-            texts = [ctx] + memory
-            ends = [len(seq) - 1] + [len(m) for m in memory]  # occurrences strictly earlier
+            texts = [ctx, memory]
+            ends = [len(seq) - 1, len(memory)]  # in the context, occurrences strictly earlier
             want = out[i:]
             if what == "oracle":
                 L = 0
@@ -100,7 +103,7 @@ def replay(ids, out, memory, cap):
                             lens = np.minimum(lens, len(seq) - 1 - st)
                         L = max(L, int(lens.max()))
             else:
-                n, found = longest_tail(texts, ends, seq)
+                found = longest_tail(texts, ends, seq)
                 L = 0
                 for t, st in zip(texts, found, strict=True):
                     if not len(st):
@@ -119,18 +122,19 @@ def replay(ids, out, memory, cap):
 
 
 totals = {m: {w: [0, 0] for w in ("oracle", "ngram", "best of 16")} for m in ("memory", "none")}
-memory: list[np.ndarray] = []
+SEP = -1
+past: list[int] = []  # every earlier output of the trace, each after SEP
 for seq in load_sequences():
     file = seq["file"]
     for step in range(len(seq["edits"])):
         row = edit_step(seq, step, file)
         ids = encode_prompt(tgt.tokenizer, row["prompt"], chat=True)
         out = [e.token for e in generate_tokens(tgt.model, None, ids, Decode(k=0, max_tokens=a.n))]
-        for m, mem in (("memory", memory), ("none", [])):
-            for w, (toks, rounds) in replay(ids, out, mem, a.cap).items():
+        for m, mem in (("memory", past), ("none", [])):
+            for w, (toks, rounds) in replay(ids, out, np.array(mem, dtype=np.int64), a.cap).items():
                 totals[m][w][0] += toks
                 totals[m][w][1] += rounds
-        memory.append(np.array(out, dtype=np.int64))
+        past += [SEP, *out]
         file = code_of(tgt.tokenizer.decode(out))
         print(row["id"], len(ids), "prompt tokens,", len(out), "out", flush=True)
 
