@@ -12,6 +12,7 @@ import random
 
 import httpx
 import mlx.core as mx
+import numpy as np
 import pytest
 from families import build, family_config
 from helpers import Server, generate, tiny_pair
@@ -24,6 +25,7 @@ from specmlx.core.caches import make_caches
 from specmlx.core.kvstate import KVState
 from specmlx.core.shift import Shifter, Unshiftable, chunks, reused
 from specmlx.core.stats import Stats
+from specmlx.decoding.engine import prefill
 from specmlx.serving.prompt_cache import PromptCache
 
 EXACT = 1e-4  # float32 logits of a moved cache against a fresh prefill's
@@ -307,6 +309,33 @@ def test_greedy_text_from_a_moved_prompt_cache_entry_is_a_fresh_ones(which):
     assert got == want and stats.cached_tokens == n
     # the entry it came from is still there, unchanged
     assert any(e.tokens[: len(OLD)] == OLD for e in cache.entries)
+
+
+def test_a_run_to_the_entrys_end_moves_as_python_ints_and_a_tree_round_follows():
+    """llama.vim's follow-up after a Tab (issue 63): the moved run reached the end of what
+    the entry held, its length came out of numpy as an int64, became the caches' offset,
+    and the next tree round failed in mx.array ("Invalid type int64"). Pieces are Python
+    ints where they are made, a piece that is not is refused where it enters a cache, and
+    the tree round after the move keeps the target's greedy text."""
+    old, new = P + G + C + [9], P + C + X
+    pieces = chunks(old[:-1], new[:-1], len(P), 8)
+    assert pieces[-1][0] + pieces[-1][2] == len(old) - 1  # the run reaches the entry's end
+    assert all(type(x) is int for p in pieces for x in p), pieces
+    target, draft = one_layer(seed=0), one_layer(seed=7)
+    numpy_piece = (np.int64(0), 0, np.int64(len(P)))
+    with pytest.raises(TypeError, match="Python ints"):
+        Shifter(target).move([(make_caches(target), numpy_piece)], len(P))
+    cache = PromptCache(10**9, 8, target, draft)
+    entry = cache.take(old)
+    prefill(target, draft, old, kv=entry)  # (an editor's warm-up: the prompt, nothing made)
+    cache.put(entry)
+    kv = cache.take(new)
+    assert len(kv.tokens) == len(P) + len(C) and all(type(c.offset) is int for c in kv.target)
+    stats = Stats()
+    got = [e.token for e in generate(target, draft, new, k=3, max_tokens=12, kv=kv,
+                                     tree="8", stats=stats)]  # fmt: skip
+    assert stats.tree_rounds > 0
+    assert got == [e.token for e in generate(target, None, new, max_tokens=12)]
 
 
 # ------------------------------------------------------------------ llama.vim over HTTP

@@ -67,6 +67,8 @@ class Cursor:
         record: bool = False,
         tap: HiddenTap | None = None,
     ):
+        if type(held) is not int:  # every later offset, a tree's positions too, counts from it
+            raise TypeError(f"held must be a Python int, got {type(held).__name__}")
         self.model, self.cache, self.held = model, cache, held
         self.own_ids, self.tap = own_ids, tap
         self.recurrent = needs_replay(cache)

@@ -72,11 +72,11 @@ def chunks(
     context from ``at`` on, found anywhere in ``held`` (another cached sequence than the one
     the start came from), with no common prefix. The pieces reach context[:reused]."""
     pieces = [(0, 0, start)] if start and at is None else []
-    h, c = np.asarray(held, dtype=np.int64), np.asarray(context, dtype=np.int64)
+    h, c = _Tokens(held), _Tokens(context)
     at_h, at_c = (start, start) if at is None else (0, at)
-    while least > 0 and at_h < len(h):
+    while least > 0 and at_h < len(h.ids):
         found = None
-        for d in range(at_c, min(at_c + gap, len(c) - least) + 1):
+        for d in range(at_c, min(at_c + gap, len(c.ids) - least) + 1):
             found = _run(h, c, at_h, d, least)
             if found is not None:
                 break
@@ -88,20 +88,32 @@ def chunks(
     return pieces
 
 
-def _run(h: np.ndarray, c: np.ndarray, at_h: int, d: int, least: int) -> Piece | None:
+class _Tokens:
+    """A token sequence as an array and as bytes (4 a token), for C-speed search: an
+    editor's prompt cache scans thousands of tokens of every entry at each request."""
+
+    def __init__(self, ids: Sequence[int]):
+        self.ids = np.asarray(ids, dtype="<i4")
+        self.bytes = self.ids.tobytes()
+
+
+def _run(h: _Tokens, c: _Tokens, at_h: int, d: int, least: int) -> Piece | None:
     """The first run of at least ``least`` tokens in h from at_h on that context c has
     from d on, as (where in h, d, its length), or None."""
-    if len(c) - d < least:
+    if len(c.ids) - d < least:
         return None
-    for s in np.flatnonzero(h[at_h:] == c[d]) + at_h:  # where the cache holds c[d], in order
-        if len(h) - s < least:
-            break
-        if not np.array_equal(h[s : s + least], c[d : d + least]):
-            continue
-        span = min(len(h) - s, len(c) - d)
-        same = h[s : s + span] == c[d : d + span]
-        return int(s), d, span if same.all() else int(np.argmin(same))
-    return None
+    needle = c.bytes[4 * d : 4 * (d + least)]
+    at = h.bytes.find(needle, 4 * at_h)
+    while at != -1 and at % 4:  # a match across token boundaries: look on
+        at = h.bytes.find(needle, at + 1)
+    if at == -1:
+        return None
+    s = at // 4
+    span = min(len(h.ids) - s, len(c.ids) - d)
+    same = h.ids[s : s + span] == c.ids[d : d + span]
+    # Python ints: a piece's numbers become cache offsets (numpy's int64 is refused by
+    # mx.array, so a moved cache would break the next tree pass)
+    return s, d, int(span if same.all() else np.argmin(same))
 
 
 def reused(pieces: Sequence[Piece]) -> int:
@@ -260,7 +272,7 @@ class Shifter:
                 f"{self.name}: DynamicNTKScalingRoPE rotates by another base past "
                 f"{self.limit} tokens"
             )
-        runs = [(caches, piece) for caches, piece in runs if piece[2]]
+        runs = [(caches, _checked(piece)) for caches, piece in runs if piece[2]]
         if not runs:
             raise Unshiftable("no tokens to move")
         total = 0
@@ -290,6 +302,14 @@ class Shifter:
         runs, prefilled in place), evaluated."""
         self.model(mx.array([list(tokens)], dtype=mx.uint32), cache=cache)
         mx.eval([c.state for c in layer_caches(cache)])
+
+
+def _checked(piece: Piece) -> Piece:
+    """``piece`` as it may enter a cache: three Python ints (an offset that is a numpy
+    integer is carried into every later pass, and mx.array refuses it there)."""
+    if any(type(x) is not int for x in piece):
+        raise TypeError(f"a piece's offsets must be Python ints, got {piece!r}")
+    return piece
 
 
 def _take(keys, values, lo: int, n: int, by: int, turn: Rotate | None):
