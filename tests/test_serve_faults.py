@@ -427,3 +427,71 @@ def test_the_server_log_writes_to_stderr_as_it_is_at_each_line(monkeypatch, caps
     err = capsys.readouterr().err
     assert "after the swap" in err and "Logging error" not in err, err
     logging.getLogger(access_log.SERVER).handlers.clear()
+
+
+# ------------------------------------------------------------------ a failed generation
+
+
+@contextmanager
+def app_over(root, rows: int, **worker_kw):
+    """(TestClient, Worker) of a fresh server over the tiny FIM pair under ``root``, with a
+    prompt cache and ``rows`` batch rows."""
+    from specmlx.models.loading import load_pair
+    from specmlx.models.registry import load_registry
+
+    toml = tiny_pair(root, fim=True, chat_template=CHAT)
+    t, d, shared = load_pair("tiny-t", "tiny-d", registry=load_registry([toml]), context=2048)
+    worker = Worker(t, d, shared, persist=False, lookup_memory=False, max_batch=rows,
+                    cache_budget=10**9, **worker_kw)  # fmt: skip
+    app = create_app(worker, ServerSettings(model_name="tiny-t", context=2048, k=3))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, worker
+
+
+FIM = {
+    "input_prefix": "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n",
+    "input_suffix": "\n    y: int = 0\n", "prompt": "    ", "n_predict": 12, "temperature": 0,
+    "response_fields": ["content", "tokens_cached"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_failed_generation_leaves_its_prompt_the_next_request_served(
+    tmp_path, monkeypatch, caplog, rows
+):
+    """A generation that fails after it took caches from the prompt cache (a drafter that
+    raises mid-generation, standing in for any fault) answers its client with an error,
+    drops the entries it came from, and logs which request it was; the same prompt sent
+    again is a 200 equal to a fresh server's answer (issue 63: one failure poisoned the
+    entry, and every later request for that prompt failed too)."""
+    from specmlx.drafting.row_drafters import ModelRows
+
+    with app_over(tmp_path / "fresh", rows) as (client, _):
+        fresh = post(client, "/infill", FIM).json()
+    with app_over(tmp_path / "fail", rows) as (client, worker):
+        assert post(client, "/infill", FIM).json() == fresh | {"tokens_cached": 0}
+        assert len(worker.cache.entries) == 1
+        propose, calls = ModelRows.propose, []
+
+        def failing(self, *a, **kw):
+            calls.append(1)
+            if len(calls) == 2:  # mid-generation: a round has already been kept
+                raise RuntimeError("injected")
+            return propose(self, *a, **kw)
+
+        monkeypatch.setattr(ModelRows, "propose", failing)
+        with caplog.at_level("WARNING", logger="specmlx.serve"):
+            failed = post(client, "/infill", FIM)
+        assert failed.status_code == 500 and len(calls) == 2, failed.text
+        assert worker.cache.entries == []
+        logged = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+        assert logged == [
+            "request 2 (42 prompt tokens, an editor's) failed (RuntimeError): dropped the 1 "
+            "prompt-cache entry it came from"
+        ]
+        again = post(client, "/infill", FIM)
+        assert again.status_code == 200 and again.json() == fresh | {"tokens_cached": 0}
+        # cache_prompt false: a fresh prefill, whatever the cache holds (llama-server's)
+        assert post(client, "/infill", FIM).json()["tokens_cached"] > 0
+        uncached = post(client, "/infill", FIM | {"cache_prompt": False}).json()
+        assert uncached == fresh | {"tokens_cached": 0}

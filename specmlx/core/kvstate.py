@@ -46,6 +46,9 @@ class KVState:
     # the prompts that part there later find it
     branch_at: int = 0
     branch: KVState | None = None
+    # the prompt-cache entries this was made from (their ids): a generation that fails
+    # on it has the prompt cache drop them (PromptCache.forget), whatever went wrong
+    sources: tuple[int, ...] = ()
 
     def nbytes(self) -> int:
         """Bytes the caches hold now."""

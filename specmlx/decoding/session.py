@@ -79,7 +79,9 @@ class Request:
     lookup_by: how lookup proposes ("suffix", "ngram" or a lookahead form: engine.Decode's);
     time_limit_s, min_indent: an editor's limits on the text (stream.editor_limits:
     llama.cpp's t_max_predict_ms and n_indent; None: none); warm_up: put the prompt into the
-    caches and generate nothing (llama.vim's n_predict 0: ``Generation.prefill``)."""
+    caches and generate nothing (llama.vim's n_predict 0: ``Generation.prefill``);
+    cache_prompt: start from what a server's prompt cache holds (llama-server's
+    ``cache_prompt``; False: a fresh prefill, the caches it leaves still kept)."""
 
     prompt_ids: list[int] = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -96,6 +98,7 @@ class Request:
     time_limit_s: float | None = None
     min_indent: int | None = None
     warm_up: bool = False
+    cache_prompt: bool = True
 
     def __post_init__(self) -> None:
         self.k = K.of(self.k)  # (the rest is checked where the engine's Decode is made)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from ..core.stats import Stats, TokenEvent
 from ..errors import BadInput
@@ -17,10 +17,18 @@ def encode_prompt(tokenizer, text: str, *, chat: bool = False) -> list[int]:
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise BadInput("this tokenizer has no chat template; drop --chat")
-        messages = [{"role": "user", "content": text}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return chat_ids(tokenizer, [{"role": "user", "content": text}])
     return list(tokenizer.encode(text))
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The ids of ``messages`` through the tokenizer's chat template, with the assistant's
+    turn opened. Newer transformers answer a mapping (a BatchEncoding: a UserDict, not a
+    dict), whose iteration is its keys, never its ids.
+
+    tokenizer: an HF tokenizer or mlx-lm's wrapper; messages: role/content dicts."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return [int(t) for t in (ids["input_ids"] if isinstance(ids, Mapping) else ids)]
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:

@@ -198,6 +198,8 @@ class LlamaBody(_Text):
     n_indent: StrictInt = 0
     # return just these fields, nested ones flattened as "timings/prompt_n" (llama.vim)
     response_fields: list[str] | None = None
+    # false: prefill the prompt afresh, not from the prompt cache (what it leaves is kept)
+    cache_prompt: StrictBool = True
     # completions, one after another
     n_cmpl: Annotated[int, Field(ge=1, le=MAX_COMPLETIONS, strict=True)] = 1
 

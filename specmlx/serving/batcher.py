@@ -70,6 +70,7 @@ class _Live:
     kv: KVState | None = None
     made: list[int] = field(default_factory=list)
     parked: _Parked | None = None  # set aside for a newer editor request (Batcher._park)
+    sources: tuple[int, ...] = ()  # the prompt-cache entries it came from (KVState.sources)
 
 
 @dataclass
@@ -174,18 +175,21 @@ class Batcher:
         # every request is a row: the other ranks follow the batch)
         alone = not self.live and w.queue.empty() and not self.ranks
         kv = gen = row = None
+        sources = ()
         try:
             if self.ranks:  # the other ranks join it too, with rank 0's seed
                 r.seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(6), "little")
                 w.send_ops(self.left, r, None)
                 self.left = []
+            kv = w.caches_for(r)
+            sources = kv.sources
             if alone:
-                kv = w.cache.take(r.prompt_ids)
                 gen = w.session.start(r, kv=kv, stats=job.stats)
             else:
-                row = join_row(w, self.batch, r, job.stats)
+                row, kv = join_row(w, self.batch, r, job.stats, kv), None
         except Exception as e:  # noqa: BLE001 - this request's error; the batch goes on
             w.totals.failed += 1
+            w.failed(job, sources, e)
             if self.ranks:  # the other ranks failed it too, or are apart now: all stop
                 e = ranks_stopped(e)
                 self._end_all(e)
@@ -197,7 +201,7 @@ class Batcher:
         if r.time_limit_s is not None or r.min_indent:
             limits = EditorLimits(r.time_limit_s, r.min_indent, job.stats)
         text = TextStream(w.session.pair.tokenizer, r.stop, job.stats)
-        lv = _Live(job, row, text, limits, gen)
+        lv = _Live(job, row, text, limits, gen, sources=sources)
         if alone:
             lv.solo, lv.kv = gen.tokens(), kv
         self.live.append(lv)
@@ -260,6 +264,7 @@ class Batcher:
             self.live.remove(lv)
             lv.solo.close()
             self.w.totals.failed += 1
+            self.w.failed(lv.job, lv.sources, e)
             lv.job.emit("error", e)
             return
         lv.made.append(ev.token)
@@ -338,13 +343,15 @@ class Batcher:
         lv = self.parked.pop()
         p, lv.parked = lv.parked, None
         drafts = lv.job.request.uses_draft
+        kv = self.w.cache.take(p.ids)
+        lv.sources = kv.sources
         try:
-            kv = self.w.cache.take(p.ids)
             self._probed()
             lv.row = self.batch.join(p.ids, p.decode, kv, lv.job.stats, drafts, p.made)
             self.w.cache.keep_branch(kv)
         except Exception as e:  # noqa: BLE001 - this request's error; serving goes on
             self.w.totals.failed += 1
+            self.w.failed(lv.job, lv.sources, e)
             lv.job.emit("error", e)
             return
         self.live.append(lv)
@@ -422,8 +429,7 @@ class Batcher:
         if lv.gen is not None:
             lv.gen.finish()
         w.count(lv.job.stats, cancelled)
-        t = w.totals
-        t.cache_bytes, t.cache_entries = w.cache.nbytes, len(w.cache.entries)
+        w.note_cache()
         if not cancelled:
             w.last = lv.job.stats
             lv.job.emit("done", lv.job.stats)
@@ -443,6 +449,7 @@ class Batcher:
         for lv in list(self.live):
             if error is not None:
                 self.w.totals.failed += 1
+                self.w.failed(lv.job, lv.sources, error)
                 lv.job.emit("error", error)
             self.live.remove(lv)
             if lv.solo is not None:

@@ -30,7 +30,8 @@ class FollowerBatch:
         for i in leave:
             self.w.cache.put(self.batch.leave(self.rows.pop(i)))
         if join is not None:
-            row = join_row(self.w, self.batch, join, Stats())
+            taken = self.w.caches_for(join)
+            row = join_row(self.w, self.batch, join, Stats(), taken)
             self.rows.append(row)
         if k is not None:
             if self.w.watchdog is not None:

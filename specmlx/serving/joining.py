@@ -3,20 +3,23 @@ that follow it, and whether a pair can batch at all."""
 
 from __future__ import annotations
 
+from ..core.kvstate import KVState
 from ..core.rows import batchable
 from ..core.stats import Stats
 from ..decoding.batch import Batch, Row
 from ..decoding.session import Request
 
 
-def join_row(worker, batch: Batch, r: Request, stats: Stats) -> Row:
-    """Request ``r`` joins ``batch`` as a row, from the worker's prompt cache or a running
-    row's prefix (Batch.share). Rank 0 and the ranks that follow it join alike.
+def join_row(worker, batch: Batch, r: Request, stats: Stats, taken: KVState) -> Row:
+    """Request ``r`` joins ``batch`` as a row, from ``taken`` (what the worker's prompt cache
+    gave for its prompt) or a running row's prefix (Batch.share). Rank 0 and the ranks that
+    follow it join alike.
 
     worker: the worker (its session, draft and prompt cache); batch: the batch to join;
-    stats: the request's, filled live."""
+    stats: the request's, filled live; taken: worker.caches_for(r) (the caller keeps its
+    ``sources``: a failure drops those entries)."""
     drafts = r.uses_draft and worker.draft is not None
-    kv = batch.share(r.prompt_ids, worker.cache.take(r.prompt_ids))
+    kv = batch.share(r.prompt_ids, taken) if r.cache_prompt else taken
     row = batch.join(r.prompt_ids, worker.session.decode(r), kv, stats, drafts=drafts)
     worker.cache.keep_branch(kv)
     return row

@@ -49,6 +49,7 @@ class ServerMetrics:
             ("prompt_cache_hits_total", "counter", "requests that reused cached tokens", t.cache_hits),
             ("prompt_cache_bytes", "gauge", "bytes of KV caches kept", t.cache_bytes),
             ("prompt_cache_entries", "gauge", "sequences kept", t.cache_entries),
+            ("prompt_cache_moved_tokens_total", "counter", "prompt tokens taken from cached runs moved to new positions (--cache-reuse)", t.moved_tokens),
             ("batch_rows", "gauge", "requests decoding together now", t.batch_rows),
             ("batch_rounds_total", "counter", "batched target passes (one a round, whatever the rows)", t.batch_rounds),
             ("batch_tree_rounds_total", "counter", "batched target passes that verified a token tree a row", t.batch_tree_rounds),

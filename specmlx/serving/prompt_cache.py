@@ -99,6 +99,7 @@ class PromptCache:
         if best >= 0:
             self.entries.append(self.entries.pop(best))  # by place: KVStates compare by value
             out = self.entries[-1].copy()
+            out.sources = (id(self.entries[-1]),)
         if parts > best_len:  # an entry it parts from cannot give back that far: the
             out.branch_at = parts  # prefill leaves a copy there for the next (put, keep_branch)
         return out
@@ -137,6 +138,7 @@ class PromptCache:
         except Unshiftable:
             return None
         used = {i for i, _ in runs}  # now the most recently used, in their order
+        out.sources = tuple(id(self.entries[i]) for i in sorted(used))
         self.entries = [e for i, e in enumerate(self.entries) if i not in used] + [
             e for i, e in enumerate(self.entries) if i in used
         ]
@@ -151,12 +153,21 @@ class PromptCache:
         can stand in for go (its tokens extend theirs and its caches give back that far),
         then the least recently used down to the budget."""
         self.keep_branch(kv)
+        kv.sources = ()  # (an entry now: it was made from those, it is not them)
         if self.budget <= 0 or kv.target is None or not kv.tokens:
             return
         self.entries = [e for e in self.entries if not _stands_in(kv, e)]
         self.entries.append(kv)
         while self.entries and self.nbytes > self.budget:
             self.entries.pop(0)
+
+    def forget(self, sources: tuple[int, ...]) -> int:
+        """Drop the entries a failed generation's caches were made from (``KVState.sources``):
+        whatever broke it may be in them, and the next request for that prompt then starts
+        from a fresh prefill instead of failing again. Returns how many went."""
+        before = len(self.entries)
+        self.entries = [e for e in self.entries if id(e) not in sources]
+        return before - len(self.entries)
 
     def keep_branch(self, kv: KVState) -> None:
         """Keep the copy of the caches that ``kv``'s prefill left where its prompt parted

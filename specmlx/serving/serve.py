@@ -28,7 +28,7 @@ from ..core.acceptance import DEFAULT_VERIFY, sampled_rule
 from ..core.sampling import SamplingParams
 from ..decoding import session
 from ..decoding.fim import encode_infill, require_fim
-from ..decoding.stream import encode_prompt
+from ..decoding.stream import chat_ids, encode_prompt
 from ..drafting.choosers import AUTO, K
 from ..drafting.trees import AUTO as TREE_AUTO
 from ..drafting.trees import TreeSize
@@ -155,10 +155,9 @@ def create_app(
 
         def build() -> list[int]:
             try:
-                ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+                return chat_ids(tok, messages)
             except Exception as e:  # jinja raises for role orders a template forbids
                 raise ApiError(400, f"the chat template refused these messages: {e}") from None
-            return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
         ids = await _off_loop(build)
         # llama-server's own n_predict wins over OpenAI's fields there (llama.vim's instruct
@@ -342,6 +341,7 @@ def _llama_request(
     return session.Request(
         prompt_ids=ids, sampling=sampling, max_tokens=max_tokens,
         warm_up=body.n_predict == 0,  # llama.vim's: fill the prompt cache, predict nothing
+        cache_prompt=body.cache_prompt,
         seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s],
         drafter=_drafter(None, settings, worker), k=settings.k,
         extra_eos=tuple(eos), verify=settings.verify, tree=settings.tree,

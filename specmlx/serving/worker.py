@@ -8,6 +8,7 @@ loop). A job that is cancelled (its client hung up) stops within one round and f
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
+from ..core.kvstate import KVState
 from ..core.stats import Stats
 from ..decoding.session import Pair, Request, Session
 from ..distributed.ranks import (
@@ -35,11 +37,14 @@ from ..drafting.lookup import LookupMemory
 from ..errors import SpecmlxError
 from ..models.loading import Loaded
 from ..paths import Warn
+from .access_log import SERVER
 from .batcher import RESUME_GRACE, Batcher
 from .follower import FollowerBatch
 from .joining import can_batch
 from .prompt_cache import PromptCache
 from .warmups import WarmUps
+
+_log = logging.getLogger(SERVER)
 
 # with ranks, between requests: seconds between rank 0's idle ticks (a request waits at most
 # this long for the followers; they spin a tenth of it)
@@ -73,6 +78,7 @@ class Job:
     stats: Stats = field(default_factory=Stats)
     k_label: str = ""  # the k setting, for the response
     drafter_name: str = ""  # the draft's alias, "lookup" or "none"
+    number: int = 0  # the worker numbers the jobs it is given, for its log lines
 
     def cancel(self) -> None:
         """Stop generating (within one round) or, if still queued, never start."""
@@ -100,6 +106,7 @@ class Totals:
     # alone: PromptCache is not thread-safe, so /metrics reads these instead)
     cache_bytes: int = 0
     cache_entries: int = 0
+    moved_tokens: int = 0  # prompt tokens taken from runs moved to new positions
     batch_rows: int = 0  # requests decoding together now (--max-batch > 1)
     batch_rounds: int = 0  # batched target passes (one a round, whatever the rows)
     batch_tree_rounds: int = 0  # of those, passes that verified a token tree a row
@@ -162,6 +169,7 @@ class Worker:
         self.busy = False
         self.queue: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._numbered = 0  # requests submitted so far (a job's number, for the log)
         self.stopping = False
         self._current: Job | None = None
         self._warmups = WarmUps(self)  # one at a time: warm-ups wait for the queue (_run)
@@ -194,6 +202,8 @@ class Worker:
             request = request.without_draft()
         job = Job(request, emit, editor)
         with self._lock:
+            self._numbered += 1
+            job.number = self._numbered
             if self.stopping:
                 raise ShuttingDown("the server is shutting down")
             # up to max_queue wait beyond the rows free now (--max-queue 0: served while a
@@ -364,8 +374,7 @@ class Worker:
             return False
         finally:
             self._current, self.busy = None, False
-            t = self.totals  # after every job, failed ones too: this thread's cache
-            t.cache_bytes, t.cache_entries = self.cache.nbytes, len(self.cache.entries)
+            self.note_cache()  # after every job, failed ones too
             if self.watchdog is not None:
                 self.watchdog.idle()
         return True
@@ -404,38 +413,59 @@ class Worker:
         # a time limit would stop the ranks at different tokens: with ranks it is not applied
         time_limit = None if world.distributed else r.time_limit_s
         request = replace(r, draft_stop=self.draft_stop, time_limit_s=time_limit)
-        kv = self.cache.take(r.prompt_ids)
-        gen = self.session.start(request, kv=kv, stats=stats, lockstep=lockstep)
-        if r.warm_up:  # the prompt cache only
-            try:
-                gen.prefill()
-            finally:
-                self.cache.put(kv)
-            stats.finish_reason = "length"
-            self.count(stats, False)
-            self.last = stats
-            job.emit("done", stats)
-            return
-        events = gen.text()
+        kv = self.caches_for(r)
         cancelled = False
         try:
-            for event in events:
-                # with ranks, the cancel travels with the next round's lockstep check
-                if job.cancelled.is_set() and not world.distributed:
-                    cancelled = True
-                    break
-                job.emit("piece", event)
-        except Cancelled:
-            cancelled = True
-        finally:
-            events.close()  # the engine leaves kv holding exactly what it says
-            self.cache.put(kv)
-        gen.finish()
+            gen = self.session.start(request, kv=kv, stats=stats, lockstep=lockstep)
+            if r.warm_up:  # the prompt cache only
+                gen.prefill()
+                stats.finish_reason = "length"
+            else:
+                cancelled = self._stream(job, gen.text())
+        except Exception as e:
+            self.failed(job, kv.sources, e)
+            raise
+        self.cache.put(kv)  # the engine leaves kv holding exactly what it says
+        if not r.warm_up:
+            gen.finish()
         self.count(stats, cancelled)
         if cancelled:
             return
         self.last = stats
         job.emit("done", stats)
+
+    def caches_for(self, r: Request) -> KVState:
+        """The caches ``r`` starts from: the prompt cache's best for its prompt, or fresh
+        ones where it asked for no cached prompt (llama-server's ``cache_prompt: false``)."""
+        return self.cache.take(r.prompt_ids) if r.cache_prompt else KVState()
+
+    def _stream(self, job: Job, events) -> bool:
+        """Send a generation's text events to its client; True when it was cancelled."""
+        try:
+            for event in events:
+                # with ranks, the cancel travels with the next round's lockstep check
+                if job.cancelled.is_set() and not self.world.distributed:
+                    return True
+                job.emit("piece", event)
+        except Cancelled:
+            return True
+        finally:
+            events.close()  # (the engine settles its caches)
+        return False
+
+    def failed(self, job: Job, sources: tuple[int, ...], e: Exception) -> None:
+        """A generation failed after it took caches from the prompt cache: the entries they
+        came from go (whatever broke it may be in them: the next request for that prompt
+        prefills afresh), and the log says which request it was (the error itself is
+        logged where its client is answered: api_errors)."""
+        dropped = self.cache.forget(sources)
+        if dropped:
+            _log.warning(
+                "request %d (%d prompt tokens%s) failed (%s): dropped the %d prompt-cache "
+                "entr%s it came from", job.number, len(job.request.prompt_ids),
+                ", an editor's" if job.editor else "", type(e).__name__, dropped,
+                "y" if dropped == 1 else "ies",
+            )  # fmt: skip
 
     def label(self, job: Job) -> None:
         """What the response reports of ``job``: its k setting and its drafter (the draft's
@@ -443,6 +473,12 @@ class Worker:
         r = job.request
         job.k_label = str(r.k)
         job.drafter_name = self.draft.spec.alias if r.uses_draft else r.drafter
+
+    def note_cache(self) -> None:
+        """The prompt cache's figures into the totals, for /metrics: the cache is this
+        thread's alone (PromptCache is not thread-safe), so the server reads these."""
+        t, c = self.totals, self.cache
+        t.cache_bytes, t.cache_entries, t.moved_tokens = c.nbytes, len(c.entries), c.moved_tokens
 
     def count(self, stats: Stats, cancelled: bool) -> None:
         """A request has ended: its figures into the server's totals (/metrics).
