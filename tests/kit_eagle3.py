@@ -4,9 +4,18 @@ steps, specmlx's head over the same inputs (specmlx/drafting/eagle3.py), and whe
 step agrees. Used by test_eagle3 (random heads in the released layout) and test_distill_heads
 (heads that `specmlx distill --head eagle3` saved)."""
 
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
 import mlx.core as mx
 import numpy as np
 import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).parent / "reference"))
+import eagle3_cnets as reference  # noqa: E402
 
 
 def ref_steps(model, feats: torch.Tensor, tokens: torch.Tensor, chained: list[int]):
@@ -47,3 +56,59 @@ def agree(ours, ref, draft_ids) -> bool:
         if outside.size and not np.all(np.isneginf(logits[..., outside])):
             return False
     return True
+
+
+def head_json(vocab: int, hidden: int = 32, draft_vocab: int | None = None, **over) -> dict:
+    """An EAGLE-3 config.json as the published heads have it (yuhuili/EAGLE3-*)."""
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 2048,
+        "vocab_size": vocab,
+        "draft_vocab_size": draft_vocab or vocab,
+        "pretraining_tp": 1,
+        "torch_dtype": "float32",
+        **over,
+    }
+
+
+def reference_head(config: dict, seed: int, embed: np.ndarray | None, draft_ids=None):
+    """The reference Model on random weights (norms too, so their places matter), with the
+    d2t/t2d buffers for ``draft_ids`` (the target ids of the draft vocabulary, ascending)."""
+    torch.manual_seed(seed)
+    ns = SimpleNamespace(pad_token_id=None, **config)
+    model = reference.Model(ns).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.copy_(0.3 * torch.randn_like(p))
+        if embed is not None:
+            model.embed_tokens.weight.copy_(torch.tensor(embed))
+        if draft_ids is not None:
+            ids = torch.tensor(draft_ids)
+            model.d2t.copy_(ids - torch.arange(len(ids)))
+            model.t2d.zero_()
+            model.t2d[ids] = True
+    return model
+
+
+def save_head(path: Path, model, config: dict, ship_embedding: bool) -> Path:
+    """The reference model's weights as the released heads lay them out."""
+    path.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if not ship_embedding:
+        state.pop("embed_tokens.weight")  # EAGLE's own heads: the target's is loaded
+    save_file(state, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    return path

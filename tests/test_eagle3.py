@@ -10,9 +10,6 @@ before the target loads. The whole-sequence chi-square and its wrong-rule contro
 test_drafter_kinds.py's. Mechanics only: random heads say nothing about speed."""
 
 import json
-import sys
-from pathlib import Path
-from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -21,10 +18,9 @@ import torch
 from families import build, family_config
 from helpers import generate, save_tiny, served_head_equals_no_draft, tiny_tokenizer
 from kit_distribution import JV
-from kit_eagle3 import agree, our_steps, ref_steps
+from kit_eagle3 import agree, head_json, our_steps, ref_steps, reference_head, save_head
 from kit_ranks import same_on_two_ranks
 from mlx.utils import tree_flatten
-from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import specmlx.core.cursor as cursor
@@ -38,66 +34,7 @@ from specmlx.drafting.eagle3 import load_eagle3
 from specmlx.errors import BadInput, IncompatiblePair
 from specmlx.models.loading import load_pair
 
-sys.path.insert(0, str(Path(__file__).parent / "reference"))
-import eagle3_cnets as reference  # noqa: E402
-
 LAYERS = 8  # the default layers (1, 3, 4) are three different ones from 8 layers on
-
-
-def head_json(vocab: int, hidden: int = 32, draft_vocab: int | None = None, **over) -> dict:
-    """An EAGLE-3 config.json as the published heads have it (yuhuili/EAGLE3-*)."""
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 1,
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
-        "max_position_embeddings": 2048,
-        "vocab_size": vocab,
-        "draft_vocab_size": draft_vocab or vocab,
-        "pretraining_tp": 1,
-        "torch_dtype": "float32",
-        **over,
-    }
-
-
-def reference_head(config: dict, seed: int, embed: np.ndarray | None, draft_ids=None):
-    """The reference Model on random weights (norms too, so their places matter), with the
-    d2t/t2d buffers for ``draft_ids`` (the target ids of the draft vocabulary, ascending)."""
-    torch.manual_seed(seed)
-    ns = SimpleNamespace(pad_token_id=None, **config)
-    model = reference.Model(ns).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            else:
-                p.copy_(0.3 * torch.randn_like(p))
-        if embed is not None:
-            model.embed_tokens.weight.copy_(torch.tensor(embed))
-        if draft_ids is not None:
-            ids = torch.tensor(draft_ids)
-            model.d2t.copy_(ids - torch.arange(len(ids)))
-            model.t2d.zero_()
-            model.t2d[ids] = True
-    return model
-
-
-def save_head(path: Path, model, config: dict, ship_embedding: bool) -> Path:
-    """The reference model's weights as the released heads lay them out."""
-    path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if not ship_embedding:
-        state.pop("embed_tokens.weight")  # EAGLE's own heads: the target's is loaded
-    save_file(state, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 def target_config(model) -> dict:
