@@ -23,7 +23,7 @@ def specmlx(env: dict, *args: str, timeout: float = 300, **kw) -> subprocess.Com
         capture_output=True,
         text=True,
         timeout=timeout,
-        **kw,
+        **{"stdin": subprocess.DEVNULL, **kw},  # (a prompt beside piped stdin reads it)
     )
 
 

@@ -56,6 +56,12 @@ k = 3
     return tmp_path
 
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 def run(*args, input=None, env=None):
     return runner.invoke(app, list(args), input=input, env=env)
 
@@ -99,6 +105,37 @@ def test_stdin_prompt_and_greedy_matches_target_only(registry):
     d = run("run", "--json", "-n", "15", "-k", "auto", "--draft-stop", "class Point:\n")
     ta, tb, tc, td = (json.loads(x.stdout)["tokens"] for x in (a, b, c, d))
     assert ta == tb == tc == td
+
+
+def test_an_instruction_and_piped_text_both_reach_the_model(registry, tmp_path):
+    """`cat file | specmlx run "INSTRUCTION"` (as `llm` and `ollama run` take it): the
+    prompt is the instruction, a blank line, then the piped text; `-` alone is still stdin
+    alone, a prompt with nothing piped is unchanged, and --chat wraps both in one user
+    message, after --system's."""
+    from specmlx.decoding.stream import chat_messages
+    from specmlx.models.loading import load_model
+    from specmlx.models.registry import load_registry
+
+    tok = load_model(load_registry().resolve("tiny-t")).tokenizer
+    code = "class Point:\n    x: int = 0\n"
+    args = ("run", "--json", "-n", "4", "--draft", "none")
+    both = json.loads(run(*args, "Explain this code.", input=code).stdout)
+    assert both["stats"]["prompt_tokens"] == len(tok.encode(f"Explain this code.\n\n{code}"))
+    alone = json.loads(run(*args, "-", input=code).stdout)
+    assert alone["stats"]["prompt_tokens"] == len(tok.encode(code))
+    bare = json.loads(run(*args, "Explain this code.").stdout)
+    assert bare["stats"]["prompt_tokens"] == len(tok.encode("Explain this code."))
+    tok.chat_template = CHAT_TEMPLATE
+    (tmp_path / "t" / "tokenizer_config.json").write_text(
+        json.dumps(json.loads((tmp_path / "t" / "tokenizer_config.json").read_text())
+                   | {"chat_template": CHAT_TEMPLATE})
+    )  # fmt: skip
+    chat = run(*args, "--chat", "--system", "Be brief.", "Explain this code.", input=code)
+    assert chat.exit_code == 0, chat.stderr
+    messages = chat_messages(f"Explain this code.\n\n{code}", "Be brief.")
+    want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert json.loads(chat.stdout)["stats"]["prompt_tokens"] == len(tok.encode(want))
+    one_line_error(run(*args, "--system", "x", "hi"), 2, "--system is a chat's system message")
 
 
 def test_lookup_memory_keeps_outputs_per_tokenizer(registry, specmlx_home):
@@ -387,7 +424,7 @@ def _cli(*args):
 def test_closed_stdout_pipe_ends_quietly(registry):
     cmd = " ".join(_cli("run", "-n", "200", "--draft", "none", "-q", "def"))
     p = subprocess.run(
-        f"{cmd} | head -c 5; exit ${{PIPESTATUS[0]}}",
+        f"{cmd} < /dev/null | head -c 5; exit ${{PIPESTATUS[0]}}",
         shell=True,
         executable="/bin/bash",
         capture_output=True,
@@ -641,3 +678,20 @@ def test_distill_reports_on_stdout_and_progress_on_stderr(registry, tmp_path):
     assert f"ready: {out}" in r.stdout and "--draft stud" in r.stdout
     assert "step 1/2" in r.stderr and "loading tiny-t" in r.stderr
     assert "ready" not in r.stderr and "held-out:" not in r.stderr and "step 1/2" not in r.stdout
+
+
+def test_help_lists_every_drafter_the_readme_lists():
+    """`run --help` and `serve --help` name every drafter form the README's `--draft` row
+    names (medusa:PATH was missing from the help)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    row = next(ln for ln in readme.splitlines() if ln.startswith("| `--target/-t`, `--draft/-d`"))
+    forms = re.findall(r"`([a-z0-9]+(?::[A-Za-z=,]+)?)`", row.split("the draft may also be")[1])
+    assert {"lookup", "medusa:PATH", "self:skip=LIST", "none"} <= set(forms), forms
+    for command in ("run", "serve"):
+        r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200", "TERM": "dumb"})
+        shown = " ".join(re.sub(r"[│\s]+", " ", r.stdout).split())
+        missing = [f for f in forms if f"'{f}'" not in shown]
+        assert not missing, (command, missing)

@@ -219,7 +219,8 @@ def test_a_killed_rank_stops_the_other_with_a_clear_error(models):
     env = models["env"]
     wrapper = subprocess.Popen(
         [sys.executable, "-m", "specmlx", "run", "-q", "-n", "1900", "-k", "3", *TWO, PROMPT],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
     )  # fmt: skip
     rank1 = _wait_for_rank(1, wrapper.pid)
     assert wrapper.stdout.read(1)  # rank 0 is writing: generation is under way
@@ -235,7 +236,8 @@ def test_a_hung_rank_is_bounded_by_the_watchdog(models):
     env = models["env"] | {"SPECMLX_RANK_TIMEOUT": "4"}
     wrapper = subprocess.Popen(
         [sys.executable, "-m", "specmlx", "run", "-q", "-n", "1900", "-k", "3", *TWO, PROMPT],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
     )  # fmt: skip
     rank1 = _wait_for_rank(1, wrapper.pid)
     assert wrapper.stdout.read(1)

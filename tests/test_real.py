@@ -113,6 +113,7 @@ def test_ctrl_c_prints_text_and_stats(real):
     # give it the default action, as a terminal's Ctrl-C would find it
     p = subprocess.Popen(
         cmd,
+        stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=dict(os.environ),

@@ -559,7 +559,7 @@ def test_run_through_the_server_closed_pipe_and_ctrl_c(root, server):
         "SPECMLX_SERVER": server.url,
         "SPECMLX_API_KEY": KEY,
     }
-    cmd = f"{sys.executable} -m specmlx run -n 1500 --draft none -q 'def f():' | head -c 5; exit ${{PIPESTATUS[0]}}"
+    cmd = f"{sys.executable} -m specmlx run -n 1500 --draft none -q 'def f():' < /dev/null | head -c 5; exit ${{PIPESTATUS[0]}}"
     p = subprocess.run(
         cmd, shell=True, executable="/bin/bash", capture_output=True, env=env, timeout=120
     )
@@ -567,7 +567,7 @@ def test_run_through_the_server_closed_pipe_and_ctrl_c(root, server):
     assert b"Traceback" not in p.stderr
     child = subprocess.Popen(
         [sys.executable, "-m", "specmlx", "run", "-n", "1900", "--draft", "none", CODE],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     first = child.stdout.read(1)  # it is generating

@@ -36,7 +36,8 @@ DraftOpt = Annotated[
         help="Draft alias/path, 'lookup' (prompt lookup: suffix trees; 'lookup:ngram' the "
         "latest match's continuation), 'lookahead' or 'lookahead:w=W,n=N,g=G' (Jacobi "
         "guesses in the same pass), 'mtp' (the target's own MTP head), "
-        "'eagle3:PATH' (an EAGLE-3 head), 'dflash:PATH' (a DFlash block drafter), 'self', "
+        "'eagle3:PATH' (an EAGLE-3 head), 'dflash:PATH' (a DFlash block drafter), "
+        "'medusa:PATH' (Medusa heads), 'self', "
         "'self:exit=E' or 'self:skip=LIST' (the target's own layers), or 'none'.",
     ),
 ]

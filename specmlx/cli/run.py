@@ -6,7 +6,9 @@ stdout carries only generated text (or one JSON object with --json), so pipeline
 
 from __future__ import annotations
 
+import io
 import os
+import stat
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -44,12 +46,34 @@ from .ranks import check_split, launch_command
 from .render import Render
 
 
-def read_prompt(prompt: str | None) -> str:
-    """PROMPT, or stdin when PROMPT is '-' or absent."""
+def read_prompt(prompt: str | None, piped: bool = True) -> str:
+    """The prompt: PROMPT; stdin alone when PROMPT is '-' or absent; with both a PROMPT and
+    text piped in (a pipe or a file on stdin, as `llm` and `ollama run` take them), the
+    instruction first, a blank line, then the piped text. piped: look at stdin beside a
+    PROMPT (a rank of `--hosts` does not: its stdin never ends)."""
     if prompt is not None and prompt != "-":
-        return prompt
+        if not piped or not _piped_in():
+            return prompt
+        data = _read_stdin()
+        return f"{prompt}\n\n{data}" if data.strip() else prompt
     if sys.stdin is None or (sys.stdin.isatty() and prompt is None):
         raise BadInput("no prompt: give one as an argument or pipe it on stdin")
+    return _read_stdin()
+
+
+def _piped_in() -> bool:
+    """Whether stdin holds text piped or redirected in: a pipe, a socket or a file (not a
+    terminal, /dev/null or no stdin at all); CliRunner's stdin (no descriptor) counts."""
+    if sys.stdin is None or sys.stdin.isatty():
+        return False
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+    except (OSError, ValueError, io.UnsupportedOperation):
+        return True  # an in-memory stream: what a test gives as input
+    return stat.S_ISFIFO(mode) or stat.S_ISREG(mode) or stat.S_ISSOCK(mode)
+
+
+def _read_stdin() -> str:
     data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
     if isinstance(data, bytes):
         try:
@@ -62,7 +86,11 @@ def read_prompt(prompt: str | None) -> str:
 @cli_errors
 def run(
     ctx: typer.Context,
-    prompt: str = typer.Argument(None, help="Prompt text; '-' or absent reads stdin."),
+    prompt: str = typer.Argument(
+        None,
+        help="Prompt text; '-' or absent reads stdin. With text piped in too, the prompt "
+        "is this, a blank line, then the piped text.",
+    ),
     target: TargetOpt = None,
     draft: DraftOpt = None,
     lookup: bool = typer.Option(False, "--lookup", help="Prompt lookup first, then the draft."),
@@ -84,6 +112,7 @@ def run(
     seed: int = typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
     stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template."),
+    system: str = typer.Option(None, "--system", help="With --chat: a system message first."),
     suffix: str = typer.Option(
         None, "--suffix", help="Fill in the middle: the text after the cursor (PROMPT before)."
     ),
@@ -116,10 +145,12 @@ def run(
         TreeSize.of(tree, "--tree")  # (before any loading)
     if context is not None and context <= 0:
         raise BadInput(f"--context must be > 0, got {context}")
-    text = read_prompt(prompt)
+    text = read_prompt(prompt, piped=not launched())
     after = read_suffix(suffix, suffix_file)
     if after is not None and chat:
         raise BadInput("--suffix fills in the middle of raw text: drop --chat")
+    if system is not None and not chat:
+        raise BadInput("--system is a chat's system message: add --chat")
     if not text.strip() and not (after or "").strip():
         raise BadInput("the prompt is empty")
     console = err_console()
@@ -145,10 +176,10 @@ def run(
             )
         # the server fills in what was not asked (its drafter, k and rule): those go raw
         asked = {"draft": draft, "k": k, "verify": verify}
-        _run_remote(request, text, after, chat, render, server, api_key, asked)
+        _run_remote(request, text, after, chat, render, server, api_key, asked, system)
     else:
         _run_local(
-            request, text, after, chat, render, target=target, draft=draft, lookup=lookup,
+            request, text, after, chat, render, system=system, target=target, draft=draft, lookup=lookup,
             k=k, tree=tree, context=context, lookup_memory=lookup_memory, quiet=quiet,
             world=join(),
         )  # fmt: skip
@@ -169,11 +200,11 @@ def read_suffix(suffix: str | None, suffix_file: Path | None) -> str | None:
 
 
 def _run_local(
-    request, text, suffix, chat, render, *, target, draft, lookup, k, tree, context,
+    request, text, suffix, chat, render, *, system, target, draft, lookup, k, tree, context,
     lookup_memory, quiet, world,
 ) -> None:  # fmt: skip
     """``request`` run here, on ``text`` (with ``suffix``: fill in the middle; ``chat``: the
-    chat template); the rest is what the command line says of the models."""
+    chat template, after ``system``); the rest is what the command line says of the models."""
     from ..decoding.fim import encode_infill, require_fim
     from ..decoding.session import Pair, Session
     from ..decoding.stream import encode_prompt
@@ -224,7 +255,7 @@ def _run_local(
         ids = encode_infill(tgt.tokenizer, template, text, suffix)
         extra_eos = template.stops
     else:
-        ids = encode_prompt(tgt.tokenizer, text, chat=chat)
+        ids = encode_prompt(tgt.tokenizer, text, chat=chat, system=system)
     check_context(len(ids), request.max_tokens, limit, tgt.spec.alias)
     memory = None
     if models.lookup and lookup_memory:
@@ -285,9 +316,12 @@ def _launch_ranks(ctx: typer.Context, text, suffix, seed, hosts, hostfile, targe
     return launch_command(ctx, "run", hosts, hostfile, [*tail, "--seed", str(seed), "--", text])
 
 
-def _run_remote(request, text, suffix, chat, render, url: str, api_key, asked: dict) -> None:
+def _run_remote(
+    request, text, suffix, chat, render, url: str, api_key, asked: dict, system: str | None
+) -> None:
     """``request`` sent to the server at ``url``; asked: the options the server fills in
     when absent, as given (draft, k, verify: None where not given)."""
+    from ..decoding.stream import chat_messages
     from ..serving.client import Remote, stream_remote
 
     sampling, k = request.sampling, asked["k"]
@@ -307,7 +341,7 @@ def _run_remote(request, text, suffix, chat, render, url: str, api_key, asked: d
     if asked["verify"] is not None:
         body["verify"] = asked["verify"]
     if chat:
-        body["messages"] = [{"role": "user", "content": text}]
+        body["messages"] = chat_messages(text, system)
     else:
         body["prompt"] = text
         if suffix is not None:

@@ -9,16 +9,25 @@ from ..core.stats import Stats, TokenEvent
 from ..errors import BadInput
 
 
-def encode_prompt(tokenizer, text: str, *, chat: bool = False) -> list[int]:
+def encode_prompt(
+    tokenizer, text: str, *, chat: bool = False, system: str | None = None
+) -> list[int]:
     """Token ids of ``text`` as a raw completion (right for code, BOS as the tokenizer adds
-    it) or, with ``chat``, as one user message through the tokenizer's chat template."""
+    it) or, with ``chat``, as one user message through the tokenizer's chat template, after
+    ``system`` as the system message when given."""
     if not text.strip() and not chat:
         raise BadInput("the prompt is empty")
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise BadInput("this tokenizer has no chat template; drop --chat")
-        return chat_ids(tokenizer, [{"role": "user", "content": text}])
+        return chat_ids(tokenizer, chat_messages(text, system))
     return list(tokenizer.encode(text))
+
+
+def chat_messages(text: str, system: str | None = None) -> list[dict]:
+    """One user message, after a system message when ``system`` is given."""
+    first = [{"role": "system", "content": system}] if system is not None else []
+    return [*first, {"role": "user", "content": text}]
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
