@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random mlx-lm llama models saved as MLX dirs with a real tokenizer."""
+"""Shared fixtures: tiny random mlx-lm llama models saved as MLX dirs with a real tokenizer;
+and ``--quick``, the fast tier (`scripts/test --quick`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,29 @@ from pathlib import Path
 
 import pytest
 from helpers import build_tiny_gguf, make_tiny_model
+
+# the fast tier: the acceptance math, rollback and the cursor, the engine and the batch,
+# trees, the session, moved caches, every pair of features together, one server in process
+QUICK = {
+    "test_acceptance", "test_tree_acceptance", "test_tree_pass", "test_cursor", "test_parts",
+    "test_engine", "test_batch", "test_batcher", "test_trees", "test_session",
+    "test_cache_reuse", "test_combinations", "test_serve_faults", "test_layout",
+    "test_choosers", "test_fitting",
+}  # fmt: skip
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--quick", action="store_true", help="the fast tier only (conftest.QUICK; no real model)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--quick"):
+        return
+    keep = [i for i in items if i.path.stem in QUICK and "slow" not in i.keywords]
+    config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+    items[:] = keep
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from families import build
+from mlx.utils import tree_flatten, tree_unflatten
 
 from specmlx.core.hidden import HiddenTap
 from specmlx.drafting.mtp import MTPHead
@@ -36,15 +37,33 @@ def _fit(model, loss, batches, steps: int) -> None:
         mx.eval(model.parameters(), opt.state)
 
 
+# trained weights, kept for the life of the test process: test_mtp and test_batch both
+# train the same target and head (about 40 s), and each caller gets fresh modules
+_TRAINED: dict[tuple, list] = {}
+
+
+def _trained(model: nn.Module, key: tuple, train) -> nn.Module:
+    """``model`` with the weights ``train(model)`` gives it, trained once a process for
+    ``key`` and loaded from then on."""
+    if key in _TRAINED:
+        model.update(tree_unflatten(_TRAINED[key]))
+    else:
+        train(model)
+        _TRAINED[key] = tree_flatten(model.parameters())
+    mx.eval(model.parameters())
+    return model
+
+
 def toy_target(steps: int = 300) -> nn.Module:
     """The tiny Qwen3.5 trained on the toy language (next-token loss from t_2 on)."""
-    target = build("qwen3_5", 2, 0)
 
     def lm_loss(m, x):
         return nn.losses.cross_entropy(m(x[:, :-1])[:, 1:], x[:, 2:]).mean()
 
-    _fit(target, lm_loss, lambda i: (toy_language(32, 24, i),), steps)
-    return target
+    def train(target):
+        _fit(target, lm_loss, lambda i: (toy_language(32, 24, i),), steps)
+
+    return _trained(build("qwen3_5", 2, 0), ("target", steps), train)
 
 
 def toy_head(target: nn.Module, steps: int = 300) -> MTPHead:
@@ -64,5 +83,6 @@ def toy_head(target: nn.Module, steps: int = 300) -> MTPHead:
     mx.random.seed(0)
     head = MTPHead(target, "qwen3_5")
     mx.eval(head.parameters())
-    _fit(head, loss, batch, steps)
-    return head
+    # (the head learns from this target: keyed by its weights as well as the steps)
+    seen = float(mx.sum(target.model.embed_tokens.weight))
+    return _trained(head, ("head", steps, seen), lambda h: _fit(h, loss, batch, steps))

@@ -585,7 +585,7 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
         world=World(None, rank=0, size=2),
         watchdog=None, fatal=stopped.append, send_ops=fail, draft_stop=False, stopping=False,
         totals=SimpleNamespace(failed=0, cancelled=0), draft=None, queue=queue.Queue(),
-        label=lambda job: None,
+        label=lambda job: None, failed=lambda job, sources, e: None,
     )  # fmt: skip
     batcher = Batcher(w, 4)
     rows = [Job(), Job()]
