@@ -695,3 +695,42 @@ def test_help_lists_every_drafter_the_readme_lists():
         shown = " ".join(re.sub(r"[│\s]+", " ", r.stdout).split())
         missing = [f for f in forms if f"'{f}'" not in shown]
         assert not missing, (command, missing)
+
+
+def test_models_rm_removes_what_specmlx_stored_and_never_your_own_files(
+    registry, specmlx_home, monkeypatch
+):
+    """`models rm ALIAS` (as `ollama rm`): a stand-in built under $SPECMLX_HOME and an alias's
+    quantized copy go (with --yes; without it, and no terminal to ask on, a one-line error);
+    an alias sharing its source with another keeps the source; a model at a path of the
+    user's own, an alias not present and an unknown alias are one-line errors, exit 2.
+    `models list` says what is present and its size."""
+    from specmlx.models.quantized import quantized_dir
+    from specmlx.models.registry import load_registry
+
+    built = specmlx_home / "standins" / "built"
+    make_tiny_model(built, seed=4)
+    toml = registry / "models.toml"
+    toml.write_text(
+        toml.read_text()
+        + f'[models.built]\nsource = "local:{built}"\n'
+        + f'[models.built-q4]\nsource = "local:{built}"\nquantize = {{ bits = 4, group_size = 32 }}\n'
+    )
+    listed = run("models", "list")
+    assert listed.exit_code == 0 and "present: 6 models, " in listed.stdout, listed.stdout
+    q4 = quantized_dir(load_registry().models["built-q4"])
+    q4.mkdir(parents=True)
+    (q4 / "model.safetensors").write_bytes(b"0" * 1000)
+    one_line_error(run("models", "rm", "built-q4"), 2, "add --yes")
+    assert q4.exists()
+    shared = run("models", "rm", "built-q4", "--yes")
+    assert shared.exit_code == 0 and not q4.exists() and built.exists(), shared.stderr
+    assert "kept the source files built also use" in shared.stdout
+    one_line_error(run("models", "rm", "built-q4", "--yes"), 2, "nothing to remove", "built")
+    one_line_error(run("models", "rm", "tiny-t", "--yes"), 2, "nothing to remove")
+    one_line_error(run("models", "rm", "nope", "--yes"), 2, "no alias 'nope'")
+    assert (registry / "t" / "config.json").exists()  # the user's own: never touched
+    toml.write_text(toml.read_text().split("[models.built-q4]")[0])  # (the last alias of it)
+    gone = run("models", "rm", "built", "-y")
+    assert gone.exit_code == 0 and not built.exists(), gone.stderr
+    assert gone.stdout.startswith("removed: built (0.")

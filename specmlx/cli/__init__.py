@@ -26,7 +26,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Lossless speculative decoding on MLX: a draft proposes, the target verifies.",
 )
-models_app = typer.Typer(help="List and fetch the models in models.toml.", no_args_is_help=True)
+models_app = typer.Typer(
+    help="List, fetch, build and remove the models in models.toml.", no_args_is_help=True
+)
 app.add_typer(models_app, name="models")
 
 
@@ -51,6 +53,7 @@ app.command("distill")(distill.distill)
 app.command("bench")(bench.bench)
 models_app.command("list")(models.models_list)
 models_app.command("pull")(models.models_pull)
+models_app.command("rm")(models.models_rm)
 models_app.command("build")(models.models_build)
 
 

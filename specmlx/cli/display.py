@@ -237,6 +237,7 @@ def models_table(registry, width: int = PIPE_WIDTH) -> Table:
         t.add_column("note", overflow="fold")
     else:
         t.add_column("local", no_wrap=True)
+    present, total = 0, 0
     for alias, spec in sorted(registry.models.items()):
         quant = f"{spec.quantize.bits}-bit g{spec.quantize.group_size}" if spec.quantize else ""
         quant = quant or ("as in file" if spec.keep_quantized else "")
@@ -245,6 +246,7 @@ def models_table(registry, width: int = PIPE_WIDTH) -> Table:
         if local:  # sizing a remote model would mean a download: only local ones
             nbytes = model_size(spec)
             size = "?" if nbytes is None else gb(nbytes)
+            present, total = present + 1, total + (nbytes or 0)
         if wide:
             t.add_row(alias, spec.source, spec.dtype, quant, "yes" if local else "no", size,
                       spec.label)  # fmt: skip
@@ -255,7 +257,10 @@ def models_table(registry, width: int = PIPE_WIDTH) -> Table:
         if spec.label:
             source.append("\n" + spec.label, style="dim")
         t.add_row(name, source, ("yes" if size == "?" else size) if local else "no")
-    t.caption = "pairs:" + "".join(_pair_lines(registry.pairs.values(), width))
+    here = (
+        f"present: {present} model{'s' * (present != 1)}, {gb(total)} (`models rm ALIAS` frees one)"
+    )
+    t.caption = here + "\npairs:" + "".join(_pair_lines(registry.pairs.values(), width))
     return t
 
 

