@@ -388,6 +388,57 @@ def test_clients_trickling_their_bodies_are_let_go_and_others_served():
     assert len(answers) == 2
 
 
+def test_63_clients_sending_their_bodies_keep_no_ordinary_request_out():
+    """63 connections each with a body begun and not finished held every one of the 64
+    slots until their 30 s deadlines, and every other client got a 503 (issue 66). The slots
+    the app has are for requests with whole bodies now (guard.MAX_REQUESTS); connections
+    still sending count only against uvicorn's far larger connection cap, so an ordinary
+    request is served at once beside them."""
+    from specmlx.serving.guard import MAX_REQUESTS
+    from specmlx.serving.serve import MAX_CONNECTIONS
+
+    app = Guard(_echo, api_key=None, max_body=1000, hosts=None)  # the default 30 s deadline
+    with serving(app, limit_concurrency=MAX_CONNECTIONS) as (server, port):
+        senders = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(63)]
+        try:
+            for s in senders:
+                s.sendall(head(100) + b"{")
+            _wait_for_connections(server, 63)
+            t0 = time.monotonic()
+            status, _, body = parts(ask(port, head(2) + b"{}"))
+            assert status == 200 and time.monotonic() - t0 < 1.0, (status, body)
+        finally:
+            for s in senders:
+                s.close()
+    assert MAX_CONNECTIONS >= 8 * MAX_REQUESTS
+
+
+def test_past_the_requests_the_app_works_on_a_json_503_with_retry_after():
+    """The request cap counts requests whose body is whole, in the app: past it a 503 in
+    OpenAI's shape with Retry-After, and served again once one ends."""
+    release = threading.Event()
+
+    async def slow(scope, receive, send):
+        await asyncio.get_running_loop().run_in_executor(None, release.wait, 10)
+        await _echo(scope, receive, send)
+
+    app = Guard(slow, api_key=None, max_body=1000, hosts=None, max_requests=1)
+    with serving(app, limit_concurrency=16) as (_server, port):
+        held = socket.create_connection(("127.0.0.1", port), timeout=10)
+        try:
+            held.sendall(head(2) + b"{}")
+            time.sleep(0.3)  # (the first request is in the app)
+            status, headers, body = parts(ask(port, head(2) + b"{}"))
+            assert status == 503 and headers["retry-after"] == "1", (status, body)
+            assert json.loads(body)["error"]["code"] == "overloaded"
+            release.set()
+            assert parts(_rest(held))[0] == 200
+        finally:
+            release.set()
+            held.close()
+        assert parts(ask(port, head(2) + b"{}"))[0] == 200
+
+
 # ------------------------------------------------------------------ malformed HTTP
 
 

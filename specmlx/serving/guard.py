@@ -23,6 +23,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .api_errors import error_body
 
 BODY_TIMEOUT_S = 30.0  # the longest a request's whole body may take (then a 408)
+# requests the app works on at once, each with its whole body (then a 503): a connection
+# still sending its head or body does not count, so clients trickling bodies in (each let
+# go at its deadline) keep no ordinary request out; uvicorn's connection cap, far higher,
+# and the body limit bound what they hold meanwhile
+MAX_REQUESTS = 64
 HEADER_TIMEOUT_S = 10.0  # the longest a request's line and headers may take (then a 408)
 
 
@@ -44,7 +49,8 @@ class Guard:
     app: the ASGI app behind it; api_key: the key requests must send as a Bearer token (None
     or empty: none needed); max_body: the largest request body in bytes; hosts: the Host
     names requests may carry (None: any); body_timeout_s: the longest the whole body may
-    take to arrive, counted from when its headers are in."""
+    take to arrive, counted from when its headers are in; max_requests: requests with
+    their whole body the app may work on at once (past it a 503 with Retry-After)."""
 
     def __init__(
         self,
@@ -53,9 +59,11 @@ class Guard:
         max_body: int,
         hosts: frozenset[str] | None,
         body_timeout_s: float = BODY_TIMEOUT_S,
+        max_requests: int = MAX_REQUESTS,
     ):
         self.app, self.api_key, self.max_body, self.hosts = app, api_key, max_body, hosts
-        self.body_timeout_s = body_timeout_s
+        self.body_timeout_s, self.max_requests = body_timeout_s, max_requests
+        self.working = 0  # requests in the app now (the event loop's one thread counts)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -110,7 +118,16 @@ class Guard:
                 return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
             return await receive()  # then what the server says next (a disconnect)
 
-        return await self.app(scope, replay, send)
+        if self.working >= self.max_requests:
+            msg = f"the server is working on all the requests it can ({self.max_requests})"
+            body = error_body(msg, "server_error", "overloaded")
+            headers = {"Retry-After": str(HeaderDeadline.retry_after_s), "Connection": "close"}
+            return await JSONResponse(body, 503, headers=headers)(scope, receive, send)
+        self.working += 1
+        try:
+            return await self.app(scope, replay, send)
+        finally:
+            self.working -= 1
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         msg = f"the request body is larger than {self.max_body} bytes"

@@ -55,8 +55,10 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .responses import respond, respond_llama
 from .worker import Worker
 
-MAX_CONNECTIONS = 64  # open connections uvicorn serves at once (then a 503): slow clients
-# that never finish their headers hold one each, and uvicorn has no header timeout
+# open connections uvicorn holds at once (then a 503): one still sending its head or body
+# holds one until its deadline (guard.py), so there are many more than the requests the
+# app works on at once (guard.MAX_REQUESTS); asyncio holds thousands of idle ones
+MAX_CONNECTIONS = 1024
 
 
 # ---------------------------------------------------------------- the app
