@@ -23,7 +23,9 @@ def specmlx(env: dict, *args: str, timeout: float = 300, **kw) -> subprocess.Com
         capture_output=True,
         text=True,
         timeout=timeout,
-        **{"stdin": subprocess.DEVNULL, **kw},  # (a prompt beside piped stdin reads it)
+        # (a prompt with stdin piped in reads it too: none, unless the test gives input)
+        **({} if "input" in kw else {"stdin": subprocess.DEVNULL}),
+        **kw,
     )
 
 
