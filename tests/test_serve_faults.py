@@ -546,3 +546,34 @@ def test_a_failed_generation_leaves_its_prompt_the_next_request_served(
         assert post(client, "/infill", FIM).json()["tokens_cached"] > 0
         uncached = post(client, "/infill", FIM | {"cache_prompt": False}).json()
         assert uncached == fresh | {"tokens_cached": 0}
+
+
+def test_warm_ups_are_not_prefilled_while_no_other_file_fits(tmp_path, caplog):
+    """At a context of 2048, llama.vim's sizes fill the window: every suggestion's other
+    files (input_extra) were cut to nothing, yet each warm-up prefilled them (issue 63).
+    While the latest suggestion kept none, a warm-up prefills nothing, /props says so and
+    the log says why, once; a suggestion that fits whole (its other files kept) ends it."""
+    lines = "".join(f"    value_{i} = compute({i}, scale) + offset\n" for i in range(400))
+    ring = [{"filename": "other.py", "text": "def add(a, b):\n    return a + b\n" * 40}]
+    big = {"input_prefix": lines, "input_suffix": lines[:2000], "input_extra": ring,
+           "n_predict": 4, "response_fields": ["truncated"]}  # fmt: skip
+    warm = {"input_extra": ring, "n_predict": 0, "response_fields": ["timings/prompt_n"]}
+    with app_over(tmp_path, 2) as (client, _):
+        assert (
+            post(client, "/infill", warm).json()["timings/prompt_n"] > 100
+        )  # (kept: nothing says otherwise yet)
+        assert client.get("/props").json()["input_extra_fits"] is True
+        with caplog.at_level("WARNING", logger="specmlx.serve"):
+            assert post(client, "/infill", big).json()["truncated"] is True
+            post(client, "/infill", big)
+        said = [r.getMessage() for r in caplog.records if "input_extra" in r.getMessage()]
+        assert len(said) == 1 and "warm-ups are answered without a prefill" in said[0], said
+        assert client.get("/props").json()["input_extra_fits"] is False
+        assert post(client, "/infill", warm).json()["timings/prompt_n"] <= 1
+        small = big | {"input_prefix": lines[:300], "input_suffix": ""}
+        assert post(client, "/infill", small).json()["truncated"] is False
+        assert client.get("/props").json()["input_extra_fits"] is True
+        other = [{"filename": "util.py", "text": "class Point:\n    x: int = 0\n" * 40}]
+        assert (
+            post(client, "/infill", warm | {"input_extra": other}).json()["timings/prompt_n"] > 100
+        )

@@ -14,6 +14,7 @@ as llama-server does (fitting), where the OpenAI routes refuse it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -34,7 +35,7 @@ from ..drafting.trees import AUTO as TREE_AUTO
 from ..drafting.trees import TreeSize
 from ..errors import BadInput
 from . import api_shapes as shapes
-from .access_log import AccessLog
+from .access_log import SERVER, AccessLog
 from .api_errors import ApiError, install_error_handlers
 from .api_schemas import (
     ChatBody,
@@ -49,6 +50,7 @@ from .fitting import (
     completion_ids,
     fit_completion,
     fit_infill,
+    infill_window,
 )
 from .guard import HEADER_TIMEOUT_S, Guard, HeaderDeadline
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -59,6 +61,7 @@ from .worker import Worker
 # holds one until its deadline (guard.py), so there are many more than the requests the
 # app works on at once (guard.MAX_REQUESTS); asyncio holds thousands of idle ones
 MAX_CONNECTIONS = 1024
+_log = logging.getLogger(SERVER)
 
 
 # ---------------------------------------------------------------- the app
@@ -176,6 +179,10 @@ def create_app(
     # where the OpenAI routes refuse one that does not fit: an editor shows no error, so a
     # refusal there was a suggestion that never came
     room = answer_room(settings.context, settings.max_tokens)
+    # the other files' share of a prompt cut to fit: none at a small context (llama.vim's
+    # sizes fill 2048 tokens with the cursor's window)
+    extra_room = infill_window(settings.context, room)[1]
+    app.state.extra_cut = False  # the latest editor request's other files were all cut
 
     @app.post("/infill")
     async def infill(body: InfillBody, request: Request):
@@ -187,7 +194,19 @@ def create_app(
                 middle=body.prompt, context=settings.context, room=room,
             )
         )  # fmt: skip
-        gen = _llama_request(body, fit.ids, settings, worker, template.stops)
+        ids = fit.ids
+        if body.n_predict != 0:  # a suggestion: did its other files reach the model?
+            cut = bool(extra) and fit.truncated and extra_room == 0
+            if cut and not app.state.extra_cut:
+                _log.warning(
+                    "/infill: at a context of %d no other files (input_extra) fit beside the "
+                    "cursor's window: warm-ups are answered without a prefill",
+                    settings.context,
+                )  # fmt: skip
+            app.state.extra_cut = cut
+        elif app.state.extra_cut:  # a warm-up of chunks that no suggestion would keep
+            ids = ids[-1:]  # (nothing to prefill: the last token is never cached)
+        gen = _llama_request(body, ids, settings, worker, template.stops)
         return await respond_llama(request, worker, gen, body, settings, fit.truncated, True)
 
     @app.post("/completion")
@@ -220,6 +239,9 @@ def create_app(
             ),
             "total_slots": worker.slots,
             "model_path": settings.model_name,
+            # specmlx's own: whether the latest suggestion kept any of input_extra (False:
+            # the context leaves them no room, and warm-ups are not prefilled)
+            "input_extra_fits": not app.state.extra_cut,
         }
 
     @app.get("/metrics")
