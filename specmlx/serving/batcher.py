@@ -343,9 +343,9 @@ class Batcher:
         lv = self.parked.pop()
         p, lv.parked = lv.parked, None
         drafts = lv.job.request.uses_draft
-        kv = self.w.cache.take(p.ids)
-        lv.sources = kv.sources
         try:
+            kv = self.w.cache.take(p.ids)
+            lv.sources = kv.sources
             self._probed()
             lv.row = self.batch.join(p.ids, p.decode, kv, lv.job.stats, drafts, p.made)
             self.w.cache.keep_branch(kv)
