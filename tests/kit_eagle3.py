@@ -81,18 +81,25 @@ def head_json(vocab: int, hidden: int = 32, draft_vocab: int | None = None, **ov
     }
 
 
-def reference_head(config: dict, seed: int, embed: np.ndarray | None, draft_ids=None):
-    """The reference Model on random weights (norms too, so their places matter), with the
-    d2t/t2d buffers for ``draft_ids`` (the target ids of the draft vocabulary, ascending)."""
-    torch.manual_seed(seed)
-    ns = SimpleNamespace(pad_token_id=None, **config)
-    model = reference.Model(ns).float().eval()
+def random_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """A reference model's weights drawn at random in place (norms near one, so their
+    places matter; the rest at 0.3), as every head's reference check draws them."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.3 * torch.randn_like(p))
             else:
                 p.copy_(0.3 * torch.randn_like(p))
+    return model
+
+
+def reference_head(config: dict, seed: int, embed: np.ndarray | None, draft_ids=None):
+    """The reference Model on random weights (norms too, so their places matter), with the
+    d2t/t2d buffers for ``draft_ids`` (the target ids of the draft vocabulary, ascending)."""
+    torch.manual_seed(seed)
+    ns = SimpleNamespace(pad_token_id=None, **config)
+    model = random_weights(reference.Model(ns).float().eval())
+    with torch.no_grad():
         if embed is not None:
             model.embed_tokens.weight.copy_(torch.tensor(embed))
         if draft_ids is not None:

@@ -22,6 +22,7 @@ import torch
 from families import build, family_config
 from helpers import generate, save_tiny, served_head_equals_no_draft, tiny_tokenizer
 from kit_dflash import ROUNDS, LegacyCache, agree, our_rounds, ref_rounds
+from kit_eagle3 import random_weights
 from kit_ranks import same_on_two_ranks
 from mlx.utils import tree_flatten
 from safetensors.torch import save_file
@@ -80,14 +81,7 @@ def reference_drafter(config: dict, seed: int):
     if cfg["dflash_config"].get("target_layer_ids") is None:
         cfg["dflash_config"] = {"mask_token_id": cfg["dflash_config"]["mask_token_id"]}
     model = reference.DFlashDraftModel(Qwen3Config(**cfg, attn_implementation="eager"))
-    model = model.float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            else:
-                p.copy_(0.3 * torch.randn_like(p))
-    return model
+    return random_weights(model.float().eval())
 
 
 def save_drafter(path: Path, model, config: dict) -> Path:
