@@ -37,7 +37,7 @@ from specmlx.decoding.batch import Batch  # noqa: E402
 from specmlx.decoding.request import Decode  # noqa: E402
 from specmlx.decoding.session import Pair, Request, Session  # noqa: E402
 from specmlx.decoding.stream import encode_prompt  # noqa: E402
-from specmlx.drafting.choosers import AUTO, ChooserStore, K  # noqa: E402
+from specmlx.drafting.choosing.choosers import AUTO, ChooserStore, K  # noqa: E402
 from specmlx.machine import blas_in_use  # noqa: E402
 from specmlx.models.loading import load_pair  # noqa: E402
 from specmlx.serving.batch_k import BatchK  # noqa: E402

@@ -27,7 +27,7 @@ from bench_batch import (  # noqa: E402
 from specmlx.decoding.batch import Batch  # noqa: E402
 from specmlx.decoding.request import Decode  # noqa: E402
 from specmlx.decoding.session import Request  # noqa: E402
-from specmlx.drafting.choosers import AUTO, K  # noqa: E402
+from specmlx.drafting.choosing.choosers import AUTO, K  # noqa: E402
 from specmlx.machine import blas_in_use  # noqa: E402
 
 tgt, drf, shared = load_pair("cpu-demo-target", "cpu-demo-draft")

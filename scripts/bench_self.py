@@ -23,7 +23,7 @@ from specmlx.core.kvstate import KVState  # noqa: E402
 from specmlx.core.stats import Stats  # noqa: E402
 from specmlx.decoding.engine import generate_tokens  # noqa: E402
 from specmlx.decoding.request import Decode, Parts  # noqa: E402
-from specmlx.drafting.choosers import AUTO  # noqa: E402
+from specmlx.drafting.choosing.choosers import AUTO  # noqa: E402
 from specmlx.drafting.self_draft import EXIT_FRACTIONS, SelfDraft, SelfSpec, shares_caches  # noqa: E402
 from specmlx.machine import blas_in_use  # noqa: E402
 from specmlx.models.loading import kept_exit, load_model, load_pair  # noqa: E402

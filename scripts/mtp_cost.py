@@ -18,7 +18,7 @@ from rollback_cost import best  # scripts/: the same timing rule
 
 from specmlx.core.caches import make_caches
 from specmlx.core.hidden import HiddenTap
-from specmlx.drafting.mtp import MTPHead
+from specmlx.drafting.heads.mtp import MTPHead
 from specmlx.machine import blas_in_use
 
 

@@ -21,8 +21,8 @@ from mtp_toy import toy_head, toy_language, toy_target  # noqa: E402
 from specmlx.core.sampling import SamplingParams  # noqa: E402
 from specmlx.core.stats import Stats  # noqa: E402
 from specmlx.decoding.engine import Decode, Parts, generate_tokens  # noqa: E402
-from specmlx.drafting.adaptive import AdaptiveK  # noqa: E402
-from specmlx.drafting.choosers import K  # noqa: E402
+from specmlx.drafting.choosing.adaptive import AdaptiveK  # noqa: E402
+from specmlx.drafting.choosing.choosers import K  # noqa: E402
 
 
 def run(target, head, k, temp: float, prompts: int, n: int) -> Stats:

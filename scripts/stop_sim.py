@@ -25,7 +25,7 @@ import argparse
 import json
 import random
 
-from specmlx.drafting.adaptive import DRAFT_CHUNKS, Acceptance, AdaptiveK, CostCurve
+from specmlx.drafting.choosing.adaptive import DRAFT_CHUNKS, Acceptance, AdaptiveK, CostCurve
 
 SCHEDULES = {"committed": DRAFT_CHUNKS, "k then 2s": None, "2s": (2,), "1s": (1,), "1,2": (1, 2)}
 

@@ -36,7 +36,7 @@ import mlx.core as mx  # noqa: E402
 from specmlx.bench.data import read_jsonl  # noqa: E402
 from specmlx.decoding.engine import generate_tokens  # noqa: E402
 from specmlx.decoding.request import Decode  # noqa: E402
-from specmlx.drafting.trees import SIDE_MAX  # noqa: E402
+from specmlx.drafting.choosing.tree_size import SIDE_MAX
 from specmlx.models.loading import load_pair  # noqa: E402
 
 ap = argparse.ArgumentParser()

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 from specmlx.core.stats import KChooser, RoundReport
 from specmlx.decoding.engine import Decode, Parts, generate_tokens
-from specmlx.drafting.choosers import AUTO, K
+from specmlx.drafting.choosing.choosers import AUTO, K
 from specmlx.models import gguf
 
 

@@ -1,7 +1,7 @@
 """The DFlash kit: a drafter's blocks against the reference's (z-lab/dflash's ``model.py``,
 tests/reference/dflash_model.py, run in PyTorch): rounds of context and blocks as the
 reference's ``dflash_generate`` calls its drafter, specmlx's drafter over the same rounds
-(specmlx/drafting/dflash.py), and whether every round agrees. Used by test_dflash (random
+(specmlx/drafting/heads/dflash.py), and whether every round agrees. Used by test_dflash (random
 drafters in the released layout) and test_distill_heads (drafters that `specmlx distill
 --head dflash` saved)."""
 

@@ -1,6 +1,6 @@
 """The EAGLE-3 kit: a head's steps against the reference's (SafeAILab/EAGLE's ``cnets.py``,
 tests/reference/eagle3_cnets.py, run in PyTorch): the reference's first pass and chained
-steps, specmlx's head over the same inputs (specmlx/drafting/eagle3.py), and whether every
+steps, specmlx's head over the same inputs (specmlx/drafting/heads/eagle3.py), and whether every
 step agrees. Used by test_eagle3 (random heads in the released layout) and test_distill_heads
 (heads that `specmlx distill --head eagle3` saved)."""
 

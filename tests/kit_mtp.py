@@ -1,4 +1,4 @@
-"""The MTP kit: random MTP heads over tiny targets (specmlx/drafting/mtp.py), greedy
+"""The MTP kit: random MTP heads over tiny targets (specmlx/drafting/heads/mtp.py), greedy
 generation and the greedy-identity check, and checkpoints laid out as Hugging Face ships
 them, with their heads: the Qwen families' (``mtp.*``: Qwen3-Next, Qwen3.5, Qwen3.5 MoE)
 and the ``model.layers.{N}`` ones (DeepSeek-V3, GLM-4.5; their tiny configs here). Used by
@@ -14,7 +14,7 @@ from helpers import generate, save_tiny, tiny_tokenizer
 from mlx.utils import tree_flatten, tree_map
 
 from specmlx.core.stats import Stats
-from specmlx.drafting.mtp import MTPHead
+from specmlx.drafting.heads.mtp import MTPHead
 from specmlx.models.loading import _load_dir
 
 PROMPT = list(range(1, 20))

@@ -13,7 +13,7 @@ from families import build
 from mlx.utils import tree_flatten, tree_unflatten
 
 from specmlx.core.hidden import HiddenTap
-from specmlx.drafting.mtp import MTPHead
+from specmlx.drafting.heads.mtp import MTPHead
 
 SYMBOLS = 12  # the toy language's alphabet: ids 0..11 of the tiny model's 128
 

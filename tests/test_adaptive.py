@@ -10,7 +10,7 @@ import pytest
 from helpers import Feed, generate, make_tiny, steady
 
 from specmlx.core.stats import RoundReport, Stats
-from specmlx.drafting.adaptive import (
+from specmlx.drafting.choosing.adaptive import (
     CONF_BINS,
     LOOKUP_MAX,
     STATE_VERSION,
@@ -20,9 +20,9 @@ from specmlx.drafting.adaptive import (
     best_k,
     expected_tokens,
 )
-from specmlx.drafting.choosers import for_drafter
-from specmlx.drafting.cost_curve import CostCurve
-from specmlx.drafting.probe import curve_from, probe_pass_cost
+from specmlx.drafting.choosing.choosers import for_drafter
+from specmlx.drafting.choosing.cost_curve import CostCurve
+from specmlx.drafting.choosing.probe import curve_from, probe_pass_cost
 
 
 def test_expected_tokens():

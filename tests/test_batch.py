@@ -17,8 +17,8 @@ from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
 from specmlx.decoding.request import Decode
-from specmlx.drafting.choosers import K
-from specmlx.drafting.trees import TreeSize
+from specmlx.drafting.choosing.choosers import K
+from specmlx.drafting.choosing.tree_size import TreeSize
 from specmlx.errors import IncompatiblePair
 from specmlx.serving.batch_k import BatchK
 
@@ -405,7 +405,7 @@ def _eagle3_over(target):
     from mlx.utils import tree_map
 
     from specmlx.distill.published import head_json
-    from specmlx.drafting import eagle3
+    from specmlx.drafting.heads import eagle3
 
     config = head_json("eagle3", dict(target.args.__dict__, model_type="llama"), layers=1,
                        width=0, draft_vocab=100, block=2, mask_id=0)  # fmt: skip
@@ -424,7 +424,7 @@ def _dflash_over(target):
     from mlx.utils import tree_map
 
     from specmlx.distill.published import head_json
-    from specmlx.drafting import dflash
+    from specmlx.drafting.heads import dflash
 
     t = {"hidden_size": 32, "num_hidden_layers": 8, "vocab_size": 128, "intermediate_size": 64,
          "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
@@ -519,7 +519,7 @@ def test_batch_k_keeps_what_it_measured_for_the_next_server(pair, specmlx_home):
 
     from specmlx.decoding.session import Pair
     from specmlx.distributed.ranks import World
-    from specmlx.drafting.choosers import ChooserStore
+    from specmlx.drafting.choosing.choosers import ChooserStore
     from specmlx.serving.batcher import Batcher
 
     target, draft = pair
@@ -556,7 +556,7 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
 
     from specmlx.decoding.session import Pair, Request
     from specmlx.distributed.ranks import RankFailure, World
-    from specmlx.drafting.choosers import ChooserStore
+    from specmlx.drafting.choosing.choosers import ChooserStore
     from specmlx.serving.api_errors import as_api_error
     from specmlx.serving.batcher import Batcher, _Live
 

@@ -11,9 +11,9 @@ from helpers import Feed, make_tiny, steady
 
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import KChooser
-from specmlx.drafting import choosers
-from specmlx.drafting.adaptive import STATE_VERSION, SUFFIX_MAX, AdaptiveK
-from specmlx.drafting.choosers import (
+from specmlx.drafting.choosing import choosers
+from specmlx.drafting.choosing.adaptive import STATE_VERSION, SUFFIX_MAX, AdaptiveK
+from specmlx.drafting.choosing.choosers import (
     AUTO,
     K_MAX,
     ChooserStore,

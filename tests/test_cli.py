@@ -14,7 +14,7 @@ from huggingface_hub import constants as hub_constants
 from typer.testing import CliRunner
 
 from specmlx.cli import app
-from specmlx.drafting.adaptive import SUFFIX_MAX
+from specmlx.drafting.choosing.adaptive import SUFFIX_MAX
 
 runner = CliRunner()
 

@@ -1,4 +1,4 @@
-"""DFlash block drafters (specmlx/drafting/dflash.py) against the reference code, and as a
+"""DFlash block drafters (specmlx/drafting/heads/dflash.py) against the reference code, and as a
 drafter.
 
 The reference is z-lab/dflash's own ``model.py`` (tests/reference/dflash_model.py), run in
@@ -29,13 +29,13 @@ from safetensors.torch import save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from typer.testing import CliRunner
 
-import specmlx.drafting.dflash as dflash
+import specmlx.drafting.heads.dflash as dflash
 import specmlx.models.loading as loading
 from specmlx.cli import app
 from specmlx.core.hidden import HiddenTap, text_model
 from specmlx.core.kvstate import KVState
 from specmlx.core.stats import Stats
-from specmlx.drafting.dflash import load_dflash
+from specmlx.drafting.heads.dflash import load_dflash
 from specmlx.errors import BadInput, IncompatiblePair
 from specmlx.models.loading import load_pair
 

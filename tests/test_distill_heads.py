@@ -26,8 +26,8 @@ from specmlx.distill.heads import head_shape, head_trainee
 from specmlx.distill.published import check_head
 from specmlx.distill.student import DistillConfig
 from specmlx.distill.train import distill
-from specmlx.drafting.dflash import load_dflash
-from specmlx.drafting.eagle3 import load_eagle3
+from specmlx.drafting.heads.dflash import load_dflash
+from specmlx.drafting.heads.eagle3 import load_eagle3
 from specmlx.errors import BadInput
 from specmlx.models.loading import Loaded, load_model
 from specmlx.models.registry import load_registry
@@ -337,7 +337,7 @@ def test_an_mtp_head_trained_for_a_qwen3_5_target_drafts_as_the_checkpoints_own(
     from typer.testing import CliRunner
 
     from specmlx.cli import app
-    from specmlx.drafting.mtp import checkpoint_tensors, load_mtp
+    from specmlx.drafting.heads.mtp import checkpoint_tensors, load_mtp
 
     tok = tiny_tokenizer()
     save_tiny(tmp_path / "q", family_config("qwen3_5", 4, len(tok)), tok, 0)

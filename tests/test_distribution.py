@@ -21,7 +21,7 @@ from specmlx.core.recurrent import PassRecorder
 from specmlx.core.sampling import SamplingParams, make_processor, sample
 from specmlx.core.stats import KChooser
 from specmlx.drafting.drafters import draft_model_propose
-from specmlx.drafting.lookup import lookup_propose
+from specmlx.drafting.lookup.memory import lookup_propose
 
 V = 12
 N = 20_000

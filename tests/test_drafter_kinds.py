@@ -46,8 +46,8 @@ from specmlx.decoding.batch import Batch
 from specmlx.decoding.request import Decode
 from specmlx.distill.student import DistillConfig, make_student
 from specmlx.distill.train import distill
-from specmlx.drafting import dflash, eagle3, medusa
-from specmlx.drafting.choosers import K as KSetting
+from specmlx.drafting.choosing.choosers import K as KSetting
+from specmlx.drafting.heads import dflash, eagle3, medusa
 from specmlx.drafting.self_draft import SelfDraft, SelfSpec
 from specmlx.models.loading import Loaded
 from specmlx.models.registry import ModelSpec

@@ -1,4 +1,4 @@
-"""EAGLE-3 heads (specmlx/drafting/eagle3.py) against the reference code, and as a drafter.
+"""EAGLE-3 heads (specmlx/drafting/heads/eagle3.py) against the reference code, and as a drafter.
 
 The reference is SafeAILab/EAGLE's own ``cnets.py`` (tests/reference/eagle3_cnets.py), run
 in PyTorch on the CPU on random weights saved in the released layout (config keys and tensor
@@ -24,13 +24,13 @@ from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 import specmlx.core.cursor as cursor
-import specmlx.drafting.eagle3 as eagle3
+import specmlx.drafting.heads.eagle3 as eagle3
 import specmlx.models.loading as loading
 from specmlx.cli import app
 from specmlx.core.hidden import HiddenTap
 from specmlx.core.kvstate import KVState
 from specmlx.core.stats import Stats
-from specmlx.drafting.eagle3 import load_eagle3
+from specmlx.drafting.heads.eagle3 import load_eagle3
 from specmlx.errors import BadInput, IncompatiblePair
 from specmlx.models.loading import load_pair
 

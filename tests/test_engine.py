@@ -19,9 +19,9 @@ from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import RoundReport, Stats
 from specmlx.decoding.engine import TIME_DRAFT_EVERY, Decode, KVState, generate_tokens, prefill
 from specmlx.decoding.stops import Stops
-from specmlx.drafting.adaptive import DRAFT_CHUNKS, Acceptance, AdaptiveK, _chunk
-from specmlx.drafting.choosers import AUTO, K
-from specmlx.drafting.cost_curve import CostCurve
+from specmlx.drafting.choosing.adaptive import DRAFT_CHUNKS, Acceptance, AdaptiveK, _chunk
+from specmlx.drafting.choosing.choosers import AUTO, K
+from specmlx.drafting.choosing.cost_curve import CostCurve
 from specmlx.errors import BadInput
 
 PROMPTS = [[1, 5, 9, 3, 7], [2], [4, 4, 4, 8, 15, 16, 23, 42, 8, 15, 16]]

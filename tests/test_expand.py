@@ -1,4 +1,4 @@
-"""EAGLE-2's grown tree (``--tree expand:N``, drafting/expand.py): the tree a draft grows
+"""EAGLE-2's grown tree (``--tree expand:N``, drafting/trees/expand.py): the tree a draft grows
 level by level is the one plain passes over every path would grow; a generation with it
 keeps the target's greedy tokens, and the draft's caches hold the kept path's keys as a
 plain pass would; a grown round reads the host twice (the tree's shape, then the round's);
@@ -24,9 +24,10 @@ from specmlx.core.sampling import SamplingParams, make_processor
 from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
 from specmlx.decoding.request import Decode
-from specmlx.drafting import eagle3, expand
-from specmlx.drafting.choosers import K
-from specmlx.drafting.trees import TreeSize
+from specmlx.drafting.choosing.choosers import K
+from specmlx.drafting.choosing.tree_size import TreeSize
+from specmlx.drafting.heads import eagle3
+from specmlx.drafting.trees import expand
 from specmlx.errors import BadInput
 
 PROMPT = [1, 5, 9, 3, 7, 2]

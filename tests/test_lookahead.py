@@ -1,4 +1,4 @@
-"""Lookahead decoding (drafting/lookahead.py): its settings and their one-line refusals, the
+"""Lookahead decoding (drafting/lookup/lookahead.py): its settings and their one-line refusals, the
 window's tree and its Jacobi update from hand-built argmaxes, one host sync a round, the
 target's caches after a generation, auto's window by the pass cost, and `run` and `serve`
 with it. Its whole-sequence distribution: the "lookahead" kind in test_drafter_kinds.py."""
@@ -16,12 +16,12 @@ from specmlx.cli import app
 from specmlx.core.kvstate import KVState
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats
-from specmlx.drafting.adaptive import AdaptiveK
-from specmlx.drafting.choosers import K, make_chooser
-from specmlx.drafting.cost_curve import CostCurve
-from specmlx.drafting.lookahead import LookaheadRows, LookaheadSize
-from specmlx.drafting.lookup import Lookup
-from specmlx.drafting.suffix import SEP
+from specmlx.drafting.choosing.adaptive import AdaptiveK
+from specmlx.drafting.choosing.choosers import K, make_chooser
+from specmlx.drafting.choosing.cost_curve import CostCurve
+from specmlx.drafting.lookup.lookahead import LookaheadRows, LookaheadSize
+from specmlx.drafting.lookup.memory import Lookup
+from specmlx.drafting.lookup.suffix import SEP
 from specmlx.errors import BadInput
 
 PROMPT = [5, 17, 30, 2, 41]

@@ -14,9 +14,9 @@ import pytest
 from helpers import TableLM, generate, make_tiny
 
 from specmlx.core.stats import Stats
-from specmlx.drafting.adaptive import AdaptiveK
-from specmlx.drafting.cost_curve import CostCurve
-from specmlx.drafting.lookup import (
+from specmlx.drafting.choosing.adaptive import AdaptiveK
+from specmlx.drafting.choosing.cost_curve import CostCurve
+from specmlx.drafting.lookup.memory import (
     Lookup,
     LookupMemory,
     SuffixIndex,

@@ -1,4 +1,4 @@
-"""Medusa heads (specmlx/drafting/medusa.py) against the reference code.
+"""Medusa heads (specmlx/drafting/heads/medusa.py) against the reference code.
 
 The reference is FasterDecoding/Medusa's own ResBlock, head construction, buffers and
 candidates (tests/reference/medusa_heads.py), run in PyTorch on the CPU: random heads saved
@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from specmlx.core.tree_acceptance import Tree
-from specmlx.drafting.medusa import (
+from specmlx.drafting.heads.medusa import (
     SMALL_CHOICES,
     MedusaHeads,
     load_medusa,
@@ -30,7 +30,7 @@ from specmlx.drafting.medusa import (
     medusa_tree,
     ranks_needed,
 )
-from specmlx.drafting.torch_zip import read_torch_zip
+from specmlx.drafting.heads.torch_zip import read_torch_zip
 from specmlx.errors import BadInput
 
 sys.path.insert(0, str(Path(__file__).parent / "reference"))
@@ -110,7 +110,7 @@ def test_a_strided_tensor_in_a_pt_reads_as_its_view(tmp_path):
 def test_reading_a_pt_imports_no_torch(tmp_path):
     torch.save(ref_heads(3, 1).state_dict(), tmp_path / "medusa_lm_head.pt")
     code = (
-        "import sys; from specmlx.drafting.medusa import load_medusa; "
+        "import sys; from specmlx.drafting.heads.medusa import load_medusa; "
         f"m = load_medusa({str(tmp_path)!r}); assert m.heads == 3; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )

@@ -1,4 +1,4 @@
-"""The checkpoint's own drafter: MTP heads over the target's hidden states (specmlx/drafting/mtp.py,
+"""The checkpoint's own drafter: MTP heads over the target's hidden states (specmlx/drafting/heads/mtp.py,
 hidden.py, row_drafters.HeadRows). Tiny random Qwen3-Next and Qwen3.5 targets from mlx-lm's
 own classes; greedy identical at several k, the plumbing (the head's cache is exactly what
 feeding it the right pairs gives; a trained head beats an untrained one and collapses when

@@ -1,4 +1,4 @@
-"""DeepSeek-V3 and GLM-4.5 MTP heads (specmlx/drafting/mtp.py's ``model.layers.{N}`` families): tiny
+"""DeepSeek-V3 and GLM-4.5 MTP heads (specmlx/drafting/heads/mtp.py's ``model.layers.{N}`` families): tiny
 random targets from mlx-lm's own deepseek_v3 and glm4_moe classes, greedy decoding with a
 random head token-identical to plain decoding, the head's cache what an offline feed of the
 right pairs builds, the embedding of the pair at position 0 zeroed, and loading from a

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten
 from typer.testing import CliRunner
 
 from specmlx.cli import app
-from specmlx.drafting.mtp import FAMILIES, without_head
+from specmlx.drafting.heads.mtp import FAMILIES, without_head
 from specmlx.models.loading import _load_dir, load_pair
 
 PROMPT = [5, 6, 7, 8, 9, 10]

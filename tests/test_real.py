@@ -180,8 +180,8 @@ def test_a_first_run_copying_the_prompt_pays_under_auto_lookup(real):
     tokens); greedy SmolLM2 writes the function out again. A fresh chooser with a near-linear
     pass-cost curve used to decline every lookup offer after its first round (1.00 tokens per
     pass, against 4.36 at k = 4); it now verifies the copy, at least as well as k = 4."""
-    from specmlx.drafting.adaptive import AdaptiveK
-    from specmlx.drafting.cost_curve import CostCurve
+    from specmlx.drafting.choosing.adaptive import AdaptiveK
+    from specmlx.drafting.choosing.cost_curve import CostCurve
 
     target, _ = real
     text = "".join(f"# copy {i}\n{_FUNCTION}\n" for i in range(1, 7)) + "# copy 7\n"

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from helpers import make_tiny_model
 
-from specmlx.drafting.choosers import AUTO, K
+from specmlx.drafting.choosing.choosers import AUTO, K
 from specmlx.errors import RegistryError, UnknownModel
 from specmlx.models.registry import (
     ModelSpec,
@@ -376,7 +376,7 @@ def _head_in_released_layout(out: Path, kind: str, target: Path) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from specmlx.drafting import dflash, eagle3
+    from specmlx.drafting.heads import dflash, eagle3
     from specmlx.models.loading import load_model
 
     loaded = load_model(load_registry().resolve(str(target)))

@@ -16,8 +16,8 @@ from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats, TokenEvent
 from specmlx.decoding.session import Pair, Request, Session, drafter_of
 from specmlx.decoding.stream import _held_back, editor_limits, stream_text
-from specmlx.drafting.adaptive import AdaptiveK
-from specmlx.drafting.choosers import ChooserStore
+from specmlx.drafting.choosing.adaptive import AdaptiveK
+from specmlx.drafting.choosing.choosers import ChooserStore
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specmlx"
 TEXT = "import os\nfor i in range(10):\n    print(i, os.getcwd())\n"

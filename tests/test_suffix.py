@@ -1,4 +1,4 @@
-"""Suffix lookup (drafting/suffix.py): the proposal tree from hand-built sequences (frequency
+"""Suffix lookup (drafting/lookup/suffix.py): the proposal tree from hand-built sequences (frequency
 against recency, the longest matches, the bounds), its shape against a brute-force reading of
 the occurrences, the choice between context and memory, and that trees of it are exact."""
 
@@ -10,8 +10,8 @@ import pytest
 from helpers import generate, make_tiny
 
 from specmlx.core.stats import Stats
-from specmlx.drafting.lookup import Lookup, LookupMemory
-from specmlx.drafting.suffix import DECAY, MIN_PROB, SEP, SuffixIndex
+from specmlx.drafting.lookup.memory import Lookup, LookupMemory
+from specmlx.drafting.lookup.suffix import DECAY, MIN_PROB, SEP, SuffixIndex
 
 
 def paths(spec) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""drafting/trees.py and the round's tree path (decoding/round.py): the --tree setting read
+"""drafting/choosing/tree_size.py and the round's tree path (decoding/round.py): the --tree setting read
 once, the side-leaf sizer (a fixed size fills its nodes, auto weighs them against the
 measured pass cost), one host sync a tree round, the target's caches after a tree
 generation equal to a plain one's, and refusals by name where a tree cannot be verified.
@@ -18,10 +18,18 @@ from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
 from specmlx.decoding.request import Decode
 from specmlx.decoding.session import Pair, Request, Session
-from specmlx.drafting.adaptive import AdaptiveK
-from specmlx.drafting.choosers import ChooserStore, FixedK, K
-from specmlx.drafting.cost_curve import CostCurve
-from specmlx.drafting.trees import AUTO, OFF, SIDE_MAX, TREE_MAX, SideSizer, TreeSize, side_parents
+from specmlx.drafting.choosing.adaptive import AdaptiveK
+from specmlx.drafting.choosing.choosers import ChooserStore, FixedK, K
+from specmlx.drafting.choosing.cost_curve import CostCurve
+from specmlx.drafting.choosing.tree_size import (
+    AUTO,
+    OFF,
+    SIDE_MAX,
+    TREE_MAX,
+    SideSizer,
+    TreeSize,
+    side_parents,
+)
 from specmlx.errors import BadInput
 
 PROMPT = [1, 5, 9, 3, 7, 2]

@@ -10,8 +10,8 @@ from importlib import resources
 from pathlib import Path
 
 from ..core.acceptance import DEFAULT_VERIFY
-from ..drafting.choosers import AUTO, K
-from ..drafting.trees import OFF, TreeSize
+from ..drafting.choosing.choosers import AUTO, K
+from ..drafting.choosing.tree_size import OFF, TreeSize
 from ..errors import BadInput
 
 NGRAM = "lookup:ngram"  # the drafter of rows whose lookup reads the latest match (no trees)

@@ -23,7 +23,7 @@ from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models import llama
 
 from ..decoding.engine import Decode, generate_tokens
-from ..drafting.choosers import K
+from ..drafting.choosing.choosers import K
 
 VOCAB = 32000
 KS = (0, 2, 4)

@@ -30,12 +30,12 @@ from ..core.sampling import SamplingParams, make_processor, sample
 from ..core.stats import KChooser, count_depths
 from ..decoding.session import Pair, Request, Session, drafter_of
 from ..distributed.ranks import World
-from ..drafting.adaptive import SUFFIX_MAX
-from ..drafting.choosers import AUTO, ChooserStore, K, make_chooser
-from ..drafting.cost_curve import PROBE_SIZES
-from ..drafting.lookup import LookupMemory
-from ..drafting.probe import curve_from, head_step_seconds, pass_times
-from ..drafting.trees import OFF
+from ..drafting.choosing.adaptive import SUFFIX_MAX
+from ..drafting.choosing.choosers import AUTO, ChooserStore, K, make_chooser
+from ..drafting.choosing.cost_curve import PROBE_SIZES
+from ..drafting.choosing.probe import curve_from, head_step_seconds, pass_times
+from ..drafting.choosing.tree_size import OFF
+from ..drafting.lookup.memory import LookupMemory
 from .data import MEMORY, NGRAM, STOP, BenchSettings, Run, System, code_of, edit_step, runs_at
 from .report import judge_greedy_runs, summarize
 

@@ -11,9 +11,9 @@ import typer
 
 from ..core.acceptance import DEFAULT_VERIFY
 from ..distributed.launch import rank_prefix
-from ..drafting.choosers import K
-from ..drafting.lookahead import LookaheadSize
-from ..drafting.trees import TreeSize
+from ..drafting.choosing.choosers import K
+from ..drafting.choosing.tree_size import TreeSize
+from ..drafting.lookup.lookahead import LookaheadSize
 from ..errors import BadInput
 from ..models.registry import MTP
 from .common import (

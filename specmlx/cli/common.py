@@ -14,11 +14,11 @@ import typer
 from typer.core import TyperCommand
 
 from ..distributed.launch import rank_prefix
-from ..drafting.choosers import AUTO, K
-from ..drafting.lookahead import LookaheadSize
+from ..drafting.choosing.choosers import AUTO, K
+from ..drafting.choosing.tree_size import AUTO as TREE_AUTO
+from ..drafting.choosing.tree_size import TREE_MAX, TreeSize
+from ..drafting.lookup.lookahead import LookaheadSize
 from ..drafting.self_draft import is_self
-from ..drafting.trees import AUTO as TREE_AUTO
-from ..drafting.trees import TREE_MAX, TreeSize
 from ..errors import BadInput, SpecmlxError
 from ..models.registry import head_of
 from .display import err_console, print_error

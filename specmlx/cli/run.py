@@ -18,8 +18,8 @@ import typer
 from ..core.acceptance import DEFAULT_VERIFY
 from ..core.stats import Stats
 from ..distributed.launch import rank_prefix
-from ..drafting.choosers import K
-from ..drafting.trees import TreeSize
+from ..drafting.choosing.choosers import K
+from ..drafting.choosing.tree_size import TreeSize
 from ..errors import BadInput
 from .common import (
     ContextOpt,
@@ -209,8 +209,8 @@ def _run_local(
     from ..decoding.session import Pair, Session
     from ..decoding.stream import encode_prompt
     from ..distributed.ranks import Lockstep, Watchdog, barrier, lost_peer, shared_seed
-    from ..drafting.choosers import ChooserStore
-    from ..drafting.lookup import LookupMemory
+    from ..drafting.choosing.choosers import ChooserStore
+    from ..drafting.lookup.memory import LookupMemory
     from ..models.loading import load_pair
     from ..models.registry import load_registry
 

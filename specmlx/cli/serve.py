@@ -9,7 +9,7 @@ import typer
 
 from ..core.acceptance import DEFAULT_VERIFY
 from ..distributed.launch import leave, rank_prefix
-from ..drafting.choosers import K
+from ..drafting.choosing.choosers import K
 from ..errors import BadInput, SpecmlxError
 from .common import (
     ContextOpt,
@@ -170,7 +170,7 @@ def serve(
     from ..core.sampling import SamplingParams
     from ..distributed.launch import join, launched
     from ..distributed.ranks import Watchdog, barrier
-    from ..drafting.expand import expand_refusal
+    from ..drafting.trees.expand import expand_refusal
     from ..models.footprint import parse_size
     from ..models.loading import load_pair
     from ..models.registry import load_registry

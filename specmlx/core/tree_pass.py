@@ -214,7 +214,7 @@ def masked_logits(
 ) -> mx.array:
     """Logits (B, L, V), lazy, of a pass over tokens (B, L) whose every token sits at its own
     position and sees the keys ``mask`` says: a draft growing its tree a level at a time
-    (drafting/expand.py), its nodes' ancestors scattered among the entries of earlier levels.
+    (drafting/trees/expand.py), its nodes' ancestors scattered among the entries of earlier levels.
 
     model: any model tree_refusal accepts over ``cache``; cache: its layer caches (each row's
     L entries are written after its length); positions (B * L,): each token's, row by row;

@@ -33,11 +33,11 @@ from ..core.sampling import make_processor
 from ..core.stats import Stats, TokenEvent
 from ..core.tree_pass import tree_refusal
 from ..core.vocab import logit_width
-from ..drafting.adaptive import AdaptiveK
-from ..drafting.cost_curve import CostCurve
+from ..drafting.choosing.adaptive import AdaptiveK
+from ..drafting.choosing.cost_curve import CostCurve
+from ..drafting.choosing.tree_size import SideSizer, TreeSize
 from ..drafting.proposals import RowDrafter
 from ..drafting.row_drafters import BlockRows, row_drafter
-from ..drafting.trees import SideSizer, TreeSize
 from ..errors import BadInput, IncompatiblePair
 from .engine import prefill
 from .request import Decode, token_ids

@@ -38,12 +38,13 @@ from ..core.sampling import make_processor
 from ..core.stats import Stats, TokenEvent
 from ..core.tree_pass import tree_refusal
 from ..core.vocab import draft_ids, logit_width
-from ..drafting.adaptive import AdaptiveK
-from ..drafting.choosers import for_drafter, make_chooser
+from ..drafting.choosing.adaptive import AdaptiveK
+from ..drafting.choosing.choosers import for_drafter, make_chooser
+from ..drafting.choosing.tree_size import SideSizer
 from ..drafting.drafters import ModelDrafter
-from ..drafting.expand import expand_refusal
-from ..drafting.lookahead import LookaheadRows, LookaheadSize
-from ..drafting.lookup import Lookup
+from ..drafting.lookup.lookahead import LookaheadRows, LookaheadSize
+from ..drafting.lookup.memory import Lookup
+from ..drafting.lookup.rows import LookupRows
 from ..drafting.proposals import RowDrafter
 from ..drafting.row_drafters import (
     BlockRows,
@@ -56,8 +57,8 @@ from ..drafting.row_drafters import (
     row_drafter,
 )
 from ..drafting.self_draft import SharedExit, shares_caches
-from ..drafting.tree_rows import LookupRows, MedusaRows, SiblingRows
-from ..drafting.trees import SideSizer
+from ..drafting.trees.expand import expand_refusal
+from ..drafting.trees.rows import MedusaRows, SiblingRows
 from ..errors import BadInput, RollbackError
 from .request import Decode, Parts, token_ids
 from .round import Row, one_round

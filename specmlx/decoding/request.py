@@ -11,10 +11,10 @@ from ..core.acceptance import DEFAULT_VERIFY, sampled_rule
 from ..core.kvstate import KVState
 from ..core.sampling import SamplingParams
 from ..core.stats import KChooser, Stats
-from ..drafting.choosers import K
-from ..drafting.lookahead import check_lookup_by
-from ..drafting.lookup import LookupMemory
-from ..drafting.trees import OFF, TreeSize
+from ..drafting.choosing.choosers import K
+from ..drafting.choosing.tree_size import OFF, TreeSize
+from ..drafting.lookup.lookahead import check_lookup_by
+from ..drafting.lookup.memory import LookupMemory
 from ..errors import BadInput
 
 
@@ -33,7 +33,7 @@ class Decode:
     lookup_by: how lookup proposes: "suffix" (a tree of every occurrence's continuation, by
         frequency and recency; its likeliest path where trees are off), "ngram" (the most
         recent occurrence of the longest match), or lookahead decoding ("lookahead" or
-        "lookahead:w=W,n=N,g=G", drafting.lookahead: Jacobi guesses in the same pass).
+        "lookahead:w=W,n=N,g=G", drafting.lookup.lookahead: Jacobi guesses in the same pass).
     verify: how a sampled round checks the drafts: "block" (the default: the drafted block
         jointly, Sun et al. 2024: the same distribution, never fewer tokens kept in
         expectation) or "token" (token by token, Leviathan et al.). Greedy is the same under

@@ -28,7 +28,7 @@ from ..core.acceptance import Rule, accept_proposal, point_mass
 from ..core.sampling import Processor, round_keys
 from ..core.stats import RoundReport, Stats, TokenEvent
 from ..core.tree_acceptance import Tree, accept_tree, accept_tree_greedy
-from ..drafting.choosers import K
+from ..drafting.choosing.choosers import K
 from ..drafting.proposals import Drafts, RowDrafter
 from .stops import Stops
 

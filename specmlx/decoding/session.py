@@ -17,11 +17,11 @@ from ..core.acceptance import DEFAULT_VERIFY
 from ..core.sampling import SamplingParams
 from ..core.stats import KChooser, Stats, TokenEvent
 from ..distributed.ranks import Lockstep, SharedK, World, shared_probe
-from ..drafting.choosers import AUTO, ChooserStore, K, for_drafter, make_chooser
-from ..drafting.lookup import LookupMemory
-from ..drafting.trees import AUTO as TREE_AUTO
-from ..drafting.trees import OFF as TREE_OFF
-from ..drafting.trees import TreeSize
+from ..drafting.choosing.choosers import AUTO, ChooserStore, K, for_drafter, make_chooser
+from ..drafting.choosing.tree_size import AUTO as TREE_AUTO
+from ..drafting.choosing.tree_size import OFF as TREE_OFF
+from ..drafting.choosing.tree_size import TreeSize
+from ..drafting.lookup.memory import LookupMemory
 from ..errors import BadInput
 from .engine import KVState, generate_tokens, prefill
 from .request import Decode, Parts

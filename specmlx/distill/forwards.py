@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..drafting import dflash, eagle3, mtp
+from ..drafting.heads import dflash, eagle3, mtp
 
 STEP_DECAY = 0.8  # EAGLE-3's loss weight of unrolled step s: 0.8^s
 

@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..drafting import eagle3
-from ..drafting.headfiles import text_config
+from ..drafting.heads import eagle3
+from ..drafting.heads.files import text_config
 from ..errors import BadInput
 from ..models.sources import fetch
 from .forwards import (

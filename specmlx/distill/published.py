@@ -26,9 +26,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..core.hidden import text_model
-from ..drafting import dflash, eagle3, mtp
-from ..drafting.headfiles import ROPES, rope_kind, text_config
-from ..drafting.targetparts import lm_head_weight
+from ..drafting.heads import dflash, eagle3, mtp
+from ..drafting.heads.files import ROPES, rope_kind, text_config
+from ..drafting.heads.targetparts import lm_head_weight
 from ..errors import BadInput, IncompatiblePair
 from ..paths import atomic_write
 

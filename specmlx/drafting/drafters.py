@@ -10,7 +10,7 @@ yields. Here, what drafts for a lone sequence only: the draft model over its own
 (with per-token stopping, whose chunks read the draft's confidences, or with caches that
 have no batch kind) and the early exit over the target's caches (self_draft.SharedExit).
 The round sees them as rows of one (row_drafters.LoneRows); prompt lookup is a row drafter
-of one (tree_rows.LookupRows); the draft model, the heads over the target's hidden states (MTP,
+of one (lookup.rows.LookupRows); the draft model, the heads over the target's hidden states (MTP,
 EAGLE-3) and the block drafter (DFlash) are row drafters themselves (row_drafters.py), each
 written once for a lone sequence and a batch.
 """

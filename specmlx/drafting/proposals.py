@@ -1,8 +1,8 @@
 """What a row drafter gives the round and the interface every one keeps (decoding/round.py
 reads nothing else of a drafter): ``Drafts`` for B rows, the ``RowDrafter`` interface, and the
 side leaves a drafter with a distribution at each step adds to each row's chain (a token
-tree a row, drafting/trees.py). The drafters themselves: row_drafters.py (the draft model, the
-heads, the block drafter, lone drafters and chains) and tree_rows.py (Medusa's trees, lookup
+tree a row, drafting/choosing/tree_size.py). The drafters themselves: row_drafters.py (the draft model, the
+heads, the block drafter, lone drafters and chains) and trees/rows.py (Medusa's trees, lookup
 beside a drafter)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import mlx.core as mx
 from ..core.sampling import Processor
 from ..core.stats import Stats
 from ..core.tree_acceptance import Tree
+from .choosing.tree_size import SideSizer, side_parents
 from .drafters import Proposal
-from .trees import SideSizer, side_parents
 
 BY_MODEL = Proposal(source="model")  # how a row drafter's drafts were made: nothing to add
 _NOTHING = Proposal()

@@ -3,7 +3,7 @@
 confirmed. One class a kind of drafter, behind one small interface (RowDrafter), so the
 round has one drafting path: a new drafter is written here once, never as a branch of the
 round. (The interface and Drafts: proposals.py; drafters with trees of their own:
-tree_rows.py.)
+trees/rows.py.)
 
 - ModelRows: a draft model. Each row is fed its unseen tokens (right-padded, the pads given
   back), then k - 1 one-token steps for all rows together; a recurrent draft keeps its state
@@ -42,8 +42,7 @@ from ..core.sampling import sample
 from ..core.vocab import draft_ids, logit_width
 from ..errors import BadInput
 from .drafters import FEED_AFTER, SAFE_ID, Drafter
-from .expand import Grown, HeadFeed, grow, keep, model_feed
-from .medusa import MedusaDraft
+from .heads.medusa import MedusaDraft
 from .proposals import (
     BY_MODEL,
     Drafts,
@@ -55,7 +54,8 @@ from .proposals import (
     side_plan,
     with_leaves,
 )
-from .tree_rows import MedusaRows
+from .trees.expand import Grown, HeadFeed, grow, keep, model_feed
+from .trees.rows import MedusaRows
 
 
 def row_drafter(

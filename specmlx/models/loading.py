@@ -18,9 +18,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from ..core.caches import check_kinds, make_caches
 from ..core.mlx_lm_api import model_classes
-from ..drafting import dflash, eagle3, medusa
-from ..drafting.headfiles import head_nbytes, read_head_config, tensor_names
-from ..drafting.mtp import check_family, load_mtp, without_head
+from ..drafting.heads import dflash, eagle3, medusa
+from ..drafting.heads.files import head_nbytes, read_head_config, tensor_names
+from ..drafting.heads.mtp import check_family, load_mtp, without_head
 from ..drafting.self_draft import (
     EXIT_FRACTIONS,
     PROBE_TEXT,

@@ -30,10 +30,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from ..drafting.choosers import AUTO, K
+from ..drafting.choosing.choosers import AUTO, K
+from ..drafting.choosing.tree_size import AUTO as TREE_AUTO
+from ..drafting.choosing.tree_size import TREE_MAX, TreeSize
 from ..drafting.self_draft import is_self
-from ..drafting.trees import AUTO as TREE_AUTO
-from ..drafting.trees import TREE_MAX, TreeSize
 from ..errors import BadInput, RegistryError, UnknownModel
 from ..paths import expand_path
 
@@ -42,7 +42,7 @@ KINDS = ("hf", "local", "gguf", "wheel")
 # drafts a pair may name that are not models: none, prompt lookup, the target's own MTP head
 MTP = "mtp"
 DRAFT_WORDS = ("none", "lookup", MTP)
-# heads over the target's hidden states named as kind:PATH|ALIAS (drafting.eagle3, .dflash,
+# heads over the target's hidden states named as kind:PATH|ALIAS (drafting.heads.eagle3, .dflash,
 # .medusa)
 HEAD_KINDS = ("eagle3", "dflash", "medusa")
 BUILDS = (

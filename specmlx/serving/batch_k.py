@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..drafting.choosers import state_path
+from ..drafting.choosing.choosers import state_path
 from ..paths import Warn, load_json, save_json
 
 K_CHOICES = (0, 1, 2, 3, 4)  # what BatchK picks from

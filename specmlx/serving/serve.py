@@ -30,20 +30,14 @@ from ..core.sampling import SamplingParams
 from ..decoding import session
 from ..decoding.fim import encode_infill, require_fim
 from ..decoding.stream import chat_ids, encode_prompt
-from ..drafting.choosers import AUTO, K
-from ..drafting.trees import AUTO as TREE_AUTO
-from ..drafting.trees import TreeSize
+from ..drafting.choosing.choosers import AUTO, K
+from ..drafting.choosing.tree_size import AUTO as TREE_AUTO
+from ..drafting.choosing.tree_size import TreeSize
 from ..errors import BadInput
 from . import api_shapes as shapes
 from .access_log import SERVER, AccessLog
 from .api_errors import ApiError, install_error_handlers
-from .api_schemas import (
-    ChatBody,
-    CompletionBody,
-    InfillBody,
-    LlamaCompletionBody,
-    SamplingBody,
-)
+from .api_schemas import ChatBody, CompletionBody, InfillBody, LlamaCompletionBody, SamplingBody
 from .fitting import (
     MAX_CHARS_PER_TOKEN,
     answer_room,

@@ -32,8 +32,8 @@ from ..distributed.ranks import (
     said,
 )
 from ..distributed.wire import IDLE, BatchOps, receive, send, send_ops
-from ..drafting.choosers import ChooserStore
-from ..drafting.lookup import LookupMemory
+from ..drafting.choosing.choosers import ChooserStore
+from ..drafting.lookup.memory import LookupMemory
 from ..errors import SpecmlxError
 from ..models.loading import Loaded
 from ..paths import Warn

@@ -3,7 +3,7 @@
 # Kept verbatim but for what it needs beyond the model's forward: the relative imports of the
 # repository's tree search (configs, utils_c, choices), the tree search itself
 # (topK_genrate and its helpers) and the __main__ block are left out. specmlx's tests run
-# it in PyTorch on the CPU against specmlx.drafting.eagle3 (tests/test_eagle3.py).
+# it in PyTorch on the CPU against specmlx.drafting.heads.eagle3 (tests/test_eagle3.py).
 # coding=utf-8
 # Copyright 2022 EleutherAI and the HuggingFace Inc. team. All rights reserved.
 #

@@ -1,7 +1,7 @@
 # From FasterDecoding/Medusa at commit e2a5d20c048a9b0a4092e6933c34313687422518
 # (Apache License 2.0, https://github.com/FasterDecoding/Medusa/blob/main/LICENSE), unchanged
 # but for the wrapping said below. The reference Medusa heads and sparse tree that
-# specmlx/drafting/medusa.py is checked against (tests/test_medusa.py), run in PyTorch on the CPU.
+# specmlx/drafting/heads/medusa.py is checked against (tests/test_medusa.py), run in PyTorch on the CPU.
 #   - ResBlock: medusa/model/medusa_model.py lines 43-72, verbatim.
 #   - the heads: the `self.medusa_head = nn.ModuleList(...)` expression of
 #     MedusaModelABC.__init__ (medusa_model.py lines 111-119), verbatim but for its

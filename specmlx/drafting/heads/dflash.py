@@ -39,8 +39,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..errors import BadInput, IncompatiblePair, ModelLoadError
-from .headfiles import (
+from ...errors import BadInput, IncompatiblePair, ModelLoadError
+from .files import (
     check_architecture,
     check_layer_kind,
     head_weights,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..paths import Warn, atomic_write, specmlx_home
+from ...paths import Warn, atomic_write, specmlx_home
 from .suffix import MAX_MATCH, MAX_NGRAM, SEP, Speculation, SuffixIndex
 
 MEMORY_TOKENS = 65_536  # tokens the store keeps, newest first

@@ -42,7 +42,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import BadInput
+from ...errors import BadInput
 from .torch_zip import one_line, read_torch_zip
 
 FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")  # a directory's, in this order
@@ -292,7 +292,7 @@ KIND = "medusa"  # --draft medusa:PATH|ALIAS
 class MedusaDraft(nn.Module):
     """Medusa heads as a draft over the target's hidden states: they read its final hidden
     state ("final": the output of its final norm) and draft a sparse tree each round
-    (tree_rows.MedusaRows), never a chain of their own. Nothing is fed to them between
+    (trees.rows.MedusaRows), never a chain of their own. Nothing is fed to them between
     rounds: they keep no cache (``make_cache`` is empty, a call feeds nothing).
 
     heads: the loaded MedusaHeads; choices: the tree they draft at most (Medusa's paths)."""

@@ -36,14 +36,14 @@ from typing import Protocol
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core.caches import WindowKVCache, layer_caches, make_caches
-from ..core.kvstate import reads_hidden
-from ..core.sampling import Processor
-from ..core.tree_acceptance import Tree
-from ..core.tree_pass import keep_rows_paths, masked_logits, masked_pass, tree_refusal
-from .drafters import SAFE_ID
-from .medusa import MedusaDraft
-from .self_draft import SelfDraft
+from ...core.caches import WindowKVCache, layer_caches, make_caches
+from ...core.kvstate import reads_hidden
+from ...core.sampling import Processor
+from ...core.tree_acceptance import Tree
+from ...core.tree_pass import keep_rows_paths, masked_logits, masked_pass, tree_refusal
+from ..drafters import SAFE_ID
+from ..heads.medusa import MedusaDraft
+from ..self_draft import SelfDraft
 
 WIDTH = 4  # W: nodes expanded a level, and children kept of each (a cap, not measured)
 

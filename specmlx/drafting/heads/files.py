@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..errors import BadInput, ModelLoadError
+from ...errors import BadInput, ModelLoadError
 
 # rope scalings mlx-lm's initialize_rope computes as the head kinds' references
 # (transformers, EAGLE's cnets.py) do

@@ -37,8 +37,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..core.stats import KChooser, Stats
-from ..errors import BadInput
+from ...core.stats import KChooser, Stats
+from ...errors import BadInput
 from .adaptive import TREE_MAX
 from .choosers import count_of
 from .cost_curve import CostCurve
@@ -56,7 +56,7 @@ class TreeSize:
     """The ``--tree`` setting, parsed once (``TreeSize.of``): ``nodes`` 0 is off (chains),
     ``auto`` sizes each round by the cost model up to AUTO_NODES, a number N caps the drafted
     tokens one pass verifies and fills them with the most valuable leaves; ``expand`` ("expand:N")
-    grows a draft model's tree of N by EAGLE-2's expansion instead (drafting/expand.py)."""
+    grows a draft model's tree of N by EAGLE-2's expansion instead (drafting/trees/expand.py)."""
 
     nodes: int = 0
     auto: bool = False

@@ -37,9 +37,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..core.hidden import text_model
-from ..errors import BadInput, IncompatiblePair, ModelLoadError
-from .headfiles import (
+from ...core.hidden import text_model
+from ...errors import BadInput, IncompatiblePair, ModelLoadError
+from .files import (
     check_architecture,
     check_layer_kind,
     head_weights,

@@ -48,7 +48,7 @@ from mlx_lm.models import deepseek_v3, glm4_moe, qwen3_5, qwen3_next
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 
-from ..errors import BadInput, IncompatiblePair, ModelLoadError
+from ...errors import BadInput, IncompatiblePair, ModelLoadError
 from .targetparts import TargetParts
 
 # the checkpoint's names of the head's parts (after "mtp.") -> this module's

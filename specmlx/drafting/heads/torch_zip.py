@@ -18,7 +18,7 @@ from typing import IO
 import mlx.core as mx
 import numpy as np
 
-from ..errors import BadInput
+from ...errors import BadInput
 
 
 def one_line(e: BaseException) -> str:

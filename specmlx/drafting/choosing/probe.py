@@ -11,7 +11,7 @@ import time
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core.caches import can_rollback, make_caches, trim
+from ...core.caches import can_rollback, make_caches, trim
 from .adaptive import SUFFIX_MAX
 from .cost_curve import PROBE_SIZES
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from ..core.stats import KChooser, RoundReport
+from ...core.stats import KChooser, RoundReport
 from .cost_curve import CostCurve
 
 CONF_BINS = 10  # per-token stopping: acceptance is learned per tenth of draft confidence

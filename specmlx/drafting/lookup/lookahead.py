@@ -2,7 +2,7 @@
 example): the target drafts for itself by Jacobi iteration. One target pass carries two
 branches, both parts of one token tree (the tree verify's mask and per-token positions):
 
-- the verification branch: suffix lookup's proposal (tree_rows.LookupRows) over the context,
+- the verification branch: suffix lookup's proposal (lookup.rows.LookupRows) over the context,
   the lookup memory and the pool of n-grams the window produced (``Lookup.pool``);
 - the lookahead branch: a window of W columns and N - 1 levels of Jacobi guesses. Level 0 is
   a chain under the root (guesses for the next W positions); the guess at level l, column i
@@ -28,17 +28,17 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..core.stats import KChooser
-from ..core.tree_acceptance import Tree
-from ..errors import BadInput
-from .adaptive import TREE_MAX
-from .choosers import count_of
-from .drafters import Proposal
-from .lookup import Lookup
-from .proposals import Drafts, RowDrafter
+from ...core.stats import KChooser
+from ...core.tree_acceptance import Tree
+from ...errors import BadInput
+from ..choosing.adaptive import TREE_MAX
+from ..choosing.choosers import count_of
+from ..choosing.tree_size import AUTO, TreeSize, pass_cost
+from ..drafters import Proposal
+from ..proposals import Drafts, RowDrafter
+from .memory import Lookup
+from .rows import LOOKUP_METHODS, LookupRows
 from .suffix import SEP, SuffixIndex
-from .tree_rows import LOOKUP_METHODS, LookupRows
-from .trees import AUTO, TreeSize, pass_cost
 
 WINDOWS = (8, 4, 2, 1)  # the window widths auto tries, widest first
 WINDOW_COST = 1.1  # auto's window may make a pass at most this much slower
@@ -185,7 +185,7 @@ class LookaheadRows(RowDrafter):
 
 
 def check_lookup_by(value: str) -> str:
-    """``value`` if it says how lookup proposes (tree_rows.LOOKUP_METHODS, or a lookahead
+    """``value`` if it says how lookup proposes (lookup.rows.LOOKUP_METHODS, or a lookahead
     form LookaheadSize.of reads); BadInput otherwise."""
     if value in LOOKUP_METHODS:
         return value

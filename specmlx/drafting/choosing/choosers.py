@@ -19,12 +19,12 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..core.acceptance import DEFAULT_VERIFY
-from ..core.sampling import SamplingParams
-from ..core.stats import KChooser, RoundReport
-from ..errors import BadInput
-from ..machine import machine_id
-from ..paths import Warn, load_json, save_json, specmlx_home
+from ...core.acceptance import DEFAULT_VERIFY
+from ...core.sampling import SamplingParams
+from ...core.stats import KChooser, RoundReport
+from ...errors import BadInput
+from ...machine import machine_id
+from ...paths import Warn, load_json, save_json, specmlx_home
 from .adaptive import SUFFIX_MAX, AdaptiveK
 from .cost_curve import CostCurve
 from .probe import probe_pass_cost

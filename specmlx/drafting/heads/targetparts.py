@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_5
 
-from ..core.hidden import text_model
+from ...core.hidden import text_model
 
 
 def _ties_embedding(text: nn.Module) -> bool:

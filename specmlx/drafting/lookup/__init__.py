@@ -1,0 +1,1 @@
+"""Drafts copied from text already seen: prompt lookup with memory, suffix lookup, Lookahead's n-grams."""
