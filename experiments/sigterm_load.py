@@ -3,7 +3,7 @@ mechanics only), half streaming, half not, all long enough to be running or queu
 server gets SIGTERM. Counts how each ended: a stream with its final event and [DONE], a
 response (200 or a 503 in OpenAI's shape), or cut (no final event, a connection error).
 
-    .venv/bin/python scripts/sigterm_load.py [--clients 24] [--grace 3]
+    .venv/bin/python experiments/sigterm_load.py [--clients 24] [--grace 3]
 """
 
 from __future__ import annotations
