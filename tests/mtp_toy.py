@@ -1,5 +1,5 @@
 """A tiny target with a trained MTP head, for plumbing tests and the toy MTP benchmark
-(scripts/mtp_toy.py): a Qwen3.5-shaped target trained on a toy language whose next token
+(experiments/mtp_toy.py): a Qwen3.5-shaped target trained on a toy language whose next token
 depends on the two before it, then a head trained on the frozen target's hidden states and
 greedy labels, as MTP heads are trained. Mechanics only: no claim about real checkpoints."""
 

@@ -38,7 +38,7 @@ CONF_BINS = 10  # per-token stopping: acceptance is learned per tenth of draft c
 # per-token stopping drafts one token, then one more, then two at a time (a host sync per
 # chunk): the first drafts are where stopping saves most, and pairs keep the syncs below one
 # a token. BENCHMARKS.md ("Per-token draft stopping") has the replays that chose this
-# schedule over starting with the chooser's k or with pairs (scripts/stop_sim.py).
+# schedule over starting with the chooser's k or with pairs (experiments/stop_sim.py).
 DRAFT_CHUNKS = (1, 1, 2)
 LOOKUP_MAX = 15  # the longest n-gram lookup proposal: a target pass over 16 tokens
 # the longest suffix lookup proposal: a pass over 32 tokens. SuffixDecoding sizes a proposal

@@ -4,7 +4,7 @@ target pass, the draft step's cost against a target step, decode tok/s against t
 (and against the model's draft model, where its pair has one), and peak memory. Every
 configuration runs once per prompt, target-only interleaved before each, in one process.
 
-  . scripts/env.sh && .venv/bin/python scripts/bench_self.py smollm2-135m [--draft ALIAS]
+  . scripts/env.sh && .venv/bin/python experiments/bench_self.py smollm2-135m [--draft ALIAS]
       [--prompts 4] [-n 96] [-k 4] [--only "self (auto"]
 """
 

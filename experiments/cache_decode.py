@@ -2,7 +2,7 @@
 second of the same decode loop (mlx-lm generate_step's shape: the next step queued before
 the current token is read) on random-weight models, the two cache kinds interleaved.
 
-    .venv/bin/python scripts/cache_decode.py [--tokens 256] [--reps 5] [--only gemma3]
+    .venv/bin/python experiments/cache_decode.py [--tokens 256] [--reps 5] [--only gemma3]
 """
 
 from __future__ import annotations

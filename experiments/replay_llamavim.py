@@ -19,8 +19,8 @@ The two servers run one after the other (one at a time: a 2-core machine cannot 
 fairly), in one invocation, on the same session. The CPU demo pair cannot infill (SmolLM2
 has no FIM tokens): `--target fim-standin --draft none` builds a random-weight FIM model.
 
-    . scripts/env.sh && .venv/bin/python scripts/replay_llamavim.py
-    . scripts/env.sh && .venv/bin/python scripts/replay_llamavim.py --beside \
+    . scripts/env.sh && .venv/bin/python experiments/replay_llamavim.py
+    . scripts/env.sh && .venv/bin/python experiments/replay_llamavim.py --beside \
         --target fim-standin --draft none
 """
 

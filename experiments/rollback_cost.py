@@ -6,7 +6,7 @@ tokens, and the rollback that keeps m of them: a trim (attention, sliding window
 recurrence recomputed from the recorded pass (specmlx/core/recurrent.py), and the generic replay
 of the m tokens through the whole model (what other recurrent families get).
 
-    .venv/bin/python scripts/rollback_cost.py [--k 4] [--keep 2] [--reps 5]
+    .venv/bin/python experiments/rollback_cost.py [--k 4] [--keep 2] [--reps 5]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Chat clients that share one system prompt, at once, against this checkout's batched server
 and an earlier checkout's (the prompt cache: copied entries against taken ones).
 
-  . scripts/env.sh && .venv/bin/python scripts/bench_chat_prefix.py --rev c89112f
+  . scripts/env.sh && .venv/bin/python experiments/bench_chat_prefix.py --rev c89112f
 
 Each server (started in turn: a 2-core machine cannot host two fairly) first answers one
 untimed chat with the system prompt, as a server that has been up a while has (with --cold,
@@ -31,7 +31,7 @@ import openai
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "experiments"))
 
 from bench_serve import at_once, pct  # noqa: E402
 from replay_llamavim import start_server  # noqa: E402

@@ -1,6 +1,6 @@
 """What a round's acceptance step costs under each sampled rule, at a target's vocabulary.
 
-Usage: .venv/bin/python scripts/rule_cost.py [VOCAB ...]   (default: 49152, SmolLM2's)
+Usage: .venv/bin/python experiments/rule_cost.py [VOCAB ...]   (default: 49152, SmolLM2's)
 
 Times the processing of the target's k + 1 rows and the draft's k rows (temperature 0.8,
 top-p 0.95, as the sampled benchmarks use) plus the token-wise or block rule on random

@@ -6,7 +6,7 @@ SmolLM2-135M (the demo target's logits), teacher-forced on the held-out rows tha
     greedy  = P(argmax q == argmax p)             (what greedy speculation accepts per token)
     alpha_T = E[sum_x min(p_T(x), q_T(x))]        (what sampling at temperature T accepts)
 
-Run: .venv/bin/python scripts/distill_accept.py   (after `specmlx models build cpu-distilled`)
+Run: .venv/bin/python experiments/distill_accept.py   (after `specmlx models build cpu-distilled`)
 """
 
 from __future__ import annotations

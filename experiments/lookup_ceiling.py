@@ -19,7 +19,7 @@ Beside it, in the same replay:
   tail that occurs (4 down to 1), in the context and in memory each: what suffix lookup's
   tries read, as one chain, picked by hindsight.
 
-  . scripts/env.sh; .venv/bin/python scripts/lookup_ceiling.py smollm2-135m [-n 192] [--cap 31]
+  . scripts/env.sh; .venv/bin/python experiments/lookup_ceiling.py smollm2-135m [-n 192] [--cap 31]
 """
 
 import argparse

@@ -4,7 +4,7 @@ prompt tokens prefilled and taken from the cache, and whether the two servers su
 same text. Both servers are up for the whole run and take each pause in turn (the order
 alternating), one at a time, so load from elsewhere falls on both alike.
 
-The session is scripts/replay_llamavim.py's: the cursor walks down a source file two lines
+The session is experiments/replay_llamavim.py's: the cursor walks down a source file two lines
 a pause, half a line typed; llama.vim's default sizes (256 lines before the cursor, 64
 after, n_predict 128), a ring of two 64-line chunks of another file that drops its first
 chunk every other pause (with a warm-up, as the plugin sends one when its ring changes);
@@ -19,7 +19,7 @@ SmolLM2 was not trained to fill in the middle, so its suggestions are poor code,
 token costs what the real model's does. No draft model (the prompt cache is what is
 measured). The servers run from a worktree of --rev, so the figures belong to a commit.
 
-    . scripts/env.sh && .venv/bin/python scripts/replay_cache_reuse.py --reuse 256
+    . scripts/env.sh && .venv/bin/python experiments/replay_cache_reuse.py --reuse 256
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "experiments"))
 vim = importlib.import_module("replay_llamavim")
 
 RENAMED = {"<jupyter_start>": "<fim_prefix>", "<jupyter_text>": "<fim_suffix>",

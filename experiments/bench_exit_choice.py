@@ -5,7 +5,7 @@ the target over the prompt's own tokens (the tail, up to 256), scores it as choo
 and reports how often the prompt's own best exit is the passage's, and what the passage's exit
 keeps of the best value where it is not.
 
-  . scripts/env.sh && .venv/bin/python scripts/bench_exit_choice.py smollm2-135m [--prompts 12]
+  . scripts/env.sh && .venv/bin/python experiments/bench_exit_choice.py smollm2-135m [--prompts 12]
 """
 
 import argparse

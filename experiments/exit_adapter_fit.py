@@ -7,7 +7,7 @@ teacher-forced passes through Python source files, then measures on the built-in
 exit's. A least-squares fit is not a KL-trained adapter: read it as an estimate of what the
 adapter's shape can reach, not a bound.
 
-  . scripts/env.sh && .venv/bin/python scripts/exit_adapter_fit.py smollm2-135m [--tokens 60000]
+  . scripts/env.sh && .venv/bin/python experiments/exit_adapter_fit.py smollm2-135m [--tokens 60000]
 """
 
 import argparse

@@ -1,7 +1,7 @@
 """Concurrent clients against real servers over HTTP (issue 38): aggregate tok/s and
 per-request p50/p95 latency at 1, 2, 4 and 8 clients, greedy and T = 0.8.
 
-  . scripts/env.sh && .venv/bin/python scripts/bench_serve.py [--target T --draft D -n 48]
+  . scripts/env.sh && .venv/bin/python experiments/bench_serve.py [--target T --draft D -n 48]
 
 Servers, each started in turn (a 2-core machine cannot host two fairly), on one port, with
 the same pair:

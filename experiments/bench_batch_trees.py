@@ -4,7 +4,7 @@ request its own tree a round (`--tree 8`), the batch's sizer choosing (`auto`, f
 target's probed pass-cost curve) or each request growing EAGLE-2's tree (`expand:8`, with
 ``--settings off,8,expand:8``), against the same batch verifying chains (`off`).
 
-  . scripts/env.sh && .venv/bin/python scripts/bench_batch_trees.py \
+  . scripts/env.sh && .venv/bin/python experiments/bench_batch_trees.py \
       [--target T --draft D -n 48 -k 3 --batches 1,2,4 --repeats 2 --settings off,8,auto]
 
 Per (B, setting): tokens per target pass per request, aggregate tok/s, and both as ratios

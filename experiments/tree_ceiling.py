@@ -20,7 +20,7 @@ frequent rank-path prefixes; this reports, in tokens per pass over all start pos
   leaves would propose) and how often it is the chain's next token (a follower that costs no
   draft pass, as DFlash's block gives its leaves: one more draft forward a position here).
 
-  . scripts/env.sh && .venv/bin/python scripts/tree_ceiling.py cpu-demo-target \
+  . scripts/env.sh && .venv/bin/python experiments/tree_ceiling.py cpu-demo-target \
       cpu-distilled-draft [--prompts 6] [-n 64] [--nodes 8,16] [--depth 3] [--followers]
 """
 

@@ -4,7 +4,7 @@ each time (as if typing), once as a one-shot `specmlx run` per completion and on
 
 Reports per-completion latency (p50/p95 of whole-request wall time), the prompt tokens served
 from the prompt cache, decode tok/s of both, and whether every completion is token-identical.
-Run it as scripts/bench-editor (it uses the project's .venv).
+Run it as experiments/bench-editor (it uses the project's .venv).
 """
 
 from __future__ import annotations

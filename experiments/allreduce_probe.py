@@ -1,4 +1,4 @@
-"""Run under mlx.launch (scripts/bench-distributed does): how many all-reduces one target
+"""Run under mlx.launch (experiments/bench-distributed does): how many all-reduces one target
 pass of a tensor-parallel llama makes, and what one all-reduce of a pass's size costs here.
 
 Prints one JSON line on rank 0.

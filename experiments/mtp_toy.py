@@ -5,7 +5,7 @@ rounds showed, and what adaptive k learned (first-draft acceptance a, later a_la
 chose. Mechanics on a toy: it says the plumbing and the cost model work, nothing about a
 real checkpoint's acceptance.
 
-    .venv/bin/python scripts/mtp_toy.py [--prompts 8] [--tokens 64]
+    .venv/bin/python experiments/mtp_toy.py [--prompts 8] [--tokens 64]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Replay per-token stopping on draft traces (scripts/stop_trace.py), free of timing noise
+"""Replay per-token stopping on draft traces (experiments/stop_trace.py), free of timing noise
 (issue 14, part 2).
 
 A round at output position i drafts m tokens (each costs c target steps), verifies L of them
@@ -14,9 +14,9 @@ engine's own plan, drafting in chunks of a schedule (adaptive.DRAFT_CHUNKS is wh
 learning acceptance per confidence bin online as the engine does. Figures: acceptance by
 confidence decile, tokens per target step, and the ratio to the best fixed k on the same trace.
 
-    .venv/bin/python scripts/stop_sim.py bench-out/trace.json --c 0.2 \
+    .venv/bin/python experiments/stop_sim.py bench-out/trace.json --c 0.2 \
         --curve 1,1.17,1.44,1.63,1.65,1.69,1.70,1.72,1.98
-    .venv/bin/python scripts/stop_sim.py bench-out/trace-t08.json --draws 20 --c 0.2 ...
+    .venv/bin/python experiments/stop_sim.py bench-out/trace-t08.json --draws 20 --c 0.2 ...
 """
 
 from __future__ import annotations

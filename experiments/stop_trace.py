@@ -7,12 +7,12 @@ each and how many of them the target's output confirms (n).
 Sampled (--temp > 0): along one sampled target output, at each position i the draft samples
 K tokens from q, the target scores them in one pass, and the trace records each draft's
 confidence q(x_j) and its token-wise acceptance probability alpha_j = min(1, p(x_j) / q(x_j))
-(given drafts 1..j-1 accepted), and two other confidences: q's top probability and sum q^2. The replay draws the outcomes (scripts/stop_sim.py --draws).
+(given drafts 1..j-1 accepted), and two other confidences: q's top probability and sum q^2. The replay draws the outcomes (experiments/stop_sim.py --draws).
 
 Any stopping rule can then be replayed on the trace without timing noise:
 
-    .venv/bin/python scripts/stop_trace.py scripts/sets/code6.jsonl -n 64 -o bench-out/trace.json
-    .venv/bin/python scripts/stop_trace.py scripts/sets/code6.jsonl -n 64 --temp 0.8 \
+    .venv/bin/python experiments/stop_trace.py experiments/sets/code6.jsonl -n 64 -o bench-out/trace.json
+    .venv/bin/python experiments/stop_trace.py experiments/sets/code6.jsonl -n 64 --temp 0.8 \
         --top-p 0.95 -o bench-out/trace-t08.json
 """
 

@@ -5,7 +5,7 @@ layer shapes (mlx-lm's own classes): the head is one full-attention decoder laye
 Both after 256 tokens of context, best of --reps single-token steps, float32 on whatever
 device MLX uses (on a Linux CPU preload OpenBLAS: scripts/env.sh).
 
-    .venv/bin/python scripts/mtp_cost.py [--layers 24] [--reps 5]
+    .venv/bin/python experiments/mtp_cost.py [--layers 24] [--reps 5]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 
 import mlx.core as mx
 from mlx_lm.models import qwen3_5
-from rollback_cost import best  # scripts/: the same timing rule
+from rollback_cost import best  # experiments/: the same timing rule
 
 from specmlx.core.caches import make_caches
 from specmlx.core.hidden import HiddenTap
