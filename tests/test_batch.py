@@ -149,7 +149,7 @@ def test_a_sampled_chain_beside_a_tree_draws_what_its_solo_run_draws(pair, verif
     hot = SamplingParams(0.9)
     want = solo(target, draft, PROMPTS[0], 3, 20, sampling=hot, seed=5, verify=verify)
     greedy = solo(target, draft, PROMPTS[2], 3, 20)
-    batch, out = Batch(target, draft), {}
+    batch, out = Batch(target, draft, tree=8), {}
     rows = [batch.join(PROMPTS[0], Decode(hot, K(3), 20, seed=5, verify=verify)),
             batch.join(PROMPTS[2], Decode(k=K(3), max_tokens=20, tree=TreeSize(8)))]  # fmt: skip
     drain(batch, 3, rows, out)
@@ -528,6 +528,7 @@ def test_batch_k_keeps_what_it_measured_for_the_next_server(pair, specmlx_home):
     def worker(persist=True, draft_id="d1"):
         return SimpleNamespace(
             session=SimpleNamespace(pair=Pair(target, draft, target_id="t1", draft_id=draft_id)),
+            tree="auto",
             choosers=ChooserStore(persist=persist, warn=warned.append),
             world=World(None),
         )
@@ -580,7 +581,7 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
         raise lost
 
     w = SimpleNamespace(
-        session=SimpleNamespace(pair=Pair(target, draft, target_id="t", draft_id="d")),
+        session=SimpleNamespace(pair=Pair(target, draft, target_id="t", draft_id="d")), tree="auto",
         choosers=ChooserStore(persist=False, warn=print),
         world=World(None, rank=0, size=2),
         watchdog=None, fatal=stopped.append, send_ops=fail, draft_stop=False, stopping=False,
@@ -593,7 +594,12 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
         row = SimpleNamespace(drafts=False)
         batcher.live.append(_Live(job, row, None, None, 3, None))
     batcher.batch = SimpleNamespace(
-        leave=lambda row: None, target=target, draft=draft, vocab=None, pass_ratio=None
+        leave=lambda row: None,
+        target=target,
+        draft=draft,
+        vocab=None,
+        pass_ratio=None,
+        tree="auto",
     )
     batcher._round()
     joining = Job()

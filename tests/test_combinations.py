@@ -37,6 +37,7 @@ from specmlx.core.sampling import SamplingParams
 from specmlx.decoding.fim import encode_infill, require_fim
 from specmlx.decoding.session import Request
 from specmlx.decoding.stream import chat_ids
+from specmlx.drafting.choosing.tree_size import TreeSize
 from specmlx.errors import BadInput
 from specmlx.models.loading import load_pair
 from specmlx.models.registry import load_registry
@@ -243,7 +244,8 @@ def serve(loaded, case: dict, draft: str | None, alone: bool, tree: str) -> tupl
     name = {"suffix": "model", "ngram": "model"}.get(draft, draft)
     t, d, shared = models[case["model"], name]
     worker = Worker(t, d, shared, persist=False, lookup_memory=False, max_batch=4,
-                    cache_budget=10**9, cache_reuse=REUSE if case["cache"] == "moved" else 0)  # fmt: skip
+                    cache_budget=10**9, cache_reuse=REUSE if case["cache"] == "moved" else 0,
+                    tree=TreeSize.of(tree))  # fmt: skip
     worker.start()
     try:
         laid, checked, other = prompts(tok, case["route"], case["cache"])

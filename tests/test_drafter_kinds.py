@@ -368,7 +368,7 @@ def batch_sequences(
     admission): every fourth row to join is a neighbour with another sampler and budget (not
     counted), and k goes 2, 1, 3 round by round; tree: each row's token trees. Also how many
     rounds kept 0, 1, 2, 3 drafts."""
-    batch, counts, kept = Batch(target, draft, JV), np.zeros(JV**3), np.zeros(4)
+    batch, counts, kept = Batch(target, draft, JV, tree=tree), np.zeros(JV**3), np.zeros(4)
     joined = counted = rnd = 0
     counting = set()
     while counted < n:
@@ -397,7 +397,7 @@ def batch_sequences(
 
 def batch_greedy(pair: Pair, prompts: list[list[int]], k: int, n: int) -> list[list[int]]:
     """Greedy rows, one per prompt, joined together and decoded until each is done."""
-    batch = Batch(pair.target, pair.draft, JV)
+    batch = Batch(pair.target, pair.draft, JV, tree=pair.tree)
     decode = Decode(SamplingParams(), KSetting(k), n, tree=pair.tree)
     rows = [batch.join(p, decode) for p in prompts]
     while batch.rows:

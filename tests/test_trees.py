@@ -240,10 +240,8 @@ def test_adaptive_k_weighs_a_chain_with_its_leaves():
     for _ in range(4):
         chooser.accept.count(1, 1)
     assert chooser.best_now() == 0
-    chooser.widen = lambda k: (0.6, 4)  # four leaves worth 0.6 tokens
-    assert chooser.best_now() >= 1
-    chooser.widen = lambda k: (0.0, 0)
-    assert chooser.best_now() == 0
+    assert chooser.best_now(widen=lambda k: (0.6, 4)) >= 1  # four leaves worth 0.6 tokens
+    assert chooser.best_now(widen=lambda k: (0.0, 0)) == 0
 
 
 def test_a_tree_after_a_queued_plain_pass(pair):
@@ -325,7 +323,7 @@ def test_a_sampled_rows_tree_is_its_lone_one_in_any_batch():
 def test_a_batch_tree_round_has_one_host_sync(pair, monkeypatch):
     """Rows of a batch, a tree each, greedy and sampled side by side: one read a round."""
     target, draft = pair
-    batch = Batch(target, draft)
+    batch = Batch(target, draft, tree=8)
     for i, p in enumerate([PROMPT, [2], [4, 4, 8, 15]]):
         s = SamplingParams(0.0 if i != 1 else 1.0)
         batch.join(p, Decode(s, K(3), 40, seed=i, tree=8))

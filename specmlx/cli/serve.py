@@ -256,7 +256,7 @@ def serve(
     worker = Worker(tgt, drf, shared, max_queue=max_queue, cache_budget=cache_budget,
                     warn=warn, world=world, lookup_memory=lookup_memory,
                     draft_stop=draft_stop, watchdog=watchdog, fatal=fatal,
-                    max_batch=rows, cache_reuse=cache_reuse)  # fmt: skip
+                    max_batch=rows, cache_reuse=cache_reuse, tree=models.tree)  # fmt: skip
     if worker.batch_refused and max_batch is not None and not quiet:  # (asked for, not had)
         warn(f"--max-batch {max_batch}: one request at a time, {worker.batch_refused}")
     if cache_reuse and worker.cache.refused and world.leader:

@@ -33,12 +33,11 @@ from ..core.sampling import make_processor
 from ..core.stats import Stats, TokenEvent
 from ..core.tree_pass import tree_refusal
 from ..core.vocab import logit_width
-from ..drafting.choosing.adaptive import AdaptiveK
 from ..drafting.choosing.cost_curve import CostCurve
-from ..drafting.choosing.tree_size import SideSizer, TreeSize
+from ..drafting.choosing.tree_size import AUTO, TreeSize
 from ..drafting.proposals import RowDrafter
-from ..drafting.row_drafters import BlockRows, row_drafter
 from ..errors import BadInput, IncompatiblePair
+from .drafter_factory import batch_drafter
 from .engine import prefill
 from .request import Decode, token_ids
 from .round import Row, one_round
@@ -56,13 +55,14 @@ class Batch:
     the target as the draft; both must batch (rows.batchable). vocab_size: how many ids the
     draft may propose (default: the smaller logit width). pass_ratio: the target's measured
     pass-cost curve (choosers.ChooserStore.probe), which sizes a batch's trees under
-    ``--tree auto`` (None: CostCurve's guess, +10% a token, until it is set).
+    ``--tree auto`` (None: CostCurve's guess, +10% a token, until ``learned`` gives it).
+    tree: the batch's token trees (a TreeSize, or what TreeSize.of reads; default auto).
 
-    Token trees: a row whose request asks for them (its Decode's ``tree``) takes side leaves
-    as the batch's sizer plans them (trees.SideSizer.plan_rows: one count for every such
-    row, from the curve at the batch's width), each row its own tree in one pass
-    (core.tree_pass); the first such row's setting sizes them all. A target with recurrent
-    layers verifies chains (its rows say why in ``stats.tree_off``)."""
+    Token trees: a row whose request asks for them (its Decode's ``tree`` not off) takes side
+    leaves (or EAGLE-2's grown tree, ``expand:N``) as the batch's sizer plans them from
+    ``tree`` (tree_size.SideSizer.plan_rows: one count for every such row, from the curve
+    at the batch's width), each row its own tree in one pass (core.tree_pass). A target with
+    recurrent layers verifies chains (its rows say why in ``stats.tree_off``)."""
 
     def __init__(
         self,
@@ -70,25 +70,28 @@ class Batch:
         draft: nn.Module | None,
         vocab_size: int | None = None,
         pass_ratio: list[float] | None = None,
+        tree: TreeSize | str | int = AUTO,
     ):
         for what, model in (("target", target), ("draft", draft)):
             why = batchable(model) if model is not None else None
             if why:
                 raise IncompatiblePair(f"the {what} cannot decode in a batch: {why}")
-        self.target, self.draft = target, draft
+        self.target, self.draft, self.tree = target, draft, TreeSize.of(tree)
+        # why no row takes a tree (None: they may, when they ask)
+        self.no_trees = tree_refusal(target, make_caches(target))
+        self.cost = CostCurve(pass_ratio=pass_ratio)  # what sizes the trees of auto
         # what drafts for the rows (drafting.row_drafters: one class a kind of drafter)
         self.drafter: RowDrafter | None = None
         self.vocab = min(vocab_size or logit_width(target), logit_width(target))
         if draft is not None:
-            self.drafter, self.vocab = row_drafter(target, draft, vocab_size)
+            self.drafter, self.vocab = batch_drafter(
+                target, draft, vocab_size, self.tree, self.cost, self.no_trees
+            )
         places = self.drafter.reads_hidden if self.drafter is not None else ()
         self.tap = HiddenTap(target, places) if places else None
         self.rows: list[Row] = []
         self.verifier = RowsTarget(target, self.tap)  # the target's batch caches
-        self.pass_ratio = pass_ratio
         self.tree_pass = False  # the last round verified a tree a row
-        # why no row takes a tree (None: they may, once one asks)
-        self.no_trees = tree_refusal(target, make_caches(target))
 
     def join(
         self,
@@ -136,19 +139,26 @@ class Batch:
         self.rows.append(row)
         return row
 
+    @property
+    def pass_ratio(self) -> list[float] | None:
+        """The pass-cost curve the batch's trees are sized from (None: the guess)."""
+        return self.cost.pass_ratio
+
+    def learned(self, pass_ratio: list[float] | None) -> None:
+        """A probe of the target's pass costs ran after the batch was made: size its auto
+        trees from it (a curve it already has is kept)."""
+        if self.cost.pass_ratio is None:
+            self.cost.pass_ratio = pass_ratio
+
     def _trees(self, size: TreeSize, stats: Stats) -> bool:
-        """Whether a row asking for ``size`` takes trees; the first that does sets the
-        batch's sizer (a draft with none drafts chains: there is nothing to branch)."""
-        if size.off or self.drafter is None:
+        """Whether a row asking for ``size`` takes trees (as the batch's ``tree`` sizes
+        them): not where it asks for none, nothing drafts, or the batch's trees are off (a
+        draft with none drafts chains: there is nothing to branch)."""
+        if size.off or self.drafter is None or self.tree.off:
             return False
         if self.no_trees:
             stats.tree_off = f"the target cannot verify a tree: {self.no_trees}"
             return False
-        if self.drafter.sizer is None:
-            self.drafter.sizer = SideSizer(size, AdaptiveK(cost=CostCurve()))
-            self.drafter.sizer.runs = isinstance(self.drafter, BlockRows)
-        cost = self.drafter.sizer.chooser.cost
-        cost.pass_ratio = cost.pass_ratio or self.pass_ratio  # (a probe may come later)
         return True
 
     def share(self, prompt_ids: Sequence[int], kv: KVState) -> KVState:

@@ -36,30 +36,14 @@ from ..core.kvstate import KVState, reads_hidden, reuse_prefix
 from ..core.mlx_lm_api import set_wired_limit
 from ..core.sampling import make_processor
 from ..core.stats import Stats, TokenEvent
-from ..core.tree_pass import tree_refusal
-from ..core.vocab import draft_ids, logit_width
-from ..drafting.choosing.adaptive import AdaptiveK
 from ..drafting.choosing.choosers import for_drafter, make_chooser
-from ..drafting.choosing.tree_size import SideSizer
 from ..drafting.drafters import ModelDrafter
-from ..drafting.lookup.lookahead import LookaheadRows, LookaheadSize
-from ..drafting.lookup.memory import Lookup
-from ..drafting.lookup.rows import LookupRows
-from ..drafting.proposals import RowDrafter
 from ..drafting.row_drafters import (
-    BlockRows,
-    ChainRows,
-    HeadRows,
-    LoneRows,
-    ModelRows,
-    fits_one_row,
     pair_ids,
-    row_drafter,
 )
 from ..drafting.self_draft import SharedExit, shares_caches
-from ..drafting.trees.expand import expand_refusal
-from ..drafting.trees.rows import MedusaRows, SiblingRows
 from ..errors import BadInput, RollbackError
+from .drafter_factory import lone_drafter
 from .request import Decode, Parts, token_ids
 from .round import Row, one_round
 from .stops import Stops
@@ -107,8 +91,6 @@ def generate_tokens(
     next_k = parts.chooser
     if next_k is None:  # a fresh one, set for the drafter as the session sets the store's
         next_k = for_drafter(make_chooser(decode.k), draft)
-    if isinstance(next_k, AdaptiveK):
-        next_k.widen = None  # (set again below where this generation branches)
     if decode.draft_stop and (head or draft is None or not next_k.plans):
         raise BadInput(
             "per-token stopping needs a draft model and adaptive k in one process"
@@ -134,7 +116,8 @@ def generate_tokens(
         rule = sampled_rule(decode.verify)
         row = Row(list(prompt), decode.k, stops, seed, process, rule, stats,
                   tree=not decode.tree.off)  # fmt: skip
-        drafter, holder = _drafter(target, draft, decode, parts, kv, row, next_k, shared)
+        drafting = lone_drafter(target, draft, decode, parts, kv, row, next_k, shared)
+        drafter, holder = drafting.drafter, drafting.holder
         # the shared exit's verify pass is split at its layer: the cursor runs it through it
         model = holder.verifies if shared else target
         record = drafter is not None and not shared
@@ -146,7 +129,7 @@ def generate_tokens(
             else None if decode.lookup or head or shared else next_k.plain_next
         )  # fmt: skip
         loop = _rounds(
-            row, LoneTarget(cursor), drafter, next_k if drafter is not None else None,
+            row, LoneTarget(cursor), drafter, drafting.choose if drafter is not None else None,
             plain_next, parts.lockstep or (lambda _tokens: None),
             lambda ok: _end(kv, row, holder, ok),
         )  # fmt: skip
@@ -154,126 +137,6 @@ def generate_tokens(
             yield from loop
         finally:
             stats.peak_memory = mx.get_peak_memory()
-            if isinstance(next_k, AdaptiveK):
-                next_k.widen = None  # (it read this generation's statistics)
-
-
-def _drafter(target, draft, decode: Decode, parts: Parts, kv: KVState, row: Row, next_k,
-             shared: bool):  # fmt: skip
-    """What drafts for a lone generation (None: nothing) and what holds the draft's state
-    at the end (a ModelDrafter's cursor or a row drafter's row; None: none): lookup first
-    when asked, then the draft model or head as a row of one (with trees, lookup's
-    continuation and that drafter's chain as siblings in one tree instead); the draft model
-    over its own cursor for per-token stopping (its chunks read the draft's confidences, a
-    lone option) and for caches with no batch kind (row_drafters.fits_one_row); an early
-    exit over the target's caches when ``shared`` (self_draft.SharedExit)."""
-    drafters: list[RowDrafter] = []
-    if decode.lookup:
-        finder = Lookup(row.ctx, parts.lookup_memory)  # (it indexes the row's own list)
-        drafters.append(_lookup(finder, target, kv, decode, next_k, row, draft is not None))
-    holder = None
-    if shared:
-        vocab = draft_ids(target, draft, parts.vocab_size)[1]
-        holder = SharedExit(draft, kv.target, row.process, vocab)
-        drafters.append(LoneRows(holder, "an early exit over the target's caches"))
-    elif draft is not None:
-        head = reads_hidden(draft)
-        if decode.draft_stop or not (head or fits_one_row(draft, kv.draft)):
-            embeds, vocab = draft_ids(target, draft, parts.vocab_size)
-            plan = next_k.draft_plan if decode.draft_stop else None
-            holder = ModelDrafter(draft, kv.draft, kv.draft_held, vocab, embeds, row.process, plan)
-            drafters.append(LoneRows(holder, "the draft model over its own caches"))
-        else:  # the batch's drafter, as one row
-            holder, _ = row_drafter(target, draft, parts.vocab_size)
-            holder.join(row, kv.draft, kv.draft_held, kv.waiting)
-            drafters.append(holder)
-    if decode.tree.expand:  # EAGLE-2's grown tree: a draft model's or a head's, as a row
-        why = expand_refusal(draft, decode.draft_stop)
-        if why is None and not isinstance(holder, (ModelRows, HeadRows)):
-            why = "the draft's caches have no batch kind: it drafts over its own, chains"
-        if why:
-            raise BadInput(f"tree {decode.tree}: {why}")
-    # what branches: a drafter with a distribution at each step (side leaves), Medusa; the
-    # draft model over its own cursor as the LoneRows that holds it, but not its per-token
-    # stopping (whose chunks are cut after the leaves would be chosen)
-    own_cursor = isinstance(holder, ModelDrafter) and holder.plan is None
-    branching = drafters[-1] if own_cursor else holder
-    branches = isinstance(
-        branching, (ModelRows, HeadRows, BlockRows, MedusaRows, LoneRows)
-    ) and _tree_sizer(target, kv.target, decode, next_k, row.stats)
-    if isinstance(holder, MedusaRows):  # its own trees; the chain of its heads' best elsewhere
-        holder.size = decode.tree if branches else holder.size
-    elif branches:
-        branching.sizer = branches
-        branches.runs = isinstance(branching, BlockRows)  # its leaves go on for free (trees.py)
-        branches.dips = decode.sampling.greedy  # (a sampled round's acceptance is not probed)
-        if isinstance(next_k, AdaptiveK) and decode.tree.auto:  # k weighed with its leaves
-            next_k.widen = lambda k: branches.gain(k, row.stats)
-            next_k.tree_dips = branches.dips
-    elif not (decode.tree.off or decode.tree.auto or _branching_lookup(drafters, holder)):
-        what = _DRAFTERS.get(type(holder), "n-gram lookup") if drafters else "nothing drafts"
-        raise BadInput(
-            f"tree {decode.tree}: {what} cannot branch "
-            "(trees: a draft model, a head, Medusa, suffix lookup)"
-        )
-    if branches and decode.lookup and not decode.tree.auto:
-        # lookup's continuation beside the drafter, in one tree; auto keeps the choice by
-        # value, one of them a round (siblings measured slower here: BENCHMARKS.md, "Token
-        # trees")
-        drafters = [SiblingRows(finder, next_k, branching, logit_width(target))]
-    if not drafters:
-        return None, None
-    return (drafters[0] if len(drafters) == 1 else ChainRows(drafters)), holder
-
-
-def _lookup(finder: Lookup, target, kv: KVState, decode: Decode, next_k, row: Row,
-            fallback: bool) -> RowDrafter:  # fmt: skip
-    """Lookup's row drafter: lookahead decoding (its own tree each round, where the target
-    verifies trees: auto falls back to suffix lookup's chains and says why), or suffix lookup
-    (its tree of continuations, sized by ``decode.tree``), or n-gram lookup (chains)."""
-    width = logit_width(target)
-    method = decode.lookup_by
-    if method.startswith("lookahead"):
-        size = LookaheadSize.of(method)
-        why = tree_refusal(target, kv.target)
-        if why is None:
-            return LookaheadRows(finder, next_k, size, width, seed=len(row.ctx))
-        if not size.auto:
-            raise BadInput(f"{size}: the target cannot verify a tree: {why}")
-        row.stats.tree_off = f"lookahead needs a tree the target cannot verify: {why}"
-        method = "suffix"
-    lookup = LookupRows(finder, next_k, fallback=fallback, method=method, width=width)
-    if method == "suffix" and not decode.tree.off:  # its tree of continuations
-        sizer = _tree_sizer(target, kv.target, decode, next_k, row.stats)
-        lookup.size = decode.tree if sizer is not None else lookup.size
-    return lookup
-
-
-def _branching_lookup(drafters: list, holder) -> bool:
-    """Suffix lookup or lookahead alone propose their trees (nothing else drafting)."""
-    return holder is None and any(
-        isinstance(d, LookaheadRows) or (isinstance(d, LookupRows) and not d.size.off)
-        for d in drafters
-    )
-
-
-# what a drafter is, for the refusal of a fixed tree size
-_DRAFTERS = {SharedExit: "an early exit", ModelDrafter: "the draft model with per-token stopping"}
-
-
-def _tree_sizer(target, cache: list, decode: Decode, next_k, stats) -> SideSizer | None:
-    """The side-leaf sizer when the generation asks for trees and the target's caches take
-    them (None: chains, and for auto ``stats.tree_off`` says why); BadInput for a fixed size
-    they cannot take."""
-    if decode.tree.off:
-        return None
-    why = tree_refusal(target, cache)
-    if why is None:
-        return SideSizer(decode.tree, next_k)
-    if decode.tree.auto:
-        stats.tree_off = f"the target cannot verify a tree: {why}"
-        return None
-    raise BadInput(f"tree {decode.tree}: the target cannot verify a tree: {why}")
 
 
 def prefill(

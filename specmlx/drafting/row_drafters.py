@@ -41,6 +41,7 @@ from ..core.rows import attention_rows, batchable, row_of, rows_of, solo_of
 from ..core.sampling import sample
 from ..core.vocab import draft_ids, logit_width
 from ..errors import BadInput
+from .choosing.tree_size import OFF, SideSizer, TreeSize
 from .drafters import FEED_AFTER, SAFE_ID, Drafter
 from .heads.medusa import MedusaDraft
 from .proposals import (
@@ -59,23 +60,28 @@ from .trees.rows import MedusaRows
 
 
 def row_drafter(
-    target: nn.Module, draft: nn.Module, vocab_size: int | None = None
+    target: nn.Module,
+    draft: nn.Module,
+    vocab_size: int | None = None,
+    sizer: SideSizer | None = None,
+    size: TreeSize = OFF,
 ) -> tuple[RowDrafter, int]:
     """The row drafter for ``draft`` (a model, a chained head or a block drafter) and the ids
     it may propose: the smaller logit width, or ``vocab_size`` when fewer.
 
     target: the target model; draft: the draft model or head; vocab_size: the ids the pair
-    shares (None: the smaller logit width)."""
+    shares (None: the smaller logit width); sizer: side leaves for every drafter but Medusa
+    (None: chains); size: Medusa's own trees (off: the chain of its heads' best)."""
     if not reads_hidden(draft):
         embeds, vocab = draft_ids(target, draft, vocab_size)
-        return ModelRows(draft, vocab, embeds), vocab
+        return ModelRows(draft, vocab, embeds, sizer), vocab
     width = logit_width(target)
     vocab = min(vocab_size or width, width)
     if isinstance(draft, MedusaDraft):
-        return MedusaRows(draft, min(vocab, draft.heads.vocab)), vocab
+        return MedusaRows(draft, min(vocab, draft.heads.vocab), size), vocab
     if getattr(draft, "block_size", None):
-        return BlockRows(draft, vocab), vocab
-    return HeadRows(draft, vocab), vocab
+        return BlockRows(draft, vocab, sizer), vocab
+    return HeadRows(draft, vocab, sizer), vocab
 
 
 def fits_one_row(draft: nn.Module, caches: list) -> bool:
@@ -93,8 +99,8 @@ def fits_one_row(draft: nn.Module, caches: list) -> bool:
 class _SharedCache(RowDrafter):
     """A drafter whose rows share one batch cache per layer (core.rows)."""
 
-    def __init__(self, model, vocab: int):
-        self.model, self.vocab = model, vocab
+    def __init__(self, model, vocab: int, sizer: SideSizer | None = None):
+        self.model, self.vocab, self.sizer = model, vocab, sizer
         self.cache: list | None = None  # per layer: core.rows' batch caches
         self._grown: list[Grown] | None = None  # this round's grown trees (expand.py)
 
@@ -141,8 +147,8 @@ class ModelRows(_SharedCache):
     """A draft model for every row (see the module). model: the draft; vocab: the ids it
     may propose; embeds: the ids it can embed (others are fed as SAFE_ID)."""
 
-    def __init__(self, model, vocab: int, embeds: int):
-        super().__init__(model, vocab)
+    def __init__(self, model, vocab: int, embeds: int, sizer: SideSizer | None = None):
+        super().__init__(model, vocab, sizer)
         self.embeds = embeds
         self._states: list[list[list]] = []  # recurrent layers' states after each step
 
@@ -231,8 +237,8 @@ class HeadRows(_SharedCache):
     head(hidden (B, L, H), tokens (B, L), cache) -> (g, logits). vocab: the ids it may
     propose."""
 
-    def __init__(self, head, vocab: int):
-        super().__init__(head, vocab)
+    def __init__(self, head, vocab: int, sizer: SideSizer | None = None):
+        super().__init__(head, vocab, sizer)
         self.reads_hidden = head.reads_hidden
 
     def limit(self, row) -> int | None:
@@ -301,8 +307,8 @@ class BlockRows(RowDrafter):
     (see the module): head.block(hidden, first, width, cache) -> logits drafts a block,
     head(hidden, tokens, cache) feeds context. vocab: the ids it may propose."""
 
-    def __init__(self, head, vocab: int):
-        self.model, self.vocab = head, vocab
+    def __init__(self, head, vocab: int, sizer: SideSizer | None = None):
+        self.model, self.vocab, self.sizer = head, vocab, sizer
         self.reads_hidden = head.reads_hidden
 
     def limit(self, row) -> int | None:
@@ -428,16 +434,15 @@ class LoneRows(RowDrafter):
     its own cursor) as a row drafter of one row; it keeps its own state, so it never joins a
     batch, and refuses a second row by name.
 
-    drafter: the lone drafter; name: what it is, for the refusal. ``sizer``: side leaves for
-    a drafter whose proposals keep their step scores (the draft model without per-token
-    stopping), set where the target verifies trees."""
+    drafter: the lone drafter; name: what it is, for the refusal; sizer: side leaves for a
+    drafter whose proposals keep their step scores (the draft model without per-token
+    stopping), where the target verifies trees (None: chains)."""
 
     lone = True
 
-    def __init__(self, drafter: Drafter, name: str):
-        self.drafter, self.name = drafter, name
+    def __init__(self, drafter: Drafter, name: str, sizer: SideSizer | None = None):
+        self.drafter, self.name, self.sizer = drafter, name, sizer
         self.needs_k = drafter.needs_k
-        self.sizer = None
 
     def propose(self, rows, k, ks, keys) -> Drafts:
         if len(rows) != 1:

@@ -91,7 +91,7 @@ class Batcher:
     def __init__(self, worker, max_batch: int, k: BatchK | None = None):
         pair = worker.session.pair
         self.w, self.max_batch = worker, max_batch
-        self.batch = Batch(pair.target, pair.draft, pair.shared)
+        self.batch = Batch(pair.target, pair.draft, pair.shared, tree=worker.tree)
         self.live: list[_Live] = []
         # editor requests set aside for newer ones, oldest first: not rows, so they hold no
         # KV of the batch's (theirs is in the prompt cache, within its budget)
@@ -457,14 +457,14 @@ class Batcher:
             else:
                 self.batch.leave(lv.row)
         b = self.batch
-        self.batch = Batch(b.target, b.draft, b.vocab, b.pass_ratio)
+        self.batch = Batch(b.target, b.draft, b.vocab, b.pass_ratio, b.tree)
 
     def _probed(self) -> None:
         """A batch's trees are sized from the target's probed pass costs once a probe has run
         (a lone auto request's); with ranks, from the guessed curve, which every rank has
         (their plans must agree)."""
         if self.batch.pass_ratio is None and not self.ranks:
-            self.batch.pass_ratio = self.w.choosers.known_curve(self.w.session.pair.target_id)
+            self.batch.learned(self.w.choosers.known_curve(self.w.session.pair.target_id))
 
     def jobs(self) -> list:
         return [lv.job for lv in self.live + self.parked] + self.warmups.waiting

@@ -20,7 +20,7 @@ class FollowerBatch:
     def __init__(self, worker):
         pair = worker.session.pair
         self.w = worker
-        self.batch = Batch(pair.target, pair.draft, pair.shared)
+        self.batch = Batch(pair.target, pair.draft, pair.shared, tree=worker.tree)
         self.rows: list[Row] = []
         self.lockstep = Lockstep(worker.world, every=1)
 

@@ -33,6 +33,7 @@ from ..distributed.ranks import (
 )
 from ..distributed.wire import IDLE, BatchOps, receive, send, send_ops
 from ..drafting.choosing.choosers import ChooserStore
+from ..drafting.choosing.tree_size import AUTO, TreeSize
 from ..drafting.lookup.memory import LookupMemory
 from ..errors import SpecmlxError
 from ..models.loading import Loaded
@@ -130,7 +131,8 @@ class Worker:
     max_batch: up to this many requests decode together, one target pass a round
     (batcher.py), where the pair can batch (``batch_refused`` says why not: then one at a
     time); cache_reuse: the prompt cache moves cached runs of at least this many tokens to
-    where a prompt has them (0: off; ``cache.refused`` says why a pair cannot)."""
+    where a prompt has them (0: off; ``cache.refused`` says why a pair cannot); tree: the
+    token trees its requests ask for (a batch sizes its rows' trees by it)."""
 
     def __init__(
         self,
@@ -149,8 +151,9 @@ class Worker:
         fatal: Callable[[str], None] | None = None,
         max_batch: int = 1,
         cache_reuse: int = 0,
+        tree: TreeSize = AUTO,
     ):
-        self.watchdog, self.fatal = watchdog, fatal
+        self.watchdog, self.fatal, self.tree = watchdog, fatal, tree
         self.target, self.draft, self.shared = target, draft, shared
         self.draft_stop = draft_stop
         self.max_queue = max_queue

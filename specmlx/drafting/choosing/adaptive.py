@@ -47,6 +47,8 @@ LOOKUP_MAX = 15  # the longest n-gram lookup proposal: a target pass over 16 tok
 # within a window cache's ROLLBACK_SLACK, and the probe times passes this long.
 SUFFIX_MAX = 31
 TREE_MAX = 64  # the most drafted tokens one pass may verify, a token tree's (trees.py)
+# what side leaves add to a chain of k: (expected tokens, drafted tokens verified)
+Widen = Callable[[int], tuple[float, int]]
 
 
 def expected_tokens(a: float, k: int, a_later: float | None = None) -> float:
@@ -253,16 +255,15 @@ class AdaptiveK(KChooser):
     _drafting_rounds: int = 0
     _zeros: int = 0
     _wait: int = 0
-    # token trees (trees.SideSizer.gain, set for a generation that may branch; never saved):
-    # what side leaves add to a chain of k, (expected tokens, drafted tokens verified)
-    widen: Callable[[int], tuple[float, int]] | None = field(
-        default=None, repr=False, compare=False
-    )
-    tree_dips: bool = field(default=True, repr=False, compare=False)  # trees.SideSizer.dips
 
-    def __call__(self, last: RoundReport | None) -> int:
+    def __call__(
+        self, last: RoundReport | None, widen: Widen | None = None, dips: bool = True
+    ) -> int:
         """The next round's k, after folding in ``last`` (None: a generation starts; what
-        was learned in earlier ones carries over)."""
+        was learned in earlier ones carries over). widen: for a generation that may branch,
+        what side leaves add to a chain of k (tree_size.SideSizer.gain, read with the row's
+        statistics: (expected tokens, drafted tokens verified)); dips: the sizer's (a
+        cheaper wider pass may be filled)."""
         if last is not None:
             if last.chain is None:
                 self.update(
@@ -277,12 +278,12 @@ class AdaptiveK(KChooser):
             # plain step at the hopeful a (a prior measured before any round, ``expect``,
             # can say so), judged in units of a one-token pass; the plain round then times
             untimed = replace(self.cost, level=1.0)
-            return min(2, self.k_max) if self.best_now(untimed) else 0
+            return min(2, self.k_max) if self.best_now(untimed, widen, dips) else 0
         if self.cost.t_plain is None:
             return 0  # then what it must beat
         # once it has stopped, only a probe restarts drafting: plain rounds alone make the
         # estimates no better, and the probe's outcome is what the next choice should see
-        k = 0 if self._zeros else self.best_now()
+        k = 0 if self._zeros else self.best_now(widen=widen, dips=dips)
         if k > 0:
             self._drafting_rounds += 1
             if self.neighbor_every and self._drafting_rounds % self.neighbor_every == 0:
@@ -314,20 +315,23 @@ class AdaptiveK(KChooser):
         if a * trials < 1:
             self._wait = 8 * self.reprobe_every
 
-    def best_now(self, cost: CostCurve | None = None) -> int:
+    def best_now(
+        self, cost: CostCurve | None = None, widen: Widen | None = None, dips: bool = True
+    ) -> int:
         """The k the estimates favour now, before probing and neighbour exploration: the best
         on the point estimate of a, or 0 when even a, ``explore`` standard errors up, says a
         plain step yields more tokens per second. cost: what rounds cost (default: ``cost``;
-        the first round's choice passes an untimed one in units of a pass)."""
+        the first round's choice passes an untimed one in units of a pass); widen, dips: as for
+        ``__call__``."""
         cost = cost or self.cost
         td, later = cost.t_draft or 0.0, self.accept.later_rate
         curve = cost.curve(max(self.k_max, self.lookup_max))
         k = best_k(self.accept.first_rate, td, curve, self.k_max, k_min=1, a_later=later,
                    block=self.block)  # fmt: skip
         extra = 0.0, 0
-        if self.widen is not None:  # with side leaves a k may pay that alone would not
-            curve = cost.tree_curve(TREE_MAX, self.tree_dips)  # (nodes, the chain's, <= TREE_MAX)
-            k, extra = self._widest(td, curve, later)
+        if widen is not None:  # with side leaves a k may pay that alone would not
+            curve = cost.tree_curve(TREE_MAX, dips)  # (nodes, the chain's, <= TREE_MAX)
+            k, extra = self._widest(td, curve, later, widen)
         hopeful = self.accept.optimistic(self.explore)
         tokens = expected_tokens(hopeful, k, later) + extra[0]
         rate = tokens / (
@@ -335,12 +339,14 @@ class AdaptiveK(KChooser):
         )
         return k if rate > 1.0 / cost.plain_seconds() else 0
 
-    def _widest(self, td: float, curve: list[float], later: float) -> tuple[int, tuple]:
+    def _widest(
+        self, td: float, curve: list[float], later: float, widen: Widen
+    ) -> tuple[int, tuple]:
         """The k >= 1 whose chain and side leaves (``widen``) yield the most tokens a second
         on the point estimate, and what its leaves add."""
         best = (0.0, 1, (0.0, 0))
         for k in range(1, self.k_max + 1):
-            extra = self.widen(k)
+            extra = widen(k)
             tokens = expected_tokens(self.accept.first_rate, k, later) + extra[0]
             t = draft_seconds(k, td, self.block) + curve[min(k + extra[1], len(curve) - 1)]
             best = max(best, (tokens / t if t > 0 else 0.0, k, extra), key=lambda b: b[0])

@@ -123,12 +123,14 @@ class SideSizer:
 
     size: the setting (not off); chooser: the k chooser, whose pass-cost curve and draft
     timing ``auto`` reads where it has them (``pass_cost``: an AdaptiveK's, or the probe of
-    a FixedK); otherwise a pass is taken to cost 10% more a token (CostCurve's guess)."""
+    a FixedK); otherwise a pass is taken to cost 10% more a token (CostCurve's guess).
+    runs: leaves may continue (a block drafter's: see the module); dips: a lone row may fill
+    a cheaper wider pass (greedy: CostCurve.tree_curve; a sampled round's acceptance is not
+    probed)."""
 
-    def __init__(self, size: TreeSize, chooser: KChooser):
-        self.size, self.chooser = size, chooser
-        self.runs = False  # leaves may continue (a block drafter's: see the module)
-        self.dips = True  # a lone row may fill a cheaper wider pass (greedy: tree_curve)
+    def __init__(self, size: TreeSize, chooser: KChooser, *, runs: bool = False,
+                 dips: bool = True):  # fmt: skip
+        self.size, self.chooser, self.runs, self.dips = size, chooser, runs, dips
 
     def plan(self, k: int, stats: Stats) -> list[int]:
         """Side leaves at each depth 1..k for a chain of k (all 0: a chain). stats: the row's

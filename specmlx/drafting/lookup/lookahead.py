@@ -114,8 +114,8 @@ class LookaheadRows(RowDrafter):
                  seed: int = 0):  # fmt: skip
         self.finder, self.chooser, self.size, self.width = finder, chooser, size, width
         finder.pool = self.pool = SuffixIndex()
-        self.lookup = LookupRows(finder, chooser, width=width)
-        self.lookup.size = AUTO if size.auto else TreeSize(size.pool * (size.ngram - 1))
+        tree = AUTO if size.auto else TreeSize(size.pool * (size.ngram - 1))
+        self.lookup = LookupRows(finder, chooser, width=width, size=tree)
         self.levels: list[list[int]] = []  # the window: levels of W guesses, oldest first
         self.placed: list[int] = []  # this round's top level's nodes (ids in the pass)
         self._rng = random.Random(seed)

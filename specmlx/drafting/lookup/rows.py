@@ -33,17 +33,16 @@ class LookupRows(RowDrafter):
 
     finder: the row's lookup; chooser: the k chooser; fallback: a draft model drafts when
     lookup declines; method: one of LOOKUP_METHODS; width: the target's logit width (a
-    sampled row's point masses span it; engine.Decode checks ``method``). ``size``: set by
-    the engine (default off)."""
+    sampled row's point masses span it; engine.Decode checks ``method``); size: the tree of
+    continuations suffix lookup proposes (default off: its likeliest path)."""
 
     lone = True
     needs_k = False
 
     def __init__(self, finder: Lookup, chooser: KChooser, *, fallback: bool = False,
-                 method: str = "suffix", width: int = 0):  # fmt: skip
+                 method: str = "suffix", width: int = 0, size: TreeSize = OFF):  # fmt: skip
         self.finder, self.chooser, self.fallback = finder, chooser, fallback
-        self.method, self.width = method, width
-        self.size: TreeSize = OFF
+        self.method, self.width, self.size = method, width, size
 
     def propose(self, rows, k, ks, keys) -> Drafts:
         if len(rows) != 1:

@@ -10,7 +10,7 @@ import mlx.core as mx
 from ...core.stats import KChooser
 from ...core.tree_acceptance import Tree
 from ...errors import BadInput
-from ..choosing.tree_size import TreeSize
+from ..choosing.tree_size import OFF, TreeSize
 from ..drafters import Proposal
 from ..heads.medusa import MedusaDraft, tree_shape
 from ..lookup.memory import Lookup
@@ -24,15 +24,14 @@ class MedusaRows(RowDrafter):
     nodes; ``size`` off: the chain of each head's best). A head's top tokens are chosen, not
     drawn: a sampled row's q is a point mass at each (tree_acceptance), which keeps it exact.
 
-    draft: the heads; vocab: the ids they may propose. ``size``: set by the engine (default
-    off)."""
+    draft: the heads; vocab: the ids they may propose; size: the tree's (default off: the
+    chain of each head's best)."""
 
     lone = True
 
-    def __init__(self, draft: MedusaDraft, vocab: int):
-        self.model, self.vocab = draft, vocab
+    def __init__(self, draft: MedusaDraft, vocab: int, size: TreeSize = OFF):
+        self.model, self.vocab, self.size = draft, vocab, size
         self.reads_hidden = draft.reads_hidden
-        self.size: TreeSize = TreeSize()
         self._shapes: dict[tuple[int, int], tuple] = {}
 
     def limit(self, row) -> int | None:
