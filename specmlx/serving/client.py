@@ -32,6 +32,31 @@ class Remote:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
+def request_body(
+    request, draft: str | None = None, k: int | str | None = None, verify: str | None = None
+) -> dict:
+    """The OpenAI body of ``request`` (a session.Request: its budget, sampling, stops and
+    seed), without its prompt or messages. draft, k, verify: sent only where given (None:
+    the server fills in its own drafter, k and rule)."""
+    sampling = request.sampling
+    body: dict = {
+        "max_tokens": request.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "stop": list(request.stop) or None,
+        "seed": request.seed,
+    }
+    if draft is not None:
+        body["draft"] = draft
+    if k is not None:
+        body["num_draft"] = k
+    if verify is not None:
+        body["verify"] = verify
+    return body
+
+
 def stream_remote(
     remote: Remote,
     body: dict,
