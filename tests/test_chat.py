@@ -257,21 +257,34 @@ def test_chat_in_a_terminal(models, tmp_path):
 
 
 def test_chat_against_a_server(models):
+    """`chat --server`: the server's prompt cache keeps the first turn; a conversation past
+    the server's context drops its oldest turns; a message too long alone is refused and
+    the session goes on."""
     env = server_env(models, models / "models.toml")
-    server = Server(env, "-d", "none")
+    server = Server(env, "-d", "none", "--context", "160")
     try:
-        lines = "hello there\n/stats\nhow are you\n/stats\n/bye\n"
+        long = " ".join(["some words here"] * 3)  # about 40 tokens
+        lines = [
+            "hello there", "/stats", "how are you", "/stats", long, long, long, "/stats",
+            " ".join(["far too long"] * 30), "still here?", "/save saved.json", "/bye",
+        ]  # fmt: skip
         r = subprocess.run(
             [sys.executable, "-m", "specmlx", "chat", "--server", server.url, "-n", "8"],
-            input=lines, capture_output=True, text=True, env=env, timeout=120,
+            input="\n".join(lines) + "\n", capture_output=True, text=True, env=env,
+            timeout=120, cwd=models,
         )  # fmt: skip
     finally:
         code, err = server.stop()
     assert r.returncode == 0, r.stderr
     figures = re.findall(r"prompt tokens: (\d+), processed (\d+), cached (\d+)", r.stderr)
-    (n1, _, c1), (n2, fed2, c2) = [tuple(map(int, f)) for f in figures]
+    (n1, _, c1), (n2, fed2, c2), _ = [tuple(map(int, f)) for f in figures]
     assert c1 == 0 and c2 >= n1 and fed2 <= n2 - n1, figures
-    assert "served by " + server.url in r.stderr
+    assert f"tiny-t (served by {server.url})" in r.stderr
+    assert re.search(r"dropped the oldest \d+ turns? to fit the server's context", r.stderr)
+    assert "context_length" in r.stderr or "> the context of 160" in r.stderr, r.stderr
+    saved = json.loads((models / "saved.json").read_text())
+    assert saved[-2] == {"role": "user", "content": "still here?"}  # the refused one is not
+    assert "hello there" not in [m["content"] for m in saved]  # dropped to fit
     assert code == 0, err
 
 

@@ -115,12 +115,28 @@ def chat(
                 "--draft-stop, --tree and --draft ALIAS (--draft none or lookup still choose "
                 "how it drafts)"
             )
-        num_draft = K.of(k, "-k").value if k is not None else None
-        backend: _Backend = _Remote(server, api_key, request, draft, num_draft, verify, system)
+        backend: _Backend = _remote(server, api_key, request, draft, k, verify, system)
     else:
         backend = _local(request, system, target, draft, lookup, lookup_memory, k, tree,
                          context, quiet)  # fmt: skip
     _loop(backend, Shown(quiet, show_draft))
+
+
+def _note(message: str) -> None:
+    """One line on stderr about the conversation (turns dropped to fit the context)."""
+    err_console().print(message, style="yellow", markup=False, soft_wrap=True)
+
+
+def _remote(url, api_key, request, draft, k, verify, system) -> _RemoteChat:
+    """A running server's models, asked for their name first (so one that cannot be reached
+    ends the command before its first prompt)."""
+    from ..serving.client import Remote, RemoteChat, model_name, request_body
+
+    remote = Remote(url, api_key)
+    num_draft = K.of(k, "-k").value if k is not None else None
+    chat = RemoteChat(remote, request_body(request, draft, num_draft, verify), system, _note)
+    chat.names["model"] = model_name(remote)
+    return _RemoteChat(chat, str(num_draft) if num_draft is not None else "server's")
 
 
 @dataclass
@@ -133,16 +149,16 @@ class Shown:
 
 
 class _Backend:
-    """Where replies come from (the pair here, or a server). ``start`` begins a reply to a
-    user message: (text events, stats filled as they come, a note for stderr or "");
-    ``done`` records what was shown of it. name, drafter, k_label, where: as the summary
-    shows them."""
+    """Where replies come from: the pair here (_LocalChat) or a server (_RemoteChat).
 
-    name, drafter, k_label = "?", "?", ""
-    where: dict = {}
-    conversation = None
+    ``start`` begins the reply to a user message: (its text events, the stats they fill);
+    ``done`` records what was shown of it; ``conversation`` holds the messages. name,
+    drafter, k_label, where: as the summary and the stats line show them."""
 
-    def start(self, text: str) -> tuple[Iterator, Stats, str]:
+    name = drafter = k_label = "?"
+    where: dict
+
+    def start(self, text: str) -> tuple[Iterator, Stats]:
         raise NotImplementedError
 
     def done(self, reply: str | None) -> None:
@@ -150,28 +166,30 @@ class _Backend:
         raise NotImplementedError
 
     def clear(self) -> None:
+        """A new conversation; the system prompt stays."""
         self.conversation.clear()
 
 
 class _LocalChat(_Backend):
-    """The pair loaded here: a conversation.Chat and the request each reply runs under."""
+    """The pair loaded here: a conversation.Chat and the request each reply runs under;
+    say: told of the turns dropped to fit the context."""
 
-    def __init__(self, chat, request, name: str, drafter: str, k_label: str, load_s: float):
-        self.chat, self.request, self.gen = chat, request, None
+    def __init__(self, chat, request, name: str, drafter: str, k_label: str, load_s: float,
+                 say: Callable[[str], None]):  # fmt: skip
+        self.chat, self.request, self.gen, self.say = chat, request, None, say
         self.conversation = chat.conversation
         self.name, self.drafter, self.k_label = name, drafter, k_label
         self.where = {"load_s": load_s}
 
-    def start(self, text: str) -> tuple[Iterator, Stats, str]:
+    def start(self, text: str) -> tuple[Iterator, Stats]:
         turn = self.chat.ask(text, self.request)
         self.gen = turn.generation
-        note = ""
         if turn.dropped:
-            note = (
+            self.say(
                 f"dropped the oldest {_turns(turn.dropped)} to fit the context of "
                 f"{self.chat.limit} tokens (the system prompt stays)"
             )
-        return self.gen.text(), self.gen.stats, note
+        return self.gen.text(), self.gen.stats
 
     def done(self, reply: str | None) -> None:
         if reply is None:
@@ -184,42 +202,32 @@ class _LocalChat(_Backend):
         self.chat.clear()
 
 
-class _Remote(_Backend):
-    """A running `specmlx serve`: each turn sends the whole conversation to its chat
-    endpoint, whose prompt cache keeps the turns before."""
+class _RemoteChat(_Backend):
+    """A running `specmlx serve` (client.RemoteChat): the server's prompt cache keeps the
+    turns before. k_label: -k as given ("server's" where not)."""
 
-    def __init__(self, url, api_key, request, draft, num_draft, verify, system) -> None:
-        from ..decoding.conversation import Conversation
-        from ..serving.client import Remote, request_body
-
-        self.remote = Remote(url, api_key)
-        self.body = request_body(request, draft, num_draft, verify)
-        self.conversation = Conversation(system)
-        self.names = {"model": "?", "drafter": "?"}
-        self.k_label = str(num_draft) if num_draft is not None else "server's"
-        self.where = {"server": url}
+    def __init__(self, chat, k_label: str) -> None:
+        self.chat, self.k_label = chat, k_label
+        self.conversation = chat.conversation
+        self.where = {"server": chat.remote.url}
 
     @property
     def name(self) -> str:
-        return f"{self.names['model']} (served by {self.remote.url})"
+        return f"{self.chat.names['model']} (served by {self.chat.remote.url})"
 
     @property
     def drafter(self) -> str:
-        return self.names["drafter"]
+        return self.chat.names["drafter"]
 
-    def start(self, text: str) -> tuple[Iterator, Stats, str]:
-        from ..serving.client import stream_remote
-
-        self.conversation.add("user", text)
-        body = self.body | {"messages": self.conversation.messages()}
+    def start(self, text: str) -> tuple[Iterator, Stats]:
         stats = Stats()
-        return stream_remote(self.remote, body, stats, chat=True, names=self.names), stats, ""
+        return self.chat.reply(text, stats), stats
 
     def done(self, reply: str | None) -> None:
         if reply is None:
-            self.conversation.turns.pop()
+            self.chat.failed()
         else:
-            self.conversation.add("assistant", reply)
+            self.chat.answered(reply)
 
 
 def _turns(n: int) -> str:
@@ -263,7 +271,9 @@ def _local(request, system, target, draft, lookup, lookup_memory, k, tree, conte
     parts = ([drf.spec.alias] if drf else []) + ([models.lookup_name] if models.lookup else [])
     drafter = " + ".join(parts) or "none"
     chat = Chat(session, limit, system)
-    return _LocalChat(chat, request, tgt.spec.alias, drafter, str(models.k), tgt.load_seconds)
+    return _LocalChat(
+        chat, request, tgt.spec.alias, drafter, str(models.k), tgt.load_seconds, _note
+    )
 
 
 def read_message(read: Callable[[str], str]) -> str:
@@ -426,12 +436,10 @@ def _prompt_line(stats: Stats) -> str:
 def _reply(backend: _Backend, text: str, shown: Shown, console) -> Stats | None:
     """Stream the reply to ``text``; its statistics, or None where it was refused."""
     try:
-        events, stats, note = backend.start(text)
-    except SpecmlxError as e:  # too long for the context, a server's refusal: go on
+        events, stats = backend.start(text)
+    except SpecmlxError as e:  # too long for the context: the session goes on
         print_error(str(e))
         return None
-    if note:
-        console.print(note, style="yellow", markup=False, soft_wrap=True)
     render = Render(console, False, shown.quiet, shown.show_draft, backend.k_label)
     with _Stop() as stop:
         pieces = stop.until_asked(events)

@@ -164,8 +164,8 @@ class Chat:
         self._pending = False
 
     def failed(self) -> None:
-        """The reply failed before any of it was shown: its user message goes, and the
-        caches too where the generation left them unknown (the engine dropped them)."""
+        """The reply failed before any of it was shown: its user message goes (the caches
+        stay as the engine left them: where a failure left them unknown it dropped them)."""
         if self._pending:
             self.conversation.turns.pop()
         self._pending = False
