@@ -96,6 +96,18 @@ def test_multi_line_messages_between_triple_quotes():
     assert read_message(reader(['"""one line"""'])) == "one line"
 
 
+def test_history_on_a_home_that_cannot_be_written_is_skipped(tmp_path, monkeypatch):
+    pytest.importorskip("readline")
+    from specmlx.cli.chat import _history
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path / "file" / "home"))  # under a file
+    _history()()  # neither reading nor saving raises
+    monkeypatch.setenv("SPECMLX_HOME", str(tmp_path / "home"))
+    _history()()
+    assert (tmp_path / "home" / "chat_history").exists()
+
+
 @pytest.fixture(scope="module")
 def tiny_chat(tmp_path_factory):
     """A tiny random target with a real tokenizer and CHAT, loaded as specmlx loads it."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import typer
@@ -51,9 +51,8 @@ from .display import err_console, live_line, print_error, summary
 from .render import Render
 
 PROMPT, MORE = ">>> ", "... "
-FENCE = (
-    '"""'  # a line starting with it opens a message of several lines, one ending with it closes it
-)
+# a line starting with it opens a message of several lines, and one ending with it closes it
+FENCE = '"""'
 HELP = """\
 /clear        start a new conversation (the system prompt stays)
 /stats        the last reply's statistics: prompt tokens processed and cached, speculation
@@ -236,8 +235,6 @@ def _turns(n: int) -> str:
 
 def _local(request, system, target, draft, lookup, lookup_memory, k, tree, context, quiet):
     """The pair loaded here, as the command line names it, ready to chat."""
-    from dataclasses import replace
-
     from ..decoding.conversation import Chat, require_chat_template
     from ..decoding.session import Pair, Session
     from ..drafting.choosers import ChooserStore
