@@ -681,8 +681,8 @@ def test_distill_reports_on_stdout_and_progress_on_stderr(registry, tmp_path):
 
 
 def test_help_lists_every_drafter_the_readme_lists():
-    """`run --help` and `serve --help` name every drafter form the README's `--draft` row
-    names (medusa:PATH was missing from the help)."""
+    """`run --help`, `serve --help` and `chat --help` name every drafter form the README's
+    `--draft` row names (medusa:PATH was missing from the help)."""
     import re
     from pathlib import Path
 
@@ -690,7 +690,7 @@ def test_help_lists_every_drafter_the_readme_lists():
     row = next(ln for ln in readme.splitlines() if ln.startswith("| `--target/-t`, `--draft/-d`"))
     forms = re.findall(r"`([a-z0-9]+(?::[A-Za-z=,]+)?)`", row.split("the draft may also be")[1])
     assert {"lookup", "medusa:PATH", "self:skip=LIST", "none"} <= set(forms), forms
-    for command in ("run", "serve"):
+    for command in ("run", "serve", "chat"):
         r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200", "TERM": "dumb"})
         shown = " ".join(re.sub(r"[│\s]+", " ", r.stdout).split())
         missing = [f for f in forms if f"'{f}'" not in shown]

@@ -1,8 +1,8 @@
 """The specmlx command line: parse, call the library, render with rich. What a command was
 asked for goes to stdout (run's text or --json, listings, bench's tables, what pull, build
 and distill made, --version), so it pipes; loading, progress, a server's log lines, warnings
-and errors go to stderr. One module per command (run, serve, bench, models, distill); this
-one builds the typer app from them.
+and errors go to stderr. One module per command (run, chat, serve, bench, models, distill);
+this one builds the typer app from them.
 
 Commands import what only they need (loading, the engine, the server, the bench) when they
 run, so `--help`, `--version` and bad-usage errors answer without loading models, building
@@ -17,7 +17,7 @@ import typer
 
 from .. import __version__
 from ..machine import version
-from . import bench, distill, models, run, serve
+from . import bench, chat, distill, models, run, serve
 from .common import PromptCommand
 
 app = typer.Typer(
@@ -48,6 +48,7 @@ def main(
 
 
 app.command("run", cls=PromptCommand)(run.run)
+app.command("chat")(chat.chat)
 app.command("serve")(serve.serve)
 app.command("distill")(distill.distill)
 app.command("bench")(bench.bench)

@@ -76,6 +76,33 @@ ContextOpt = Annotated[
     int | None,
     typer.Option("--context", help="Context limit (default: the models' own, from models.toml)."),
 ]
+LookupOpt = Annotated[bool, typer.Option("--lookup", help="Prompt lookup first, then the draft.")]
+LookupMemoryOpt = Annotated[
+    bool,
+    typer.Option(
+        "--lookup-memory/--no-lookup-memory",
+        help="With lookup: also look up (and keep) recent outputs, per tokenizer under "
+        "$SPECMLX_HOME/lookup.",
+    ),
+]
+KOpt = Annotated[
+    str | None, typer.Option("-k", "--num-draft", help="Draft tokens per round, or 'auto'.")
+]
+MaxTokensOpt = Annotated[int, typer.Option("-n", "--max-tokens", help="Tokens to generate.")]
+SeedOpt = Annotated[
+    int | None, typer.Option("--seed", help="Random seed for reproducible sampling.")
+]
+StopOpt = Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No live line or summary.")]
+ShowDraftOpt = Annotated[bool, typer.Option("--show-draft", help="Colour draft-accepted text.")]
+ServerOpt = Annotated[
+    str | None,
+    typer.Option("--server", envvar="SPECMLX_SERVER", help="Send it to a running `specmlx serve`."),
+]
+ApiKeyOpt = Annotated[
+    str | None,
+    typer.Option("--api-key", envvar="SPECMLX_API_KEY", help="The server's API key."),
+]
 
 
 def cli_errors(fn):

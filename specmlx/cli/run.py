@@ -22,12 +22,22 @@ from ..drafting.choosing.choosers import K
 from ..drafting.choosing.tree_size import TreeSize
 from ..errors import BadInput
 from .common import (
+    ApiKeyOpt,
     ContextOpt,
     DraftOpt,
     DraftStopOpt,
     HostfileOpt,
     HostsOpt,
+    KOpt,
+    LookupMemoryOpt,
+    LookupOpt,
+    MaxTokensOpt,
     MinPOpt,
+    QuietOpt,
+    SeedOpt,
+    ServerOpt,
+    ShowDraftOpt,
+    StopOpt,
     TargetOpt,
     TempOpt,
     TopKOpt,
@@ -93,15 +103,10 @@ def run(
     ),
     target: TargetOpt = None,
     draft: DraftOpt = None,
-    lookup: bool = typer.Option(False, "--lookup", help="Prompt lookup first, then the draft."),
-    lookup_memory: bool = typer.Option(
-        True,
-        "--lookup-memory/--no-lookup-memory",
-        help="With lookup: also look up (and keep) recent outputs, per tokenizer under "
-        "$SPECMLX_HOME/lookup.",
-    ),
-    k: str = typer.Option(None, "-k", "--num-draft", help="Draft tokens per round, or 'auto'."),
-    max_tokens: int = typer.Option(256, "-n", "--max-tokens", help="Tokens to generate."),
+    lookup: LookupOpt = False,
+    lookup_memory: LookupMemoryOpt = True,
+    k: KOpt = None,
+    max_tokens: MaxTokensOpt = 256,
     temp: TempOpt = 0.0,
     top_p: TopPOpt = 1.0,
     top_k: TopKOpt = 0,
@@ -109,8 +114,8 @@ def run(
     verify: VerifyOpt = None,
     draft_stop: DraftStopOpt = False,
     tree: TreeOpt = None,
-    seed: int = typer.Option(None, "--seed", help="Random seed for reproducible sampling."),
-    stop: list[str] = typer.Option(None, "--stop", help="Stop string (repeatable)."),
+    seed: SeedOpt = None,
+    stop: StopOpt = None,
     chat: bool = typer.Option(False, "--chat", help="Apply the tokenizer's chat template."),
     system: str = typer.Option(None, "--system", help="With --chat: a system message first."),
     suffix: str = typer.Option(
@@ -118,15 +123,11 @@ def run(
     ),
     suffix_file: Path = typer.Option(None, "--suffix-file", help="--suffix, read from a file."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No live line or summary."),
-    show_draft: bool = typer.Option(False, "--show-draft", help="Colour draft-accepted text."),
+    quiet: QuietOpt = False,
+    show_draft: ShowDraftOpt = False,
     context: ContextOpt = None,
-    server: str = typer.Option(
-        None, "--server", envvar="SPECMLX_SERVER", help="Send it to a running `specmlx serve`."
-    ),
-    api_key: str = typer.Option(
-        None, "--api-key", envvar="SPECMLX_API_KEY", help="The server's API key."
-    ),
+    server: ServerOpt = None,
+    api_key: ApiKeyOpt = None,
     hosts: HostsOpt = None,
     hostfile: HostfileOpt = None,
 ) -> None:
@@ -322,24 +323,11 @@ def _run_remote(
     """``request`` sent to the server at ``url``; asked: the options the server fills in
     when absent, as given (draft, k, verify: None where not given)."""
     from ..decoding.stream import chat_messages
-    from ..serving.client import Remote, stream_remote
+    from ..serving.client import Remote, request_body, stream_remote
 
-    sampling, k = request.sampling, asked["k"]
-    body: dict = {
-        "max_tokens": request.max_tokens,
-        "temperature": sampling.temperature,
-        "top_p": sampling.top_p,
-        "top_k": sampling.top_k,
-        "min_p": sampling.min_p,
-        "stop": list(request.stop) or None,
-        "seed": request.seed,
-    }
-    if asked["draft"] is not None:
-        body["draft"] = asked["draft"]
-    if k is not None:
-        body["num_draft"] = K.of(k, "-k").value
-    if asked["verify"] is not None:
-        body["verify"] = asked["verify"]
+    k = asked["k"]
+    num_draft = K.of(k, "-k").value if k is not None else None
+    body = request_body(request, asked["draft"], num_draft, asked["verify"])
     if chat:
         body["messages"] = chat_messages(text, system)
     else:

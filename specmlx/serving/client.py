@@ -1,8 +1,11 @@
-"""`specmlx run --server URL`: the same request sent to a running `specmlx serve`.
+"""`specmlx run --server URL` and `specmlx chat --server URL`: the same requests sent to a
+running `specmlx serve`.
 
 The server streams OpenAI chunks; this turns them back into the text pieces and the Stats
 that `specmlx run` renders, so the command keeps its contract (text on stdout, statistics on
-stderr, --json, exit codes) whether the models are loaded here or there.
+stderr, --json, exit codes) whether the models are loaded here or there. ``RemoteChat`` holds
+a conversation whose turns go to the chat endpoint, the server's prompt cache keeping the
+turns before.
 """
 
 from __future__ import annotations
@@ -14,11 +17,16 @@ from dataclasses import dataclass
 import httpx
 
 from ..core.stats import RoundReport, Stats, TokenEvent
+from ..decoding.conversation import Conversation
 from ..errors import BadInput, SpecmlxError
 
 
 class ServerError(SpecmlxError):
     """The server is unreachable or failed (exit code 1)."""
+
+
+class ContextExceeded(BadInput):
+    """The server refused a prompt that, with its max_tokens, does not fit its context."""
 
 
 @dataclass
@@ -30,6 +38,31 @@ class Remote:
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def request_body(
+    request, draft: str | None = None, k: int | str | None = None, verify: str | None = None
+) -> dict:
+    """The OpenAI body of ``request`` (a session.Request: its budget, sampling, stops and
+    seed), without its prompt or messages. draft, k, verify: sent only where given (None:
+    the server fills in its own drafter, k and rule)."""
+    sampling = request.sampling
+    body: dict = {
+        "max_tokens": request.max_tokens,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "stop": list(request.stop) or None,
+        "seed": request.seed,
+    }
+    if draft is not None:
+        body["draft"] = draft
+    if k is not None:
+        body["num_draft"] = k
+    if verify is not None:
+        body["verify"] = verify
+    return body
 
 
 def stream_remote(
@@ -117,6 +150,82 @@ def _http_error(response: httpx.Response) -> SpecmlxError:
         message = response.json()["error"]["message"]
     except (ValueError, KeyError, TypeError):
         message = response.text[:200] or response.reason_phrase
+    try:
+        code = response.json()["error"].get("code")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        code = None
     if 400 <= response.status_code < 500:
-        return BadInput(f"the server refused the request ({response.status_code}): {message}")
+        kind = ContextExceeded if code == "context_length_exceeded" else BadInput
+        return kind(f"the server refused the request ({response.status_code}): {message}")
     return ServerError(f"the server failed ({response.status_code}): {message}")
+
+
+def model_name(remote: Remote, timeout: float = 30.0) -> str:
+    """The model the server serves (its /v1/models). ServerError when it cannot be reached,
+    BadInput when it refuses (a wrong API key)."""
+    try:
+        response = httpx.get(
+            remote.url.rstrip("/") + "/v1/models", headers=remote.headers(), timeout=timeout
+        )
+    except httpx.TransportError as e:
+        raise ServerError(f"cannot reach the specmlx server at {remote.url}: {e}") from None
+    if response.status_code >= 400:
+        raise _http_error(response)
+    try:
+        return str(response.json()["data"][0]["id"])
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ServerError(f"{remote.url} answered /v1/models with no model") from None
+
+
+class RemoteChat:
+    """A conversation held with a running server: each turn sends every message to its chat
+    endpoint (whose prompt cache prefills only what is new); where the server says the
+    conversation no longer fits its context, the oldest turns go (the system prompt stays)
+    until it does.
+
+    remote: the server; body: the OpenAI fields each turn sends besides its messages
+    (``request_body``); system: the system prompt (None: none); say: told of the turns
+    dropped, before the reply's first piece."""
+
+    def __init__(self, remote: Remote, body: dict, system: str | None = None, say=None):
+        self.remote, self.body, self.say = remote, body, say or (lambda _msg: None)
+        self.conversation = Conversation(system)
+        self.names = {"model": "?", "drafter": "?"}  # as the server names them
+
+    def reply(self, text: str, stats: Stats) -> Iterator[TokenEvent]:
+        """The reply to the user message ``text``, piece by piece; ``answered`` (or
+        ``failed``) records it. stats: filled from the server's as they come. A message that
+        does not fit alone is the server's refusal (ContextExceeded), the conversation as it
+        was."""
+        self.conversation.add("user", text)
+        kept, dropped = list(self.conversation.turns), 0
+        while True:
+            body = self.body | {"messages": self.conversation.messages()}
+            pieces = stream_remote(self.remote, body, stats, chat=True, names=self.names)
+            try:
+                first = next(pieces, None)
+            except ContextExceeded:
+                if self.conversation.drop_oldest():
+                    dropped += 1
+                    continue
+                self.conversation.turns[:] = kept[:-1]
+                raise
+            try:
+                if dropped:
+                    self.say(f"dropped the oldest {dropped} turn{'s' * (dropped != 1)} to fit "
+                             "the server's context (the system prompt stays)")  # fmt: skip
+                if first is not None:
+                    yield first
+                    yield from pieces
+            finally:
+                pieces.close()  # (a reply stopped early: the server cancels it)
+            return
+
+    def answered(self, reply: str) -> None:
+        """Record ``reply`` (what was shown of it) as the assistant's message."""
+        self.conversation.add("assistant", reply)
+
+    def failed(self) -> None:
+        """The reply failed before any of it was shown: its user message goes."""
+        if self.conversation.turns and self.conversation.turns[-1]["role"] == "user":
+            self.conversation.turns.pop()
