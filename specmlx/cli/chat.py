@@ -17,8 +17,8 @@ import typer
 
 from ..core.acceptance import DEFAULT_VERIFY
 from ..core.stats import Stats
-from ..drafting.choosers import K
-from ..drafting.trees import TreeSize
+from ..drafting.choosing.choosers import K
+from ..drafting.choosing.tree_size import TreeSize
 from ..errors import BadInput, SpecmlxError
 from ..paths import specmlx_home
 from .common import (
@@ -237,8 +237,8 @@ def _local(request, system, target, draft, lookup, lookup_memory, k, tree, conte
     """The pair loaded here, as the command line names it, ready to chat."""
     from ..decoding.conversation import Chat, require_chat_template
     from ..decoding.session import Pair, Session
-    from ..drafting.choosers import ChooserStore
-    from ..drafting.lookup import LookupMemory
+    from ..drafting.choosing.choosers import ChooserStore
+    from ..drafting.lookup.memory import LookupMemory
     from ..models.loading import load_pair
     from ..models.registry import load_registry
     from .display import print_warning
