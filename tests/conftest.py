@@ -24,8 +24,16 @@ def pytest_addoption(parser):
     )
 
 
+# the modules whose tests take longest (scripts/test's --durations): run first, so that the
+# workers finish together on short tests instead of one waiting on a long one at the end
+SLOW_FIRST = ["test_drafter_kinds", "test_distributed", "test_distribution", "test_real",
+              "test_families", "test_editor_session", "test_serve"]  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
     if not config.getoption("--quick"):
+        rank = {m: i for i, m in enumerate(SLOW_FIRST)}
+        items.sort(key=lambda i: rank.get(i.path.stem, len(rank)))  # (stable: else as found)
         return
     keep = [i for i in items if i.path.stem in QUICK and "slow" not in i.keywords]
     config.hook.pytest_deselected(items=[i for i in items if i not in keep])

@@ -325,6 +325,8 @@ KINDS = {
     "grown": Kind(_grown(_tree), 3_000, 800, 0.005),
     "eagle3-grown": Kind(_grown(_eagle3), 2_000, 600, 0.005),
     "mtp-grown": Kind(_grown(_mtp_tree), 0, 0, 0.0),  # (greedy only: the head's is eagle3's)
+    # a zero-first head (GLM's NextN) in a batch: rows of other lengths beside one at 0
+    "batch-mtp-tree": Kind(_batched(_mtp_tree), 0, 0, 0.0),  # (greedy only: as mtp-tree's)
     "batch-grown": Kind(_batched(_grown(_tree)), 3_000, 800, 0.005),
 }
 # (kind, rule): both rules for the draft model and the batch, one for each other kind

@@ -21,6 +21,7 @@ from kit_mtp import (
 from mlx.utils import tree_flatten, tree_map
 
 from specmlx.core.hidden import HiddenTap
+from specmlx.core.rows import rows_of
 from specmlx.decoding.engine import KVState
 from specmlx.errors import IncompatiblePair
 from specmlx.models.loading import load_pair
@@ -95,6 +96,30 @@ def test_the_embedding_at_position_0_is_zeroed(family_pair):
         head(hidden[:, :1], mx.array([[4]]), cache)  # position 0 taken: t is at 1..3
         later.append(head(hidden, t, cache)[0])
     assert not mx.allclose(later[0][:, 0], later[1][:, 0], atol=1e-4).item()
+
+
+def test_a_batchs_rows_zero_position_0_each_as_alone(family_pair):
+    """In a batch (core.rows: each row at its own length) only a row whose head cache is
+    empty zeroes its first pair's embedding: each row's output is its solo one (this raised
+    on a batch's per-row offsets before, and a head in a server's batch with it)."""
+    _, target, head = family_pair
+    hidden = mx.random.normal((1, 3, 32), key=mx.random.key(2))
+    tokens = mx.array([[5, 6, 7]])
+
+    def after(n: int) -> list:  # a head cache holding n pairs
+        cache = head.make_cache()
+        if n:
+            head(hidden[:, :n], mx.array([[4] * n]), cache)
+        return cache
+
+    solo = [head(hidden, tokens, after(n))[0] for n in (0, 1, 0)]
+    rows = None
+    for n in (0, 1, 0):
+        rows = rows_of(rows, after(n))
+    batch = head(mx.concatenate([hidden] * 3), mx.concatenate([tokens] * 3), rows)[0]
+    for i, want in enumerate(solo):
+        assert mx.allclose(batch[i], want[0], atol=1e-4).item(), i
+    assert not mx.allclose(solo[0], solo[1], atol=1e-4).item()  # (position 0 mattered)
 
 
 # ---------------------------------------------------------------- loading

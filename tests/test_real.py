@@ -210,3 +210,31 @@ def test_the_python_api_pages_example_runs_as_written(capsys):
     stats = scope["parts"].stats
     lines = capsys.readouterr().out.splitlines()
     assert 0 < stats.generated == len(lines) - 1 and stats.rounds > 0
+
+
+def test_a_chats_second_turn_prefills_only_its_new_message(real):
+    """`specmlx chat`'s turn cache on the real model and its own template: the second turn
+    takes the first turn's prompt and the reply it generated from the caches, and prefills
+    only what the template adds after them (the reply's end and the new user message);
+    speculating with the draft model, greedy, as `chat` runs by default."""
+    from specmlx.decoding.conversation import Chat
+    from specmlx.decoding.session import Pair, Request, Session
+
+    target, draft = real
+    session = Session(Pair(target.model, draft, tokenizer=target.tokenizer, target_id="t"))
+    chat = Chat(session, limit=2048, system="You are a helpful assistant.")
+    ask = Request(max_tokens=24, drafter="model", k=3, seed=0)
+    first = chat.ask("What is the capital of France?", ask)
+    made = [ev.token for ev in first.generation.text()]
+    chat.answered(target.tokenizer.decode(made))
+    second = chat.ask("And of Italy?", ask)
+    list(second.generation.text())
+    stats = second.generation.stats
+    # the reply as the template renders it re-tokenizes to the ids that were generated
+    assert second.prompt[: len(first.prompt) + len(made)] == first.prompt + made
+    # all the caches held (the prompt and the reply, less its last token, never fed) came
+    # from them: what was prefilled is the template's turn markers and the new message
+    assert stats.cached_tokens == len(first.prompt) + len(made) - 1, stats
+    fed = target.tokenizer.decode(second.prompt[stats.cached_tokens :])
+    assert "And of Italy?" in fed and "France" not in fed, fed
+    assert stats.prompt_tokens - stats.cached_tokens <= 20, fed

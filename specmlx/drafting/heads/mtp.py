@@ -210,10 +210,15 @@ class MTPHead(nn.Module):
         i pairs. Returns (g (B, L, H), logits (B, L, V)): g feeds a chained step."""
         family = FAMILIES[self.family]
         e = self._shared.embed(tokens)
-        if family.zero_first and getattr(cache[0], "offset", 0) == 0:
+        if family.zero_first:
             # vLLM's "masking inputs at position 0, as not needed by MTP": the pair at
-            # position 0 keeps only its hidden state
-            e = mx.concatenate([mx.zeros_like(e[:, :1]), e[:, 1:]], axis=1)
+            # position 0 keeps only its hidden state (a batch's rows: each at its own
+            # length, core.rows.RowsKVCache.lens)
+            lens = getattr(cache[0], "lens", None)
+            first = [n == 0 for n in lens] if lens is not None else [cache[0].offset == 0]
+            if any(first):
+                at = mx.array(first)[:, None, None]  # (B or 1, 1, 1)
+                e = mx.concatenate([mx.where(at, 0, e[:, :1]), e[:, 1:]], axis=1)
         x = self.fc(mx.concatenate([self.norm_e(e), self.norm_h(hidden)], axis=-1))
         mask = family.mask(x, cache[0])
         g = self.norm(self.layer(x, mask, cache[0]))
