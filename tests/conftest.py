@@ -3,10 +3,22 @@ and ``--quick``, the fast tier (`scripts/test --quick`)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
-import pytest
-from helpers import build_tiny_gguf, make_tiny_model
+# the processes tests start import no torch (no_torch/sitecustomize.py); this one (and each
+# pytest worker, which inherits the variable) keeps it for the reference code
+NO_TORCH = str(Path(__file__).parent / "no_torch")
+if NO_TORCH not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [NO_TORCH, os.environ.get("PYTHONPATH")])
+    )
+if "torch" in sys.modules and sys.modules["torch"] is None:
+    del sys.modules["torch"]
+
+import pytest  # noqa: E402
+from helpers import build_tiny_gguf, make_tiny_model  # noqa: E402
 
 # the fast tier: the acceptance math, rollback and the cursor, the engine and the batch,
 # trees, the session, moved caches, every pair of features together, one server in process

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -203,6 +204,26 @@ def test_two_ranks_grow_the_trees_one_process_grows(models, temp):
     assert want["tree_rounds"] > 0 and want["accepted"] > 0, want
     for key in ("drafted", "accepted", "accept_hist", "tree_rounds"):
         assert got[key] == want[key], key
+
+
+def test_a_second_job_on_one_machine_gets_ports_of_its_own(models):
+    """Another job's ranks already listen on mlx.launch's default ports (32323 on): a local
+    two-rank run listens on free ports of its own. With the fixed default its rank 0 could
+    not bind, or one job's ranks connected to the other's (the lockstep check stopped both,
+    seen when two tests ran two-rank jobs at once)."""
+    held = []
+    try:
+        for port in (32323, 32324):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+            held.append(sock)
+        done = specmlx(models["env"], "run", "--json", "-q", "-n", "12", *TWO, PROMPT)
+    finally:
+        for sock in held:
+            sock.close()
+    assert len(tokens(done)) == 12
 
 
 def test_two_ranks_text_stats_stdin_and_one_writer(models):

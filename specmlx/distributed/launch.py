@@ -10,9 +10,11 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -137,6 +139,28 @@ def parse_hosts(hosts: str | None, hostfile: Path | None) -> list[str]:
     return out
 
 
+def free_ports(n: int, tries: int = 50) -> int:
+    """The first of n consecutive loopback ports that are free now, drawn at random: ranks on
+    this machine listen on them. mlx.launch's fixed default (32323 on) let two jobs started
+    at once connect to each other's ranks (the lockstep check then stopped both)."""
+    rng = random.SystemRandom()
+    for _ in range(tries):
+        first = rng.randrange(20_000, 60_000 - n)
+        socks = []
+        try:
+            for port in range(first, first + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise BadInput(f"no {n} free consecutive ports on 127.0.0.1 for the ranks")
+
+
 def leave(code: int = 0) -> None:
     """End a rank's process now, after flushing its output. Past this point a rank has nothing
     left to do, and MLX's ring backend can abort in its own teardown at interpreter exit
@@ -166,7 +190,10 @@ def launch(
     if hostfile is not None:  # its "backend" decides (ring by default; jaccl for RDMA)
         cmd += ["--hostfile", str(hostfile)]
     else:
-        cmd += ["--backend", "ring", "--hosts", ",".join(parse_hosts(hosts, None))]
+        ips = parse_hosts(hosts, None)
+        cmd += ["--backend", "ring", "--hosts", ",".join(ips)]
+        if all(ipaddress.ip_address(ip).is_loopback for ip in ips):
+            cmd += ["--starting-port", str(free_ports(len(ips)))]
     cmd += ["--", "-m", "specmlx", *argv]
     codes: dict[int, int] = {}
     said: list[str] = []  # rank 0's error lines
