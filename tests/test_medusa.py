@@ -114,7 +114,8 @@ def test_reading_a_pt_imports_no_torch(tmp_path):
         f"m = load_medusa({str(tmp_path)!r}); assert m.heads == 3; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # (torch importable here)
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1], env=env)
 
 
 def test_heads_module_shapes():
