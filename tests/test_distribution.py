@@ -165,7 +165,7 @@ def test_acceptance_beats_exact_token_matching(pair):
 # over the 154 possible sequences keeps every cell's expected count high for the pooled
 # chi-square, at four times the generations that show each wrong rule below at p < 1e-6; the
 # exact enumeration in test_acceptance.py carries the fine math
-N_JOINT = 12_000
+N_JOINT = 7_500  # 2.5x the control's count, as each drafter kind's (test_drafter_kinds)
 N_WRONG = 3_000  # a wrong rule is far off: fewer generations show it
 
 
