@@ -26,26 +26,26 @@ class LoneTarget:
 
     def __init__(self, cursor: Cursor):
         self.cursor = cursor
+        self.tree = False  # the latest pass verified a token tree
 
-    def verify(self, rows: Sequence[Row], drafts: mx.array | None):
-        d = drafts[0] if drafts is not None else mx.zeros((0,), dtype=mx.uint32)
-        logits = self.cursor.verify(rows[0].ctx[-1], d)  # (k + 1, V)
-        hidden = self.cursor.hidden
+    def verify(self, rows: Sequence[Row], drafts: mx.array | None, trees: Sequence[Tree] | None):
+        r, cursor = rows[0], self.cursor
+        self.tree = trees is not None
+        if trees is None:
+            d = drafts[0] if drafts is not None else mx.zeros((0,), dtype=mx.uint32)
+            logits = cursor.verify(r.ctx[-1], d)  # (k + 1, V)
+        else:
+            logits = cursor.verify_tree(r.ctx[-1], drafts[0], trees[0], r.ctx)  # (N + 1, V)
+        hidden = cursor.hidden if cursor.tap is not None else None
         return logits[None], (hidden.states[None] if hidden is not None else None)
-
-    def verify_tree(self, rows: Sequence[Row], nodes: mx.array, trees: Sequence[Tree]):
-        logits = self.cursor.verify_tree(rows[0].ctx[-1], nodes[0], trees[0], rows[0].ctx)
-        hidden = self.cursor.hidden if self.cursor.tap is not None else None
-        return logits[None], (hidden.states[None] if hidden is not None else None)
-
-    def keep_path(self, rows: Sequence[Row], paths: Sequence[list[int]]) -> None:
-        self.cursor.keep_path(paths[0])
 
     def queue(self, token: mx.array) -> None:
         self.cursor.queue(token)
 
-    def keep(self, rows: Sequence[Row], fed: list[int], kept: list[int]) -> None:
+    def keep(self, rows: Sequence[Row], fed: list[int], paths: Sequence[list[int]]) -> None:
         r = rows[0]
+        if self.tree:  # the kept path's entries moved into place (a chain's are in place)
+            self.cursor.keep_path(paths[0])
         ahead = self.cursor.queued is not None and not r.done  # a queued pass stays
         r.stats.replayed += self.cursor.give_back(len(r.ctx) - 1 + ahead, r.ctx)
 
@@ -62,44 +62,39 @@ class RowsTarget:
         layers = recurrent_layers(make_caches(target))
         self.recorder = PassRecorder(target, layers) if layers else None
         self._before: list = []  # the recurrent states before the latest pass
-        self._held: list[int] = []  # each row's length before the latest tree pass
+        self._held: list[int] = []  # each row's length before the latest pass, a tree pass
 
     def rows_changed(self) -> None:
         """A row joined: the recorder follows the new batch caches."""
         if self.recorder is not None:
             self.recorder.layers = recurrent_layers(self.cache)
 
-    def verify(self, rows: Sequence[Row], drafts: mx.array | None):
+    def verify(self, rows: Sequence[Row], drafts: mx.array | None, trees: Sequence[Tree] | None):
         last = mx.array([[r.ctx[-1]] for r in rows], dtype=mx.uint32)  # (B, 1)
         x = last if drafts is None else mx.concatenate([last, drafts], axis=1)  # (B, k + 1)
+        self._held = [len(r.ctx) - 1 for r in rows] if trees is not None else []
         recurrent = recurrent_layers(self.cache) if self.recorder is not None else []
         self._before = [list(c.cache) for c in recurrent]  # (references: mixers assign anew)
         with (
             self.recorder.recording(x.shape[1]) if recurrent else nullcontext(),
             self.tap or nullcontext(),
-        ):
-            logits = self.model(x, cache=self.cache)  # (B, k + 1, V)
+        ):  # (recurrent rows take no tree: tree_refusal)
+            if trees is None:
+                logits = self.model(x, cache=self.cache)  # (B, k + 1, V)
+            else:
+                logits = rows_tree_logits(self.model, self.cache, x, trees)  # (B, N + 1, V)
         return logits, (self.tap.features() if self.tap is not None else None)
 
     def queue(self, token: mx.array) -> None:
         raise NotImplementedError("a batch queues no plain pass")
 
-    def verify_tree(self, rows: Sequence[Row], nodes: mx.array, trees: Sequence[Tree]):
-        last = mx.array([[r.ctx[-1]] for r in rows], dtype=mx.uint32)  # (B, 1)
-        self._held = [len(r.ctx) - 1 for r in rows]
-        with self.tap or nullcontext():  # (recurrent rows take no tree: tree_refusal)
-            logits = rows_tree_logits(
-                self.model, self.cache, mx.concatenate([last, nodes], 1), trees
-            )
-        return logits, (self.tap.features() if self.tap is not None else None)
-
-    def keep_path(self, rows: Sequence[Row], paths: Sequence[list[int]]) -> None:
-        keep_rows_paths(self.cache, self._held, paths)
-
-    def keep(self, rows: Sequence[Row], fed: list[int], kept: list[int]) -> None:
+    def keep(self, rows: Sequence[Row], fed: list[int], paths: Sequence[list[int]]) -> None:
+        if self._held:  # a tree pass: each row's kept path moved into place
+            keep_rows_paths(self.cache, self._held, paths)
+            return
         # a row fed ctx[-1] and its drafts; it keeps what its new ctx[:-1] holds
         for c in attention_rows(self.cache):
             c.lens = [len(r.ctx) - 1 for r in rows]
         if self._before:  # each row's state after its kept steps (lazy: the next sync)
-            self.recorder.settle_rows(kept, self._before)
+            self.recorder.settle_rows([len(p) for p in paths], self._before)
             self._before = []

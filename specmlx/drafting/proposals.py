@@ -49,6 +49,31 @@ class Drafts:
     def k(self) -> int:
         return 0 if self.tokens is None else self.tokens.shape[1]
 
+    @property
+    def told(self) -> int:
+        """What ``RowDrafter.settle`` is told was drafted: k for chains; for trees the
+        drafter's chain (0: a tree of its own)."""
+        return self.k if self.trees is None else self.chain
+
+    def followed(self, i: int, path: list[int]) -> tuple[int, dict]:
+        """How row i's kept path (its nodes, root excluded) went through its drafts: the
+        drafts its drafter's settle counts as accepted (a tree: how far the path followed
+        the chain) and, for a tree, its stats.RoundReport fields (chain, sides, side: the
+        rank of the side leaf the path then took, -1 none; on_chain)."""
+        if self.trees is None:
+            return len(path), {}
+        chain, sides, tree = self.chains[i], self.sides[i], self.trees[i]
+        if not chain:  # a tree of its own (Medusa's): no chain, no side leaves
+            on_chain, side, chain = len(path), -1, max(tree.depths())
+        else:
+            on_chain = next((j for j, u in enumerate(path) if u != j + 1), len(path))
+            # a kept side leaf's rank: the leaves follow the chain, depth by depth, in rank order
+            first = chain + sum(sides[:on_chain]) + 1  # its depth's first leaf
+            width = sides[on_chain] if on_chain < len(sides) else 0
+            took = on_chain < len(path) and first <= path[on_chain] < first + width
+            side = path[on_chain] - first if took else -1
+        return on_chain, {"chain": chain, "sides": sides, "side": side, "on_chain": on_chain}
+
     @classmethod
     def none(cls, b: int) -> Drafts:
         """No drafts for any of b rows."""
