@@ -32,6 +32,7 @@ from specmlx.decoding.batch import Batch  # noqa: E402
 from specmlx.decoding.request import Decode  # noqa: E402
 from specmlx.decoding.stream import encode_prompt  # noqa: E402
 from specmlx.drafting.choosing.choosers import ChooserStore, K  # noqa: E402
+from specmlx.drafting.choosing.tree_size import TreeSize  # noqa: E402
 from specmlx.machine import blas_in_use  # noqa: E402
 from specmlx.models.loading import load_pair  # noqa: E402
 
@@ -39,7 +40,9 @@ from specmlx.models.loading import load_pair  # noqa: E402
 def run(tgt, drf, shared, ratio, prompts, k: int, n: int, tree) -> dict:
     """One batch of ``prompts`` to the end: tokens, passes, seconds, outputs, tree passes."""
     batch = Batch(tgt.model, drf.model, shared, ratio)
-    rows = [batch.join(ids, Decode(k=K(k), max_tokens=n, tree=tree)) for ids in prompts]
+    rows = [
+        batch.join(ids, Decode(k=K(k), max_tokens=n, tree=TreeSize.of(tree))) for ids in prompts
+    ]
     t0, passes, trees = time.perf_counter(), 0, 0
     while batch.rows:
         batch.round(k)

@@ -23,7 +23,7 @@ from specmlx.core.kvstate import KVState  # noqa: E402
 from specmlx.core.stats import Stats  # noqa: E402
 from specmlx.decoding.engine import generate_tokens  # noqa: E402
 from specmlx.decoding.request import Decode, Parts  # noqa: E402
-from specmlx.drafting.choosing.choosers import AUTO  # noqa: E402
+from specmlx.drafting.choosing.choosers import AUTO, K  # noqa: E402
 from specmlx.drafting.self_draft import EXIT_FRACTIONS, SelfDraft, SelfSpec, shares_caches  # noqa: E402
 from specmlx.machine import blas_in_use  # noqa: E402
 from specmlx.models.loading import kept_exit, load_model, load_pair  # noqa: E402
@@ -67,7 +67,7 @@ if a.only:
 def run(draft, k, p):
     stats = Stats()
     mx.reset_peak_memory()
-    decode = Decode(k=k if draft is not None else 0, max_tokens=a.n)
+    decode = Decode(k=K.of(k) if draft is not None else K(0), max_tokens=a.n)
     parts = Parts(kv=KVState(), stats=stats, vocab_size=shared_ids)
     t0 = time.perf_counter()
     out = [e.token for e in generate_tokens(target, draft, p, decode, parts)]

@@ -34,6 +34,7 @@ from specmlx.bench.data import code_of, edit_step, load_sequences  # noqa: E402
 from specmlx.decoding.engine import generate_tokens  # noqa: E402
 from specmlx.decoding.request import Decode  # noqa: E402
 from specmlx.decoding.stream import encode_prompt  # noqa: E402
+from specmlx.drafting.choosing.choosers import K  # noqa: E402
 from specmlx.models.loading import load_pair  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -129,7 +130,9 @@ for seq in load_sequences():
     for step in range(len(seq["edits"])):
         row = edit_step(seq, step, file)
         ids = encode_prompt(tgt.tokenizer, row["prompt"], chat=True)
-        out = [e.token for e in generate_tokens(tgt.model, None, ids, Decode(k=0, max_tokens=a.n))]
+        out = [
+            e.token for e in generate_tokens(tgt.model, None, ids, Decode(k=K(0), max_tokens=a.n))
+        ]
         for m, mem in (("memory", past), ("none", [])):
             for w, (toks, rounds) in replay(ids, out, np.array(mem, dtype=np.int64), a.cap).items():
                 totals[m][w][0] += toks

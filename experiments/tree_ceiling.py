@@ -36,6 +36,7 @@ import mlx.core as mx  # noqa: E402
 from specmlx.bench.data import read_jsonl  # noqa: E402
 from specmlx.decoding.engine import generate_tokens  # noqa: E402
 from specmlx.decoding.request import Decode  # noqa: E402
+from specmlx.drafting.choosing.choosers import K  # noqa: E402
 from specmlx.drafting.choosing.tree_size import SIDE_MAX
 from specmlx.models.loading import load_pair  # noqa: E402
 
@@ -57,7 +58,7 @@ ranks: list[list[int]] = []  # per prompt: R_t over its generated tokens
 kept = [0, 0, 0]  # --followers: side leaves kept; their child right; the chain's next right
 for text in prompts:
     ids = tgt.tokenizer.encode(text)
-    out = [e.token for e in generate_tokens(tgt.model, None, ids, Decode(k=0, max_tokens=a.n))]
+    out = [e.token for e in generate_tokens(tgt.model, None, ids, Decode(k=K(0), max_tokens=a.n))]
     x = mx.array(ids + out[:-1], dtype=mx.uint32)[None]
     logits = drf.model(x)[0, len(ids) - 1 :, :shared]  # (n, V): the draft before each token
     want = mx.array(out)[:, None]

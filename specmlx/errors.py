@@ -45,3 +45,17 @@ class DoesNotFit(SpecmlxError):
 
 class OfflineError(SpecmlxError):
     """A model is not in the local cache and the network (or hub) is unavailable."""
+
+
+def parsed(value, kind: type, name: str):
+    """``value``, checked to be a ``kind`` (TypeError otherwise): each setting is parsed once,
+    at its edge (the CLI, an HTTP body, models.toml, the bench's options), into the typed value
+    the code inside takes (choosers.K, tree_size.TreeSize); nothing inside reads text again.
+
+    value: the setting; kind: its type; name: the field, for the message."""
+    if not isinstance(value, kind):
+        raise TypeError(
+            f"{name} must be a {kind.__name__}, parsed at its edge ({kind.__name__}.of), "
+            f"got {value!r}"
+        )
+    return value

@@ -28,6 +28,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 from specmlx.core.stats import KChooser, RoundReport
 from specmlx.decoding.engine import Decode, Parts, generate_tokens
 from specmlx.drafting.choosing.choosers import AUTO, K
+from specmlx.drafting.choosing.tree_size import TreeSize
 from specmlx.models import gguf
 
 
@@ -554,13 +555,16 @@ _PARTS = {f.name for f in fields(Parts)}
 def generate(target, draft, prompt, *, k=4, **settings):
     """generate_tokens with its settings as keywords, by the names of Decode's and Parts'
     fields; ``k`` is a k setting (an int, "auto", a K) or a chooser (a bare function is
-    taken as a Script)."""
+    taken as a Script), and ``tree`` a tree setting (an int, "auto", "expand:N", a
+    TreeSize): parsed here, this keyword API's edge, as the CLI parses its options."""
     chooser = None
     if not isinstance(k, (int, str, K)):
         chooser, k = (k if isinstance(k, KChooser) else Script(k)), AUTO
     unknown = set(settings) - _DECODE - _PARTS
     assert not unknown, unknown
-    decode = Decode(k=k, **{n: v for n, v in settings.items() if n in _DECODE})
+    if "tree" in settings:
+        settings["tree"] = TreeSize.of(settings["tree"])
+    decode = Decode(k=K.of(k), **{n: v for n, v in settings.items() if n in _DECODE})
     parts = Parts(chooser=chooser, **{n: v for n, v in settings.items() if n in _PARTS})
     return generate_tokens(target, draft, prompt, decode, parts)
 

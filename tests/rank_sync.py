@@ -18,6 +18,7 @@ from specmlx.decoding.session import Request
 from specmlx.distributed.launch import join
 from specmlx.distributed.ranks import Lockstep, LockstepError, SharedK
 from specmlx.distributed.wire import IDLE, receive, send
+from specmlx.drafting.choosing.choosers import K
 
 world = join()
 calls = {"all_gather": 0, "all_sum": 0}
@@ -54,7 +55,7 @@ def lockstep(diverge_at: int, ends: bool) -> dict:
 
 def request() -> dict:
     sent = Request(
-        sampling=SamplingParams(0.7, 0.9, 40, 0.05), k=5, max_tokens=17,
+        sampling=SamplingParams(0.7, 0.9, 40, 0.05), k=K(5), max_tokens=17,
         seed=2**47 + 3, stop=["\n\n", "é\0x"], drafter="lookup", extra_eos=(7, 9),
         verify="token", draft_stop=True, time_limit_s=1.5, min_indent=4,
         prompt_ids=list(range(1000, 1300)), warm_up=True,

@@ -149,7 +149,7 @@ def test_a_sampled_chain_beside_a_tree_draws_what_its_solo_run_draws(pair, verif
     hot = SamplingParams(0.9)
     want = solo(target, draft, PROMPTS[0], 3, 20, sampling=hot, seed=5, verify=verify)
     greedy = solo(target, draft, PROMPTS[2], 3, 20)
-    batch, out = Batch(target, draft, tree=8), {}
+    batch, out = Batch(target, draft, tree=TreeSize(8)), {}
     rows = [batch.join(PROMPTS[0], Decode(hot, K(3), 20, seed=5, verify=verify)),
             batch.join(PROMPTS[2], Decode(k=K(3), max_tokens=20, tree=TreeSize(8)))]  # fmt: skip
     drain(batch, 3, rows, out)
@@ -528,7 +528,7 @@ def test_batch_k_keeps_what_it_measured_for_the_next_server(pair, specmlx_home):
     def worker(persist=True, draft_id="d1"):
         return SimpleNamespace(
             session=SimpleNamespace(pair=Pair(target, draft, target_id="t1", draft_id=draft_id)),
-            tree="auto",
+            tree=TreeSize.of("auto"),
             choosers=ChooserStore(persist=persist, warn=warned.append),
             world=World(None),
         )
@@ -569,7 +569,7 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
         def __init__(self):
             self.said, self.request = (
                 [],
-                Request([1, 2, 3], k=3, max_tokens=8),
+                Request([1, 2, 3], k=K(3), max_tokens=8),
             )
             self.cancelled = SimpleNamespace(is_set=lambda: False)
             self.editor = False
@@ -581,7 +581,7 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
         raise lost
 
     w = SimpleNamespace(
-        session=SimpleNamespace(pair=Pair(target, draft, target_id="t", draft_id="d")), tree="auto",
+        session=SimpleNamespace(pair=Pair(target, draft, target_id="t", draft_id="d")), tree=TreeSize.of("auto"),
         choosers=ChooserStore(persist=False, warn=print),
         world=World(None, rank=0, size=2),
         watchdog=None, fatal=stopped.append, send_ops=fail, draft_stop=False, stopping=False,
@@ -599,7 +599,7 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
         draft=draft,
         vocab=None,
         pass_ratio=None,
-        tree="auto",
+        tree=TreeSize.of("auto"),
     )
     batcher._round()
     joining = Job()

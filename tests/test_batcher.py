@@ -13,6 +13,7 @@ from helpers import tiny_pair
 
 from specmlx.core.sampling import SamplingParams
 from specmlx.decoding.session import Request
+from specmlx.drafting.choosing.choosers import AUTO, K
 from specmlx.models.loading import load_pair
 from specmlx.models.registry import load_registry
 from specmlx.serving.worker import Worker
@@ -75,18 +76,18 @@ def test_a_seeded_sampled_request_gives_its_solo_text_whatever_moves_it(worker, 
     afterwards ("parked"); or it starts as a row beside a running adaptive one. Its
     tokens are its solo run's (the same seed, the same fixed k). Controls: another seed
     gives other tokens (the comparison means something)."""
-    mine = dict(sampling=HOT, seed=1234, k=3, editor=how == "parked")
+    mine = dict(sampling=HOT, seed=1234, k=K(3), editor=how == "parked")
     want = solo(worker, CODE, 60, **mine)
     assert solo(worker, CODE, 60, **{**mine, "seed": 99}) != want
     log: list = []
     waits = []
     if how == "beside an adaptive row":
-        waits.append(ask(worker, log, "other", "class A:\n", 120, k="auto"))
+        waits.append(ask(worker, log, "other", "class A:\n", 120, k=AUTO))
         wait_for(lambda: len(pieces(log, "other")) >= 2)
     waits.append(ask(worker, log, "mine", CODE, 60, **mine))
     if how != "beside an adaptive row":
         wait_for(lambda: len(pieces(log, "mine")) >= 3)  # it is running alone
-        other = dict(k="auto", editor=how == "parked")
+        other = dict(k=AUTO, editor=how == "parked")
         waits.append(ask(worker, log, "other", "def g(y):\n", 24, **other))
     assert all(d.wait(120) for d in waits)
     assert [x for x in log if x[1] == "error"] == []

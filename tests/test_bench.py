@@ -25,6 +25,8 @@ from specmlx.bench.report import (
 )
 from specmlx.bench.suite import _timed, like_for_like_sampler, systems
 from specmlx.core.sampling import SamplingParams, make_processor
+from specmlx.drafting.choosing.choosers import AUTO as AUTO_K
+from specmlx.drafting.choosing.choosers import K
 
 
 def test_theoretical_speedup_formula():
@@ -48,8 +50,8 @@ def test_spread_is_median_min_max():
 
 
 def test_summarize_rows_speedup_and_efficiency():
-    s = BenchSettings(ks=[2], temps=[0.0], repeats=2, compare_mlx_lm=False)
-    base, spec = System("target-only", "none", 0), System("specmlx", "d", 2)
+    s = BenchSettings(ks=[K(2)], temps=[0.0], repeats=2, compare_mlx_lm=False)
+    base, spec = System("target-only", "none", K(0)), System("specmlx", "d", K(2))
     runs = []
     for rep, (tb, ts) in enumerate([(10.0, 5.0), (12.0, 5.0)]):
         # 100 tokens each; specmlx accepted 60 of 80 drafted in 40 passes
@@ -68,8 +70,8 @@ def test_summarize_rows_speedup_and_efficiency():
 
 
 def test_verdicts_fold_into_the_worst_one_per_row():
-    s = BenchSettings(ks=[2], temps=[0.0], repeats=1, compare_mlx_lm=False)
-    base, spec = System("target-only", "none", 0), System("specmlx", "d", 2)
+    s = BenchSettings(ks=[K(2)], temps=[0.0], repeats=1, compare_mlx_lm=False)
+    base, spec = System("target-only", "none", K(0)), System("specmlx", "d", K(2))
     ref = Run(base.label, "p", 0.0, 0, [1, 2, 3], 3, 1.0, 0, 0, "identical")
     tie = Run(spec.label, "p", 0.0, 0, [1, 2, 4], 3, 1.0, 2, 1, "near-tie")
     other = Run(spec.label, "q", 0.0, 0, [5, 6], 2, 1.0, 2, 1, "identical")
@@ -122,16 +124,16 @@ def plain_tokens(target, prompt, n):
 
 
 def test_block_rows_sit_beside_token_rows_and_run_sampled_only():
-    s = BenchSettings(ks=[0, 2, "auto"], temps=[0.0, 0.8], verifies=["token", "block"])
+    s = BenchSettings(ks=[K(0), K(2), AUTO_K], temps=[0.0, 0.8], verifies=["token", "block"])
     rows = [(sy.system, sy.k.value, sy.verify) for sy in systems("d", s)]
     spec = [(k, v) for system, k, v in rows if system == "specmlx"]
     assert spec == [(0, "token"), (2, "token"), (2, "block"), ("auto", "token"), ("auto", "block")]
-    block, token = System("specmlx", "d", 2, "block"), System("specmlx", "d", 2, "token")
+    block, token = System("specmlx", "d", K(2), "block"), System("specmlx", "d", K(2), "token")
     # the default rule's rows keep the plain label
     assert block.label == "specmlx d k=2" and token.label == "specmlx d k=2 verify=token"
-    assert System("specmlx", "d", 2).verify == "block"
+    assert System("specmlx", "d", K(2)).verify == "block"
     assert not runs_at(block, 0.0, s) and runs_at(block, 0.8, s)
-    only_block = BenchSettings(ks=[2], temps=[0.0], verifies=["block"])
+    only_block = BenchSettings(ks=[K(2)], temps=[0.0], verifies=["block"])
     assert runs_at(block, 0.0, only_block)  # no token-wise row to stand for it
 
 

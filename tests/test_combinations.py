@@ -37,6 +37,8 @@ from specmlx.core.sampling import SamplingParams
 from specmlx.decoding.fim import encode_infill, require_fim
 from specmlx.decoding.session import Request
 from specmlx.decoding.stream import chat_ids
+from specmlx.drafting.choosing.choosers import AUTO as AUTO_K
+from specmlx.drafting.choosing.choosers import K
 from specmlx.drafting.choosing.tree_size import TreeSize
 from specmlx.errors import BadInput
 from specmlx.models.loading import load_pair
@@ -239,13 +241,14 @@ def wait(sent: Sent) -> list[int]:
 def serve(loaded, case: dict, draft: str | None, alone: bool, tree: str) -> tuple[list[int], int]:
     """(the checked request's tokens, its cached prompt tokens) on a fresh worker over
     ``draft``'s pair (None: the target alone) after the case's warm-ups; with a neighbour
-    unless ``alone``."""
+    unless ``alone``. tree: the case's setting, as text (parsed here, as the CLI would)."""
     models, tok = loaded
+    tree = TreeSize.of(tree)
     name = {"suffix": "model", "ngram": "model"}.get(draft, draft)
     t, d, shared = models[case["model"], name]
     worker = Worker(t, d, shared, persist=False, lookup_memory=False, max_batch=4,
                     cache_budget=10**9, cache_reuse=REUSE if case["cache"] == "moved" else 0,
-                    tree=TreeSize.of(tree))  # fmt: skip
+                    tree=tree)  # fmt: skip
     worker.start()
     try:
         laid, checked, other = prompts(tok, case["route"], case["cache"])
@@ -257,7 +260,7 @@ def serve(loaded, case: dict, draft: str | None, alone: bool, tree: str) -> tupl
             prompt_ids=checked, max_tokens=N, tree=tree, drafter=drafter,
             lookup_by=draft if draft in ("suffix", "ngram") else "suffix",
             sampling=SamplingParams(temperature=0.9 if seeded else 0.0), seed=7,
-            k=3 if seeded else "auto",
+            k=K(3) if seeded else AUTO_K,
         )  # fmt: skip
         neighbour = Request(prompt_ids=other, max_tokens=3 * N, tree=tree, drafter=drafter,
                             lookup_by=request.lookup_by, seed=1)  # fmt: skip

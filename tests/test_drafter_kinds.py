@@ -47,6 +47,7 @@ from specmlx.decoding.request import Decode
 from specmlx.distill.student import DistillConfig, make_student
 from specmlx.distill.train import distill
 from specmlx.drafting.choosing.choosers import K as KSetting
+from specmlx.drafting.choosing.tree_size import OFF, TreeSize
 from specmlx.drafting.heads import dflash, eagle3, medusa
 from specmlx.drafting.self_draft import SelfDraft, SelfSpec
 from specmlx.models.loading import Loaded
@@ -63,7 +64,7 @@ class Pair:
     prompt: list[int]
     lookup: bool = False
     batched: bool = False
-    tree: int | str = "off"  # token trees (decoding.request.Decode.tree)
+    tree: TreeSize = TreeSize()  # token trees (decoding.request.Decode.tree)
     lookup_by: str = "suffix"  # how lookup proposes (decoding.request.Decode.lookup_by)
 
 
@@ -112,14 +113,14 @@ def _suffix_tree(_tmp: Path) -> Pair:
     occurred twice, followed by 2, 1, 0 (the target's greedy path) and by 5, 6, 3, so both
     continuations go in one tree of six nodes, siblings at the root (point masses)."""
     target = make_tiny(11, vocab=JV, layers=3, hidden=16, sharpen=2.0)
-    return Pair(target, None, [3, 2, 1, 0, 3, 5, 6, 3], lookup=True, tree=6)
+    return Pair(target, None, [3, 2, 1, 0, 3, 5, 6, 3], lookup=True, tree=TreeSize(6))
 
 
 def _lookahead(tmp: Path) -> Pair:
     """Lookahead decoding over the "suffix-tree" pair: a window of two columns and two levels
     of Jacobi guesses beside suffix lookup's candidates, all point masses in one tree."""
     pair = _suffix_tree(tmp)
-    return dataclasses.replace(pair, tree="off", lookup_by="lookahead:w=2,n=3,g=2")
+    return dataclasses.replace(pair, tree=TreeSize(), lookup_by="lookahead:w=2,n=3,g=2")
 
 
 def _chain(_tmp: Path) -> Pair:
@@ -208,7 +209,7 @@ def _tree(_tmp: Path) -> Pair:
     noise = mx.random.normal(draft.lm_head.weight.shape, key=mx.random.key(3))
     draft.lm_head.weight = draft.lm_head.weight + 0.3 * noise
     mx.eval(draft.parameters())
-    return Pair(target, draft, JOINT_PROMPT, tree=6)
+    return Pair(target, draft, JOINT_PROMPT, tree=TreeSize(6))
 
 
 def _medusa(_tmp: Path) -> Pair:
@@ -216,7 +217,9 @@ def _medusa(_tmp: Path) -> Pair:
     of Medusa's small tree: point masses at each head's top tokens."""
     target = make_tiny(11, vocab=JV, layers=3, hidden=16)
     heads = _randomized(medusa.MedusaHeads(16, JV, heads=3, layers=1), seed=8)  # (see kept)
-    return Pair(target, medusa.MedusaDraft(heads), [3, 5, 1, 3], tree=8)  # (hidden states to read)
+    return Pair(
+        target, medusa.MedusaDraft(heads), [3, 5, 1, 3], tree=TreeSize(8)
+    )  # (hidden states to read)
 
 
 def _siblings(tmp: Path) -> Pair:
@@ -235,24 +238,24 @@ def _mtp_tree(_tmp: Path) -> Pair:
     target.update(tree_map(lambda p: p if mx.any(p).item() else 0.3 * mx.random.normal(p.shape),
                            target.parameters()))  # fmt: skip
     mx.eval(target.parameters())
-    return Pair(target, random_head(target, "glm4_moe", scale=0.5), [3, 5, 1, 3], tree=6)
+    return Pair(target, random_head(target, "glm4_moe", scale=0.5), [3, 5, 1, 3], tree=TreeSize(6))
 
 
 def _eagle3_tree(tmp: Path) -> Pair:
     """The EAGLE-3 head's chain with side leaves (its next-best tokens at each chained step)."""
-    return dataclasses.replace(_eagle3(tmp), tree=6)
+    return dataclasses.replace(_eagle3(tmp), tree=TreeSize(6))
 
 
 def _dflash_tree(tmp: Path) -> Pair:
     """The DFlash block with side leaves (the next-best tokens at each block position)."""
-    return dataclasses.replace(_dflash(tmp), tree=6)
+    return dataclasses.replace(_dflash(tmp), tree=TreeSize(6))
 
 
 def _dflash_ddtree(tmp: Path) -> Pair:
     """The DFlash block's tree with room for every leaf and its continuations (14 nodes at
     k = 2: the chain, four leaves a depth, a follower for each depth-1 leaf: the block's own
     token at depth 2, a point mass there)."""
-    return dataclasses.replace(_dflash(tmp), tree=14)
+    return dataclasses.replace(_dflash(tmp), tree=TreeSize(14))
 
 
 def _window_tree(_tmp: Path) -> Pair:
@@ -261,7 +264,7 @@ def _window_tree(_tmp: Path) -> Pair:
     window: the tree pass masks each node to its own window."""
     target = build("gemma3_text", 3, 11, vocab=JV)
     draft = noisy_copy("gemma3_text", 3, 11, noise=0.6, vocab=JV)
-    return Pair(target, draft, [3, 1, 4, 1, 5, 6, 2, 6, 5, 3], tree=6)
+    return Pair(target, draft, [3, 1, 4, 1, 5, 6, 2, 6, 5, 3], tree=TreeSize(6))
 
 
 def _batch_rows(_tmp: Path) -> Pair:
@@ -290,7 +293,7 @@ class Kind:
 def _grown(build: Callable[[Path], Pair]) -> Callable[[Path], Pair]:
     """A kind's pair growing EAGLE-2's tree of 6 instead (``--tree expand:6``: every node a
     point mass, greedy or sampled, alone or in a batch)."""
-    return lambda tmp: dataclasses.replace(build(tmp), tree="expand:6")
+    return lambda tmp: dataclasses.replace(build(tmp), tree=TreeSize(6, expand=True))
 
 
 # high for the pooled chi-square (the enumeration in test_acceptance.py carries the fine
@@ -365,7 +368,7 @@ NEIGHBOURS = [SamplingParams(), SamplingParams(0.7), SamplingParams(1.3, top_k=3
 
 
 def batch_sequences(
-    target, draft, verify: str, n: int, tree: int | str = "off"
+    target, draft, verify: str, n: int, tree: TreeSize = OFF
 ) -> tuple[np.ndarray, np.ndarray]:
     """Counts of the three-token sequences of n rows sampled with JOINT_SAMPLING, each its
     own seed, decoded in one Batch that rows join and leave as they finish (continuous
@@ -409,9 +412,9 @@ def batch_greedy(pair: Pair, prompts: list[list[int]], k: int, n: int) -> list[l
         for row in [r for r in batch.rows if r.done]:
             batch.leave(row)
     assert sum(row.stats.drafted for row in rows) > 0
-    if pair.tree != "off":  # every row verified trees, and some kept a side leaf (or drafts)
+    if not pair.tree.off:  # every row verified trees, and some kept a side leaf (or drafts)
         assert all(row.stats.tree_rounds for row in rows), [r.stats for r in rows]
-        grown = str(pair.tree).startswith("expand:")  # (no side leaves: EAGLE-2's trees)
+        grown = pair.tree.expand  # (no side leaves: EAGLE-2's trees)
         kept = [r.stats.accepted if grown else sum(r.stats.rank_kept) for r in rows]
         assert sum(kept) > 0, [r.stats for r in rows]
     return [row.ctx[len(p) :] for row, p in zip(rows, prompts, strict=True)]
@@ -446,7 +449,7 @@ def test_greedy_decoding_is_the_targets_own(pairs, kind):
     )  # fmt: skip
     assert [e.token for e in spec] == plain[0]
     assert stats.drafted > 0
-    if pair.tree != "off" or kind == "lookahead":  # trees were verified and kept drafts
+    if not pair.tree.off or kind == "lookahead":  # trees were verified and kept drafts
         assert stats.tree_rounds > 0 and stats.accepted > 0, stats
         grown = (
             "grown",
@@ -472,7 +475,7 @@ def test_the_joint_test_rejects_a_rule_that_skips_the_residual(pairs, kind, veri
     pair = pairs(kind)
     joint = sequence_joint(pair.target, make_processor(JOINT_SAMPLING), pair.prompt)
     monkeypatch.setitem(RULES, verify, skips_the_residual(OUTCOMES[verify]))
-    if pair.tree != "off" or kind == "lookahead":  # a tree's rule: no residual between siblings
+    if not pair.tree.off or kind == "lookahead":  # a tree's rule: no residual between siblings
         monkeypatch.setattr(tree_acceptance, "_residual", lambda r, q: r)
     counts, _ = sequences(pair, verify, KINDS[kind].n_wrong)
     assert pooled_chi2(counts, joint) < 1e-6

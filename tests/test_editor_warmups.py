@@ -13,6 +13,7 @@ import pytest
 from helpers import tiny_pair
 
 from specmlx.decoding.session import Request
+from specmlx.drafting.choosing.choosers import K
 from specmlx.models.loading import load_pair
 from specmlx.models.registry import load_registry
 from specmlx.serving.worker import Worker
@@ -71,10 +72,10 @@ def run_between(worker, second: dict) -> list[str]:
     the first; one at a time: it queues behind ``second``). Returns the names in the order
     they were answered."""
     log: list = []
-    _, first = ask(worker, log, "sugg", CODE * 2, 80, editor=True, k=3)
+    _, first = ask(worker, log, "sugg", CODE * 2, 80, editor=True, k=K(3))
     wait_for(lambda: pieces(log, "sugg") >= 3)
     _, other = ask(worker, log, "other", CODE * 12, 1, **second)
-    _, then = ask(worker, log, "next", "def g(y):\n", 12, editor=True, k=3)
+    _, then = ask(worker, log, "next", "def g(y):\n", 12, editor=True, k=K(3))
     assert first.wait(120) and then.wait(120) and other.wait(120)
     assert not [x for x in log if x[1] == "error"], log
     return [name for name, kind in log if kind == "done"]
@@ -91,17 +92,17 @@ def test_a_warm_up_waits_until_the_suggestions_are_answered(worker):
     log: list = []  # it filled the cache: a request with its prompt finds it there
     job, done = ask(worker, log, "after", CODE * 12, 2)
     assert done.wait(60) and job.stats.cached_tokens >= job.stats.prompt_tokens - 2
-    ends = run_between(worker, dict(drafter="lookup", k=3))
+    ends = run_between(worker, dict(drafter="lookup", k=K(3)))
     assert ends.index("other") < ends.index("next"), ends
 
 
 def test_a_waiting_warm_up_whose_client_left_is_dropped(worker):
     log: list = []
-    _, first = ask(worker, log, "sugg", CODE * 2, 60, editor=True, k=3)
+    _, first = ask(worker, log, "sugg", CODE * 2, 60, editor=True, k=K(3))
     wait_for(lambda: pieces(log, "sugg") >= 2)
     cancelled = worker.totals.cancelled
     warm, _ = ask(worker, log, "warm", CODE * 12, 1, **WARM)
-    _, second = ask(worker, log, "next", "def g(y):\n", 8, editor=True, k=3)
+    _, second = ask(worker, log, "next", "def g(y):\n", 8, editor=True, k=K(3))
     warm.cancel()
     assert first.wait(120) and second.wait(120)
     wait_for(lambda: worker.totals.cancelled == cancelled + 1)

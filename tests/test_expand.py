@@ -237,8 +237,8 @@ def test_a_sampled_row_grows_and_draws_alike_alone_and_in_a_batch(pair, monkeypa
     alone = [e.token for e in generate(target, draft, PROMPT, k=3, max_tokens=30,
                                        tree="expand:8", sampling=hot, seed=4, stats=stats)]  # fmt: skip
     assert stats.tree_rounds == len(grown) > 0 and stats.accepted > 0, stats
-    batch, out = Batch(target, draft, tree="expand:8"), {}
-    ask = lambda s, seed: Decode(s, K(3), 30, seed=seed, tree="expand:8")  # noqa: E731
+    batch, out = Batch(target, draft, tree=TreeSize(8, expand=True)), {}
+    ask = lambda s, seed: Decode(s, K(3), 30, seed=seed, tree=TreeSize(8, expand=True))  # noqa: E731
     rows = [batch.join([4, 4, 8, 15], ask(SamplingParams(0.7), 9)),
             batch.join(PROMPT, ask(hot, 4)), batch.join([2, 6], ask(SamplingParams(), 0))]  # fmt: skip
     while batch.rows:
@@ -357,9 +357,9 @@ def test_a_batch_grows_for_every_row_and_keeps_chains_beside_a_row_without_trees
     real = expand.grow
     monkeypatch.setattr("specmlx.drafting.row_drafters.grow",
                         lambda *a, **kw: grown.append(len(a[2])) or real(*a, **kw))  # fmt: skip
-    batch = Batch(target, draft, tree="expand:8")
+    batch = Batch(target, draft, tree=TreeSize(8, expand=True))
     prompts = [PROMPT, [4, 4, 8, 15], [2, 6], [5, 5, 5]]
-    rows = [batch.join(p, Decode(SamplingParams(0.0), K(k), 30, tree="expand:8"))
+    rows = [batch.join(p, Decode(SamplingParams(0.0), K(k), 30, tree=TreeSize(8, expand=True)))
             for p, k in zip(prompts[:3], (3, 2, 4), strict=True)]  # fmt: skip
     for _ in range(3):
         batch.round(3)

@@ -21,6 +21,7 @@ from specmlx.bench.data import load_prompts
 from specmlx.cli import app
 from specmlx.core.stats import Stats
 from specmlx.decoding.stream import encode_prompt
+from specmlx.drafting.choosing.choosers import K
 from specmlx.errors import ModelLoadError, OfflineError
 from specmlx.models.loading import load_model
 from specmlx.models.registry import load_registry
@@ -223,7 +224,7 @@ def test_a_chats_second_turn_prefills_only_its_new_message(real):
     target, draft = real
     session = Session(Pair(target.model, draft, tokenizer=target.tokenizer, target_id="t"))
     chat = Chat(session, limit=2048, system="You are a helpful assistant.")
-    ask = Request(max_tokens=24, drafter="model", k=3, seed=0)
+    ask = Request(max_tokens=24, drafter="model", k=K(3), seed=0)
     first = chat.ask("What is the capital of France?", ask)
     made = [ev.token for ev in first.generation.text()]
     chat.answered(target.tokenizer.decode(made))

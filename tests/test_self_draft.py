@@ -21,6 +21,7 @@ from specmlx.core.kvstate import KVState
 from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
 from specmlx.decoding.request import Decode
+from specmlx.drafting.choosing.choosers import K
 from specmlx.drafting.self_draft import (
     SelfDraft,
     SelfSpec,
@@ -75,8 +76,8 @@ def test_greedy_output_is_the_targets_alone_and_in_a_batch(family, name):
     assert [e.token for e in events] == plain
     assert stats.drafted > 0  # it drafted (random layers: kept or not)
     batch = Batch(target, draft)
-    row = batch.join(PROMPT, Decode(k=3, max_tokens=24))
-    other = batch.join(PROMPT[5:], Decode(k=2, max_tokens=10))
+    row = batch.join(PROMPT, Decode(k=K(3), max_tokens=24))
+    other = batch.join(PROMPT[5:], Decode(k=K(2), max_tokens=10))
     got = []
     while not row.done:
         got += [e.token for e in batch.round(3)[0]]
@@ -145,7 +146,7 @@ def test_the_exit_shares_the_targets_caches(family, exit_):
     # it moves into a batch (as a served request joined by another): there the exit keeps
     # caches of its own, caught up from nothing
     batch = Batch(target, draft)
-    row = batch.join(PROMPT + out[:5], Decode(k=3, max_tokens=12), kv=kv)
+    row = batch.join(PROMPT + out[:5], Decode(k=K(3), max_tokens=12), kv=kv)
     got = []
     while not row.done:
         got += [e.token for e in batch.round(3)[0]]

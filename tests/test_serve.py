@@ -25,6 +25,7 @@ from typer.testing import CliRunner
 
 from specmlx.cli import app
 from specmlx.cli.serve import allowed_hosts
+from specmlx.drafting.choosing.choosers import K
 from specmlx.errors import BadInput
 from specmlx.models.footprint import parse_size
 from specmlx.serving.guard import Guard, host_name
@@ -1155,7 +1156,7 @@ def _ask(worker: Worker, log: list, name: str, prompt: str, n: int, editor: bool
     from specmlx.decoding.session import Request
 
     ids = worker.target.tokenizer.encode(prompt)
-    r = Request(prompt_ids=ids, max_tokens=n, k=3)
+    r = Request(prompt_ids=ids, max_tokens=n, k=K(3))
     done = threading.Event()
 
     def emit(kind, value):

@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from helpers import free_port, tiny_pair
 from pydantic import ValidationError
 
+from specmlx.drafting.choosing.choosers import K
 from specmlx.serving.api_schemas import ChatBody, CompletionBody
 from specmlx.serving.guard import Guard, HeaderDeadline
 from specmlx.serving.serve import ServerSettings, create_app
@@ -494,7 +495,7 @@ def app_over(root, rows: int, **worker_kw):
     t, d, shared = load_pair("tiny-t", "tiny-d", registry=load_registry([toml]), context=2048)
     worker = Worker(t, d, shared, persist=False, lookup_memory=False, max_batch=rows,
                     cache_budget=10**9, **worker_kw)  # fmt: skip
-    app = create_app(worker, ServerSettings(model_name="tiny-t", context=2048, k=3))
+    app = create_app(worker, ServerSettings(model_name="tiny-t", context=2048, k=K(3)))
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client, worker
 

@@ -17,7 +17,8 @@ from specmlx.core.stats import Stats, TokenEvent
 from specmlx.decoding.session import Pair, Request, Session, drafter_of
 from specmlx.decoding.stream import _held_back, editor_limits, stream_text
 from specmlx.drafting.choosing.adaptive import AdaptiveK
-from specmlx.drafting.choosing.choosers import ChooserStore
+from specmlx.drafting.choosing.choosers import AUTO as AUTO_K
+from specmlx.drafting.choosing.choosers import ChooserStore, K
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specmlx"
 TEXT = "import os\nfor i in range(10):\n    print(i, os.getcwd())\n"
@@ -82,7 +83,7 @@ def test_the_session_builds_what_the_engine_generates(tok, models):
     eos = tok.eos_token_ids
     for use_draft, lookup in ((True, False), (False, True), (True, True), (False, False)):
         session = Session(Pair(target, draft, tok))
-        req = Request(prompt, k=3, max_tokens=24, drafter=drafter_of(use_draft, lookup))
+        req = Request(prompt, k=K(3), max_tokens=24, drafter=drafter_of(use_draft, lookup))
         gen = session.start(req)
         got = [(e.token, e.from_draft) for e in gen.tokens()]
         direct = generate(
@@ -96,9 +97,9 @@ def test_the_session_builds_what_the_engine_generates(tok, models):
 def test_extra_eos_ids_join_the_tokenizers(tok, models):
     target, draft = models
     prompt = tok.encode("def add(a, b):")
-    free = [e.token for e in Session(Pair(target, draft)).start(Request(prompt, k=2,
+    free = [e.token for e in Session(Pair(target, draft)).start(Request(prompt, k=K(2),
             max_tokens=12)).tokens()]  # fmt: skip
-    cut = Request(prompt, k=2, max_tokens=12, extra_eos=(free[5],))
+    cut = Request(prompt, k=K(2), max_tokens=12, extra_eos=(free[5],))
     gen = Session(Pair(target, draft, tok)).start(cut)
     got = [e.token for e in gen.tokens()]
     assert got == free[: free.index(free[5])] and gen.stats.finish_reason == "stop"
@@ -107,7 +108,7 @@ def test_extra_eos_ids_join_the_tokenizers(tok, models):
 def test_text_joins_to_the_decoded_tokens(tok, models):
     target, draft = models
     gen = Session(Pair(target, draft, tok)).start(
-        Request(tok.encode("class Point:"), k=2, max_tokens=30)
+        Request(tok.encode("class Point:"), k=K(2), max_tokens=30)
     )
     events = list(gen.text())
     ids = [e.token for e in events if e.token is not None]
@@ -119,7 +120,7 @@ def test_auto_k_resumes_from_the_store_and_is_saved(tok, models):
     store = ChooserStore(persist=False, pass_ratio=[1.0] + [1.0 + 0.1 * k for k in range(1, 17)])
     session = Session(Pair(target, draft, tok, "t", "d"), choosers=store)
     sampling = SamplingParams(temperature=0.8)
-    req = Request(tok.encode("def add(a, b):"), sampling, k="auto", max_tokens=40, seed=1)
+    req = Request(tok.encode("def add(a, b):"), sampling, k=AUTO_K, max_tokens=40, seed=1)
     first = session.start(req)
     list(first.tokens())
     first.finish()

@@ -323,10 +323,10 @@ def test_a_sampled_rows_tree_is_its_lone_one_in_any_batch():
 def test_a_batch_tree_round_has_one_host_sync(pair, monkeypatch):
     """Rows of a batch, a tree each, greedy and sampled side by side: one read a round."""
     target, draft = pair
-    batch = Batch(target, draft, tree=8)
+    batch = Batch(target, draft, tree=TreeSize(8))
     for i, p in enumerate([PROMPT, [2], [4, 4, 8, 15]]):
         s = SamplingParams(0.0 if i != 1 else 1.0)
-        batch.join(p, Decode(s, K(3), 40, seed=i, tree=8))
+        batch.join(p, Decode(s, K(3), 40, seed=i, tree=TreeSize(8)))
     batch.round(3)
     count = [0]
     count_host_syncs(monkeypatch, count)

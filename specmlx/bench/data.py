@@ -12,7 +12,7 @@ from pathlib import Path
 from ..core.acceptance import DEFAULT_VERIFY
 from ..drafting.choosing.choosers import AUTO, K
 from ..drafting.choosing.tree_size import OFF, TreeSize
-from ..errors import BadInput
+from ..errors import BadInput, parsed
 
 NGRAM = "lookup:ngram"  # the drafter of rows whose lookup reads the latest match (no trees)
 MEMORY = " + memory"  # the drafter suffix of rows whose lookup also searches a lookup memory
@@ -26,13 +26,12 @@ class System:
 
     system: str  # "target-only", "specmlx", "mlx-lm"
     drafter: str  # "none", the draft alias, "lookup", NGRAM, "<draft> + lookup", "... + memory"
-    k: K  # (an int or "auto" is read by K.of)
+    k: K
     verify: str = DEFAULT_VERIFY  # specmlx's acceptance rule for sampled rounds
     tree: TreeSize = OFF  # specmlx's token trees (its draft model's rows)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "k", K.of(self.k))
-        object.__setattr__(self, "tree", TreeSize.of(self.tree))
+        parsed(self.k, K, "k"), parsed(self.tree, TreeSize, "tree")
 
     @property
     def label(self) -> str:
@@ -84,7 +83,10 @@ class BenchSettings:
     lookaheads: list[str] = field(default_factory=list)  # lookahead rows ("lookahead[:...]")
 
     def __post_init__(self) -> None:
-        self.ks = [K.of(k) for k in self.ks]
+        for k in self.ks:
+            parsed(k, K, "ks")
+        for tree in self.trees:
+            parsed(tree, TreeSize, "trees")
 
 
 def read_jsonl(path: str | None, builtin: str, what: str) -> Iterator[tuple[int, object]]:

@@ -98,8 +98,9 @@ def chat(
         sampled_rule(verify)
     if max_tokens <= 0:
         raise BadInput(f"--max-tokens must be > 0, got {max_tokens}")
-    if tree is not None:
-        TreeSize.of(tree, "--tree")
+    # k and the tree setting parsed once, here, before any loading
+    kk = K.of(k, "-k") if k is not None else None
+    trees = TreeSize.of(tree, "--tree") if tree is not None else None
     if context is not None and context <= 0:
         raise BadInput(f"--context must be > 0, got {context}")
     request = Request(
@@ -107,17 +108,17 @@ def chat(
         verify=verify or DEFAULT_VERIFY, draft_stop=draft_stop,
     )  # fmt: skip
     if server:
-        local = target or context or lookup or draft_stop or tree is not None
+        local = target or context or lookup or draft_stop or trees is not None
         if local or draft not in (None, "none", "lookup"):
             raise BadInput(
                 "with --server the server's models run: drop --target, --context, --lookup, "
                 "--draft-stop, --tree and --draft ALIAS (--draft none or lookup still choose "
                 "how it drafts)"
             )
-        backend: _Backend = _remote(server, api_key, request, draft, k, verify, system)
+        backend: _Backend = _remote(server, api_key, request, draft, kk, verify, system)
     else:
-        backend = _local(request, system, target, draft, lookup, lookup_memory, k, tree,
-                         context, quiet)  # fmt: skip
+        backend = _local(request, system, target, draft, lookup, lookup_memory, kk,
+                         trees, context, quiet)  # fmt: skip
     _loop(backend, Shown(quiet, show_draft))
 
 
@@ -132,7 +133,7 @@ def _remote(url, api_key, request, draft, k, verify, system) -> _RemoteChat:
     from ..serving.client import Remote, RemoteChat, model_name, request_body
 
     remote = Remote(url, api_key)
-    num_draft = K.of(k, "-k").value if k is not None else None
+    num_draft = k.value if k is not None else None
     chat = RemoteChat(remote, request_body(request, draft, num_draft, verify), system, _note)
     chat.names["model"] = model_name(remote)
     return _RemoteChat(chat, str(num_draft) if num_draft is not None else "server's")

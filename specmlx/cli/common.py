@@ -184,10 +184,13 @@ class Models:
 
 
 def resolve_models(
-    registry, target: str | None, draft: str | None, lookup: bool, k: str | None,
-    tree: str | None = None,
+    registry, target: str | None, draft: str | None, lookup: bool, k: K | None,
+    tree: TreeSize | None = None,
 ):  # fmt: skip
-    """Fill in what the user did not say from the pairs and defaults in models.toml."""
+    """Fill in what the user did not say from the pairs and defaults in models.toml.
+
+    registry: models.toml's; target, draft: as given (None: the default pair's); lookup:
+    --lookup; k, tree: as parsed from the command line (None: the pair's or the default)."""
     import mlx.core as mx
 
     pair = None
@@ -205,9 +208,9 @@ def resolve_models(
         draft, lookup, lookup_by = "none", True, str(LookaheadSize.of(draft))
     elif draft.startswith("lookup:"):
         raise BadInput(f"--draft {draft}: lookup is 'lookup', 'lookup:suffix' or 'lookup:ngram'")
-    kk = K.of(k, "-k") if k is not None else (pair.k if pair else AUTO)
-    trees = TreeSize.of(tree, "--tree") if tree is not None else (pair.tree if pair else TREE_AUTO)
-    return Models(target, None if draft == "none" else draft, lookup, kk, trees, lookup_by)
+    k = k if k is not None else (pair.k if pair else AUTO)
+    tree = tree if tree is not None else (pair.tree if pair else TREE_AUTO)
+    return Models(target, None if draft == "none" else draft, lookup, k, tree, lookup_by)
 
 
 # --draft's lookup forms: how each reads the index (decoding.request.Decode.lookup_by)

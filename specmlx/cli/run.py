@@ -142,8 +142,9 @@ def run(
         sampled_rule(verify)
     if max_tokens <= 0:
         raise BadInput(f"--max-tokens must be > 0, got {max_tokens}")
-    if tree is not None:
-        TreeSize.of(tree, "--tree")  # (before any loading)
+    # k and the tree setting parsed once, here, before any loading
+    kk = K.of(k, "-k") if k is not None else None
+    trees = TreeSize.of(tree, "--tree") if tree is not None else None
     if context is not None and context <= 0:
         raise BadInput(f"--context must be > 0, got {context}")
     text = read_prompt(prompt, piped=not launched())
@@ -155,7 +156,7 @@ def run(
     if not text.strip() and not (after or "").strip():
         raise BadInput("the prompt is empty")
     console = err_console()
-    render = Render(console, as_json, quiet, show_draft, k or "")
+    render = Render(console, as_json, quiet, show_draft, str(kk) if kk is not None else "")
     # what this run asks, wherever the models are (the prompt's ids, k and the drafter are
     # filled in where the models are known)
     request = Request(
@@ -168,7 +169,7 @@ def run(
         check_draft_stop(None, draft_stop, ranks=True)
         raise typer.Exit(_launch_ranks(ctx, text, after, seed, hosts, hostfile, target))
     if server:
-        local = target or context or lookup or draft_stop or tree is not None
+        local = target or context or lookup or draft_stop or trees is not None
         if local or draft not in (None, "none", "lookup"):
             raise BadInput(
                 "with --server the server's models run: drop --target, --context, --lookup, "
@@ -176,12 +177,12 @@ def run(
                 "how it drafts)"
             )
         # the server fills in what was not asked (its drafter, k and rule): those go raw
-        asked = {"draft": draft, "k": k, "verify": verify}
+        asked = {"draft": draft, "k": kk, "verify": verify}
         _run_remote(request, text, after, chat, render, server, api_key, asked, system)
     else:
         _run_local(
             request, text, after, chat, render, system=system, target=target, draft=draft, lookup=lookup,
-            k=k, tree=tree, context=context, lookup_memory=lookup_memory, quiet=quiet,
+            k=kk, tree=trees, context=context, lookup_memory=lookup_memory, quiet=quiet,
             world=join(),
         )  # fmt: skip
 
@@ -321,12 +322,11 @@ def _run_remote(
     request, text, suffix, chat, render, url: str, api_key, asked: dict, system: str | None
 ) -> None:
     """``request`` sent to the server at ``url``; asked: the options the server fills in
-    when absent, as given (draft, k, verify: None where not given)."""
+    when absent (draft, k as a choosers.K, verify: None where not given)."""
     from ..decoding.stream import chat_messages
     from ..serving.client import Remote, request_body, stream_remote
 
-    k = asked["k"]
-    num_draft = K.of(k, "-k").value if k is not None else None
+    num_draft = asked["k"].value if asked["k"] is not None else None
     body = request_body(request, asked["draft"], num_draft, asked["verify"])
     if chat:
         body["messages"] = chat_messages(text, system)
@@ -341,6 +341,7 @@ def _run_remote(
     shown = f"{names['model']} (served by {url})"
     render.finish(stats, shown, names["drafter"], {"server": url}, interrupted)
     verify = names.get("verify") or asked["verify"] or "server default"
-    render.json(stats, names["model"], names["drafter"], k or "server default", request, verify)
+    shown_k = num_draft if num_draft is not None else "server default"
+    render.json(stats, names["model"], names["drafter"], shown_k, request, verify)
     if interrupted:
         raise typer.Exit(130)

@@ -10,6 +10,7 @@ import typer
 from ..core.acceptance import DEFAULT_VERIFY
 from ..distributed.launch import leave, rank_prefix
 from ..drafting.choosing.choosers import K
+from ..drafting.choosing.tree_size import TreeSize
 from ..errors import BadInput, SpecmlxError
 from .common import (
     ContextOpt,
@@ -217,7 +218,10 @@ def serve(
         raise typer.Exit(launch_command(ctx, "serve", hosts, hostfile, tail, secret=api_key))
     world = join()
     registry = load_registry()
-    models = resolve_models(registry, target, draft, False, k, tree)
+    models = resolve_models(
+        registry, target, draft, False, K.of(k, "-k") if k is not None else None,
+        TreeSize.of(tree, "--tree") if tree is not None else None,
+    )  # fmt: skip
     check_draft_stop(models, draft_stop, world.distributed)
     console = err_console()
     quiet = quiet or not world.leader

@@ -36,7 +36,7 @@ from ..core.vocab import logit_width
 from ..drafting.choosing.cost_curve import CostCurve
 from ..drafting.choosing.tree_size import AUTO, TreeSize
 from ..drafting.proposals import RowDrafter
-from ..errors import BadInput, IncompatiblePair
+from ..errors import BadInput, IncompatiblePair, parsed
 from .drafter_factory import batch_drafter
 from .engine import prefill
 from .request import Decode, token_ids
@@ -56,7 +56,7 @@ class Batch:
     draft may propose (default: the smaller logit width). pass_ratio: the target's measured
     pass-cost curve (choosers.ChooserStore.probe), which sizes a batch's trees under
     ``--tree auto`` (None: CostCurve's guess, +10% a token, until ``learned`` gives it).
-    tree: the batch's token trees (a TreeSize, or what TreeSize.of reads; default auto).
+    tree: the batch's token trees (a tree_size.TreeSize; default auto).
 
     Token trees: a row whose request asks for them (its Decode's ``tree`` not off) takes side
     leaves (or EAGLE-2's grown tree, ``expand:N``) as the batch's sizer plans them from
@@ -70,13 +70,13 @@ class Batch:
         draft: nn.Module | None,
         vocab_size: int | None = None,
         pass_ratio: list[float] | None = None,
-        tree: TreeSize | str | int = AUTO,
+        tree: TreeSize = AUTO,
     ):
         for what, model in (("target", target), ("draft", draft)):
             why = batchable(model) if model is not None else None
             if why:
                 raise IncompatiblePair(f"the {what} cannot decode in a batch: {why}")
-        self.target, self.draft, self.tree = target, draft, TreeSize.of(tree)
+        self.target, self.draft, self.tree = target, draft, parsed(tree, TreeSize, "tree")
         # why no row takes a tree (None: they may, when they ask)
         self.no_trees = tree_refusal(target, make_caches(target))
         self.cost = CostCurve(pass_ratio=pass_ratio)  # what sizes the trees of auto

@@ -15,7 +15,7 @@ from ..drafting.choosing.choosers import K
 from ..drafting.choosing.tree_size import OFF, TreeSize
 from ..drafting.lookup.lookahead import check_lookup_by
 from ..drafting.lookup.memory import LookupMemory
-from ..errors import BadInput
+from ..errors import BadInput, parsed
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class Decode:
 
     sampling: temperature, top-p, top-k, min-p (default greedy); the same processing makes
         the target's p and the draft's q, which is what keeps sampling exact.
-    k: the drafts per round: a choosers.K, or what K.of reads (an int >= 0, "auto").
+    k: the drafts per round (a choosers.K: a fixed count or auto).
     max_tokens: the most tokens to generate (> 0).
     seed: seeds the sampling (None: random).
     eos_ids: ids that end generation and are not emitted.
@@ -42,8 +42,7 @@ class Decode:
         k > 0 drafts in small chunks (adaptive.DRAFT_CHUNKS: 1, 1, then 2 at a time, a host
         sync each, up to the chooser's k_max) while its cost model says the next draft pays,
         and verifies the best prefix.
-    tree: token trees (drafting.trees.TreeSize, or what TreeSize.of reads: "off", "auto", an
-        int N): the draft model's chain gets side leaves, suffix lookup proposes its tree of
+    tree: token trees (a tree_size.TreeSize: off, auto, a cap of N nodes, or expand:N): the draft model's chain gets side leaves, suffix lookup proposes its tree of
         continuations, verified in the same pass; N caps the drafted tokens a pass verifies,
         auto sizes each round by the cost model. Auto falls back to chains where the
         target's caches or the drafter cannot take a tree.
@@ -68,9 +67,8 @@ class Decode:
             raise BadInput(f"max tokens must be > 0, got {self.max_tokens}")
         sampled_rule(self.verify)  # BadInput for an unknown rule
         check_lookup_by(self.lookup_by)  # BadInput for an unknown way or lookahead setting
-        # (frozen: the parsed forms are set once, here)
-        object.__setattr__(self, "k", K.of(self.k))
-        object.__setattr__(self, "tree", TreeSize.of(self.tree))
+        parsed(self.k, K, "k"), parsed(self.tree, TreeSize, "tree")
+        # (frozen: the tuples are set once, here)
         object.__setattr__(self, "eos_ids", tuple(int(t) for t in self.eos_ids))
         stops = tuple(tuple(int(t) for t in s) for s in self.stop_ids)
         object.__setattr__(self, "stop_ids", stops)

@@ -22,7 +22,7 @@ from ..drafting.choosing.tree_size import AUTO as TREE_AUTO
 from ..drafting.choosing.tree_size import OFF as TREE_OFF
 from ..drafting.choosing.tree_size import TreeSize
 from ..drafting.lookup.memory import LookupMemory
-from ..errors import BadInput
+from ..errors import BadInput, parsed
 from .engine import KVState, generate_tokens, prefill
 from .request import Decode, Parts
 from .stream import editor_limits, stream_text
@@ -71,11 +71,11 @@ class Request:
     field).
 
     prompt_ids: the prompt's tokens; sampling: temperature and filters; k: drafts per round
-    (a choosers.K, or what K.of reads: an int >= 0, "auto"); max_tokens: the budget; seed:
+    (a choosers.K); max_tokens: the budget; seed:
     None for random; stop: stop strings (text only); drafter: what drafts (``Drafter``);
     extra_eos: ids that end generation besides the tokenizer's (e.g. end of infill); verify:
     "block" or "token"; draft_stop: per-token stopping (auto k with a draft model); tree:
-    token trees (a trees.TreeSize, or what TreeSize.of reads: "off", "auto", an int);
+    token trees (a tree_size.TreeSize);
     lookup_by: how lookup proposes ("suffix", "ngram" or a lookahead form: engine.Decode's);
     time_limit_s, min_indent: an editor's limits on the text (stream.editor_limits:
     llama.cpp's t_max_predict_ms and n_indent; None: none); warm_up: put the prompt into the
@@ -101,8 +101,8 @@ class Request:
     cache_prompt: bool = True
 
     def __post_init__(self) -> None:
-        self.k = K.of(self.k)  # (the rest is checked where the engine's Decode is made)
-        self.tree = TreeSize.of(self.tree)
+        parsed(self.k, K, "k"), parsed(self.tree, TreeSize, "tree")  # (parsed at the edge;
+        # the rest is checked where the engine's Decode is made)
         if self.drafter not in DRAFTERS:
             raise BadInput(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
 

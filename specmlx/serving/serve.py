@@ -33,7 +33,7 @@ from ..decoding.stream import chat_ids, encode_prompt
 from ..drafting.choosing.choosers import AUTO, K
 from ..drafting.choosing.tree_size import AUTO as TREE_AUTO
 from ..drafting.choosing.tree_size import TreeSize
-from ..errors import BadInput
+from ..errors import BadInput, parsed
 from . import api_shapes as shapes
 from .access_log import SERVER, AccessLog
 from .api_errors import ApiError, install_error_handlers
@@ -87,6 +87,9 @@ class ServerSettings:
     hosts: frozenset[str] | None = None
     tree: TreeSize = TREE_AUTO
     lookup_by: str = "suffix"
+
+    def __post_init__(self) -> None:
+        parsed(self.k, K, "k"), parsed(self.tree, TreeSize, "tree")  # (parsed at the edge)
 
 
 def create_app(
