@@ -29,7 +29,7 @@ import mlx.core as mx  # noqa: E402
 
 from specmlx.bench.data import read_jsonl  # noqa: E402
 from specmlx.decoding.batch import Batch  # noqa: E402
-from specmlx.decoding.request import Decode  # noqa: E402
+from specmlx.decoding.decode import Decode  # noqa: E402
 from specmlx.decoding.stream import encode_prompt  # noqa: E402
 from specmlx.drafting.choosing.choosers import ChooserStore, K  # noqa: E402
 from specmlx.drafting.choosing.tree_size import TreeSize  # noqa: E402

@@ -21,8 +21,8 @@ import mlx.core as mx  # noqa: E402
 from specmlx.bench.data import read_jsonl  # noqa: E402
 from specmlx.core.kvstate import KVState  # noqa: E402
 from specmlx.core.stats import Stats  # noqa: E402
+from specmlx.decoding.decode import Decode, Parts  # noqa: E402
 from specmlx.decoding.engine import generate_tokens  # noqa: E402
-from specmlx.decoding.request import Decode, Parts  # noqa: E402
 from specmlx.drafting.choosing.choosers import AUTO, K  # noqa: E402
 from specmlx.drafting.self_draft import EXIT_FRACTIONS, SelfDraft, SelfSpec, shares_caches  # noqa: E402
 from specmlx.machine import blas_in_use  # noqa: E402

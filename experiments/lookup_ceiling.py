@@ -31,8 +31,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specmlx.bench.data import code_of, edit_step, load_sequences  # noqa: E402
+from specmlx.decoding.decode import Decode  # noqa: E402
 from specmlx.decoding.engine import generate_tokens  # noqa: E402
-from specmlx.decoding.request import Decode  # noqa: E402
 from specmlx.decoding.stream import encode_prompt  # noqa: E402
 from specmlx.drafting.choosing.choosers import K  # noqa: E402
 from specmlx.models.loading import load_pair  # noqa: E402

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import mlx.core as mx  # noqa: E402
 
 from specmlx.bench.data import read_jsonl  # noqa: E402
+from specmlx.decoding.decode import Decode  # noqa: E402
 from specmlx.decoding.engine import generate_tokens  # noqa: E402
-from specmlx.decoding.request import Decode  # noqa: E402
 from specmlx.drafting.choosing.choosers import K  # noqa: E402
 from specmlx.drafting.choosing.tree_size import SIDE_MAX
 from specmlx.models.loading import load_pair  # noqa: E402

@@ -81,7 +81,7 @@ class TableLM(nn.Module):
 
 class RowsTableLM(TableLM):
     """TableLM that reads each row at its own length, as a batch's rows are held (a
-    RowsKVCache, right-padded, row i's ids in [0, lens[i])); one row in a KVCache reads as
+    BatchKVCache, right-padded, row i's ids in [0, lens[i])); one row in a KVCache reads as
     TableLM does. For the distribution of sequences generated in a batch."""
 
     def __call__(self, x: mx.array, cache: list | None = None) -> mx.array:

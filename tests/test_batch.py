@@ -1,4 +1,4 @@
-"""Batched speculation (decoding/batch.py over core/rows.py): every row exactly its solo
+"""Batched speculation (decoding/batch.py over core/batch_caches.py): every row exactly its solo
 generation, whoever else is in the batch and whoever joins or leaves; per-row rollback in
 O(1); one host sync a round; kinds that cannot batch refused by name."""
 
@@ -11,12 +11,12 @@ from families import FAMILIES, build, noisy_copy
 from helpers import count_host_syncs, generate, make_tiny
 from mlx_lm.models.cache import KVCache
 
+from specmlx.core.batch_caches import BatchKVCache, batchable
 from specmlx.core.kvstate import KVState
-from specmlx.core.rows import RowsKVCache, batchable
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
-from specmlx.decoding.request import Decode
+from specmlx.decoding.decode import Decode
 from specmlx.drafting.choosing.choosers import K
 from specmlx.drafting.choosing.tree_size import TreeSize
 from specmlx.errors import IncompatiblePair
@@ -47,7 +47,7 @@ def drain(batch, k, rows, out, leave=True, kept=None):
 
 
 def test_rows_cache_writes_each_row_at_its_own_length_and_gives_back_per_row():
-    c = RowsKVCache([2, 0])
+    c = BatchKVCache([2, 0])
     k = mx.arange(2 * 1 * 3 * 2, dtype=mx.float32).reshape(2, 1, 3, 2)  # (B, heads, L, dim)
     keys, _ = c.update_and_fetch(k, k)
     assert c.lens == [5, 3] and keys.shape[2] == 5
@@ -253,7 +253,7 @@ def test_the_window_mask_is_what_makes_window_rows_exact(monkeypatch):
     target, draft = build("gemma3_text", 3, 0), build("gemma3_text", 3, 1)
     prompts = [list(range(3, 24)), [1, 5, 9]]
     want = [solo(target, None, p, 0, 12) for p in prompts]
-    plain = RowsKVCache.make_mask
+    plain = BatchKVCache.make_mask
 
     def unwindowed(self, n, return_array=False, window_size=None):
         window, self.window = self.window, None
@@ -262,7 +262,7 @@ def test_the_window_mask_is_what_makes_window_rows_exact(monkeypatch):
         finally:
             self.window = window
 
-    monkeypatch.setattr(RowsKVCache, "make_mask", unwindowed)
+    monkeypatch.setattr(BatchKVCache, "make_mask", unwindowed)
     batch, out = Batch(target, draft), {}
     rows = [batch.join(p, Decode(k=K(2), max_tokens=12)) for p in prompts]
     drain(batch, 2, rows, out)
@@ -374,7 +374,7 @@ def test_batch_k_tries_each_k_then_keeps_the_fastest_and_borrows_a_new_widths_fi
 
 
 def test_the_memory_plan_counts_a_batchs_window_layers_at_the_whole_context():
-    """A batch's rows keep every key of their window layers (core.rows), so the plan for
+    """A batch's rows keep every key of their window layers (core.batch_caches), so the plan for
     a row counts them as full attention; a solo row's window layers hold their window."""
     from families import family_config
 

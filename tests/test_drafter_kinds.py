@@ -43,7 +43,7 @@ from specmlx.core.hidden import text_model
 from specmlx.core.sampling import SamplingParams, make_processor
 from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
-from specmlx.decoding.request import Decode
+from specmlx.decoding.decode import Decode
 from specmlx.distill.student import DistillConfig, make_student
 from specmlx.distill.train import distill
 from specmlx.drafting.choosing.choosers import K as KSetting
@@ -64,8 +64,8 @@ class Pair:
     prompt: list[int]
     lookup: bool = False
     batched: bool = False
-    tree: TreeSize = TreeSize()  # token trees (decoding.request.Decode.tree)
-    lookup_by: str = "suffix"  # how lookup proposes (decoding.request.Decode.lookup_by)
+    tree: TreeSize = TreeSize()  # token trees (decoding.decode.Decode.tree)
+    lookup_by: str = "suffix"  # how lookup proposes (decoding.decode.Decode.lookup_by)
 
 
 def _noisy_tables(cls=TableLM) -> tuple[TableLM, TableLM]:

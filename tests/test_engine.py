@@ -435,12 +435,18 @@ def test_the_time_split_puts_each_models_time_on_its_side(pair):
 
 
 @pytest.mark.parametrize(
-    "kwargs",
-    [{"max_tokens": 0}, {"k": -1}, {"k": "many"}, {"sampling": 0.5}, {"verify": "blocks"}],
+    "make",
+    [
+        lambda: Decode(max_tokens=0),
+        lambda: Decode(sampling=0.5),
+        lambda: Decode(verify="blocks"),
+        lambda: K.of(-1),  # (k is parsed at its edge: Decode takes a K)
+        lambda: K.of("many"),
+    ],
 )
-def test_bad_settings_are_refused_where_they_are_made(kwargs):
+def test_bad_settings_are_refused_where_they_are_made(make):
     with pytest.raises(BadInput):
-        Decode(**kwargs)
+        make()
 
 
 def test_an_empty_prompt_and_per_token_stopping_without_a_plan_are_refused(pair):

@@ -17,13 +17,13 @@ from mlx.utils import tree_map_with_path
 from typer.testing import CliRunner
 
 from specmlx.cli import app
+from specmlx.core.batch_caches import rows_of, solo_of
 from specmlx.core.caches import make_caches
 from specmlx.core.kvstate import KVState
-from specmlx.core.rows import rows_of, solo_of
 from specmlx.core.sampling import SamplingParams, make_processor
 from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
-from specmlx.decoding.request import Decode
+from specmlx.decoding.decode import Decode
 from specmlx.drafting.choosing.choosers import K
 from specmlx.drafting.choosing.tree_size import TreeSize
 from specmlx.drafting.heads import eagle3

@@ -118,7 +118,7 @@ def test_the_engine_knows_nothing_of_the_layers_above():
     }
     # the round and its verifiers, what a request asks, its stops, the drafter factory: not
     # the session, stream, FIM
-    allowed = {"request", "stops", "round", "verifiers", "drafter_factory"}
+    allowed = {"decode", "stops", "round", "verifiers", "drafter_factory"}
     assert own <= {f"decoding.{m}" for m in allowed}, own
 
 
@@ -130,6 +130,51 @@ def test_one_round_serves_a_lone_request_and_a_batch():
         assert "decoding.round" in graph[m], m
         text = (PACKAGE / (m.replace(".", "/") + ".py")).read_text()
         assert "accept_proposal" not in text and ".propose(" not in text, m
+
+
+def test_a_chain_is_a_tree_of_one_branch():
+    """One verify and one keep serve chains and trees: the target's side of a round has
+    verify, queue and keep only, and the round has no tree path of its own."""
+    from specmlx.decoding.round import Verifier
+
+    assert {n for n in vars(Verifier) if not n.startswith("_")} == {"verify", "queue", "keep"}
+    for m in ("round", "verifiers"):
+        text = (PACKAGE / "decoding" / f"{m}.py").read_text()
+        assert "def verify_tree" not in text and "def keep_path" not in text, m
+        assert "_tree_round" not in text, m
+
+
+def test_each_setting_is_parsed_once_at_its_edge():
+    """k and the tree size are parsed where they enter (K.of, TreeSize.of: the CLI, an HTTP
+    body, models.toml, the bench's options); what the engine, a batch, a session and the
+    server read takes only the typed values, and says so for text."""
+    from specmlx.bench.data import System
+    from specmlx.decoding.batch import Batch
+    from specmlx.decoding.decode import Decode
+    from specmlx.decoding.session import Request
+    from specmlx.drafting.choosing.choosers import K
+    from specmlx.drafting.choosing.tree_size import TreeSize
+    from specmlx.serving.serve import ServerSettings
+
+    assert Decode(k=K.of("3"), tree=TreeSize.of("auto")).k == K(3)
+    for make in (
+        lambda: Decode(k=3),
+        lambda: Decode(tree="auto"),
+        lambda: Request(k="auto"),
+        lambda: Request(tree=8),
+        lambda: System("specmlx", "d", 2),
+        lambda: ServerSettings("m", 64, k=3),
+        lambda: Batch(None, None, tree="auto"),
+    ):
+        with pytest.raises(TypeError, match="parsed at its edge"):
+            make()
+    # only the edges parse: nothing under decoding/, drafting/ or serving/ but the HTTP body
+    for folder in ("decoding", "drafting", "serving", "core"):
+        for path in (PACKAGE / folder).rglob("*.py"):
+            text = path.read_text()
+            calls = text.count("K.of(") + text.count("TreeSize.of(")
+            edge = path.name == "serve.py" and folder == "serving"  # num_draft in a body
+            assert calls <= edge, path
 
 
 def test_only_the_models_build_command_imports_the_standins():

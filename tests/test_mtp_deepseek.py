@@ -20,8 +20,8 @@ from kit_mtp import (
 )
 from mlx.utils import tree_flatten, tree_map
 
+from specmlx.core.batch_caches import rows_of
 from specmlx.core.hidden import HiddenTap
-from specmlx.core.rows import rows_of
 from specmlx.decoding.engine import KVState
 from specmlx.errors import IncompatiblePair
 from specmlx.models.loading import load_pair
@@ -99,7 +99,7 @@ def test_the_embedding_at_position_0_is_zeroed(family_pair):
 
 
 def test_a_batchs_rows_zero_position_0_each_as_alone(family_pair):
-    """In a batch (core.rows: each row at its own length) only a row whose head cache is
+    """In a batch (core.batch_caches: each row at its own length) only a row whose head cache is
     empty zeroes its first pair's embedding: each row's output is its solo one (this raised
     on a batch's per-row offsets before, and a head in a server's batch with it)."""
     _, target, head = family_pair

@@ -20,7 +20,7 @@ from specmlx.cli import app
 from specmlx.core.kvstate import KVState
 from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
-from specmlx.decoding.request import Decode
+from specmlx.decoding.decode import Decode
 from specmlx.drafting.choosing.choosers import K
 from specmlx.drafting.self_draft import (
     SelfDraft,

@@ -8,8 +8,8 @@ import pytest
 from families import build
 from helpers import make_tiny
 
+from specmlx.core.batch_caches import attention_rows, rows_of
 from specmlx.core.caches import make_caches
-from specmlx.core.rows import attention_rows, rows_of
 from specmlx.core.tree_acceptance import Tree
 from specmlx.core.tree_pass import (
     keep_path,
@@ -171,7 +171,7 @@ def test_the_node_test_fails_when_a_window_is_not_applied(monkeypatch):
     assert any(off) and not off[0], off
 
 
-# a batch's rows (core.rows), a tree each: row 0 the tree above after PREFIX, row 1 a smaller
+# a batch's rows (core.batch_caches), a tree each: row 0 the tree above after PREFIX, row 1 a smaller
 # tree (padded in the pass) after a longer prefix
 ROW_TREES = [TREE, Tree((0, 0, 1))]
 ROW_TOKENS = [TOKENS, [9, 3, 5, 3]]
@@ -228,4 +228,4 @@ def test_a_batch_refuses_trees_over_recurrent_rows():
     target = build("qwen3_next", 2, 1)
     cache = _rows(target, [PREFIX, PREFIX[:3]])
     why = tree_refusal(target, cache)
-    assert why and "RowsArraysCache" in why, why
+    assert why and "BatchArraysCache" in why, why

@@ -16,7 +16,7 @@ from specmlx.core.kvstate import KVState
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats
 from specmlx.decoding.batch import Batch
-from specmlx.decoding.request import Decode
+from specmlx.decoding.decode import Decode
 from specmlx.decoding.session import Pair, Request, Session
 from specmlx.drafting.choosing.adaptive import AdaptiveK
 from specmlx.drafting.choosing.choosers import ChooserStore, FixedK, K
@@ -268,8 +268,8 @@ def test_a_tree_after_a_queued_plain_pass(pair):
 class _Row:
     """What the sizer reads of a batch's row."""
 
-    def __init__(self, stats: Stats, tree: bool = True):
-        self.stats, self.tree, self.process = stats, tree, None
+    def __init__(self, stats: Stats, wants_trees: bool = True):
+        self.stats, self.wants_trees, self.process = stats, wants_trees, None
 
 
 def test_a_batchs_rows_take_one_count_of_leaves_each_from_the_curve_at_its_width():
@@ -278,7 +278,7 @@ def test_a_batchs_rows_take_one_count_of_leaves_each_from_the_curve_at_its_width
     flat curve, and a curve that is flat for one row but not for four keeps a batch of four
     at chains."""
     rich, poor = _stats(0.3, 0.3), _stats(0.8, 0.3)
-    rows = [_Row(rich), _Row(poor), _Row(rich, tree=False)]
+    rows = [_Row(rich), _Row(poor), _Row(rich, wants_trees=False)]
     sides, _ = SideSizer(TreeSize(8), FixedK(3)).plan_rows([3, 3, 3], rows)
     assert [sum(s) for s in sides] == [5, 5, 0]
     assert sides[0] != sides[1]  # each its own best: the weak chain's leaves sit shallower

@@ -162,7 +162,7 @@ def run_one(
 
 
 def _lookup_by(drafter: str) -> str:
-    """How a row's lookup proposes (decoding.request.Decode.lookup_by), from its drafter's
+    """How a row's lookup proposes (decoding.decode.Decode.lookup_by), from its drafter's
     first part: "lookup", NGRAM or a lookahead form."""
     return "ngram" if drafter == NGRAM else drafter if drafter.startswith("lookahead") else "suffix"
 

@@ -213,7 +213,7 @@ def resolve_models(
     return Models(target, None if draft == "none" else draft, lookup, k, tree, lookup_by)
 
 
-# --draft's lookup forms: how each reads the index (decoding.request.Decode.lookup_by)
+# --draft's lookup forms: how each reads the index (decoding.decode.Decode.lookup_by)
 LOOKUPS = {"lookup": "suffix", "lookup:suffix": "suffix", "lookup:ngram": "ngram"}
 
 

@@ -54,7 +54,7 @@ def batch_rows(
 ) -> tuple[int, int]:
     """(rows the server may batch, bytes of KV caches one more row needs) from the memory
     plan: each row may grow to ``context`` tokens (a sliding window's layers too: a batch's
-    rows keep every key, core.rows); with the target over ``shards`` ranks, per rank.
+    rows keep every key, core.batch_caches); with the target over ``shards`` ranks, per rank.
     ``asked`` (--max-batch) past what fits is refused by name; None takes what fits, up to
     MAX_BATCH_DEFAULT."""
     from ..models.footprint import gb_text, plan_memory

@@ -17,7 +17,7 @@ Afterwards the caches hold all N + 1 entries in pass order; ``keep_path`` moves 
 path's keys and values to the front (their rotations are already those of their places on
 the path) and gives the rest back.
 
-A batch's rows (core.rows' caches, each row at its own length) take one tree each in one
+A batch's rows (core.batch_caches' caches, each row at its own length) take one tree each in one
 pass: ``rows_tree_logits`` feeds B rows of N + 1 (a row with fewer nodes is padded with
 nodes under its root that nothing reads), each row's mask its own tree's after its own
 prefix, each node at its row's length + depth; ``keep_rows_paths`` keeps each row's path. Full-attention caches and specmlx's sliding windows
@@ -36,15 +36,15 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import CacheList
 
+from .batch_caches import BatchKVCache, attention_rows
 from .caches import WindowKVCache, layer_caches
-from .rows import RowsKVCache, attention_rows
 from .tree_acceptance import Tree
 
 # RoPE modules whose rotation depends on the whole length, not on each position alone
 _LENGTH_DEPENDENT = ("DynamicNTKScalingRoPE",)
 # the layer caches a tree pass can mask and compact: full attention, and the windows that keep
 # keys in time order (mlx-lm's RotatingKVCache keeps a ring, which make_caches replaces)
-_TREE_KINDS = {"KVCache", "WindowKVCache", "RowsKVCache"}  # (a batch's rows: either kind)
+_TREE_KINDS = {"KVCache", "WindowKVCache", "BatchKVCache"}  # (a batch's rows: either kind)
 _ROPES_FOUND = "_specmlx_ropes"  # where _ropes keeps what it found on a model
 
 
@@ -98,7 +98,7 @@ def _seen(tree: Tree, prefix: int, window: int | None) -> np.ndarray:
 def rows_tree_mask(trees: Sequence[Tree], lens: Sequence[int], window: int | None) -> mx.array:
     """(B, 1, N + 1, max(lens) + N + 1) bool: row b's nodes see its own first lens[b] keys
     (within the window) and their ancestors among its own N + 1 keys, written at lens[b]
-    (rows.RowsKVCache keeps every row's keys at their positions); the rest is another row's
+    (rows.BatchKVCache keeps every row's keys at their positions); the rest is another row's
     length or stale. trees: one a row, each of N nodes (padded: ``padded``)."""
     n = trees[0].size + 1
     out = np.zeros((len(trees), 1, n, max(lens) + n), dtype=bool)
@@ -132,10 +132,10 @@ class _Masked:
 
 
 class _MaskedRows:
-    """A batch layer cache (rows.RowsKVCache) for one pass of a tree a row: each row's mask
+    """A batch layer cache (rows.BatchKVCache) for one pass of a tree a row: each row's mask
     is its own tree's (``rows_tree_mask``); all else is the cache's."""
 
-    def __init__(self, cache: RowsKVCache, trees: Sequence[Tree]):
+    def __init__(self, cache: BatchKVCache, trees: Sequence[Tree]):
         self._cache, self._trees = cache, trees
 
     def make_mask(self, N: int, window_size: int | None = None, **kwargs) -> mx.array:
@@ -195,7 +195,7 @@ def rows_tree_logits(
     """A batch's rows, a tree each, in one pass: logits (B, N + 1, V), lazy; each row's
     caches then hold its N + 1 entries after its length (``keep_rows_paths`` next).
 
-    model: the target; cache: the batch's layer caches (rows.RowsKVCache: tree_refusal);
+    model: the target; cache: the batch's layer caches (rows.BatchKVCache: tree_refusal);
     tokens (B, N + 1): each row's root token, then its nodes' (a row's pads past its own
     tree, any ids); trees: each row's shape (fewer nodes than N: padded here)."""
     _refuse(model, cache)

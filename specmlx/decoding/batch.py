@@ -2,7 +2,7 @@
 
 The round is round.one_round, the one a lone generation runs as a row of one: the drafter
 (drafting.row_drafters) proposes for every row, the target verifies every row's k + 1
-positions in one pass over core.rows' batch caches (verifiers.RowsTarget: a row's rollback
+positions in one pass over core.batch_caches' batch caches (verifiers.RowsTarget: a row's rollback
 is its own length), each row accepts by its own rule (its own sampler, its own seed) and
 keeps its own accepted prefix. One lazy graph and one host sync a round. A row joins between
 rounds (its prompt prefilled alone, reusing a prompt cache's prefix) and leaves between
@@ -25,10 +25,10 @@ from collections.abc import Sequence
 import mlx.nn as nn
 
 from ..core.acceptance import sampled_rule
+from ..core.batch_caches import batchable, row_of, rows_of, solo_of
 from ..core.caches import make_caches
 from ..core.hidden import HiddenTap
 from ..core.kvstate import KVState, common_prefix
-from ..core.rows import batchable, row_of, rows_of, solo_of
 from ..core.sampling import make_processor
 from ..core.stats import Stats, TokenEvent
 from ..core.tree_pass import tree_refusal
@@ -37,9 +37,9 @@ from ..drafting.choosing.cost_curve import CostCurve
 from ..drafting.choosing.tree_size import AUTO, TreeSize
 from ..drafting.proposals import RowDrafter
 from ..errors import BadInput, IncompatiblePair, parsed
+from .decode import Decode, token_ids
 from .drafter_factory import batch_drafter
 from .engine import prefill
-from .request import Decode, token_ids
 from .round import Row, one_round
 from .stops import Stops
 from .verifiers import RowsTarget
@@ -131,7 +131,7 @@ class Batch:
         stops = Stops(decode.eos_ids, decode.stop_ids, decode.max_tokens, made)
         rule = sampled_rule(decode.verify)
         row = Row(list(prompt), decode.k, stops, seed, process, rule, stats, drafts=drafts)
-        row.tree = self._trees(decode.tree, stats)
+        row.wants_trees = self._trees(decode.tree, stats)
         self.verifier.cache = rows_of(self.verifier.cache, kv.target)  # prompt[:-1]
         self.verifier.rows_changed()
         if self.drafter is not None:

@@ -43,7 +43,7 @@ from ..drafting.self_draft import SharedExit
 from ..drafting.trees.expand import expand_refusal
 from ..drafting.trees.rows import MedusaRows, SiblingRows
 from ..errors import BadInput
-from .request import Decode, Parts
+from .decode import Decode, Parts
 from .round import Row
 
 __all__ = ["Drafting", "batch_drafter", "lone_drafter"]
@@ -62,26 +62,26 @@ class Drafting:
 
 
 def lone_drafter(target: nn.Module, draft: nn.Module | None, decode: Decode, parts: Parts,
-                 kv: KVState, row: Row, next_k: KChooser, shared: bool) -> Drafting:  # fmt: skip
+                 kv: KVState, row: Row, next_k: KChooser, exit_shared: bool) -> Drafting:  # fmt: skip
     """The drafter of a lone generation: lookup first when asked, then the draft model or
     head as a row of one (with trees and lookup, lookup's continuation and that drafter's
     chain as siblings in one tree instead); the draft model over its own cursor for per-token
     stopping (its chunks read the draft's confidences, a lone option) and for caches with no
     batch kind (row_drafters.fits_one_row); an early exit over the target's caches when
-    ``shared`` (self_draft.SharedExit).
+    ``exit_shared`` (self_draft.SharedExit).
 
     target, draft: the models (draft None: lookup or nothing); decode: the request; parts:
     what the caller lends (the lookup memory, the draft's vocabulary); kv: both models'
-    caches, prefilled; row: the generation's row; next_k: its k chooser; shared: the draft
+    caches, prefilled; row: the generation's row; next_k: its k chooser; exit_shared: the draft
     is an early exit over the target's own caches. BadInput for a tree the drafter or the
     target cannot take."""
     tree = decode.tree
-    own_cursor = draft is not None and not shared and (
+    own_cursor = draft is not None and not exit_shared and (
         decode.draft_stop or not (reads_hidden(draft) or fits_one_row(draft, kv.draft))
     )  # fmt: skip
     # what may branch: a drafter with a distribution at each step (side leaves) or Medusa;
     # not an early exit, nor per-token stopping (its chunks are cut after leaves are chosen)
-    may_branch = draft is not None and not shared and not decode.draft_stop
+    may_branch = draft is not None and not exit_shared and not decode.draft_stop
     runs = _block(draft) and not own_cursor  # a block drafter's leaves go on for free
     sizer = _sizer(target, kv.target, decode, next_k, row.stats, runs) if may_branch else None
     drafters: list[RowDrafter] = []
@@ -89,7 +89,7 @@ def lone_drafter(target: nn.Module, draft: nn.Module | None, decode: Decode, par
     if finder is not None:  # (it indexes the row's own list)
         drafters.append(_lookup(finder, target, kv, decode, next_k, row, draft is not None))
     holder = branching = None
-    if shared:
+    if exit_shared:
         vocab = draft_ids(target, draft, parts.vocab_size)[1]
         holder = SharedExit(draft, kv.target, row.process, vocab)
         drafters.append(LoneRows(holder, "an early exit over the target's caches"))

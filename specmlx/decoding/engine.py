@@ -43,8 +43,8 @@ from ..drafting.row_drafters import (
 )
 from ..drafting.self_draft import SharedExit, shares_caches
 from ..errors import BadInput, RollbackError
+from .decode import Decode, Parts, token_ids
 from .drafter_factory import lone_drafter
-from .request import Decode, Parts, token_ids
 from .round import Row, one_round
 from .stops import Stops
 from .verifiers import LoneTarget
@@ -98,8 +98,8 @@ def generate_tokens(
         )
     stats = parts.stats if parts.stats is not None else Stats()
     # an early exit over the target's own caches keeps no caches of its own
-    shared = shares_caches(draft) and not decode.draft_stop
-    own = None if shared else draft  # the draft whose caches kv holds
+    exit_shared = shares_caches(draft) and not decode.draft_stop
+    own = None if exit_shared else draft  # the draft whose caches kv holds
     kv = _ready(parts.kv, target, own, prompt, stats)
     speculating = draft is not None or decode.lookup
     for what, c in (("target", kv.target), ("draft", kv.draft)) if speculating else ():
@@ -115,18 +115,18 @@ def generate_tokens(
         process = None if decode.sampling.greedy else make_processor(decode.sampling)
         rule = sampled_rule(decode.verify)
         row = Row(list(prompt), decode.k, stops, seed, process, rule, stats,
-                  tree=not decode.tree.off)  # fmt: skip
-        drafting = lone_drafter(target, draft, decode, parts, kv, row, next_k, shared)
+                  wants_trees=not decode.tree.off)  # fmt: skip
+        drafting = lone_drafter(target, draft, decode, parts, kv, row, next_k, exit_shared)
         drafter, holder = drafting.drafter, drafting.holder
         # the shared exit's verify pass is split at its layer: the cursor runs it through it
-        model = holder.verifies if shared else target
-        record = drafter is not None and not shared
+        model = holder.verifies if exit_shared else target
+        record = drafter is not None and not exit_shared
         cursor = Cursor(model, kv.target, len(kv.tokens), record=record, tap=tap)
         # plain rounds overlap when the chooser says the next is plain too; a lookup match
         # can turn up any round, and a head reads every pass: no queueing then
         plain_next = (
             (lambda: True) if drafter is None
-            else None if decode.lookup or head or shared else next_k.plain_next
+            else None if decode.lookup or head or exit_shared else next_k.plain_next
         )  # fmt: skip
         loop = _rounds(
             row, LoneTarget(cursor), drafter, drafting.choose if drafter is not None else None,

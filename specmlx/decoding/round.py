@@ -4,7 +4,7 @@ A lone generation (engine.py) is a round of one row; a batch (batch.py) is a rou
 rows. Both call ``one_round``: there is no second round. What differs is around it:
 
 - who verifies (a ``Verifier``): a lone generation's target is its Cursor (every cache kind,
-  a queued plain pass); a batch's is the rows' batch caches (core.rows) and its recorder;
+  a queued plain pass); a batch's is the rows' batch caches (core.batch_caches) and its recorder;
 - who drafts (a drafting.proposals.RowDrafter): the draft model, a chained head (MTP,
   EAGLE-3), a block drafter (DFlash), for any B; lookup, the lookup-first chain, a draft
   model with per-token stopping, or one whose caches have no batch kind, for one row only
@@ -51,7 +51,9 @@ class Row:
     stats: Stats = field(default_factory=Stats)
     done: bool = False
     drafts: bool = True  # False: it asked for no draft (plain steps in a batch's passes)
-    tree: bool = False  # it asked for trees: side leaves where the sizer plans them, or grown
+    wants_trees: bool = (
+        False  # it asked for trees: side leaves where the sizer plans them, or grown
+    )
     draft_held: int = 0  # how much of ctx the draft's row holds (a prefix of ctx[:-1])
     # a head's row: the target's features at positions draft_held.. it has not been fed
     # yet (m, F), the pairs' hidden states; None: none (a one-token prompt's first round)

@@ -23,8 +23,8 @@ from ..drafting.choosing.tree_size import OFF as TREE_OFF
 from ..drafting.choosing.tree_size import TreeSize
 from ..drafting.lookup.memory import LookupMemory
 from ..errors import BadInput, parsed
+from .decode import Decode, Parts
 from .engine import KVState, generate_tokens, prefill
-from .request import Decode, Parts
 from .stream import editor_limits, stream_text
 
 
@@ -60,8 +60,8 @@ class Pair:
 # what drafts a request's tokens: "model" the pair's draft (a draft model or a head; a pair
 # without one drafts nothing), "lookup" prompt lookup, "model+lookup" both (lookup first, or
 # by value with auto k), "none" the target alone
-Drafter = Literal["model", "lookup", "model+lookup", "none"]
-DRAFTERS: tuple[str, ...] = get_args(Drafter)
+DrafterChoice = Literal["model", "lookup", "model+lookup", "none"]
+DRAFTERS: tuple[str, ...] = get_args(DrafterChoice)
 
 
 @dataclass
@@ -72,7 +72,7 @@ class Request:
 
     prompt_ids: the prompt's tokens; sampling: temperature and filters; k: drafts per round
     (a choosers.K); max_tokens: the budget; seed:
-    None for random; stop: stop strings (text only); drafter: what drafts (``Drafter``);
+    None for random; stop: stop strings (text only); drafter: what drafts (``DrafterChoice``);
     extra_eos: ids that end generation besides the tokenizer's (e.g. end of infill); verify:
     "block" or "token"; draft_stop: per-token stopping (auto k with a draft model); tree:
     token trees (a tree_size.TreeSize);
@@ -89,7 +89,7 @@ class Request:
     max_tokens: int = 256
     seed: int | None = None
     stop: Sequence[str] = ()
-    drafter: Drafter = "model"
+    drafter: DrafterChoice = "model"
     extra_eos: tuple[int, ...] = ()
     verify: str = DEFAULT_VERIFY
     draft_stop: bool = False
@@ -124,7 +124,7 @@ class Request:
 
 
 def drafter_of(draft: bool, lookup: bool) -> str:
-    """The ``Drafter`` that drafts with the pair's draft (``draft``) and prompt lookup."""
+    """The ``DrafterChoice`` that drafts with the pair's draft (``draft``) and prompt lookup."""
     if draft:
         return "model+lookup" if lookup else "model"
     return "lookup" if lookup else "none"

@@ -9,11 +9,11 @@ from contextlib import nullcontext
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..core.batch_caches import attention_rows
 from ..core.caches import make_caches, recurrent_layers
 from ..core.cursor import Cursor
 from ..core.hidden import HiddenTap
 from ..core.recurrent import PassRecorder
-from ..core.rows import attention_rows
 from ..core.tree_acceptance import Tree
 from ..core.tree_pass import keep_rows_paths, rows_tree_logits
 from .round import Row
@@ -26,11 +26,11 @@ class LoneTarget:
 
     def __init__(self, cursor: Cursor):
         self.cursor = cursor
-        self.tree = False  # the latest pass verified a token tree
+        self.tree_pass = False  # the latest pass verified a token tree
 
     def verify(self, rows: Sequence[Row], drafts: mx.array | None, trees: Sequence[Tree] | None):
         r, cursor = rows[0], self.cursor
-        self.tree = trees is not None
+        self.tree_pass = trees is not None
         if trees is None:
             d = drafts[0] if drafts is not None else mx.zeros((0,), dtype=mx.uint32)
             logits = cursor.verify(r.ctx[-1], d)  # (k + 1, V)
@@ -44,21 +44,21 @@ class LoneTarget:
 
     def keep(self, rows: Sequence[Row], fed: list[int], paths: Sequence[list[int]]) -> None:
         r = rows[0]
-        if self.tree:  # the kept path's entries moved into place (a chain's are in place)
+        if self.tree_pass:  # the kept path's entries moved into place (a chain's are in place)
             self.cursor.keep_path(paths[0])
         ahead = self.cursor.queued is not None and not r.done  # a queued pass stays
         r.stats.replayed += self.cursor.give_back(len(r.ctx) - 1 + ahead, r.ctx)
 
 
 class RowsTarget:
-    """The rows of a batch: the target over core.rows' batch caches (``cache``, None while
+    """The rows of a batch: the target over core.batch_caches' batch caches (``cache``, None while
     no row is in), a row's rollback its own length; recurrent layers recorded each pass and
     each row's state recomputed over its kept steps. target: the model; tap: a HiddenTap
     for a drafter that reads the target's hidden states (None: none)."""
 
     def __init__(self, target: nn.Module, tap: HiddenTap | None):
         self.model, self.tap = target, tap
-        self.cache: list | None = None  # per layer: core.rows' batch caches
+        self.cache: list | None = None  # per layer: core.batch_caches' batch caches
         layers = recurrent_layers(make_caches(target))
         self.recorder = PassRecorder(target, layers) if layers else None
         self._before: list = []  # the recurrent states before the latest pass

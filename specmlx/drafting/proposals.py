@@ -104,7 +104,7 @@ class DraftRow(Protocol):
     ctx: list[int]
     process: Processor | None
     stats: Stats
-    tree: bool  # it takes side leaves where the drafter's sizer plans them
+    wants_trees: bool  # it takes side leaves where the drafter's sizer plans them
     draft_held: int
     waiting: mx.array | None
     own_cache: list | None

@@ -35,9 +35,9 @@ from collections.abc import Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..core.batch_caches import attention_rows, batchable, row_of, rows_of, solo_of
 from ..core.caches import WindowKVCache, layer_caches, recurrent_layers
 from ..core.kvstate import reads_hidden
-from ..core.rows import attention_rows, batchable, row_of, rows_of, solo_of
 from ..core.sampling import sample
 from ..core.vocab import draft_ids, logit_width
 from ..errors import BadInput
@@ -86,7 +86,7 @@ def row_drafter(
 
 def fits_one_row(draft: nn.Module, caches: list) -> bool:
     """Whether a lone sequence's draft model drafts as a row of one (a row drafter): its
-    caches have a batch kind (core.rows.batchable), and none is a sliding window (a row
+    caches have a batch kind (core.batch_caches.batchable), and none is a sliding window (a row
     keeps every key of a window layer, masking queries to the window, so a long generation
     would hold more than a solo window cache and the memory plan count).
 
@@ -97,11 +97,11 @@ def fits_one_row(draft: nn.Module, caches: list) -> bool:
 
 
 class _SharedCache(RowDrafter):
-    """A drafter whose rows share one batch cache per layer (core.rows)."""
+    """A drafter whose rows share one batch cache per layer (core.batch_caches)."""
 
     def __init__(self, model, vocab: int, sizer: SideSizer | None = None):
         self.model, self.vocab, self.sizer = model, vocab, sizer
-        self.cache: list | None = None  # per layer: core.rows' batch caches
+        self.cache: list | None = None  # per layer: core.batch_caches' batch caches
         self._grown: list[Grown] | None = None  # this round's grown trees (expand.py)
 
     def _grows(self, rows, ks: list[int]) -> bool:
@@ -112,7 +112,7 @@ class _SharedCache(RowDrafter):
         size = self.sizer.size if self.sizer is not None else None
         return bool(
             size and size.expand and any(ks)
-            and all(r.tree for r, n in zip(rows, ks, strict=True) if n)
+            and all(r.wants_trees for r, n in zip(rows, ks, strict=True) if n)
         )  # fmt: skip
 
     def _grow(self, rows, feed, logits: mx.array, ks: list[int]) -> Drafts:

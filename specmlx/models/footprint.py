@@ -196,7 +196,7 @@ def kv_bytes(config: dict, context: int, dtype_bytes: int, batched: bool = False
     """Cache bytes for ``context`` tokens, layer by layer (layer_kinds): a full-attention
     layer holds K and V for every token (2 x kv_heads x head_dim x context x dtype), a
     sliding-window one for its window plus the rollback slack and one allocation step (a
-    batch's row, ``batched``: every token, as core.rows keeps them), a recurrent one a fixed
+    batch's row, ``batched``: every token, as core.batch_caches keeps them), a recurrent one a fixed
     state, counted twice (the live state and the one a rollback restores)."""
     c = config.get("text_config", config)
     kinds = layer_kinds(config)

@@ -3,8 +3,8 @@ that follow it, and whether a pair can batch at all."""
 
 from __future__ import annotations
 
+from ..core.batch_caches import batchable
 from ..core.kvstate import KVState
-from ..core.rows import batchable
 from ..core.stats import Stats
 from ..decoding.batch import Batch, Row
 from ..decoding.session import Request

@@ -97,7 +97,7 @@ class TreeSize:
         return str(self.value)
 
 
-OFF, AUTO = TreeSize(), TreeSize.of("auto")
+OFF, AUTO = TreeSize(), TreeSize(AUTO_NODES, auto=True)
 
 
 def side_parents(k: int, sides: list[int], runs: Sequence[int] = ()) -> tuple[int, ...]:
@@ -165,12 +165,12 @@ class SideSizer:
             cost = _seeded(rows[0])
             sides, runs, _ = self._choose(ks[0], rows[0].stats, self.dips and not drawn[0], cost)
             return [sides], [runs]
-        plans = [self._choose(ki, r.stats, False, _seeded(r)) if d and r.tree else None
+        plans = [self._choose(ki, r.stats, False, _seeded(r)) if d and r.wants_trees else None
                  for ki, r, d in zip(ks, rows, drawn, strict=True)]  # fmt: skip
         greedy = [i for i, d in enumerate(drawn) if not d]
         if greedy:
             k = max(ks[i] for i in greedy)
-            ranked = {i: self._ranked(ks[i], rows[i].stats, rows[i].tree) for i in greedy}
+            ranked = {i: self._ranked(ks[i], rows[i].stats, rows[i].wants_trees) for i in greedy}
             most = min(max(0, self.size.nodes - k), max(len(n) for n, _ in ranked.values()))
             dips = self.dips and not any(drawn)
             auto = self.size.auto

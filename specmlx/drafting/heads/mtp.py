@@ -213,7 +213,7 @@ class MTPHead(nn.Module):
         if family.zero_first:
             # vLLM's "masking inputs at position 0, as not needed by MTP": the pair at
             # position 0 keeps only its hidden state (a batch's rows: each at its own
-            # length, core.rows.RowsKVCache.lens)
+            # length, core.batch_caches.BatchKVCache.lens)
             lens = getattr(cache[0], "lens", None)
             first = [n == 0 for n in lens] if lens is not None else [cache[0].offset == 0]
             if any(first):

@@ -15,7 +15,7 @@ grows the tree where the draft is confident instead, a level a draft pass:
   parent of every chosen node is chosen too.
 
 A batch's rows grow together, each level one pass over B rows of W nodes (each row's at its
-own length, core.rows). k levels cost k - 1 draft passes of W tokens each, where the chain's
+own length, core.batch_caches). k levels cost k - 1 draft passes of W tokens each, where the chain's
 cost k - 1 of one. The nodes are chosen, not drawn: point masses for the tree's acceptance
 (tree_acceptance), exact whatever chose them, at any temperature. A sampled row scores them
 by the draft's probabilities after its own processing (temperature, top-k, top-p, min-p),

@@ -18,7 +18,7 @@ a batch (the memory plan counts such layers at the whole context for a batch's r
 that leaves gets a WindowKVCache back holding what a solo one keeps.
 
 A recurrent layer (an ArraysCache: conv and SSM / gated-delta state) batches as
-``RowsArraysCache``, row i of each state array being sequence i's. Its per-row rollback is
+``BatchArraysCache``, row i of each state array being sequence i's. Its per-row rollback is
 not a length: the batch records its verify pass and recomputes each row's recurrence over
 that row's kept steps (recurrent.PassRecorder.settle_rows), and keeps the draft's state after
 each of its steps to take each row's from; so only the mixers whose layout that recorder
@@ -40,7 +40,7 @@ from .recurrent import PassRecorder
 STEP = 256  # capacity grows in steps of this many positions, as mlx-lm's caches do
 
 
-class RowsKVCache:
+class BatchKVCache:
     """One layer's keys and values for B rows (see the module docstring)."""
 
     def __init__(self, lens: Sequence[int] = (), keys=None, values=None, window: int | None = None):
@@ -217,7 +217,7 @@ def _widen(x: mx.array, cap: int) -> mx.array:
     return mx.pad(x, [(0, 0), (0, 0), (0, extra), (0, 0)]) if extra > 0 else x
 
 
-class RowsArraysCache(ArraysCache):
+class BatchArraysCache(ArraysCache):
     """A recurrent layer's state for a batch's rows (see the module docstring): mlx-lm's
     ArraysCache holding B rows, with its own row count (a state no row has made yet is None
     for all of them; a row joining beside others that have one brings zeros, which is what
@@ -274,8 +274,8 @@ def _rows_like(solo):
     if isinstance(solo, CacheList):
         return CacheList(*[_rows_like(c) for c in solo.caches])
     if isinstance(solo, ArraysCache):
-        return RowsArraysCache(len(solo.cache))
-    return RowsKVCache()
+        return BatchArraysCache(len(solo.cache))
+    return BatchKVCache()
 
 
 def _join(rows, solo) -> None:
@@ -309,7 +309,7 @@ def solo_of(caches: list, i: int) -> list:
 def row_of(caches: list, i: int) -> list | None:
     """Row i of every layer as one-row caches of the solo kinds, the batch keeping it (a
     copy); None when a layer keeps recurrent state, which cannot be cut back to a prefix."""
-    if any(not isinstance(c, RowsKVCache) for c in layer_caches(caches)):
+    if any(not isinstance(c, BatchKVCache) for c in layer_caches(caches)):
         return None
     return [_row(c, i) for c in caches]
 
@@ -320,6 +320,6 @@ def _row(rows, i: int):
     return rows.row(i)
 
 
-def attention_rows(caches: list) -> list[RowsKVCache]:
+def attention_rows(caches: list) -> list[BatchKVCache]:
     """The layers whose rows are lengths (attention), CacheList entries unpacked."""
-    return [c for c in layer_caches(caches) if isinstance(c, RowsKVCache)]
+    return [c for c in layer_caches(caches) if isinstance(c, BatchKVCache)]
