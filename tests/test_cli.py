@@ -98,6 +98,26 @@ def test_json_output_parses_and_adds_up(registry):
     assert s["replayed"] == 0
 
 
+def test_json_says_what_auto_decided_and_from_what(registry):
+    """-k auto's --json stats say where its state came from (a new chooser on a first run,
+    the one saved on disk on the next), where its estimates stood, and the k of every round
+    (k_hist adds up to the passes); a fixed k says nothing of auto."""
+    first = json.loads(run("run", "--json", "-n", "24", "-k", "auto", "def add(a, b):").stdout)
+    again = json.loads(run("run", "--json", "-n", "24", "-k", "auto", "def add(a, b):").stdout)
+    fixed = json.loads(run("run", "--json", "-n", "24", "-k", "2", "def add(a, b):").stdout)
+    assert first["stats"]["auto"]["from"].startswith("new: ")  # (a probe or a saved one)
+    assert again["stats"]["auto"]["from"] == "saved"
+    auto = again["stats"]["auto"]
+    assert 0 < auto["a"] < 1 and auto["t_pass_s"] > 0 and auto["t_plain_s"] > 0, auto
+    # (a tiny random pair: its drafts are rarely kept, so auto may have stopped drafting)
+    assert auto["stopped"] in (True, False) and auto["drafting_rounds"] >= 0
+    for out in (first, again, fixed):
+        s = out["stats"]
+        assert sum(s["k_hist"]) == s["rounds"]
+        assert sum(k * n for k, n in enumerate(s["k_hist"])) == s["drafted"]
+    assert fixed["stats"]["auto"] is None and sum(fixed["stats"]["k_hist"][1:]) > 0
+
+
 def test_stdin_prompt_and_greedy_matches_target_only(registry):
     a = run("run", "-", "--json", "-n", "15", "--draft", "none", input="class Point:\n")
     b = run("run", "--json", "-n", "15", "-k", "4", "class Point:\n")

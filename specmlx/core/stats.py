@@ -97,6 +97,10 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     accept_hist: list[int] = field(default_factory=list)  # rounds by accepted count
+    k_hist: list[int] = field(default_factory=list)  # rounds by drafts verified (a tree: nodes)
+    # -k auto: what it decided from (its state's origin: ``from``) and where its estimates
+    # stood at the end (adaptive.AdaptiveK.summary); None: a fixed k
+    auto: dict | None = None
     # by draft position d (0: the first draft): rounds that verified a draft there with every
     # draft before it accepted, and of those the rounds that accepted it (acceptance by depth)
     depth_tried: list[int] = field(default_factory=list)
@@ -174,6 +178,9 @@ class Stats:
         if len(self.accept_hist) <= n:
             self.accept_hist += [0] * (n + 1 - len(self.accept_hist))
         self.accept_hist[n] += 1
+        if len(self.k_hist) <= k:
+            self.k_hist += [0] * (k + 1 - len(self.k_hist))
+        self.k_hist[k] += 1
         if report.chain is None:
             count_depths(self.depth_tried, self.depth_accepted, k, n)
         else:  # a tree: its chain's acceptance (a kept side leaf is its chain's rejection)

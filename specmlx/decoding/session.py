@@ -236,6 +236,8 @@ class Generation:
     def __init__(self, session, ids, draft, req, decode: Decode, parts: Parts, saved):
         self.session, self.ids, self.draft, self.req = session, ids, draft, req
         self._decode, self.parts, self._saved = decode, parts, saved
+        store = session.choosers
+        self._origin = store.origin(saved) if saved is not None and store is not None else ""
         self.stats, self.lockstep = parts.stats, parts.lockstep
 
     def tokens(self) -> Iterator[TokenEvent]:
@@ -262,6 +264,10 @@ class Generation:
         prefill(pair.target, self.draft, self.ids, kv=self.parts.kv, stats=self.stats)
 
     def finish(self) -> None:
-        """Save the adaptive chooser's estimates (rank 0, choosers from the store only)."""
-        if self._saved is not None and self.session.world.leader:
+        """Save the adaptive chooser's estimates (rank 0, choosers from the store only), and
+        say in ``stats.auto`` what auto decided from (``from``) and where it stood."""
+        if self._saved is None:
+            return
+        self.stats.auto = {"from": self._origin, **self._saved.summary()}
+        if self.session.world.leader:
             self.session.choosers.save(self._saved)

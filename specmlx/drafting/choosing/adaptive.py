@@ -477,6 +477,27 @@ class AdaptiveK(KChooser):
         """t_verify(k) for k in 0..max(k_max, lookup_max), never cheaper than a smaller k."""
         return self.cost.curve(max(self.k_max, self.lookup_max))
 
+    def summary(self) -> dict:
+        """Where its choices stand, JSON-ready, for --json: its acceptance estimates (a at the
+        first draft, a_later after it), the seconds it predicts (a draft token; a target
+        pass over 1 token and over k_max + 1, from its curve), its plain step as timed,
+        whether drafting has stopped (it then drafts once every few plain rounds), and its
+        drafting rounds so far (carried over from earlier runs of the pair)."""
+        curve = self.pass_curve()
+        seconds = lambda t: round(t, 6) if t is not None else None  # noqa: E731
+        return {
+            "a": round(self.accept.first_rate, 4),
+            "a_later": round(self.accept.later_rate, 4),
+            "t_draft_s": seconds(self.cost.t_draft),
+            "t_pass_s": seconds(curve[0] if self.cost.level is not None else None),
+            f"t_pass_{self.k_max + 1}_s": seconds(
+                curve[self.k_max] if self.cost.level is not None else None
+            ),
+            "t_plain_s": seconds(self.cost.t_plain),
+            "stopped": self._zeros > 0,
+            "drafting_rounds": self._drafting_rounds,
+        }
+
     def state(self) -> dict:
         """What was learned, JSON-ready, with the format's version; ``AdaptiveK.resume``
         resumes it. The settings (k_max, the decays, explore, ...) are not saved, so a

@@ -162,6 +162,9 @@ class ChooserStore:
         self._live: dict[str, AdaptiveK] = {}
         self._paths: dict[int, Path] = {}
         self._probes: dict[str, list[float]] = {}  # by probe key: what this process knows
+        # by chooser: where its state came from ("this process", "saved", "new: probed now",
+        # "new: a saved probe", "new: the ranks' probe"), what --json says it decided from
+        self._origins: dict[int, str] = {}
         self._warned = False
 
     @staticmethod
@@ -195,6 +198,7 @@ class ChooserStore:
         """
         key = self.key(target_id, drafter_id, sampling, verify)
         if key in self._live:
+            self._origins[id(self._live[key])] = "this process"
             return self._live[key]
         path = _state_path("adaptive", key)
         chooser = None
@@ -203,13 +207,25 @@ class ChooserStore:
             chooser = _restored(state)
             if chooser is None and self.warn is not None:
                 self.warn(f"ignoring {path}: it does not fit this version of specmlx")
+        origin = "saved"
         if chooser is None:
+            probed = self.pass_ratio is None and self.cached_probe(target_id) is None
+            origin = "new: " + (
+                "the ranks' probe" if self.pass_ratio is not None
+                else "probed now" if probed else "a saved probe"
+            )  # fmt: skip
             chooser = AdaptiveK(
                 cost=CostCurve(pass_ratio=self.curve(target, target_id, prompt_ids))
             )
         self._live[key] = chooser
         self._paths[id(chooser)] = path
+        self._origins[id(chooser)] = origin
         return chooser
+
+    def origin(self, chooser: AdaptiveK) -> str:
+        """Where ``chooser``'s state came from when this process first got it (``get``), or
+        "this process" once it has run here already."""
+        return self._origins.get(id(chooser), "this process")
 
     def save(self, chooser: AdaptiveK) -> None:
         """Keep what ``chooser`` learned for the next run (best effort)."""
