@@ -83,6 +83,9 @@ _RING_NOISE = re.compile(
 )
 
 
+# seconds the other ranks get to exit once the launcher reports a rank gone, before all are
+# killed (a hung or stopped rank never exits by itself)
+RANK_GONE_GRACE, RANK_0_GONE_GRACE = 15.0, 3.0
 _RANK_REPORT = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
 _RANK_ERROR = re.compile(r"^error: rank \d+: (.*)")  # see rank_prefix
 
@@ -222,8 +225,11 @@ def launch(
             if m := _RANK_REPORT.search(line):
                 codes[int(m.group(1))] = int(m.group(2)) if m.group(2) else -9
                 # a rank that failed: the launcher stops the others, but cannot stop one
-                # that hangs (or is stopped); give it a bounded time, then end them all
-                timer = threading.Timer(15, _kill_group, (proc,))
+                # that hangs (or is stopped); give it a bounded time, then end them all.
+                # Rank 0 gone: nothing is left to answer or print, so a short grace; another
+                # rank gone: rank 0 may still be telling its clients why
+                grace = RANK_0_GONE_GRACE if int(m.group(1)) == 0 else RANK_GONE_GRACE
+                timer = threading.Timer(grace, _kill_group, (proc,))
                 timer.daemon = True
                 timer.start()
             elif m := _RANK_ERROR.match(line.strip()):
