@@ -529,6 +529,8 @@ def test_batch_k_keeps_what_it_measured_for_the_next_server(pair, specmlx_home):
         return SimpleNamespace(
             session=SimpleNamespace(pair=Pair(target, draft, target_id="t1", draft_id=draft_id)),
             tree=TreeSize.of("auto"),
+            totals=None,
+            count=None,
             choosers=ChooserStore(persist=persist, warn=warned.append),
             world=World(None),
         )
@@ -586,7 +588,7 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
         world=World(None, rank=0, size=2),
         watchdog=None, fatal=stopped.append, send_ops=fail, draft_stop=False, stopping=False,
         totals=SimpleNamespace(failed=0, cancelled=0), draft=None, queue=queue.Queue(),
-        label=lambda job: None, failed=lambda job, sources, e: None,
+        label=lambda job: None, failed=lambda job, sources, e: None, count=lambda s, c: None,
     )  # fmt: skip
     batcher = Batcher(w, 4)
     rows = [Job(), Job()]

@@ -177,6 +177,35 @@ def test_each_setting_is_parsed_once_at_its_edge():
             assert calls <= edge, path
 
 
+def test_the_batch_loop_reaches_the_worker_only_through_its_host_interface():
+    """batcher.py and follower.py read and call of the worker only what serving.jobs.Host
+    declares (typed, in one place); joining.py and warmups.py take what they use, not the
+    worker; nothing looks inside the job queue but Jobs itself."""
+    from specmlx.serving.jobs import Host
+
+    declared = set(Host.__annotations__) | {n for n in vars(Host) if not n.startswith("_")}
+    for name in ("batcher", "follower"):
+        tree = ast.parse((PACKAGE / "serving" / f"{name}.py").read_text())
+        used = set()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            v = node.value  # self.w.X, w.X (w = self.w), worker.X
+            if (
+                isinstance(v, ast.Attribute)
+                and v.attr == "w"
+                and getattr(v.value, "id", "") == "self"
+            ):
+                used.add(node.attr)
+            elif isinstance(v, ast.Name) and v.id in ("w", "worker"):
+                used.add(node.attr)
+        assert used and used <= declared, (name, used - declared)
+    for name in ("joining", "warmups", "batcher", "follower"):
+        text = (PACKAGE / "serving" / f"{name}.py").read_text()
+        assert "queue.mutex" not in text and ".queue.queue" not in text, name
+        assert "(worker)" not in text and "(self.w," not in text, name
+
+
 def test_only_the_models_build_command_imports_the_standins():
     graph = imports(2)
     users = {m for m, deps in graph.items() if any(d.startswith("standins") for d in deps)}

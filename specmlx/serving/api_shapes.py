@@ -10,7 +10,7 @@ import json
 
 from ..core.acceptance import DEFAULT_VERIFY
 from ..core.stats import Stats, TokenEvent
-from .worker import Job
+from .jobs import Job
 
 
 def usage(stats: Stats) -> dict:

@@ -45,6 +45,7 @@ from ..decoding.batch import Batch, Row
 from ..decoding.stream import EditorLimits, TextStream
 from ..distributed.ranks import Lockstep, ranks_stopped
 from .batch_k import BatchK, KeptBatchK
+from .jobs import Host
 from .joining import join_row
 from .warmups import WarmUps
 
@@ -86,9 +87,12 @@ class _Parked:
 
 
 class Batcher:
-    """Runs a Worker's queue as batches of up to ``max_batch`` rows (see the module)."""
+    """Runs a Worker's queue as batches of up to ``max_batch`` rows (see the module).
 
-    def __init__(self, worker, max_batch: int, k: BatchK | None = None):
+    worker: what it reads and calls of the worker (jobs.Host); max_batch: the most rows;
+    k: the batch's k chooser (None: what this machine measured for the pair, or fresh)."""
+
+    def __init__(self, worker: Host, max_batch: int, k: BatchK | None = None):
         pair = worker.session.pair
         self.w, self.max_batch = worker, max_batch
         self.batch = Batch(pair.target, pair.draft, pair.shared, tree=worker.tree)
@@ -97,7 +101,8 @@ class Batcher:
         # KV of the batch's (theirs is in the prompt cache, within its budget)
         self.parked: list[_Live] = []
         self._quiet_from = 0.0  # (monotonic) when a parked request may resume
-        self.warmups = WarmUps(worker)  # editors' warm-ups, run once the editors are quiet
+        # editors' warm-ups, run once the editors are quiet
+        self.warmups = WarmUps(worker.totals, worker.count)
         store = worker.choosers
         self.kept = KeptBatchK(pair.target_id, pair.draft_id, store.persist, store.warn, k)
         self.k = self.kept.k
@@ -186,7 +191,7 @@ class Batcher:
             if alone:
                 gen = w.session.start(r, kv=kv, stats=job.stats)
             else:
-                row, kv = join_row(w, self.batch, r, job.stats, kv), None
+                row, kv = join_row(w.session, w.cache, self.batch, r, job.stats, kv), None
         except Exception as e:  # noqa: BLE001 - this request's error; the batch goes on
             w.totals.failed += 1
             w.failed(job, sources, e)
@@ -230,9 +235,7 @@ class Batcher:
             return True
         if time.monotonic() < self._quiet_from:
             return True
-        with self.w.queue.mutex:  # (a peek: the queue is the worker's FIFO)
-            queued = list(self.w.queue.queue)
-        return any(j is not None and j.editor and not j.request.warm_up for j in queued)
+        return self.w.queue.editor_waiting()
 
     def _warm_up(self) -> None:
         """Run the newest waiting warm-up alone, when the editors are quiet: a warm-up fills

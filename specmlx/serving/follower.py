@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..core.stats import Stats
 from ..decoding.batch import Batch, Row
 from ..distributed.ranks import Lockstep
+from .jobs import Host
 from .joining import join_row
 
 
@@ -17,7 +18,7 @@ class FollowerBatch:
     module): the same leaves (caches back to this rank's prompt cache), joins and rounds,
     each round's tokens compared. Nothing is emitted: rank 0 answers the clients."""
 
-    def __init__(self, worker):
+    def __init__(self, worker: Host):
         pair = worker.session.pair
         self.w = worker
         self.batch = Batch(pair.target, pair.draft, pair.shared, tree=worker.tree)
@@ -31,7 +32,7 @@ class FollowerBatch:
             self.w.cache.put(self.batch.leave(self.rows.pop(i)))
         if join is not None:
             taken = self.w.caches_for(join)
-            row = join_row(self.w, self.batch, join, Stats(), taken)
+            row = join_row(self.w.session, self.w.cache, self.batch, join, Stats(), taken)
             self.rows.append(row)
         if k is not None:
             if self.w.watchdog is not None:

@@ -10,6 +10,10 @@ Worker._run).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+
+from ..core.stats import Stats
+from .jobs import Totals
 
 MAX_WAITING = 4  # warm-ups held at once; past it the oldest is answered at once, unrun
 
@@ -17,10 +21,11 @@ MAX_WAITING = 4  # warm-ups held at once; past it the oldest is answered at once
 class WarmUps:
     """The warm-ups waiting, oldest first, and when the editors were last busy.
 
-    worker: the Worker whose jobs they are (its totals count what is dropped)."""
+    totals: the server's counters (a warm-up whose client left counts as cancelled); count:
+    counts a request that ended (jobs.Host.count: one answered unrun, past MAX_WAITING)."""
 
-    def __init__(self, worker):
-        self.w = worker
+    def __init__(self, totals: Totals, count: Callable[[Stats, bool], None]):
+        self.totals, self.count = totals, count
         self.waiting: list = []  # the jobs
         self.quiet_from = 0.0  # (monotonic) an editor request ended: its follow-up first
 
@@ -32,14 +37,14 @@ class WarmUps:
         while len(self.waiting) > MAX_WAITING:
             old = self.waiting.pop(0)
             old.stats.finish_reason = "length"
-            self.w.count(old.stats, False)
+            self.count(old.stats, False)
             old.emit("done", old.stats)
 
     def drop_gone(self) -> None:
         """Forget the warm-ups whose clients hung up (counted as cancelled)."""
         for job in [j for j in self.waiting if j.cancelled.is_set()]:
             self.waiting.remove(job)
-            self.w.totals.cancelled += 1
+            self.totals.cancelled += 1
 
     def take(self):
         """The newest waiting warm-up (its context is the freshest), taken off the list."""

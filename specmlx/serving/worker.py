@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import mlx.core as mx
 
@@ -41,6 +41,7 @@ from ..paths import Warn
 from .access_log import SERVER
 from .batcher import RESUME_GRACE, Batcher
 from .follower import FollowerBatch
+from .jobs import Emit, Job, Jobs, Totals
 from .joining import can_batch
 from .prompt_cache import PromptCache
 from .warmups import WarmUps
@@ -58,60 +59,6 @@ class QueueFull(SpecmlxError):
 
 class ShuttingDown(SpecmlxError):
     """The server is stopping; queued requests are not started."""
-
-
-# ("piece", TokenEvent with its text) | ("done", Stats) | ("error", exc)
-Emit = Callable[[str, object], None]
-
-
-@dataclass
-class Job:
-    """A request in the worker's hands: what it asks (``request``, the same on every rank),
-    where its events go (``emit``), whether its client left (``cancelled``), its live
-    figures (``stats``) and what the response reports of it. editor: an editor's request
-    (/infill): the newest runs first when batched, and a warm-up waits until the editors are
-    quiet (rank 0's scheduling only: it does not travel to the other ranks)."""
-
-    request: Request
-    emit: Emit
-    editor: bool = False
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    stats: Stats = field(default_factory=Stats)
-    k_label: str = ""  # the k setting, for the response
-    drafter_name: str = ""  # the draft's alias, "lookup" or "none"
-    number: int = 0  # the worker numbers the jobs it is given, for its log lines
-
-    def cancel(self) -> None:
-        """Stop generating (within one round) or, if still queued, never start."""
-        self.cancelled.set()
-
-
-@dataclass
-class Totals:
-    """Counters since the server started, for /metrics (written by the worker thread)."""
-
-    requests: int = 0
-    cancelled: int = 0
-    failed: int = 0
-    rejected: int = 0  # 503: the queue was full
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generated: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    rounds: int = 0
-    decode_s: float = 0.0
-    prefill_s: float = 0.0
-    cache_hits: int = 0
-    # the prompt cache's size after the last job (the cache itself is the worker thread's
-    # alone: PromptCache is not thread-safe, so /metrics reads these instead)
-    cache_bytes: int = 0
-    cache_entries: int = 0
-    moved_tokens: int = 0  # prompt tokens taken from runs moved to new positions
-    batch_rows: int = 0  # requests decoding together now (--max-batch > 1)
-    batch_rounds: int = 0  # batched target passes (one a round, whatever the rows)
-    batch_tree_rounds: int = 0  # of those, passes that verified a token tree a row
-    tree_rounds: int = 0  # target passes that verified a tree, per request (as ``rounds``)
 
 
 class Worker:
@@ -170,16 +117,18 @@ class Worker:
         self.totals = Totals()
         self.last: Stats | None = None
         self.busy = False
-        self.queue: queue.Queue[Job | None] = queue.Queue()
+        self.queue = Jobs()
         self._lock = threading.Lock()
         self._numbered = 0  # requests submitted so far (a job's number, for the log)
         self.stopping = False
         self._current: Job | None = None
-        self._warmups = WarmUps(self)  # one at a time: warm-ups wait for the queue (_run)
+        self._warmups = WarmUps(
+            self.totals, self.count
+        )  # one at a time: warm-ups wait for the queue (_run)
         self.max_batch, self.batch_refused, self._batcher = max_batch, None, None
         self._follower: FollowerBatch | None = None  # a rank other than 0: rank 0's batch
         if max_batch > 1:
-            self.batch_refused = can_batch(self)
+            self.batch_refused = can_batch(self.session.pair)
             if self.batch_refused is None:
                 self._batcher = Batcher(self, max_batch)
         # requests that run at once, and how many the MLX thread holds now (taken off the queue,
