@@ -9,6 +9,7 @@ import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -180,6 +181,11 @@ class Terminal:
     def __init__(self, env: dict, *args: str):
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child
+            # Ctrl-C as a terminal's shell leaves it: a process that ignored SIGINT (a test
+            # worker, or one that ran a rank's code in-process) passes SIG_IGN on through
+            # exec, and Python then installs no KeyboardInterrupt handler: every Ctrl-C of
+            # this test was lost (seen in two full runs under load)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.execvpe(sys.executable, [sys.executable, "-m", "specmlx", "chat", *args], env)
         self.out = b""
 
