@@ -128,15 +128,16 @@ def one_round(
         heads = [_accept(logits[i], drafts, i, r, keys[i]) for i, r in enumerate(rows)]
         out = mx.stack(heads) if k == 0 else mx.concatenate([mx.stack(heads), drafts.tokens], 1)
         nxt = out[0, 1]
-    if drafter is not None and drafter.reads_argmax:  # (a lone row: lookahead's window
-        # learns from the target's argmax at the root and every node, read in the same sync)
+    argmax = trees is not None and drafter.reads_argmax  # (a lone row: lookahead's window,
+    # always a tree, learns from the target's argmax at the root and every node, same sync)
+    if argmax:
         out = mx.concatenate([out, mx.argmax(logits[0], axis=-1).astype(mx.uint32)[None]], 1)
     if plain_next is not None and not k and rows[0].stops.room > 0 and plain_next():
         mx.async_eval(out)  # (a lone row) its next plain pass runs while the host reads
         target.queue(nxt.reshape(1))
     got = out.tolist()  # the round's one host sync
-    if drafter is not None and drafter.reads_argmax:
-        drafter.observe(got[0][(1 if plain else 2 + k) :])
+    if argmax:
+        drafter.observe(got[0][2 + k :])
     # keep: each row its kept path's tokens and the target's token, up to a stop
     fed, paths, told, new, reports = [], [], [], [], []
     for i, (r, row) in enumerate(zip(rows, got, strict=True)):

@@ -62,7 +62,8 @@ class RowsTarget:
         layers = recurrent_layers(make_caches(target))
         self.recorder = PassRecorder(target, layers) if layers else None
         self._before: list = []  # the recurrent states before the latest pass
-        self._held: list[int] = []  # each row's length before the latest pass, a tree pass
+        # each row's length before the latest pass when it verified trees ([]: chains)
+        self._held: list[int] = []
 
     def rows_changed(self) -> None:
         """A row joined: the recorder follows the new batch caches."""
