@@ -29,6 +29,7 @@ from specmlx.core.stats import KChooser, RoundReport
 from specmlx.decoding.engine import Decode, Parts, generate_tokens
 from specmlx.drafting.choosing.choosers import AUTO, K
 from specmlx.drafting.choosing.tree_size import TreeSize
+from specmlx.drafting.lookup.kinds import LookupKind
 from specmlx.models import gguf
 
 
@@ -556,8 +557,15 @@ def generate(target, draft, prompt, *, k=4, **settings):
     """generate_tokens with its settings as keywords, by the names of Decode's and Parts'
     fields; ``k`` is a k setting (an int, "auto", a K) or a chooser (a bare function is
     taken as a Script), and ``tree`` a tree setting (an int, "auto", "expand:N", a
-    TreeSize): parsed here, this keyword API's edge, as the CLI parses its options."""
+    TreeSize), ``lookup`` (a bool or a LookupKind) with ``lookup_by`` (how: "suffix",
+    "ngram" or a lookahead form): parsed here, this keyword API's edge, as the CLI parses
+    its options."""
     chooser = None
+    by = settings.pop("lookup_by", "suffix")
+    if settings.get("lookup") is True:
+        settings["lookup"] = LookupKind.of("lookup:" + by if by in ("suffix", "ngram") else by)
+    elif settings.get("lookup") is False:
+        settings["lookup"] = None
     if not isinstance(k, (int, str, K)):
         chooser, k = (k if isinstance(k, KChooser) else Script(k)), AUTO
     unknown = set(settings) - _DECODE - _PARTS

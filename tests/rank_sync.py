@@ -14,7 +14,7 @@ import mlx.core as mx
 from helpers import Script
 
 from specmlx.core.sampling import SamplingParams
-from specmlx.decoding.session import Request
+from specmlx.decoding.session import DrafterChoice, Request
 from specmlx.distributed.launch import join
 from specmlx.distributed.ranks import Lockstep, LockstepError, SharedK
 from specmlx.distributed.wire import IDLE, receive, send
@@ -56,7 +56,7 @@ def lockstep(diverge_at: int, ends: bool) -> dict:
 def request() -> dict:
     sent = Request(
         sampling=SamplingParams(0.7, 0.9, 40, 0.05), k=K(5), max_tokens=17,
-        seed=2**47 + 3, stop=["\n\n", "é\0x"], drafter="lookup", extra_eos=(7, 9),
+        seed=2**47 + 3, stop=["\n\n", "é\0x"], drafter=DrafterChoice.of("lookup"), extra_eos=(7, 9),
         verify="token", draft_stop=True, time_limit_s=1.5, min_indent=4,
         prompt_ids=list(range(1000, 1300)), warm_up=True,
     )  # fmt: skip

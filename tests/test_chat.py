@@ -24,7 +24,7 @@ from specmlx.cli import app
 from specmlx.cli.chat import read_message
 from specmlx.core.sampling import SamplingParams
 from specmlx.decoding.conversation import Chat, Conversation, TooLong, fit
-from specmlx.decoding.session import Pair, Request, Session
+from specmlx.decoding.session import DrafterChoice, Pair, Request, Session
 from specmlx.decoding.stream import chat_ids
 from specmlx.models.loading import load_model
 from specmlx.models.registry import load_registry
@@ -117,7 +117,9 @@ def tiny_chat(tmp_path_factory):
 
 
 def _turn(chat: Chat, text: str, max_tokens: int = 6):
-    request = Request(sampling=SamplingParams(), max_tokens=max_tokens, drafter="none", seed=0)
+    request = Request(
+        sampling=SamplingParams(), max_tokens=max_tokens, drafter=DrafterChoice.of("none"), seed=0
+    )
     turn = chat.ask(text, request)
     reply = "".join(ev.text for ev in turn.generation.text())
     chat.answered(reply)

@@ -35,11 +35,12 @@ from kit_eagle3 import head_json, reference_head, save_head
 from specmlx.core.kvstate import common_prefix
 from specmlx.core.sampling import SamplingParams
 from specmlx.decoding.fim import encode_infill, require_fim
-from specmlx.decoding.session import Request
+from specmlx.decoding.session import DrafterChoice, Request
 from specmlx.decoding.stream import chat_ids
 from specmlx.drafting.choosing.choosers import AUTO as AUTO_K
 from specmlx.drafting.choosing.choosers import K
 from specmlx.drafting.choosing.tree_size import TreeSize
+from specmlx.drafting.lookup.kinds import LookupKind
 from specmlx.errors import BadInput
 from specmlx.models.loading import load_pair
 from specmlx.models.registry import load_registry
@@ -255,15 +256,16 @@ def serve(loaded, case: dict, draft: str | None, alone: bool, tree: str) -> tupl
         for p in laid:
             wait(send(worker, Request(prompt_ids=p, warm_up=True, max_tokens=1)))
         seeded = case["sampling"] == "seeded"
-        drafter = "none" if draft is None else "lookup" if draft in ("suffix", "ngram") else "model"
+        lookup = draft in ("suffix", "ngram")
+        drafter = DrafterChoice(draft is not None and not lookup,
+                                LookupKind(draft) if lookup else None)  # fmt: skip
         request = Request(
             prompt_ids=checked, max_tokens=N, tree=tree, drafter=drafter,
-            lookup_by=draft if draft in ("suffix", "ngram") else "suffix",
             sampling=SamplingParams(temperature=0.9 if seeded else 0.0), seed=7,
             k=K(3) if seeded else AUTO_K,
         )  # fmt: skip
         neighbour = Request(prompt_ids=other, max_tokens=3 * N, tree=tree, drafter=drafter,
-                            lookup_by=request.lookup_by, seed=1)  # fmt: skip
+                            seed=1)  # fmt: skip
         if alone or case["rows"] == "lone":
             checked = send(worker, request)
             return wait(checked), checked.stats.cached_tokens

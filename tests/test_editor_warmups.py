@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import tiny_pair
 
-from specmlx.decoding.session import Request
+from specmlx.decoding.session import DrafterChoice, Request
 from specmlx.drafting.choosing.choosers import K
 from specmlx.models.loading import load_pair
 from specmlx.models.registry import load_registry
@@ -92,7 +92,7 @@ def test_a_warm_up_waits_until_the_suggestions_are_answered(worker):
     log: list = []  # it filled the cache: a request with its prompt finds it there
     job, done = ask(worker, log, "after", CODE * 12, 2)
     assert done.wait(60) and job.stats.cached_tokens >= job.stats.prompt_tokens - 2
-    ends = run_between(worker, dict(drafter="lookup", k=K(3)))
+    ends = run_between(worker, dict(drafter=DrafterChoice.of("lookup"), k=K(3)))
     assert ends.index("other") < ends.index("next"), ends
 
 

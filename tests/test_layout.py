@@ -145,15 +145,17 @@ def test_a_chain_is_a_tree_of_one_branch():
 
 
 def test_each_setting_is_parsed_once_at_its_edge():
-    """k and the tree size are parsed where they enter (K.of, TreeSize.of: the CLI, an HTTP
-    body, models.toml, the bench's options); what the engine, a batch, a session and the
-    server read takes only the typed values, and says so for text."""
+    """k, the tree size, the drafter choice and the lookup kind are parsed where they enter
+    (K.of, TreeSize.of, DrafterChoice.of, LookupKind.of: the CLI, an HTTP body, models.toml,
+    the bench's options); what the engine, a batch, a session and the server read takes only
+    the typed values, and says so for text."""
     from specmlx.bench.data import System
     from specmlx.decoding.batch import Batch
     from specmlx.decoding.decode import Decode
-    from specmlx.decoding.session import Request
+    from specmlx.decoding.session import DrafterChoice, Request
     from specmlx.drafting.choosing.choosers import K
     from specmlx.drafting.choosing.tree_size import TreeSize
+    from specmlx.drafting.lookup.kinds import LookupKind
     from specmlx.serving.serve import ServerSettings
 
     assert Decode(k=K.of("3"), tree=TreeSize.of("auto")).k == K(3)
@@ -162,6 +164,10 @@ def test_each_setting_is_parsed_once_at_its_edge():
         lambda: Decode(tree="auto"),
         lambda: Request(k="auto"),
         lambda: Request(tree=8),
+        lambda: Request(drafter="lookup"),
+        lambda: Decode(lookup="ngram"),
+        lambda: ServerSettings("m", 64, drafter="none"),
+        lambda: ServerSettings("m", 64, lookup="ngram"),
         lambda: System("specmlx", "d", 2),
         lambda: ServerSettings("m", 64, k=3),
         lambda: Batch(None, None, tree="auto"),
@@ -172,9 +178,13 @@ def test_each_setting_is_parsed_once_at_its_edge():
     for folder in ("decoding", "drafting", "serving", "core"):
         for path in (PACKAGE / folder).rglob("*.py"):
             text = path.read_text()
-            calls = text.count("K.of(") + text.count("TreeSize.of(")
-            edge = path.name == "serve.py" and folder == "serving"  # num_draft in a body
+            calls = sum(text.count(f"{kind}.of(") for kind in ("K", "TreeSize", "LookupKind"))
+            calls += text.count("DrafterChoice.of(")
+            # the HTTP body's num_draft and draft; the bench's systems name their lookup
+            edge = 2 * (path.name == "serve.py" and folder == "serving")
             assert calls <= edge, path
+    assert str(LookupKind.of("lookup:ngram")) == "lookup:ngram"
+    assert str(DrafterChoice.of("model+lookup")) == "model+lookup"
 
 
 def test_the_batch_loop_reaches_the_worker_only_through_its_host_interface():

@@ -219,12 +219,12 @@ def test_a_chats_second_turn_prefills_only_its_new_message(real):
     only what the template adds after them (the reply's end and the new user message);
     speculating with the draft model, greedy, as `chat` runs by default."""
     from specmlx.decoding.conversation import Chat
-    from specmlx.decoding.session import Pair, Request, Session
+    from specmlx.decoding.session import MODEL, Pair, Request, Session
 
     target, draft = real
     session = Session(Pair(target.model, draft, tokenizer=target.tokenizer, target_id="t"))
     chat = Chat(session, limit=2048, system="You are a helpful assistant.")
-    ask = Request(max_tokens=24, drafter="model", k=K(3), seed=0)
+    ask = Request(max_tokens=24, drafter=MODEL, k=K(3), seed=0)
     first = chat.ask("What is the capital of France?", ask)
     made = [ev.token for ev in first.generation.text()]
     chat.answered(target.tokenizer.decode(made))

@@ -14,11 +14,12 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import Stats, TokenEvent
-from specmlx.decoding.session import Pair, Request, Session, drafter_of
+from specmlx.decoding.session import DrafterChoice, Pair, Request, Session
 from specmlx.decoding.stream import _held_back, editor_limits, stream_text
 from specmlx.drafting.choosing.adaptive import AdaptiveK
 from specmlx.drafting.choosing.choosers import AUTO as AUTO_K
 from specmlx.drafting.choosing.choosers import ChooserStore, K
+from specmlx.drafting.lookup.kinds import SUFFIX
 
 PACKAGE = Path(__file__).resolve().parent.parent / "specmlx"
 TEXT = "import os\nfor i in range(10):\n    print(i, os.getcwd())\n"
@@ -83,7 +84,12 @@ def test_the_session_builds_what_the_engine_generates(tok, models):
     eos = tok.eos_token_ids
     for use_draft, lookup in ((True, False), (False, True), (True, True), (False, False)):
         session = Session(Pair(target, draft, tok))
-        req = Request(prompt, k=K(3), max_tokens=24, drafter=drafter_of(use_draft, lookup))
+        req = Request(
+            prompt,
+            k=K(3),
+            max_tokens=24,
+            drafter=DrafterChoice(use_draft, SUFFIX if lookup else None),
+        )
         gen = session.start(req)
         got = [(e.token, e.from_draft) for e in gen.tokens()]
         direct = generate(

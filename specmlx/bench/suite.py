@@ -28,13 +28,14 @@ from ..core.acceptance import sampled_rule
 from ..core.caches import mlx_lm_speculates
 from ..core.sampling import SamplingParams, make_processor, sample
 from ..core.stats import KChooser, count_depths
-from ..decoding.session import Pair, Request, Session, drafter_of
+from ..decoding.session import DrafterChoice, Pair, Request, Session
 from ..distributed.ranks import World
 from ..drafting.choosing.adaptive import SUFFIX_MAX
 from ..drafting.choosing.choosers import AUTO, ChooserStore, K, make_chooser
 from ..drafting.choosing.cost_curve import PROBE_SIZES
 from ..drafting.choosing.probe import curve_from, head_step_seconds, pass_times
 from ..drafting.choosing.tree_size import OFF
+from ..drafting.lookup.kinds import SUFFIX, LookupKind
 from ..drafting.lookup.memory import LookupMemory
 from .data import MEMORY, NGRAM, STOP, BenchSettings, Run, System, code_of, edit_step, runs_at
 from .report import judge_greedy_runs, summarize
@@ -138,11 +139,10 @@ def run_one(
         k=system.k,
         max_tokens=s.max_tokens,
         seed=seed,
-        drafter=drafter_of(use_draft and draft is not None, "look" in system.drafter),
+        drafter=DrafterChoice(use_draft and draft is not None, _lookup_kind(system.drafter)),
         verify=system.verify,
         draft_stop=system.drafter.endswith(STOP),
         tree=system.tree,
-        lookup_by=_lookup_by(first),
     )
     # no tokenizer: generations run to the budget, as mlx-lm's do (EOS is not theirs either)
     session = Session(
@@ -161,10 +161,13 @@ def run_one(
                rank_kept=st.rank_kept)  # fmt: skip
 
 
-def _lookup_by(drafter: str) -> str:
-    """How a row's lookup proposes (decoding.decode.Decode.lookup_by), from its drafter's
-    first part: "lookup", NGRAM or a lookahead form."""
-    return "ngram" if drafter == NGRAM else drafter if drafter.startswith("lookahead") else "suffix"
+def _lookup_kind(drafter: str) -> LookupKind | None:
+    """How a row's lookup proposes, from its drafter's label ("lookup", NGRAM, a lookahead
+    form, "DRAFT + lookup", each perhaps + MEMORY; None: no lookup)."""
+    first = drafter.split(" + ")[0]
+    if first.startswith("look"):  # lookup:ngram, lookahead[:...]
+        return LookupKind.of(first)
+    return SUFFIX if "lookup" in drafter else None
 
 
 def systems(draft_name: str | None, s: BenchSettings, head_name: str | None = None) -> list[System]:

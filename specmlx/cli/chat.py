@@ -263,10 +263,8 @@ def _local(request, system, target, draft, lookup, lookup_memory, k, tree, conte
         memory = LookupMemory(directory, vocab_size=tgt.vocab_size, warn=print_warning)
     store = ChooserStore(warn=print_warning)  # adaptive k resumes from this pair's last run
     session = Session(Pair.of(tgt, drf, shared), choosers=store, memory=memory)
-    request = replace(
-        request, k=models.k, drafter=models.drafter, tree=models.tree, lookup_by=models.lookup_by
-    )
-    parts = ([drf.spec.alias] if drf else []) + ([models.lookup_name] if models.lookup else [])
+    request = replace(request, k=models.k, drafter=models.drafter, tree=models.tree)
+    parts = ([drf.spec.alias] if drf else []) + ([str(models.lookup)] if models.lookup else [])
     drafter = " + ".join(parts) or "none"
     chat = Chat(session, limit, system)
     return _LocalChat(

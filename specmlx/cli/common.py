@@ -13,11 +13,12 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand
 
+from ..decoding.session import DrafterChoice
 from ..distributed.launch import rank_prefix
 from ..drafting.choosing.choosers import AUTO, K
 from ..drafting.choosing.tree_size import AUTO as TREE_AUTO
 from ..drafting.choosing.tree_size import TREE_MAX, TreeSize
-from ..drafting.lookup.lookahead import LookaheadSize
+from ..drafting.lookup.kinds import SUFFIX, LookupKind
 from ..drafting.self_draft import is_self
 from ..errors import BadInput, SpecmlxError
 from ..models.registry import head_of
@@ -159,28 +160,19 @@ class PromptCommand(TyperCommand):
 class Models:
     """Which models a command loads and the drafting it defaults to, resolved against
     models.toml before anything loads: target alias, draft alias (or None: none loaded),
-    lookup (prompt lookup drafts too), k (the pair's default when none was given), tree,
-    lookup_by (how lookup reads its index: "suffix", or "ngram" for 'lookup:ngram')."""
+    lookup (prompt lookup drafts too, and how: a kinds.LookupKind; None: no lookup), k (the
+    pair's default when none was given), tree."""
 
     target: str
     draft: str | None
-    lookup: bool
+    lookup: LookupKind | None
     k: K
     tree: TreeSize = TREE_AUTO
-    lookup_by: str = "suffix"
 
     @property
-    def drafter(self) -> str:
-        """What drafts, as a session.Request says it ("model", "lookup", "model+lookup",
-        "none")."""
-        from ..decoding.session import drafter_of
-
-        return drafter_of(self.draft is not None, self.lookup)
-
-    @property
-    def lookup_name(self) -> str:
-        """Lookup as --draft names it: "lookup", "lookup:ngram" or the lookahead form."""
-        return {"suffix": "lookup", "ngram": "lookup:ngram"}.get(self.lookup_by, self.lookup_by)
+    def drafter(self) -> DrafterChoice:
+        """What drafts, as a session.Request takes it."""
+        return DrafterChoice(self.draft is not None, self.lookup)
 
 
 def resolve_models(
@@ -189,8 +181,10 @@ def resolve_models(
 ):  # fmt: skip
     """Fill in what the user did not say from the pairs and defaults in models.toml.
 
-    registry: models.toml's; target, draft: as given (None: the default pair's); lookup:
-    --lookup; k, tree: as parsed from the command line (None: the pair's or the default)."""
+    registry: models.toml's; target, draft: as given (None: the pair's or the default; a
+    lookup form, "lookup:ngram" or "lookahead:..." say how lookup proposes, alone); lookup:
+    --lookup (suffix lookup first, then the draft); k, tree: as parsed from the command line
+    (None: the pair's or the default)."""
     import mlx.core as mx
 
     pair = None
@@ -201,20 +195,15 @@ def resolve_models(
         pair = next((p for p in registry.pairs.values() if p.target == target), None)
     if draft is None:
         draft = pair.draft if pair else "none"
-    lookup_by = "suffix"
-    if draft in LOOKUPS:
-        draft, lookup, lookup_by = "none", True, LOOKUPS[draft]
-    elif draft.startswith("lookahead"):
-        draft, lookup, lookup_by = "none", True, str(LookaheadSize.of(draft))
-    elif draft.startswith("lookup:"):
-        raise BadInput(f"--draft {draft}: lookup is 'lookup', 'lookup:suffix' or 'lookup:ngram'")
+    kind = SUFFIX if lookup else None
+    if draft.startswith(("lookup", "lookahead")):
+        try:
+            draft, kind = "none", LookupKind.of(draft)
+        except BadInput as e:
+            raise BadInput(f"--draft {draft}: {e}") from None
     k = k if k is not None else (pair.k if pair else AUTO)
     tree = tree if tree is not None else (pair.tree if pair else TREE_AUTO)
-    return Models(target, None if draft == "none" else draft, lookup, k, tree, lookup_by)
-
-
-# --draft's lookup forms: how each reads the index (decoding.decode.Decode.lookup_by)
-LOOKUPS = {"lookup": "suffix", "lookup:suffix": "suffix", "lookup:ngram": "ngram"}
+    return Models(target, None if draft == "none" else draft, kind, k, tree)
 
 
 HostsOpt = Annotated[

@@ -273,12 +273,11 @@ def _run_local(
         drafter=models.drafter,
         extra_eos=extra_eos,
         tree=models.tree,
-        lookup_by=models.lookup_by,
     )
     gen = session.start(request, lockstep=lockstep)
     stats = gen.stats
     responses = gen.text()
-    parts = ([drf.spec.alias] if drf else []) + ([models.lookup_name] if models.lookup else [])
+    parts = ([drf.spec.alias] if drf else []) + ([str(models.lookup)] if models.lookup else [])
     try:
         interrupted = render.stream(responses, stats)
         if lockstep is not None and not interrupted:

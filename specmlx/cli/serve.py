@@ -8,9 +8,11 @@ import os
 import typer
 
 from ..core.acceptance import DEFAULT_VERIFY
+from ..decoding.session import DrafterChoice
 from ..distributed.launch import leave, rank_prefix
 from ..drafting.choosing.choosers import K
 from ..drafting.choosing.tree_size import TreeSize
+from ..drafting.lookup.kinds import SUFFIX
 from ..errors import BadInput, SpecmlxError
 from .common import (
     ContextOpt,
@@ -277,20 +279,21 @@ def serve(
             except SpecmlxError as e:
                 fatal(str(e))
             leave(0)
-    drafter = "model" if drf else ("lookup" if models.lookup else "none")
+    # (with a draft model --lookup is not a server's default: a request asks model+lookup)
+    drafter = DrafterChoice(True) if drf else DrafterChoice(False, models.lookup)
     settings = ServerSettings(
         model_name=tgt.spec.alias,
         context=limit,
         max_tokens=max_tokens,
         sampling=params,
-        k=models.k if drafter != "none" else K(0),
+        k=models.k if drafter.model or drafter.lookup else K(0),
         drafter=drafter,
         api_key=api_key,
         max_body=body_limit,
         verify=verify,
         hosts=host_names,
         tree=models.tree,
-        lookup_by=models.lookup_by,
+        lookup=models.lookup or SUFFIX,
     )
     shown = f"[{host}]" if ":" in host else host
     draft_name = drf.spec.alias if drf else drafter

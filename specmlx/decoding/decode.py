@@ -13,7 +13,7 @@ from ..core.sampling import SamplingParams
 from ..core.stats import KChooser, Stats
 from ..drafting.choosing.choosers import K
 from ..drafting.choosing.tree_size import OFF, TreeSize
-from ..drafting.lookup.lookahead import check_lookup_by
+from ..drafting.lookup.kinds import LookupKind
 from ..drafting.lookup.memory import LookupMemory
 from ..errors import BadInput, parsed
 
@@ -29,11 +29,11 @@ class Decode:
     seed: seeds the sampling (None: random).
     eos_ids: ids that end generation and are not emitted.
     stop_ids: token sequences that end generation; they are emitted (stream.py strips text).
-    lookup: propose from earlier occurrences in the context first (prompt lookup).
-    lookup_by: how lookup proposes: "suffix" (a tree of every occurrence's continuation, by
-        frequency and recency; its likeliest path where trees are off), "ngram" (the most
-        recent occurrence of the longest match), or lookahead decoding ("lookahead" or
-        "lookahead:w=W,n=N,g=G", drafting.lookup.lookahead: Jacobi guesses in the same pass).
+    lookup: propose from earlier occurrences in the context first (prompt lookup), and how
+        (a kinds.LookupKind: suffix lookup's tree of every occurrence's continuation, by
+        frequency and recency, its likeliest path where trees are off; n-gram lookup, the
+        most recent occurrence of the longest match; or lookahead decoding, Jacobi guesses
+        in the same pass); None: no lookup.
     verify: how a sampled round checks the drafts: "block" (the default: the drafted block
         jointly, Sun et al. 2024: the same distribution, never fewer tokens kept in
         expectation) or "token" (token by token, Leviathan et al.). Greedy is the same under
@@ -54,8 +54,7 @@ class Decode:
     seed: int | None = None
     eos_ids: tuple[int, ...] = ()
     stop_ids: tuple[tuple[int, ...], ...] = ()
-    lookup: bool = False
-    lookup_by: str = "suffix"
+    lookup: LookupKind | None = None
     verify: str = DEFAULT_VERIFY
     draft_stop: bool = False
     tree: TreeSize = OFF
@@ -66,8 +65,9 @@ class Decode:
         if self.max_tokens <= 0:
             raise BadInput(f"max tokens must be > 0, got {self.max_tokens}")
         sampled_rule(self.verify)  # BadInput for an unknown rule
-        check_lookup_by(self.lookup_by)  # BadInput for an unknown way or lookahead setting
         parsed(self.k, K, "k"), parsed(self.tree, TreeSize, "tree")
+        if self.lookup is not None:
+            parsed(self.lookup, LookupKind, "lookup")
         # (frozen: the tuples are set once, here)
         object.__setattr__(self, "eos_ids", tuple(int(t) for t in self.eos_ids))
         stops = tuple(tuple(int(t) for t in s) for s in self.stop_ids)

@@ -27,7 +27,7 @@ from ..drafting.choosing.cost_curve import CostCurve
 from ..drafting.choosing.tree_size import OFF, SideSizer, TreeSize
 from ..drafting.drafters import ModelDrafter
 from ..drafting.heads.medusa import MedusaDraft
-from ..drafting.lookup.lookahead import LookaheadRows, LookaheadSize
+from ..drafting.lookup.lookahead import LookaheadRows
 from ..drafting.lookup.memory import Lookup
 from ..drafting.lookup.rows import LookupRows
 from ..drafting.proposals import RowDrafter
@@ -154,14 +154,13 @@ def _lookup(finder: Lookup, target, kv: KVState, decode: Decode, next_k, row: Ro
     verifies trees: auto falls back to suffix lookup's chains and says why), or suffix lookup
     (its tree of continuations, sized by ``decode.tree``), or n-gram lookup (chains)."""
     width = logit_width(target)
-    method = decode.lookup_by
-    if method.startswith("lookahead"):
-        size = LookaheadSize.of(method)
+    method, window = decode.lookup.method, decode.lookup.lookahead
+    if window is not None:  # lookahead
         why = tree_refusal(target, kv.target)
         if why is None:
-            return LookaheadRows(finder, next_k, size, width, seed=len(row.ctx))
-        if not size.auto:
-            raise BadInput(f"{size}: the target cannot verify a tree: {why}")
+            return LookaheadRows(finder, next_k, window, width, seed=len(row.ctx))
+        if not window.auto:
+            raise BadInput(f"{window}: the target cannot verify a tree: {why}")
         row.stats.tree_off = f"lookahead needs a tree the target cannot verify: {why}"
         method = "suffix"
     size = OFF

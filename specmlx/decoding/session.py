@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, get_args
 
 import mlx.nn as nn
 
@@ -21,6 +20,7 @@ from ..drafting.choosing.choosers import AUTO, ChooserStore, K, for_drafter, mak
 from ..drafting.choosing.tree_size import AUTO as TREE_AUTO
 from ..drafting.choosing.tree_size import OFF as TREE_OFF
 from ..drafting.choosing.tree_size import TreeSize
+from ..drafting.lookup.kinds import SUFFIX, LookupKind
 from ..drafting.lookup.memory import LookupMemory
 from ..errors import BadInput, parsed
 from .decode import Decode, Parts
@@ -57,11 +57,37 @@ class Pair:
         )
 
 
-# what drafts a request's tokens: "model" the pair's draft (a draft model or a head; a pair
-# without one drafts nothing), "lookup" prompt lookup, "model+lookup" both (lookup first, or
-# by value with auto k), "none" the target alone
-DrafterChoice = Literal["model", "lookup", "model+lookup", "none"]
-DRAFTERS: tuple[str, ...] = get_args(DrafterChoice)
+@dataclass(frozen=True)
+class DrafterChoice:
+    """What drafts a request's tokens: the pair's draft (``model``: a draft model or a head;
+    a pair without one drafts nothing) and prompt lookup (``lookup``: how; None: none), the
+    lookup first or by value with auto k; neither: the target alone. Parsed once, where it
+    is named (``of``: the HTTP body's and a server's "draft")."""
+
+    model: bool = True
+    lookup: LookupKind | None = None
+
+    @classmethod
+    def of(cls, text: str, lookup: LookupKind = SUFFIX) -> DrafterChoice:
+        """Parse "model", "lookup", "model+lookup" or "none" (the API's names; ``lookup``:
+        how lookup proposes where it is named); BadInput for anything else."""
+        if text not in NAMES:
+            raise BadInput(f"drafter must be one of {', '.join(NAMES)}, got {text!r}")
+        model, look = NAMES[text]
+        return cls(model, lookup if look else None)
+
+    def without_model(self) -> DrafterChoice:
+        """This choice with the pair's draft dropped (a pair with none)."""
+        return replace(self, model=False)
+
+    def __str__(self) -> str:
+        return {v: n for n, v in NAMES.items()}[self.model, self.lookup is not None]
+
+
+# the API's names for what drafts: (the pair's draft, prompt lookup)
+NAMES = {"model": (True, False), "lookup": (False, True), "model+lookup": (True, True),
+         "none": (False, False)}  # fmt: skip
+MODEL = DrafterChoice()
 
 
 @dataclass
@@ -72,11 +98,11 @@ class Request:
 
     prompt_ids: the prompt's tokens; sampling: temperature and filters; k: drafts per round
     (a choosers.K); max_tokens: the budget; seed:
-    None for random; stop: stop strings (text only); drafter: what drafts (``DrafterChoice``);
+    None for random; stop: stop strings (text only); drafter: what drafts (a DrafterChoice:
+    the pair's draft, prompt lookup and how);
     extra_eos: ids that end generation besides the tokenizer's (e.g. end of infill); verify:
     "block" or "token"; draft_stop: per-token stopping (auto k with a draft model); tree:
     token trees (a tree_size.TreeSize);
-    lookup_by: how lookup proposes ("suffix", "ngram" or a lookahead form: engine.Decode's);
     time_limit_s, min_indent: an editor's limits on the text (stream.editor_limits:
     llama.cpp's t_max_predict_ms and n_indent; None: none); warm_up: put the prompt into the
     caches and generate nothing (llama.vim's n_predict 0: ``Generation.prefill``);
@@ -89,12 +115,11 @@ class Request:
     max_tokens: int = 256
     seed: int | None = None
     stop: Sequence[str] = ()
-    drafter: DrafterChoice = "model"
+    drafter: DrafterChoice = MODEL
     extra_eos: tuple[int, ...] = ()
     verify: str = DEFAULT_VERIFY
     draft_stop: bool = False
     tree: TreeSize = TREE_AUTO
-    lookup_by: str = "suffix"
     time_limit_s: float | None = None
     min_indent: int | None = None
     warm_up: bool = False
@@ -102,32 +127,22 @@ class Request:
 
     def __post_init__(self) -> None:
         parsed(self.k, K, "k"), parsed(self.tree, TreeSize, "tree")  # (parsed at the edge;
-        # the rest is checked where the engine's Decode is made)
-        if self.drafter not in DRAFTERS:
-            raise BadInput(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        parsed(self.drafter, DrafterChoice, "drafter")  # the rest is checked where the
+        # engine's Decode is made)
 
     @property
     def uses_draft(self) -> bool:
         """The pair's draft drafts (when the pair has one)."""
-        return self.drafter in ("model", "model+lookup")
+        return self.drafter.model
 
     @property
     def uses_lookup(self) -> bool:
         """Prompt lookup drafts (first, beside a draft)."""
-        return self.drafter in ("lookup", "model+lookup")
+        return self.drafter.lookup is not None
 
     def without_draft(self) -> Request:
         """This request with the pair's draft dropped from its drafter (a pair with none)."""
-        if not self.uses_draft:
-            return self
-        return replace(self, drafter="lookup" if self.uses_lookup else "none")
-
-
-def drafter_of(draft: bool, lookup: bool) -> str:
-    """The ``DrafterChoice`` that drafts with the pair's draft (``draft``) and prompt lookup."""
-    if draft:
-        return "model+lookup" if lookup else "model"
-    return "lookup" if lookup else "none"
+        return replace(self, drafter=self.drafter.without_model()) if self.uses_draft else self
 
 
 class Session:
@@ -165,8 +180,7 @@ class Session:
             max_tokens=req.max_tokens,
             seed=req.seed,
             eos_ids=tuple(sorted(eos)),
-            lookup=req.uses_lookup,
-            lookup_by=req.lookup_by,
+            lookup=req.drafter.lookup,
             verify=req.verify,
             draft_stop=req.draft_stop,
             tree=req.tree if drafting else TREE_OFF,
@@ -195,7 +209,8 @@ class Session:
             store = self.choosers
             if world.distributed and store.pass_ratio is None:  # one curve for all ranks
                 store.pass_ratio = shared_probe(world, store, pair.target, pair.target_id, ids)
-            look = req.uses_lookup and (req.lookup_by if req.lookup_by != "suffix" else True)
+            lookup = req.drafter.lookup  # (suffix lookup keyed as True, as saved before)
+            look = lookup is not None and (True if lookup.is_suffix else lookup.key)
             drafter = f"{pair.draft_id if draft is not None else 'none'}|lookup={look}"
             chooser = saved = store.get(
                 pair.target, pair.target_id, drafter, req.sampling, ids, verify=req.verify

@@ -33,6 +33,7 @@ from ..decoding.stream import chat_ids, encode_prompt
 from ..drafting.choosing.choosers import AUTO, K
 from ..drafting.choosing.tree_size import AUTO as TREE_AUTO
 from ..drafting.choosing.tree_size import TreeSize
+from ..drafting.lookup.kinds import SUFFIX, LookupKind
 from ..errors import BadInput, parsed
 from . import api_shapes as shapes
 from .access_log import SERVER, AccessLog
@@ -67,29 +68,33 @@ class ServerSettings:
 
     model_name: the id reported in responses; context: prompt + max_tokens must fit in it;
     max_tokens: the default budget of a request; sampling: the default sampler; k:
-    the default k; drafter: the default drafter ("model", "lookup" or "none"); api_key:
+    the default k; drafter: the default drafter (a session.DrafterChoice); api_key:
     required as a Bearer token when set; max_body: the largest request body in bytes;
     verify: the default acceptance rule of sampled rounds ("block" or "token"); hosts: the
     Host header names requests may carry (None: any), so a web page that rebinds its own
     DNS name to 127.0.0.1 cannot reach a keyless server on loopback; tree: token trees for a
     request that runs alone (a batch's rows verify chains: they already widen the pass);
-    lookup_by: how lookup reads its index ("suffix" or "ngram", session.Request's)."""
+    lookup: how lookup proposes for a request that asks for it (a kinds.LookupKind)."""
 
     model_name: str
     context: int
     max_tokens: int = 256
     sampling: SamplingParams = SamplingParams()
     k: K = AUTO
-    drafter: str = "model"
+    drafter: session.DrafterChoice = session.MODEL
     api_key: str | None = None
     max_body: int = 16 * 2**20
     verify: str = DEFAULT_VERIFY
     hosts: frozenset[str] | None = None
     tree: TreeSize = TREE_AUTO
-    lookup_by: str = "suffix"
+    lookup: LookupKind = SUFFIX
 
     def __post_init__(self) -> None:
         parsed(self.k, K, "k"), parsed(self.tree, TreeSize, "tree")  # (parsed at the edge)
+        (
+            parsed(self.drafter, session.DrafterChoice, "drafter"),
+            parsed(self.lookup, LookupKind, "lookup"),
+        )
 
 
 def create_app(
@@ -277,15 +282,22 @@ def _draft_tok(worker: Worker, drafter: str | None, settings: ServerSettings):
     """The draft's tokenizer when this request will draft with the model (its FIM ids must
     agree with the target's), else None."""
     use = _drafter(drafter, settings, worker)
-    return worker.draft.tokenizer if use == "model" and worker.draft is not None else None
+    return worker.draft.tokenizer if use == session.MODEL and worker.draft is not None else None
 
 
-def _drafter(asked: str | None, settings: ServerSettings, worker: Worker) -> str:
-    drafter = asked or settings.drafter
-    if drafter == "model" and worker.draft is None:
-        if asked == "model":
+def _drafter(asked: str | None, settings: ServerSettings, worker: Worker) -> session.DrafterChoice:
+    """What drafts a request: its body's "draft" (parsed here, lookup the server's kind) or
+    the server's default; a 400 for the draft model where none is loaded."""
+    try:
+        drafter = (
+            settings.drafter if asked is None else session.DrafterChoice.of(asked, settings.lookup)
+        )
+    except BadInput as e:
+        raise ApiError(400, str(e)) from None
+    if drafter == session.MODEL and worker.draft is None:
+        if asked is not None:
             raise ApiError(400, "this server has no draft model loaded: use draft lookup or none")
-        return "none"
+        return drafter.without_model()
     return drafter
 
 
@@ -337,7 +349,6 @@ def _request(body: SamplingBody, ids, extra_eos, asked, settings, worker) -> ses
         extra_eos=tuple(extra_eos),
         verify=_verify(body.verify, settings),
         tree=settings.tree,
-        lookup_by=settings.lookup_by,
     )
 
 
@@ -366,7 +377,6 @@ def _llama_request(
         seed=None if body.seed < 0 else body.seed, stop=[s for s in body.stop if s],
         drafter=_drafter(None, settings, worker), k=settings.k,
         extra_eos=tuple(eos), verify=settings.verify, tree=settings.tree,
-        lookup_by=settings.lookup_by,
         time_limit_s=body.t_max_predict_ms / 1000 if body.t_max_predict_ms > 0 else None,
         min_indent=body.n_indent if body.n_indent > 0 else None,
     )  # fmt: skip

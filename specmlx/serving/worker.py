@@ -424,7 +424,7 @@ class Worker:
         alias, "lookup" or "none")."""
         r = job.request
         job.k_label = str(r.k)
-        job.drafter_name = self.draft.spec.alias if r.uses_draft else r.drafter
+        job.drafter_name = self.draft.spec.alias if r.uses_draft else str(r.drafter)
 
     def note_cache(self) -> None:
         """The prompt cache's figures into the totals, for /metrics: the cache is this

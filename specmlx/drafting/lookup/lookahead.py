@@ -37,7 +37,7 @@ from ..choosing.tree_size import AUTO, TreeSize, pass_cost
 from ..drafters import Proposal
 from ..proposals import Drafts, RowDrafter
 from .memory import Lookup
-from .rows import LOOKUP_METHODS, LookupRows
+from .rows import LookupRows
 from .suffix import SEP, SuffixIndex
 
 WINDOWS = (8, 4, 2, 1)  # the window widths auto tries, widest first
@@ -182,17 +182,3 @@ class LookaheadRows(RowDrafter):
             if v + w * levels <= TREE_MAX and cost.shape(v + w * levels) <= WINDOW_COST * base:
                 return w
         return 0
-
-
-def check_lookup_by(value: str) -> str:
-    """``value`` if it says how lookup proposes (lookup.rows.LOOKUP_METHODS, or a lookahead
-    form LookaheadSize.of reads); BadInput otherwise."""
-    if value in LOOKUP_METHODS:
-        return value
-    if value.startswith("lookahead"):
-        LookaheadSize.of(value)
-        return value
-    raise BadInput(
-        f"lookup must be one of {', '.join(LOOKUP_METHODS)} or lookahead[:w=W,n=N,g=G], "
-        f"got {value!r}"
-    )

@@ -15,7 +15,6 @@ from ..proposals import Drafts, RowDrafter
 from .memory import Lookup
 from .suffix import Speculation
 
-LOOKUP_METHODS = ("suffix", "ngram")  # how lookup reads its index (LookupRows)
 SPEC_DEPTH = 32  # the deepest node suffix lookup proposes
 MATCH_BUCKET = 8  # match lengths from this up are learned as one (stats.KChooser.lookup_length)
 
@@ -32,8 +31,8 @@ class LookupRows(RowDrafter):
     is a point mass at each (tree_acceptance), which keeps it exact.
 
     finder: the row's lookup; chooser: the k chooser; fallback: a draft model drafts when
-    lookup declines; method: one of LOOKUP_METHODS; width: the target's logit width (a
-    sampled row's point masses span it; engine.Decode checks ``method``); size: the tree of
+    lookup declines; method: "suffix" or "ngram" (kinds.LookupKind.method); width: the target's logit width (a
+    sampled row's point masses span it); size: the tree of
     continuations suffix lookup proposes (default off: its likeliest path)."""
 
     lone = True
