@@ -44,13 +44,13 @@ def sequence_joint(target, process, prompt=JOINT_PROMPT) -> np.ndarray:
 
 
 def engine_sequences(
-    target, draft, verify: str, n: int, k=2, prompt=JOINT_PROMPT, **settings
+    target, draft, verify: str, n: int, k=2, prompt=JOINT_PROMPT, first: int = 0, **settings
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Counts of the three-token sequences from n seeded generations (k = 2, or a chooser
-    object), and how many rounds kept 0, 1 and 2 drafts. settings: more of generate's
-    keywords (``lookup``, ``draft_stop``)."""
+    """Counts of the three-token sequences from n seeded generations (seeds first, first +
+    1, ...; k = 2, or a chooser object), and how many rounds kept 0, 1 and 2 drafts.
+    settings: more of generate's keywords (``lookup``, ``draft_stop``)."""
     counts, kept = np.zeros(JV**3), np.zeros(3)
-    for seed in range(n):
+    for seed in range(first, first + n):
         stats = Stats()
         out = [
             e.token
@@ -71,6 +71,26 @@ def engine_sequences(
         counts[(out[0] * JV + out[1]) * JV + out[2]] += 1
         kept[: len(stats.accept_hist)] += stats.accept_hist
     return counts, kept
+
+
+REJECT_P = 1e-6  # a wrong rule's chi-square p-value is below this
+LOOKS = 4  # a control looks at its counts after each quarter of its generations
+
+
+def rejects(sequences, n: int, joint) -> float:
+    """A wrong-rule control's p-value: ``sequences(count, first)`` (counts of that many
+    generations, seeds from ``first``) in LOOKS parts of n / LOOKS, stopping once the pooled
+    chi-square rejects (p < REJECT_P): a wrong rule is far off, and most controls show it
+    within half their count. Under a right rule the chance that any of the LOOKS looks
+    rejects is at most LOOKS x REJECT_P, so a control that passes still shows the test
+    rejects that wrong rule."""
+    counts, part = np.zeros(JV**3), -(-n // LOOKS)
+    for first in range(0, n, part):
+        counts += sequences(min(part, n - first), first)
+        p = pooled_chi2(counts, joint)
+        if p < REJECT_P:
+            break
+    return p
 
 
 def skips_the_residual(outcome):

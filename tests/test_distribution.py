@@ -12,7 +12,15 @@ import numpy as np
 import pytest
 from families import build, noisy_copy
 from helpers import RecurrentTableLM, TableLM, WindowTableLM, make_tiny
-from kit_distribution import JOINT_SAMPLING, JV, engine_sequences, pooled_chi2, sequence_joint
+from kit_distribution import (
+    JOINT_SAMPLING,
+    JV,
+    REJECT_P,
+    engine_sequences,
+    pooled_chi2,
+    rejects,
+    sequence_joint,
+)
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from specmlx.core import caches
@@ -231,14 +239,18 @@ def test_the_sequence_test_rejects_stopping_on_a_drafts_own_confidence(small_pai
     target, draft = small_pair
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING))
     plan = ConfidencePlan(0.25, own=True)
-    counts, _ = engine_sequences(target, draft, "token", N_WRONG, k=plan, draft_stop=True)
-    assert pooled_chi2(counts, joint) < 1e-6
+    made = lambda n, first: engine_sequences(  # noqa: E731
+        target, draft, "token", n, k=plan, draft_stop=True, first=first
+    )[0]
+    assert rejects(made, N_WRONG, joint) < REJECT_P
 
 
 # ------------------------------- the same through a sliding window and a recurrent state
 
 KIND_PROMPT = [3, 5, 1, 3]  # past the window of 2: the ring has wrapped before round one
-N_KIND = N_JOINT
+# their controls reject at their first look (375 generations, p = 0 at 1f7a71a): 1,000 caps
+# them, and 2.5x that tests the right rollback
+N_KIND, N_KIND_WRONG = 2_500, 1_000
 
 
 @pytest.fixture(scope="module", params=["window", "recurrent"])
@@ -270,15 +282,17 @@ def test_the_kind_test_rejects_a_wrong_rollback(kind_pair, monkeypatch):
         monkeypatch.setattr(caches, "_trimmable", lambda c, n: True)
     else:
         monkeypatch.setattr(caches, "restore", lambda cache, snap, offset: None)
-    counts, _ = engine_sequences(target, draft, "block", N_WRONG, prompt=KIND_PROMPT)
-    assert pooled_chi2(counts, joint) < 1e-6
+    made = lambda n, first: engine_sequences(  # noqa: E731
+        target, draft, "block", n, prompt=KIND_PROMPT, first=first
+    )[0]
+    assert rejects(made, N_KIND_WRONG, joint) < REJECT_P
 
 
 # a real family: mlx-lm's Mamba 2, whose rollback recomputes the SSM state from the recorded
 # verify pass (specmlx/core/recurrent.py); ~8 ms a generation, so fewer than the table models
 MAMBA_PROMPT = [3, 5, 1, 3, 6, 2]
-N_MAMBA = 5_000
-N_MAMBA_WRONG = 2_000
+N_MAMBA = 2_000  # 2.5x the control's cap; the control rejected at its first look (250, p = 0)
+N_MAMBA_WRONG = 800
 
 
 @pytest.fixture(scope="module")
@@ -299,5 +313,7 @@ def test_the_mamba2_test_rejects_a_state_left_advanced(mamba_pair, monkeypatch):
     target, draft = mamba_pair
     joint = sequence_joint(target, make_processor(JOINT_SAMPLING), MAMBA_PROMPT)
     monkeypatch.setattr(PassRecorder, "settle", lambda self, m, states: True)
-    counts, _ = engine_sequences(target, draft, "block", N_MAMBA_WRONG, prompt=MAMBA_PROMPT)
-    assert pooled_chi2(counts, joint) < 1e-6
+    made = lambda n, first: engine_sequences(  # noqa: E731
+        target, draft, "block", n, prompt=MAMBA_PROMPT, first=first
+    )[0]
+    assert rejects(made, N_MAMBA_WRONG, joint) < REJECT_P
