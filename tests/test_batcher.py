@@ -12,7 +12,7 @@ import pytest
 from helpers import tiny_pair
 
 from specmlx.core.sampling import SamplingParams
-from specmlx.decoding.session import Request
+from specmlx.decoding.session import DrafterChoice, Request
 from specmlx.drafting.choosing.choosers import AUTO, K
 from specmlx.models.loading import load_pair
 from specmlx.models.registry import load_registry
@@ -70,10 +70,10 @@ def solo(worker, prompt, n, **kw) -> list:
 
 @pytest.mark.parametrize("how", ["joined", "parked", "beside an adaptive row"])
 def test_a_seeded_sampled_request_gives_its_solo_text_whatever_moves_it(worker, how):
-    """The request runs alone through the engine; then a second request arrives: it moves
-    into the batch as a row ("joined": the second asks for adaptive k, so the batch's own
-    choice runs beside its fixed k), or a newer editor request sets it aside and it resumes
-    afterwards ("parked"); or it starts as a row beside a running adaptive one. Its
+    """The request runs alone (a batch of one); then a second request arrives: it joins the
+    batch beside it ("joined": the second asks for adaptive k, so the batch's own choice runs
+    beside its fixed k), or a newer editor request sets it aside and it resumes afterwards
+    ("parked"); or it starts as a row beside a running adaptive one. Its
     tokens are its solo run's (the same seed, the same fixed k). Controls: another seed
     gives other tokens (the comparison means something)."""
     mine = dict(sampling=HOT, seed=1234, k=K(3), editor=how == "parked")
@@ -102,3 +102,23 @@ def test_a_seeded_sampled_request_gives_its_solo_text_whatever_moves_it(worker, 
         starts = [next(i for i, x in enumerate(log) if x[:2] == (n, "piece"))
                   for n in ("mine", "other")]  # fmt: skip
         assert max(starts) < min(ends), log
+
+
+def test_a_lone_request_is_a_batch_of_one_drafting_its_own_adaptive_k(worker):
+    """Alone, an adaptive request is a row of the batch from its first round (the batch's
+    rounds count its passes: nothing runs it through the engine and converts it later), and
+    its own adaptive chooser picks its k, as the serial worker's would: its stats say where
+    that chooser's estimates came from. Greedy, its text is the target's own."""
+    before = worker.totals.batch_rounds
+    log: list = []
+    ids = worker.target.tokenizer.encode(CODE)
+    done = threading.Event()
+    job = worker.submit(
+        Request(prompt_ids=ids, max_tokens=40, k=AUTO),
+        lambda kind, value: (log.append(kind), kind in ("done", "error") and done.set()),
+    )
+    assert done.wait(60) and "error" not in log
+    assert worker.totals.batch_rounds - before == job.stats.rounds > 0
+    assert job.stats.auto["from"].startswith(("new", "saved", "this process")), job.stats.auto
+    plain = solo(worker, CODE, 40, drafter=DrafterChoice.of("none"))
+    assert solo(worker, CODE, 40, k=AUTO) == plain

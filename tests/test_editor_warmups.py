@@ -67,7 +67,7 @@ WARM = dict(editor=True, warm_up=True)  # as /infill sends llama.vim's n_predict
 
 
 def run_between(worker, second: dict) -> list[str]:
-    """A suggestion runs (batched: alone through the engine; one at a time: the worker's one
+    """A suggestion runs (batched: a batch of one; one at a time: the worker's one
     job); ``second``, a long prompt, arrives; then another suggestion (batched: it parks
     the first; one at a time: it queues behind ``second``). Returns the names in the order
     they were answered."""

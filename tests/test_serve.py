@@ -232,10 +232,10 @@ def test_requests_join_and_leave_a_running_batch_and_each_gets_its_solo_text(ser
     got[0] = "".join(parts)
     assert got == alone
     assert after_short, "the long stream ended before the short request was answered"
-    # it ran alone, then as a row: its count goes on across the move
+    # one row throughout (alone, then beside others): its count goes on
     assert finish != "length" or usage.completion_tokens == asks[0][1], (finish, usage)
     fresh = client.completions.create(model="tiny-t", prompt=asks[0][0], max_tokens=1)
-    assert usage.prompt_tokens == fresh.usage.prompt_tokens  # its prompt's, not the move's
+    assert usage.prompt_tokens == fresh.usage.prompt_tokens  # its prompt's, not a move's
 
 
 def test_a_client_that_hangs_up_frees_the_slot(server, client):
@@ -1177,7 +1177,7 @@ def _wait_for(cond, timeout=60.0):
 @pytest.mark.parametrize("ahead", ["alone", "a row"])
 def test_the_newest_editor_request_runs_first_and_the_older_resumes_exactly(root, ahead):
     """An editor's request (/infill) that arrives while an older one runs goes first: the
-    older steps aside (alone through the engine, or a row of a batch beside a chat request)
+    older steps aside (alone, a batch of one, or a row beside a chat request)
     and makes no token until the newer is answered, then goes on from where it stopped;
     every text equals its solo run. The control: a non-editor request beside it interleaves."""
     worker = _editor_worker(root)

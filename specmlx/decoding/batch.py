@@ -30,12 +30,13 @@ from ..core.caches import make_caches
 from ..core.hidden import HiddenTap
 from ..core.kvstate import KVState, common_prefix
 from ..core.sampling import make_processor
-from ..core.stats import Stats, TokenEvent
+from ..core.stats import RoundReport, Stats, TokenEvent
 from ..core.tree_pass import tree_refusal
 from ..core.vocab import logit_width
 from ..drafting.choosing.cost_curve import CostCurve
 from ..drafting.choosing.tree_size import AUTO, TreeSize
 from ..drafting.proposals import RowDrafter
+from ..drafting.trees.expand import expand_refusal
 from ..errors import BadInput, IncompatiblePair, parsed
 from .decode import Decode, token_ids
 from .drafter_factory import batch_drafter
@@ -92,6 +93,7 @@ class Batch:
         self.rows: list[Row] = []
         self.verifier = RowsTarget(target, self.tap)  # the target's batch caches
         self.tree_pass = False  # the last round verified a tree a row
+        self.reports: list[RoundReport] = []  # the last round's, a row each, in row order
 
     def join(
         self,
@@ -117,6 +119,10 @@ class Batch:
             )
         if drafts and self.drafter is not None and self.drafter.lone:
             raise BadInput(f"{type(self.drafter).__name__} drafts for a lone request only")
+        if drafts and self.drafter is not None and decode.tree.expand:
+            why = expand_refusal(self.draft)  # (as a lone generation refuses it)
+            if why:
+                raise BadInput(f"tree {decode.tree}: {why}")
         kv = kv if kv is not None else KVState()
         stats = stats if stats is not None else Stats()
         kept = (stats.prompt_tokens, stats.cached_tokens, stats.prefill_s)
@@ -204,10 +210,12 @@ class Batch:
                 self.drafter.empty()
         return kv
 
-    def round(self, k: int | Sequence[int]) -> list[list[TokenEvent]]:
+    def round(self, k: int | Sequence[int], timed: bool = False) -> list[list[TokenEvent]]:
         """One round for every row; each row's new token events, in row order (a row that
-        reached a stop is marked ``done`` and must leave before the next round). k: drafts
-        per row, one for all or one each (0, or no draft model: one plain step)."""
+        reached a stop is marked ``done`` and must leave before the next round; its
+        RoundReport is in ``reports``). k: drafts per row, one for all or one each (0, or no
+        draft model: one plain step); timed: time the draft apart (a second host sync: for
+        a row's own adaptive chooser, round.one_round)."""
         rows = self.rows
         if any(r.done for r in rows):
             raise RuntimeError("a finished row must leave before the next round")
@@ -216,6 +224,7 @@ class Batch:
         asked = [k] * len(rows) if isinstance(k, int) else list(k)
         if len(asked) != len(rows):
             raise ValueError(f"{len(asked)} k for {len(rows)} rows")
-        out = one_round(rows, self.verifier, self.drafter, asked)
+        out = one_round(rows, self.verifier, self.drafter, asked, timed=timed)
         self.tree_pass = any(report.chain is not None for _, report in out)
+        self.reports = [report for _, report in out]
         return [events for events, _ in out]

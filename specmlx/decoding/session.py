@@ -16,6 +16,7 @@ from ..core.acceptance import DEFAULT_VERIFY
 from ..core.sampling import SamplingParams
 from ..core.stats import KChooser, Stats, TokenEvent
 from ..distributed.ranks import Lockstep, SharedK, World, shared_probe
+from ..drafting.choosing.adaptive import AdaptiveK
 from ..drafting.choosing.choosers import AUTO, ChooserStore, K, for_drafter, make_chooser
 from ..drafting.choosing.tree_size import AUTO as TREE_AUTO
 from ..drafting.choosing.tree_size import OFF as TREE_OFF
@@ -186,6 +187,33 @@ class Session:
             tree=req.tree if drafting else TREE_OFF,
         )
 
+    def adaptive(self, req: Request) -> AdaptiveK:
+        """The store's adaptive k chooser for ``req``'s pair, drafter and sampler (its saved
+        estimates, or fresh ones from the target's pass-cost probe, taken once and shared by
+        the ranks); ``finish`` saves what it learns. The store must be set.
+
+        req: the request (its prompt is what a probe runs on)."""
+        pair, world, store = self.pair, self.world, self.choosers
+        draft = pair.draft if req.uses_draft else None
+        if world.distributed and store.pass_ratio is None:  # one curve for all ranks
+            ids = list(req.prompt_ids)
+            store.pass_ratio = shared_probe(world, store, pair.target, pair.target_id, ids)
+        lookup = req.drafter.lookup  # (suffix lookup keyed as True, as saved before)
+        look = lookup is not None and (True if lookup.is_suffix else lookup.key)
+        drafter = f"{pair.draft_id if draft is not None else 'none'}|lookup={look}"
+        return store.get(
+            pair.target, pair.target_id, drafter, req.sampling, list(req.prompt_ids),
+            verify=req.verify,
+        )  # fmt: skip
+
+    def finish(self, chooser: AdaptiveK, stats: Stats, origin: str) -> None:
+        """Save what ``chooser`` (``adaptive``'s) learned (rank 0 only), and say in
+        ``stats.auto`` what auto decided from (``origin``: ChooserStore.origin's, read
+        before the chooser ran) and where it stood."""
+        stats.auto = {"from": origin, **chooser.summary()}
+        if self.world.leader:
+            self.choosers.save(chooser)
+
     def start(
         self,
         req: Request,
@@ -206,15 +234,7 @@ class Session:
         k = req.k if (draft is not None or req.uses_lookup) else K(0)
         saved, chooser = None, chooser if k.auto or k.fixed else None  # (k 0: nothing drafts)
         if chooser is None and k.auto and self.choosers is not None:
-            store = self.choosers
-            if world.distributed and store.pass_ratio is None:  # one curve for all ranks
-                store.pass_ratio = shared_probe(world, store, pair.target, pair.target_id, ids)
-            lookup = req.drafter.lookup  # (suffix lookup keyed as True, as saved before)
-            look = lookup is not None and (True if lookup.is_suffix else lookup.key)
-            drafter = f"{pair.draft_id if draft is not None else 'none'}|lookup={look}"
-            chooser = saved = store.get(
-                pair.target, pair.target_id, drafter, req.sampling, ids, verify=req.verify
-            )
+            chooser = saved = self.adaptive(req)
         elif chooser is None:
             # a fixed k's greedy auto trees are sized by the target's probe once one has run
             # (auto's), as a server's batch sizes them; it runs none itself. Not a sampled
@@ -281,8 +301,5 @@ class Generation:
     def finish(self) -> None:
         """Save the adaptive chooser's estimates (rank 0, choosers from the store only), and
         say in ``stats.auto`` what auto decided from (``from``) and where it stood."""
-        if self._saved is None:
-            return
-        self.stats.auto = {"from": self._origin, **self._saved.summary()}
-        if self.session.world.leader:
-            self.session.choosers.save(self._saved)
+        if self._saved is not None:
+            self.session.finish(self._saved, self.stats, self._origin)

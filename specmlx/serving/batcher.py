@@ -8,10 +8,11 @@ A row that asked for a fixed k drafts it; the others draft the batch's choice (b
 what rounds of each k made per second at this many rows, measured as they run). A request
 that cannot be a row (prompt lookup, per-token stopping) runs alone between two rounds, as
 the serial worker runs it; an editor's warm-up too, but only once no editor request runs or
-waits (warmups.py), so its prefill never holds up a suggestion. A request that arrives to an
-empty batch runs alone too, through the engine as the serial worker runs it (a batch of one
-costs a little more a round, and k is then the request's own adaptive choice), until a
-second one arrives: then it joins the batch as a row, from the tokens it has emitted.
+waits (warmups.py), so its prefill never holds up a suggestion. Every other request is a row
+from its first round to its last: one that runs alone is a batch of one (a round costs what
+the engine's does), and a row that asked for adaptive k drafts its own chooser's k while it
+is alone, as the serial worker's request would (the store's, saved when it leaves); when
+others join, nothing about it is converted: it keeps its row, and BatchK picks for all.
 
 With the target split over ranks, rank 0's batch travels to the other ranks as what it does
 (wire.BatchOps: the rows that left, a request that joins, each row's k), sent before it
@@ -36,14 +37,15 @@ from __future__ import annotations
 import os
 import queue
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from ..core.kvstate import KVState
 from ..core.stats import TokenEvent
 from ..decoding.batch import Batch, Row
+from ..decoding.engine import TIME_DRAFT_EVERY
 from ..decoding.stream import EditorLimits, TextStream
 from ..distributed.ranks import Lockstep, ranks_stopped
+from ..drafting.choosing.adaptive import AdaptiveK
+from ..drafting.choosing.choosers import for_drafter
 from .batch_k import BatchK, KeptBatchK
 from .jobs import Host
 from .joining import join_row
@@ -57,29 +59,30 @@ RESUME_GRACE = 0.25
 
 @dataclass
 class _Live:
-    """A running request: its job, row, text stream and editor limits; while it runs alone,
-    the engine's token events in place of a row (``solo``), its caches and the tokens
-    emitted so far."""
+    """A running request: its job, row, text stream and editor limits; the adaptive chooser
+    its row drafts by while it is alone (None: a fixed k, or with ranks), with where that
+    chooser's estimates came from, and how many drafting rounds it ran (one in
+    TIME_DRAFT_EVERY times the draft apart, as the engine's do)."""
 
     job: object
     row: Row | None
     text: TextStream
     limits: EditorLimits | None
-    gen: object
     ended: bool = field(default=False)
-    solo: Iterator[TokenEvent] | None = None
-    kv: KVState | None = None
-    made: list[int] = field(default_factory=list)
+    own_k: AdaptiveK | None = None
+    origin: str = ""
+    drafting: int = 0
+    was_alone: bool = False  # its last round ran alone (its report is its chooser's to read)
     parked: _Parked | None = None  # set aside for a newer editor request (Batcher._park)
     sources: tuple[int, ...] = ()  # the prompt-cache entries it came from (KVState.sources)
 
 
 @dataclass
 class _Parked:
-    """Where a request goes on from (a parked one, or a lone one joining the batch): its
-    context (prompt + tokens made), its decode as asked (the whole budget, its own seed: a
-    round's keys come from the seed and the round's position, so it draws from where it
-    stopped) and how many tokens it made (a parked one's caches wait in the prompt cache)."""
+    """Where a parked request goes on from: its context (prompt + tokens made), its decode
+    as asked (the whole budget, its own seed: a round's keys come from the seed and the
+    round's position, so it draws from where it stopped) and how many tokens it made (its
+    caches wait in the prompt cache)."""
 
     ids: list[int]
     decode: object
@@ -144,9 +147,7 @@ class Batcher:
                 self._admit(job)
                 if len(self.live) < self.max_batch and not w.queue.empty():
                     continue  # take what waits before the next round
-            if self.live and self.live[0].solo is not None:
-                self._step_alone(self.live[0])  # one token, then the queue is looked at
-            elif self.live:
+            if self.live:
                 self._round()
             w.totals.batch_rows, w.busy = len(self.live), bool(self.live)
             w.holding = self._held()
@@ -172,15 +173,8 @@ class Batcher:
         if job.editor and not self.ranks:  # the newest editor request first (see the module)
             for lv in [lv for lv in self.live if lv.job.editor]:
                 self._park(lv)
-        for lv in [lv for lv in self.live if lv.solo is not None]:
-            self._into_batch(lv)  # a second request: the one running alone becomes a row
         w.label(job)
-        # a lone request runs as the serial worker runs it (the engine, its own adaptive k)
-        # until another arrives: a batch of one costs a little more a round (with ranks,
-        # every request is a row: the other ranks follow the batch)
-        alone = not self.live and w.queue.empty() and not self.ranks
-        kv = gen = row = None
-        sources = ()
+        row, own_k, origin, sources = None, None, "", ()
         try:
             if self.ranks:  # the other ranks join it too, with rank 0's seed
                 r.seed = r.seed if r.seed is not None else int.from_bytes(os.urandom(6), "little")
@@ -188,10 +182,13 @@ class Batcher:
                 self.left = []
             kv = w.caches_for(r)
             sources = kv.sources
-            if alone:
-                gen = w.session.start(r, kv=kv, stats=job.stats)
-            else:
-                row, kv = join_row(w.session, w.cache, self.batch, r, job.stats, kv), None
+            if r.k.auto and self._drafts(r) and not self.ranks and w.choosers is not None:
+                # its own chooser while it runs alone (with ranks, rank 0's BatchK for all)
+                own_k = w.session.adaptive(r)
+                for_drafter(own_k, w.session.pair.draft)  # (a block drafter's k, an exit's prior)
+                origin = w.choosers.origin(own_k)
+            self._probed()
+            row = join_row(w.session, w.cache, self.batch, r, job.stats, kv)
         except Exception as e:  # noqa: BLE001 - this request's error; the batch goes on
             w.totals.failed += 1
             w.failed(job, sources, e)
@@ -206,10 +203,7 @@ class Batcher:
         if r.time_limit_s is not None or r.min_indent:
             limits = EditorLimits(r.time_limit_s, r.min_indent, job.stats)
         text = TextStream(w.session.pair.tokenizer, r.stop, job.stats)
-        lv = _Live(job, row, text, limits, gen, sources=sources)
-        if alone:
-            lv.solo, lv.kv = gen.tokens(), kv
-        self.live.append(lv)
+        self.live.append(_Live(job, row, text, limits, own_k=own_k, origin=origin, sources=sources))
 
     def _send_left(self, job) -> bool:
         """With ranks, before a request runs alone: the other ranks put the caches of the
@@ -250,62 +244,10 @@ class Batcher:
         if self._send_left(job):
             self.w.serve_alone(job)
 
-    def _step_alone(self, lv: _Live) -> None:
-        """The lone request's next token (the engine runs a round when it needs one)."""
-        if lv.job.cancelled.is_set():
-            self._leave(lv, cancelled=True)
-            return
-        try:
-            ev = next(lv.solo)
-        except StopIteration:
-            tail = lv.text.end()
-            if tail is not None:
-                lv.job.emit("piece", tail)
-            self._leave(lv, cancelled=False)
-            return
-        except Exception as e:  # noqa: BLE001 - this request's error; serving goes on
-            self.live.remove(lv)
-            lv.solo.close()
-            self.w.totals.failed += 1
-            self.w.failed(lv.job, lv.sources, e)
-            lv.job.emit("error", e)
-            return
-        lv.made.append(ev.token)
-        if self._emit(lv, [ev]):
-            self._leave(lv, cancelled=False)
-
-    def _into_batch(self, lv: _Live) -> None:
-        """The lone request joins the batch as a row, from what it has emitted: its caches
-        hold that context (the engine's closed generator leaves them exact), so the join
-        prefills one token or a few."""
-        p = self._stop_alone(lv)
-        if p is None:
-            return
-        drafts = lv.job.request.uses_draft
-        self._probed()
-        lv.row = self.batch.join(p.ids, p.decode, lv.kv, lv.job.stats, drafts, p.made)
-        self.w.cache.keep_branch(lv.kv)  # (its caches are the row's now)
-        lv.kv = None
-
-    def _stop_alone(self, lv: _Live) -> _Parked | None:
-        """End the lone request's run through the engine where it stands: where it goes on
-        from, or None when its budget is spent (it then ends alone, here)."""
-        decode = lv.gen.decode()
-        # the rest of the engine's round first: it goes on from a round's end, where a run
-        # that had stayed alone starts its next round (the same keys, the same tokens)
-        while lv in self.live and len(lv.made) < lv.job.stats.generated:
-            self._step_alone(lv)
-        if decode.max_tokens <= len(lv.made) or lv not in self.live:
-            while lv in self.live:
-                self._step_alone(lv)
-            return None
-        lv.solo.close()  # (the engine leaves its caches holding what kv.tokens says)
-        lv.solo = None
-        lv.gen.finish()  # what its adaptive chooser learned alone is saved now
-        lv.gen = None
-        if decode.seed is None:  # the one the engine drew is its own: a fresh one is as good
-            decode = replace(decode, seed=int.from_bytes(os.urandom(7), "little"))
-        return _Parked(list(lv.job.request.prompt_ids) + lv.made, decode, len(lv.made))
+    def _drafts(self, r) -> bool:
+        """Whether request ``r``'s row drafts (it asked for the pair's draft, and there is
+        one)."""
+        return r.uses_draft and self.batch.drafter is not None
 
     def _held(self) -> int:
         """Requests the MLX thread holds (Worker.holding): the live ones, the parked and
@@ -317,16 +259,10 @@ class Batcher:
         cache (a budget of 0 keeps none: it is prefilled again when it resumes), its
         client's stream stays open; ``_unpark`` resumes it from its context, drawing what it
         would have drawn had it not stopped (the same seed, the same positions)."""
-        if lv.solo is not None:
-            p = self._stop_alone(lv)
-            if p is None:
-                return
-            kv, lv.kv = lv.kv, None
-        else:
-            row = lv.row
-            decode = self.w.session.decode(replace(lv.job.request, seed=row.seed))
-            p = _Parked(list(row.ctx), decode, row.stops.count)
-            kv, lv.row = self.batch.leave(row), None
+        row = lv.row
+        decode = self.w.session.decode(replace(lv.job.request, seed=row.seed))
+        p = _Parked(list(row.ctx), decode, row.stops.count)
+        kv, lv.row = self.batch.leave(row), None
         self.live.remove(lv)
         self.w.cache.put(kv)
         lv.parked = p
@@ -362,9 +298,19 @@ class Batcher:
     def _round(self) -> None:
         # a row that asked for a fixed k drafts it (its text then does not depend on what
         # runs beside it); the rest draft what BatchK picks for this width
+        alone = self.live[0] if len(self.live) == 1 and self.live[0].own_k is not None else None
         auto = [lv for lv in self.live if lv.row.drafts and lv.row.k.auto]
-        k = self.k(len(self.live)) if auto else None
+        k = self.k(len(self.live)) if auto and alone is None else None
         ks = [_k_of(lv.row, k) for lv in self.live]
+        timed = False
+        if alone is not None:  # a row alone drafts its own chooser's k (see the module)
+            row = alone.row
+            # (a round beside others is no lone round's report: its time is theirs too)
+            last = self.batch.reports[0] if alone.was_alone and self.batch.reports else None
+            ks = [max(0, min(alone.own_k(last), row.stops.room))]
+            alone.drafting = 0 if last is not None and last.k == 0 else alone.drafting
+            timed = ks[0] > 0 and alone.drafting % TIME_DRAFT_EVERY == 0
+            alone.drafting += ks[0] > 0
         t0 = time.perf_counter()
         try:
             if self.ranks:
@@ -372,7 +318,7 @@ class Batcher:
                     self.w.watchdog.beat("generating")
                 self.w.send_ops(self.left, None, ks)
                 self.left = []
-            events = self.batch.round(ks)
+            events = self.batch.round(ks, timed=timed)
             if self.lockstep is not None:  # every rank made the same tokens, or all stop
                 self.lockstep([e.token for evs in events for e in evs])
         except Exception as e:  # noqa: BLE001 - every row's client hears it; serving goes on
@@ -383,6 +329,8 @@ class Batcher:
                 self._fatal(e)
             return
         width = len(self.live)
+        for lv in self.live:
+            lv.was_alone = lv is alone
         self.w.totals.batch_rounds += 1
         self.w.totals.batch_tree_rounds += self.batch.tree_pass
         if k is not None:  # (rows that keep their own k tell BatchK nothing of its choice)
@@ -423,14 +371,9 @@ class Batcher:
             self._quiet_from = time.monotonic() + RESUME_GRACE
         if self.ranks and lv.row is not None:  # (sent with the next BatchOps)
             self.left.append(self.batch.rows.index(lv.row))
-        if lv.solo is not None:
-            lv.solo.close()  # (the engine leaves its caches holding what kv.tokens says)
-            kv = lv.kv
-        else:
-            kv = self.batch.leave(lv.row)
-        w.cache.put(kv)
-        if lv.gen is not None:
-            lv.gen.finish()
+        w.cache.put(self.batch.leave(lv.row))
+        if lv.own_k is not None:  # what its chooser learned, saved as a lone run's is
+            w.session.finish(lv.own_k, lv.job.stats, lv.origin)
         w.count(lv.job.stats, cancelled)
         w.note_cache()
         if not cancelled:
@@ -455,10 +398,7 @@ class Batcher:
                 self.w.failed(lv.job, lv.sources, error)
                 lv.job.emit("error", error)
             self.live.remove(lv)
-            if lv.solo is not None:
-                lv.solo.close()
-            else:
-                self.batch.leave(lv.row)
+            self.batch.leave(lv.row)
         b = self.batch
         self.batch = Batch(b.target, b.draft, b.vocab, b.pass_ratio, b.tree)
 
