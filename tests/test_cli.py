@@ -500,6 +500,25 @@ def test_a_gguf_without_a_chat_template_takes_one_from_models_toml(registry, tmp
     one_line_error(run("run", "-t", "g-bad", "-d", "none", "x"), 1, "does not render", "bad.jinja")
 
 
+@pytest.mark.parametrize(
+    "draft,words",
+    [
+        ("lookup:fuzzy", ["lookup:fuzzy", "lookup (suffix)", "lookup:ngram", "lookahead"]),
+        ("lookahead:w=99", ["lookahead", "w must be", "1 to 16"]),
+        ("lookahead:q=2", ["lookahead", "unknown setting 'q'", "w=window"]),
+    ],
+)
+def test_a_lookup_that_is_not_one_is_named_with_the_kinds(registry, draft, words):
+    """--draft names a lookup kind that does not exist, or a lookahead setting that does not
+    apply: one line naming what it got and what there is, exit 2, before anything loads;
+    the kinds themselves run."""
+    one_line_error(run("run", "--draft", draft, "x"), 2, *words)
+    for kind in ("lookup:ngram", "lookahead:w=2,n=3,g=2"):
+        ok = run("run", "--draft", kind, "-n", "3", "--json", "x y x y")
+        assert ok.exit_code == 0, ok.stderr
+        assert json.loads(ok.stdout)["stats"]["generated"] == 3
+
+
 @pytest.mark.parametrize("prompt", ["-- top customers by revenue", "-1 + 2", "--\n-- a diff"])
 def test_a_prompt_that_starts_with_a_dash(registry, prompt):
     """An SQL comment or a diff hunk is a prompt, not an option: the error says how to pass

@@ -196,7 +196,7 @@ def resolve_models(
     if draft is None:
         draft = pair.draft if pair else "none"
     kind = SUFFIX if lookup else None
-    if draft.startswith(("lookup", "lookahead")):
+    if draft in ("lookup", "lookahead") or draft.startswith(("lookup:", "lookahead:")):
         try:
             draft, kind = "none", LookupKind.of(draft)
         except BadInput as e:
