@@ -126,8 +126,9 @@ def _off_default(kind, default, n: int):
     origin, args = get_origin(kind) or kind, get_args(kind)
     if is_dataclass(kind):
         return _every_field_off(kind, n)
-    if origin is Literal:  # (one of the values it names)
-        return next(a for a in args if a != default)
+    if origin is Literal:  # (the last other value it names: LookupKind's "lookahead", the
+        # kind whose every field is set)
+        return next(a for a in reversed(args) if a != default)
     if kind is bool:
         return not default
     if kind is int:
