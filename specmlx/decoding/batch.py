@@ -56,7 +56,7 @@ class Batch:
     the target as the draft; both must batch (rows.batchable). vocab_size: how many ids the
     draft may propose (default: the smaller logit width). pass_ratio: the target's measured
     pass-cost curve (choosers.ChooserStore.probe), which sizes a batch's trees under
-    ``--tree auto`` (None: CostCurve's guess, +10% a token, until ``learned`` gives it).
+    ``--tree auto`` (None: CostCurve's guess, +10% a token; ``price_trees`` changes it).
     tree: the batch's token trees (a tree_size.TreeSize; default auto).
 
     Token trees: a row whose request asks for them (its Decode's ``tree`` not off) takes side
@@ -150,11 +150,10 @@ class Batch:
         """The pass-cost curve the batch's trees are sized from (None: the guess)."""
         return self.cost.pass_ratio
 
-    def learned(self, pass_ratio: list[float] | None) -> None:
-        """A probe of the target's pass costs ran after the batch was made: size its auto
-        trees from it (a curve it already has is kept)."""
-        if self.cost.pass_ratio is None:
-            self.cost.pass_ratio = pass_ratio
+    def price_trees(self, pass_ratio: list[float] | None) -> None:
+        """Size the batch's auto trees from ``pass_ratio`` (a probe of the target's pass
+        costs; None: CostCurve's guess, +10% a token) from the next round on."""
+        self.cost.pass_ratio = pass_ratio
 
     def _trees(self, size: TreeSize, stats: Stats) -> bool:
         """Whether a row asking for ``size`` takes trees (as the batch's ``tree`` sizes
