@@ -594,7 +594,7 @@ def test_a_rank_lost_in_a_batch_tells_every_client_why_and_stops_the_ranks(pair)
     rows = [Job(), Job()]
     for job in rows:  # two rows running (a fake batch: its round is never reached)
         row = SimpleNamespace(drafts=False)
-        batcher.live.append(_Live(job, row, None, None, 3, None))
+        batcher.live.append(_Live(job, row, None, None))
     batcher.batch = SimpleNamespace(
         leave=lambda row: None,
         target=target,

@@ -411,7 +411,8 @@ class Batcher:
         serial's tok/s against 2.39x with the guess; a lone row sized from the guess made
         0.68x serial's, from the probe 0.98x (bench_serve, CPU pair, greedy, 1fd18fe). With
         ranks, the guess always: every rank plans the same trees."""
-        self.batch.price_trees(self.curve if len(self.live) == 1 else None)
+        if not self.ranks:  # (a batch starts from the guess)
+            self.batch.price_trees(self.curve if len(self.live) == 1 else None)
 
     def _look_for_curve(self) -> None:
         """Take the target's probed pass-cost curve once a probe has run (a lone adaptive
