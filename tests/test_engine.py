@@ -15,10 +15,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import make_prompt_cache
 
+from specmlx.core.cursor import Cursor
 from specmlx.core.sampling import SamplingParams
 from specmlx.core.stats import RoundReport, Stats
-from specmlx.decoding.engine import TIME_DRAFT_EVERY, Decode, KVState, generate_tokens, prefill
+from specmlx.decoding.driver import TIME_DRAFT_EVERY, DraftClock, Driver
+from specmlx.decoding.engine import Decode, KVState, generate_tokens, prefill
+from specmlx.decoding.round import Row
 from specmlx.decoding.stops import Stops
+from specmlx.decoding.verifiers import LoneTarget
 from specmlx.drafting.choosing.adaptive import DRAFT_CHUNKS, Acceptance, AdaptiveK, _chunk
 from specmlx.drafting.choosing.choosers import AUTO, K
 from specmlx.drafting.choosing.cost_curve import CostCurve
@@ -395,6 +399,30 @@ def test_a_probe_after_plain_rounds_is_timed(pair):
     assert len(probes) >= 4 and all(r.draft_seconds is not None for r in probes)
     after = [r for prev, r in pairs if prev.k > 0 and r.k > 0]
     assert after and all(r.draft_seconds is None for r in after)  # the rest: one in 8
+
+
+def test_the_draft_clock_times_the_first_drafting_round_and_one_in_eight():
+    """DraftClock (the engine's lone row and a batching server's lone row keep one each):
+    the first drafting round, the first after a plain one, then one in TIME_DRAFT_EVERY; a
+    plain round, or one with a pass already queued, is not timed."""
+    clock, drafted, plain = DraftClock(), RoundReport(3, 2, 0.01), RoundReport(0, 0, 0.01)
+    got = [clock.timed(3, None if i == 0 else drafted) for i in range(2 * TIME_DRAFT_EVERY + 1)]
+    assert got == ([True] + [False] * (TIME_DRAFT_EVERY - 1)) * 2 + [True]
+    assert not clock.timed(0, drafted) and not clock.timed(3, plain, queued=True)
+    assert clock.timed(3, plain)  # the first drafting round after a plain one
+    assert not clock.timed(3, drafted)
+
+
+def test_a_lone_target_verifies_one_row(pair):
+    """A lone generation is a Driver of one row over its Cursor (verifiers.LoneTarget): its
+    caches are one sequence's, so a second row is refused by name, not decoded wrongly."""
+    target, _ = pair
+    kv = KVState()
+    prefill(target, None, PROMPTS[0], kv=kv)
+    rows = [Row(list(PROMPTS[0]), K(0), Stops((), (), 8), 0, None, None) for _ in range(2)]
+    driver = Driver(LoneTarget(Cursor(target, kv.target, len(kv.tokens))), None, rows)
+    with pytest.raises(ValueError, match="a lone target verifies one row, not 2"):
+        driver.round(0)
 
 
 class _Slow(nn.Module):

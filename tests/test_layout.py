@@ -118,18 +118,30 @@ def test_the_engine_knows_nothing_of_the_layers_above():
     }
     # the round and its verifiers, what a request asks, its stops, the drafter factory: not
     # the session, stream, FIM
-    allowed = {"decode", "stops", "round", "verifiers", "drafter_factory"}
+    allowed = {"decode", "stops", "round", "driver", "verifiers", "drafter_factory"}
     assert own <= {f"decoding.{m}" for m in allowed}, own
 
 
-def test_one_round_serves_a_lone_request_and_a_batch():
-    """The round is written once (round.one_round): the engine and the batch call it and
-    neither builds a round of its own (no acceptance, no drafting, no target pass)."""
+def test_one_driver_serves_a_lone_request_and_a_batch():
+    """The round is written once (round.one_round) and driven once (driver.Driver): a lone
+    generation is a Driver of one row over a LoneTarget, a Batch is a Driver; only the
+    driver calls the round, and neither builds a round of its own (no acceptance, no
+    drafting, no target pass)."""
+    from specmlx.decoding.batch import Batch
+    from specmlx.decoding.driver import Driver
+
     graph = imports(2)
-    for m in ("decoding.engine", "decoding.batch"):
-        assert "decoding.round" in graph[m], m
+    assert issubclass(Batch, Driver)
+    for m in ("decoding.engine", "decoding.batch", "serving.batcher"):
+        assert "decoding.driver" in graph[m], m
         text = (PACKAGE / (m.replace(".", "/") + ".py")).read_text()
         assert "accept_proposal" not in text and ".propose(" not in text, m
+        assert "one_round(" not in text and "TIME_DRAFT_EVERY" not in text, m
+    callers = [
+        p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")
+        if "one_round(" in p.read_text() and p.name != "round.py"
+    ]  # fmt: skip
+    assert callers == ["decoding/driver.py"], callers
 
 
 def test_a_chain_is_a_tree_of_one_branch():

@@ -1,6 +1,6 @@
 """Speculation for many sequences at once: B rows decoded in one target pass a round.
 
-The round is round.one_round, the one a lone generation runs as a row of one: the drafter
+The driver is driver.Driver, the one a lone generation runs as a row of one: the drafter
 (drafting.row_drafters) proposes for every row, the target verifies every row's k + 1
 positions in one pass over core.batch_caches' batch caches (verifiers.RowsTarget: a row's rollback
 is its own length), each row accepts by its own rule (its own sampler, its own seed) and
@@ -30,7 +30,7 @@ from ..core.caches import make_caches
 from ..core.hidden import HiddenTap
 from ..core.kvstate import KVState, common_prefix
 from ..core.sampling import make_processor
-from ..core.stats import RoundReport, Stats, TokenEvent
+from ..core.stats import Stats
 from ..core.tree_pass import tree_refusal
 from ..core.vocab import logit_width
 from ..drafting.choosing.cost_curve import CostCurve
@@ -40,17 +40,18 @@ from ..drafting.trees.expand import expand_refusal
 from ..errors import BadInput, IncompatiblePair, parsed
 from .decode import Decode, token_ids
 from .drafter_factory import batch_drafter
+from .driver import Driver
 from .engine import prefill
-from .round import Row, one_round
+from .round import Row
 from .stops import Stops
 from .verifiers import RowsTarget
 
 __all__ = ["Batch", "Row"]
 
 
-class Batch:
-    """Rows that decode together: ``join`` a prompt, ``round(k)`` (every row one round, up to
-    k + 1 tokens each), ``leave`` a row.
+class Batch(Driver):
+    """Rows that decode together: ``join`` a prompt, ``round(k)`` (driver.Driver: every row
+    one round, up to k + 1 tokens each), ``leave`` a row.
 
     target, draft: mlx-lm models (draft None: batched plain decoding), or a chained head over
     the target as the draft; both must batch (rows.batchable). vocab_size: how many ids the
@@ -82,18 +83,16 @@ class Batch:
         self.no_trees = tree_refusal(target, make_caches(target))
         self.cost = CostCurve(pass_ratio=pass_ratio)  # what sizes the trees of auto
         # what drafts for the rows (drafting.row_drafters: one class a kind of drafter)
-        self.drafter: RowDrafter | None = None
+        drafter: RowDrafter | None = None
         self.vocab = min(vocab_size or logit_width(target), logit_width(target))
         if draft is not None:
-            self.drafter, self.vocab = batch_drafter(
+            drafter, self.vocab = batch_drafter(
                 target, draft, vocab_size, self.tree, self.cost, self.no_trees
             )
-        places = self.drafter.reads_hidden if self.drafter is not None else ()
+        places = drafter.reads_hidden if drafter is not None else ()
         self.tap = HiddenTap(target, places) if places else None
-        self.rows: list[Row] = []
-        self.verifier = RowsTarget(target, self.tap)  # the target's batch caches
-        self.tree_pass = False  # the last round verified a tree a row
-        self.reports: list[RoundReport] = []  # the last round's, a row each, in row order
+        self.verifier: RowsTarget  # the target's batch caches
+        super().__init__(RowsTarget(target, self.tap), drafter)
 
     def join(
         self,
@@ -208,22 +207,3 @@ class Batch:
             if self.drafter is not None:
                 self.drafter.empty()
         return kv
-
-    def round(self, k: int | Sequence[int], timed: bool = False) -> list[list[TokenEvent]]:
-        """One round for every row; each row's new token events, in row order (a row that
-        reached a stop is marked ``done`` and must leave before the next round; its
-        RoundReport is in ``reports``). k: drafts per row, one for all or one each (0, or no
-        draft model: one plain step); timed: time the draft apart (a second host sync: for
-        a row's own adaptive chooser, round.one_round)."""
-        rows = self.rows
-        if any(r.done for r in rows):
-            raise RuntimeError("a finished row must leave before the next round")
-        if not rows:
-            return []
-        asked = [k] * len(rows) if isinstance(k, int) else list(k)
-        if len(asked) != len(rows):
-            raise ValueError(f"{len(asked)} k for {len(rows)} rows")
-        out = one_round(rows, self.verifier, self.drafter, asked, timed=timed)
-        self.tree_pass = any(report.chain is not None for _, report in out)
-        self.reports = [report for _, report in out]
-        return [events for events, _ in out]

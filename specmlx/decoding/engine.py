@@ -1,5 +1,5 @@
-"""A lone generation: prefill, then rounds (round.one_round over a row of one) until a
-stop; yields token events.
+"""A lone generation: prefill, then rounds (driver.Driver over a row of one, the driver a
+batch is) until a stop; yields token events.
 
 Bookkeeping, in one place: the row's ``ctx`` is every token so far (prompt + generated).
 The target's position is its Cursor's (cursor.py, behind verifiers.LoneTarget): between
@@ -45,22 +45,17 @@ from ..drafting.self_draft import SharedExit, shares_caches
 from ..errors import BadInput, RollbackError
 from .decode import Decode, Parts, token_ids
 from .drafter_factory import lone_drafter
-from .round import Row, one_round
+from .driver import DraftClock, Driver
+from .round import Row
 from .stops import Stops
 from .verifiers import LoneTarget
 
 __all__ = [
-    "Decode", "KVState", "Parts", "Stats", "TokenEvent", "TIME_DRAFT_EVERY", "generate_tokens",
-    "prefill",
+    "Decode", "KVState", "Parts", "Stats", "TokenEvent", "generate_tokens", "prefill",
 ]  # fmt: skip
 
 # MLX streams belong to a thread: the server generates on a worker thread of its own
 _STREAM = getattr(mx, "new_thread_local_stream", mx.new_stream)(mx.default_device())
-# drafting rounds: the first, the first after plain rounds (while drafting is rare, as when
-# adaptive k has stopped and probes now and then, one in 8 would leave the draft's time
-# unmeasured for a whole generation) and then one in 8 get a second host sync, to time the
-# draft apart
-TIME_DRAFT_EVERY = 8
 
 
 def generate_tokens(
@@ -129,9 +124,9 @@ def generate_tokens(
             else None if decode.lookup or head or exit_shared else next_k.plain_next
         )  # fmt: skip
         loop = _rounds(
-            row, LoneTarget(cursor), drafter, drafting.choose if drafter is not None else None,
-            plain_next, parts.lockstep or (lambda _tokens: None),
-            lambda ok: _end(kv, row, holder, ok),
+            Driver(LoneTarget(cursor), drafter, [row]),
+            drafting.choose if drafter is not None else None, plain_next,
+            parts.lockstep or (lambda _tokens: None), lambda ok: _end(kv, row, holder, ok),
         )  # fmt: skip
         try:
             yield from loop
@@ -257,35 +252,31 @@ def _end(kv: KVState, row: Row, holder, settled: bool) -> None:
         kv.draft, kv.draft_held, kv.waiting = holder.leave(0, row), row.draft_held, row.waiting
 
 
-def _rounds(row: Row, target: LoneTarget, drafter, next_k, plain_next, check, end):
-    """A lone generation's rounds (round.one_round over a row of one) until a stop; yields
-    its token events. next_k: the k chooser (None: no drafter, plain steps); plain_next:
-    queue the next plain pass early (round.one_round); check: the lockstep (may raise); end:
-    called once at the end, with whether the caches match the row's context."""
-    drafting, last, settled = 0, None, True  # settled: the caches match ctx
+def _rounds(driver: Driver, next_k, plain_next, check, end):
+    """A lone generation's rounds (the driver's one row, over its LoneTarget) until a stop;
+    yields its token events. next_k: the k chooser (None: no drafter, plain steps);
+    plain_next: queue the next plain pass early (round.one_round); check: the lockstep (may
+    raise); end: called once at the end, with whether the caches match the row's context."""
+    [row], cursor = driver.rows, driver.verifier.cursor
+    clock, last, settled = DraftClock(), None, True  # settled: the caches match ctx
     try:
         while True:
             k = max(0, min(next_k(last), row.stops.room)) if next_k is not None else 0
             settled = False  # (a chooser that raises leaves the caches as they were)
-            drafting = 0 if last is not None and last.k == 0 else drafting  # time a probe
             # a queued pass would be waited for inside the draft's timing: time the next
-            queued = target.cursor.queued is not None
-            timed = k > 0 and not queued and drafting % TIME_DRAFT_EVERY == 0
-            drafting += k > 0 and not queued
-            [(events, last)] = one_round(
-                [row], target, drafter, [k], timed=timed, plain_next=plain_next
-            )
+            timed = clock.timed(k, last, queued=cursor.queued is not None)
+            [events] = driver.round(k, timed=timed, plain_next=plain_next)
+            [last] = driver.reports
             settled = True
             check([e.token for e in events])
             yield from events
             if row.done:
                 return
     finally:
-        if drafter is not None:
-            drafter.close()
+        driver.close()
         if settled:  # closed early with a plain pass queued: give it back
             try:
-                row.stats.replayed += target.cursor.give_back(len(row.ctx) - 1, row.ctx)
+                row.stats.replayed += cursor.give_back(len(row.ctx) - 1, row.ctx)
             except RollbackError:  # a cache with no known rollback (plain decoding only)
                 settled = False
         end(settled)

@@ -21,7 +21,7 @@ from .round import Row
 
 class LoneTarget:
     """A lone row's target: its Cursor, over every cache kind (a rollback each kind knows),
-    with the queued plain pass (Cursor.queue). cursor: the target's cursor (recording its
+    with the queued plain pass (Cursor.queue); one row only (a second is refused). cursor: the target's cursor (recording its
     verify passes; its tap, if any, gives the features)."""
 
     def __init__(self, cursor: Cursor):
@@ -29,6 +29,8 @@ class LoneTarget:
         self.tree_pass = False  # the latest pass verified a token tree
 
     def verify(self, rows: Sequence[Row], drafts: mx.array | None, trees: Sequence[Tree] | None):
+        if len(rows) != 1:  # (its caches are one sequence's: rows share a batch's)
+            raise ValueError(f"a lone target verifies one row, not {len(rows)}: rows batch")
         r, cursor = rows[0], self.cursor
         self.tree_pass = trees is not None
         if trees is None:

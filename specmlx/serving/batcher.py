@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 
 from ..core.stats import TokenEvent
 from ..decoding.batch import Batch, Row
-from ..decoding.engine import TIME_DRAFT_EVERY
+from ..decoding.driver import DraftClock
 from ..decoding.stream import EditorLimits, TextStream
 from ..distributed.ranks import Lockstep, ranks_stopped
 from ..drafting.choosing.adaptive import AdaptiveK
@@ -61,8 +61,8 @@ RESUME_GRACE = 0.25
 class _Live:
     """A running request: its job, row, text stream and editor limits; the adaptive chooser
     its row drafts by while it is alone (None: a fixed k, or with ranks), with where that
-    chooser's estimates came from, and how many drafting rounds it ran (one in
-    TIME_DRAFT_EVERY times the draft apart, as the engine's do)."""
+    chooser's estimates came from, and its rounds' DraftClock (which time the draft apart,
+    as a lone generation's do)."""
 
     job: object
     row: Row | None
@@ -71,7 +71,7 @@ class _Live:
     ended: bool = field(default=False)
     own_k: AdaptiveK | None = None
     origin: str = ""
-    drafting: int = 0
+    clock: DraftClock = field(default_factory=DraftClock)
     was_alone: bool = False  # its last round ran alone (its report is its chooser's to read)
     parked: _Parked | None = None  # set aside for a newer editor request (Batcher._park)
     sources: tuple[int, ...] = ()  # the prompt-cache entries it came from (KVState.sources)
@@ -309,9 +309,7 @@ class Batcher:
             # (a round beside others is no lone round's report: its time is theirs too)
             last = self.batch.reports[0] if alone.was_alone and self.batch.reports else None
             ks = [max(0, min(alone.own_k(last), row.stops.room))]
-            alone.drafting = 0 if last is not None and last.k == 0 else alone.drafting
-            timed = ks[0] > 0 and alone.drafting % TIME_DRAFT_EVERY == 0
-            alone.drafting += ks[0] > 0
+            timed = alone.clock.timed(ks[0], last)
         t0 = time.perf_counter()
         try:
             if self.ranks:
