@@ -199,6 +199,24 @@ def test_each_setting_is_parsed_once_at_its_edge():
     assert str(DrafterChoice.of("model+lookup")) == "model+lookup"
 
 
+def test_k_names_a_rounds_drafts_and_k_setting_what_was_asked():
+    """One meaning per name: a row's setting (a choosers.K, fixed or auto) is ``k_setting``;
+    ``k`` is an int, a round's drafts (RoundReport.k, a chooser's answer). Nothing reads a
+    row's fields by getattr with a default, which hid a renamed field once (a seeded row's
+    trees then read the measured curve)."""
+    from dataclasses import fields
+
+    from specmlx.core.stats import RoundReport
+    from specmlx.decoding.round import Row
+
+    names = {f.name: f.type for f in fields(Row)}
+    assert "k" not in names and names["k_setting"] == "K"
+    assert {f.name: f.type for f in fields(RoundReport)}["k"] == "int"
+    for path in (PACKAGE / "drafting").rglob("*.py"):
+        text = path.read_text()
+        assert 'getattr(row, "' not in text and 'getattr(r, "' not in text, path
+
+
 def test_the_batch_loop_reaches_the_worker_only_through_its_host_interface():
     """batcher.py and follower.py read and call of the worker only what serving.jobs.Host
     declares (typed, in one place); joining.py and warmups.py take what they use, not the

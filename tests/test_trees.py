@@ -270,6 +270,7 @@ class _Row:
 
     def __init__(self, stats: Stats, wants_trees: bool = True):
         self.stats, self.wants_trees, self.process = stats, wants_trees, None
+        self.k_setting = K.of("auto")
 
 
 def test_a_batchs_rows_take_one_count_of_leaves_each_from_the_curve_at_its_width():
@@ -314,7 +315,7 @@ def test_a_sampled_rows_tree_is_its_lone_one_in_any_batch():
     flat = SideSizer(AUTO, _chooser(0.0))
     seeded, adaptive = _Row(rich), _Row(rich)
     seeded.process = adaptive.process = lambda logits: logits
-    seeded.k, adaptive.k = K(3), K.of("auto")
+    seeded.k_setting, adaptive.k_setting = K(3), K.of("auto")
     guessed = SideSizer(AUTO, FixedK(3)).plan_rows([3], [seeded])[0]
     assert flat.plan_rows([3], [seeded])[0] == guessed
     assert sum(flat.plan_rows([3], [adaptive])[0][0]) > sum(guessed[0])

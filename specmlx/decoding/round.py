@@ -39,11 +39,13 @@ from .stops import Stops
 
 @dataclass
 class Row:
-    """One sequence in a round: its context (prompt + generated), the k it asked for, its
-    stops, seed, sampler, acceptance rule and statistics. ``done``: it reached a stop."""
+    """One sequence in a round: its context (prompt + generated), the k setting it asked
+    for, its stops, seed, sampler, acceptance rule and statistics. ``done``: it reached a stop."""
 
     ctx: list[int]
-    k: K  # (a batch: a fixed k is the row's own; "auto" follows what the batch's owner picks)
+    # the k it asked for (a batch: a fixed k is the row's own; auto follows what the batch's
+    # owner picks); a round's k is an int, its drafts
+    k_setting: K
     stops: Stops
     seed: int
     process: Processor | None
@@ -106,38 +108,38 @@ def one_round(
         for i, (r, ki) in enumerate(zip(rows, asked, strict=True)):
             top = drafter.limit(r)
             ks[i] = max(0, min(ki, r.stops.room, ki if top is None else top)) * r.drafts
-    k = max(ks)  # no more drafts in the pass than any row can use
+    width = max(ks)  # drafts in the pass: no more than any row can use
     keys = [
         round_keys(r.seed, len(r.ctx)) if r.process is not None else (None,) * 3 for r in rows
     ]  # fmt: skip (per row: draft, u, draw)
     drafts = Drafts.none(len(rows))
-    if drafter is not None and (k or not drafter.needs_k):
-        drafts = drafter.propose(rows, k, ks, [kk[0] for kk in keys])
-    k, ks, trees = drafts.k, drafts.ks, drafts.trees
+    if drafter is not None and (width or not drafter.needs_k):
+        drafts = drafter.propose(rows, width, ks, [kk[0] for kk in keys])
+    width, ks, trees = drafts.k, drafts.ks, drafts.trees  # (a tree's: its nodes)
     draft_s = None  # a model's drafting timed apart (lookup's costs nothing to time)
     if timed and any(h.source == "model" and h.draft_s is None for h in drafts.how):
         mx.eval(drafts.tokens, *[q for q in drafts.q if q is not None])
         draft_s = time.perf_counter() - t0
-    logits, feats = target.verify(rows, drafts.tokens, trees)  # (B, k + 1, V), (B, k + 1, F)
-    plain = not k and all(r.process is None for r in rows)
+    logits, feats = target.verify(rows, drafts.tokens, trees)  # (B, width + 1, V), (.., F)
+    plain = not width and all(r.process is None for r in rows)
     if plain:  # greedy plain steps: the argmax
         nxt = mx.argmax(logits[:, 0], axis=-1).astype(mx.uint32)  # alone, as cheap as
         out = nxt[:, None]  # target-only decoding (B, 1)
-    else:  # each row by its own rule, sampler, keys, drafts and tree: (B, 2 + k), each
+    else:  # each row by its own rule, sampler, keys, drafts and tree: (B, 2 + width), each
         # row's [last node kept (a chain's: its drafts accepted), next token, drafts]
         heads = [_accept(logits[i], drafts, i, r, keys[i]) for i, r in enumerate(rows)]
-        out = mx.stack(heads) if k == 0 else mx.concatenate([mx.stack(heads), drafts.tokens], 1)
+        out = mx.stack(heads) if not width else mx.concatenate([mx.stack(heads), drafts.tokens], 1)
         nxt = out[0, 1]
     argmax = trees is not None and drafter.reads_argmax  # (a lone row: lookahead's window,
     # always a tree, learns from the target's argmax at the root and every node, same sync)
     if argmax:
         out = mx.concatenate([out, mx.argmax(logits[0], axis=-1).astype(mx.uint32)[None]], 1)
-    if plain_next is not None and not k and rows[0].stops.room > 0 and plain_next():
+    if plain_next is not None and not width and rows[0].stops.room > 0 and plain_next():
         mx.async_eval(out)  # (a lone row) its next plain pass runs while the host reads
         target.queue(nxt.reshape(1))
     got = out.tolist()  # the round's one host sync
     if argmax:
-        drafter.observe(got[0][2 + k :])
+        drafter.observe(got[0][2 + width :])
     # keep: each row its kept path's tokens and the target's token, up to a stop
     fed, paths, told, new, reports = [], [], [], [], []
     for i, (r, row) in enumerate(zip(rows, got, strict=True)):

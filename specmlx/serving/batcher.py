@@ -300,7 +300,7 @@ class Batcher:
         # a row that asked for a fixed k drafts it (its text then does not depend on what
         # runs beside it); the rest draft what BatchK picks for this width
         alone = self.live[0] if len(self.live) == 1 and self.live[0].own_k is not None else None
-        auto = [lv for lv in self.live if lv.row.drafts and lv.row.k.auto]
+        auto = [lv for lv in self.live if lv.row.drafts and lv.row.k_setting.auto]
         k = self.k(len(self.live)) if auto and alone is None else None
         ks = [_k_of(lv.row, k) for lv in self.live]
         timed = False
@@ -427,4 +427,4 @@ def _k_of(row: Row, auto: int | None) -> int:
     batch's choice ``auto`` for a row that asked for adaptive k."""
     if not row.drafts:
         return 0
-    return auto if row.k.auto else row.k.fixed
+    return auto if row.k_setting.auto else row.k_setting.fixed

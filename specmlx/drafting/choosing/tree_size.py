@@ -160,7 +160,7 @@ class SideSizer:
         pass over B rows of w tokens costing what the pass-cost curve says of B * w tokens
         (every row's tokens share the reads of the weights). The drafting time is left
         out: it does not change with the leaves, and leaving it out only ever picks fewer."""
-        drawn = [getattr(r, "process", None) is not None for r in rows]
+        drawn = [r.process is not None for r in rows]
         if len(rows) == 1:
             cost = _seeded(rows[0])
             sides, runs, _ = self._choose(ks[0], rows[0].stats, self.dips and not drawn[0], cost)
@@ -278,9 +278,8 @@ def _seeded(row) -> CostCurve | None:
     """The guessed curve for a sampled row with a fixed k (its text then depends on its seed
     and settings alone, not on a probe that differs by machine and run); None for the rest:
     the chooser's curve."""
-    k = getattr(row, "k", None)
-    drawn = getattr(row, "process", None) is not None
-    return CostCurve() if drawn and k is not None and not k.auto else None
+    drawn = row.process is not None
+    return CostCurve() if drawn and not row.k_setting.auto else None
 
 
 def pass_cost(chooser: KChooser) -> CostCurve:
