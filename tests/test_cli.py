@@ -111,6 +111,10 @@ def test_json_says_what_auto_decided_and_from_what(registry):
     assert 0 < auto["a"] < 1 and auto["t_pass_s"] > 0 and auto["t_plain_s"] > 0, auto
     # (a tiny random pair: its drafts are rarely kept, so auto may have stopped drafting)
     assert auto["stopped"] in (True, False) and auto["drafting_rounds"] >= 0
+    # the pass-cost shape it chose by: as probed on this machine, and as rounds corrected it
+    cost = auto["pass_cost"]
+    assert set(cost["probed"]) == set(cost["now"]) == {"2", "4", "8", "16"}, cost
+    assert all(v > 0 for v in (*cost["probed"].values(), *cost["now"].values())), cost
     for out in (first, again, fixed):
         s = out["stats"]
         assert sum(s["k_hist"]) == s["rounds"]

@@ -481,8 +481,9 @@ class AdaptiveK(KChooser):
         """Where its choices stand, JSON-ready, for --json: its acceptance estimates (a at the
         first draft, a_later after it), the seconds it predicts (a draft token; a target
         pass over 1 token and over k_max + 1, from its curve), its plain step as timed,
-        whether drafting has stopped (it then drafts once every few plain rounds), and its
-        drafting rounds so far (carried over from earlier runs of the pair)."""
+        whether drafting has stopped (it then drafts once every few plain rounds), its
+        drafting rounds so far (carried over from earlier runs of the pair), and the
+        pass-cost shape as probed and as the rounds corrected it (``pass_cost``)."""
         curve = self.pass_curve()
         seconds = lambda t: round(t, 6) if t is not None else None  # noqa: E731
         return {
@@ -496,6 +497,18 @@ class AdaptiveK(KChooser):
             "t_plain_s": seconds(self.cost.t_plain),
             "stopped": self._zeros > 0,
             "drafting_rounds": self._drafting_rounds,
+            "pass_cost": self._pass_cost(len(curve)),
+        }
+
+    def _pass_cost(self, widest: int) -> dict:
+        """The pass-cost shape its choices read, t(n) / t(1) at a few token counts n up to
+        ``widest``: as probed (None: never probed, the guess of +10% a token) and as the
+        rounds have corrected it since (what a busy probe, or a wrong guess, came to)."""
+        ns = [n for n in (2, 4, 8, 16, 32) if n <= widest]
+        probed = self.cost.pass_ratio is not None
+        return {
+            "probed": {str(n): round(self.cost.ratio(n - 1), 3) for n in ns} if probed else None,
+            "now": {str(n): round(self.cost.shape(n - 1) / self.cost.shape(0), 3) for n in ns},
         }
 
     def state(self) -> dict:
