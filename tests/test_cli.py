@@ -106,7 +106,7 @@ def test_json_says_what_auto_decided_and_from_what(registry):
     again = json.loads(run("run", "--json", "-n", "24", "-k", "auto", "def add(a, b):").stdout)
     fixed = json.loads(run("run", "--json", "-n", "24", "-k", "2", "def add(a, b):").stdout)
     assert first["stats"]["auto"]["from"].startswith("new: ")  # (a probe or a saved one)
-    assert again["stats"]["auto"]["from"] == "saved"
+    assert again["stats"]["auto"]["from"].startswith("saved")  # (+ a second probe, of 3)
     auto = again["stats"]["auto"]
     assert 0 < auto["a"] < 1 and auto["t_pass_s"] > 0 and auto["t_plain_s"] > 0, auto
     # (a tiny random pair: its drafts are rarely kept, so auto may have stopped drafting)

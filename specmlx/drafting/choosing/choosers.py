@@ -27,9 +27,16 @@ from ...machine import machine_id
 from ...paths import Warn, load_json, save_json, specmlx_home
 from .adaptive import SUFFIX_MAX, AdaptiveK
 from .cost_curve import CostCurve
-from .probe import probe_pass_cost
+from .probe import curve_from, probe_times
 
-PROBE_VERSION = "v3"  # bump when the probe's method changes: old curves are then ignored
+PROBE_VERSION = "v4"  # bump when the probe's method changes: old curves are then ignored
+# a pass-cost curve is the low end of this many probes, one taken by each of the first
+# processes that need it: a probe beside a busy process (measured: t(16)/t(1) 0.57 or 2.13
+# against 1.67-1.73 quiet, issue 65) is outvoted by quieter ones, as noise only adds time
+PROBES = 3
+# a saved chooser whose rounds found the curve off by more than this at some width has its
+# target probed again (a short probe, its low end kept) by the next process that resumes it
+CONTRADICTED = 1.5
 # the most drafts a round may verify: no drafter is right that far ahead, and each draft
 # asked for costs a draft step and a row of the target's pass (a batch pads every row to it)
 K_MAX = 32
@@ -161,7 +168,8 @@ class ChooserStore:
         self.persist, self.pass_ratio, self.warn = persist, pass_ratio, warn
         self._live: dict[str, AdaptiveK] = {}
         self._paths: dict[int, Path] = {}
-        self._probes: dict[str, list[float]] = {}  # by probe key: what this process knows
+        self._probes: dict[str, dict] = {}  # by probe key: the probe records this store knows
+        self._probed: set[str] = set()  # probe keys this store ran a probe for
         # by chooser: where its state came from ("this process", "saved", "new: probed now",
         # "new: a saved probe", "new: the ranks' probe"), what --json says it decided from
         self._origins: dict[int, str] = {}
@@ -208,8 +216,28 @@ class ChooserStore:
             if chooser is None and self.warn is not None:
                 self.warn(f"ignoring {path}: it does not fit this version of specmlx")
         origin = "saved"
+        if chooser is not None and self.pass_ratio is None:
+            # the curve saved choosers read is the probes' (their low end, PROBES): one more
+            # probe while fewer have run; a chooser saved with another curve reads this one,
+            # its corrections of the old one dropped (they were against it)
+            # and once more whenever its rounds found the curve off by over CONTRADICTED at
+            # some width (every probe so far was taken beside a busy process)
+            off = contradicted(chooser.cost)
+            again = self.probes_wanted(target_id) or off
+            if again:
+                ratio = self.probe(target, target_id, list(prompt_ids), again=off)
+            else:
+                ratio = self.cached_probe(target_id)
+            if ratio is not None and (off or ratio != chooser.cost.pass_ratio):
+                # (contradicted: the fixes go even where the probe confirmed the curve, so a
+                # lasting contradiction costs one short probe each time it is learned again)
+                chooser.cost.pass_ratio, chooser.cost.fix = ratio, {}
+            if again:
+                n = self._probe_record(target_id, SUFFIX_MAX)["probes"]
+                why = "its rounds contradicted the curve" if off else f"{n} of {PROBES}"
+                origin = f"saved, probed again ({why})"
         if chooser is None:
-            probed = self.pass_ratio is None and self.cached_probe(target_id) is None
+            probed = self.pass_ratio is None and self.probes_wanted(target_id)
             origin = "new: " + (
                 "the ranks' probe" if self.pass_ratio is not None
                 else "probed now" if probed else "a saved probe"
@@ -248,31 +276,81 @@ class ChooserStore:
         this store ran or read (kept in memory, so a store that does not persist answers the
         same for the whole process: a lone row's trees and its batch's read one curve), else
         one on disk."""
+        record = self._probe_record(target_id, k_max)
+        return record["ratio"] if record is not None else None
+
+    def probe(
+        self,
+        target: nn.Module,
+        target_id: str,
+        ids: list[int],
+        k_max: int = SUFFIX_MAX,
+        *,
+        again: bool = False,
+    ):
+        """The target's pass-cost curve, cached by identity: per token count the fastest of
+        the probes run so far, one by each of the first PROBES processes that ask (this one
+        runs one now when none has, or when fewer than PROBES have and it has not, or when
+        ``again``: rounds contradict the curve; a later probe is a short one, each size
+        timed once), then saved.
+
+        target: the model to time; target_id: its full identity (the key); ids: a prompt to
+        prefill before timing; k_max: the last k of the curve; again: probe once more in
+        this process whatever has run (a chooser's rounds contradict the curve)."""
+        key = f"{target_id}|{k_max}|{PROBE_VERSION}"
+        record = self._probe_record(target_id, k_max)
+        done = record is not None and (record["probes"] >= PROBES or key in self._probed)
+        if done and not (again and key not in self._probed):
+            return record["ratio"]
+        # the first probe times each size 3 times, a later one once (it only ever lowers)
+        times = probe_times(target, ids, k_max, 3 if record is None else 1)
+        if record is not None:  # the low end of every probe so far, size by size
+            times = {n: min(t, record["times"].get(n, t)) for n, t in times.items()}
+        record = {
+            "identity": target_id,
+            "times": times,
+            "probes": (record["probes"] if record is not None else 0) + 1,
+            "ratio": curve_from(times, k_max),
+        }
+        self._probes[key], self._probed = record, self._probed | {key}
+        if self.persist:
+            self._save(_state_path("probes", key), record)
+        return record["ratio"]
+
+    def probes_wanted(self, target_id: str, k_max: int = SUFFIX_MAX) -> bool:
+        """Whether ``probe`` would run one now: fewer than PROBES so far, none by this store."""
+        record = self._probe_record(target_id, k_max)
+        key = f"{target_id}|{k_max}|{PROBE_VERSION}"
+        return record is None or (record["probes"] < PROBES and key not in self._probed)
+
+    def _probe_record(self, target_id: str, k_max: int) -> dict | None:
+        """The probe record (times by token count, probes so far, the curve) this store ran
+        or read, else the one on disk (None: none, or one not of this shape)."""
         key = f"{target_id}|{k_max}|{PROBE_VERSION}"
         if key not in self._probes:
-            cached = load_json(_state_path("probes", key)) if self.persist else None
-            ratio = cached.get("ratio") if cached is not None else None
-            if not isinstance(ratio, list):
+            got = load_json(_state_path("probes", key)) if self.persist else None
+            try:
+                times = {int(n): float(t) for n, t in got["times"].items()}
+                record = {**got, "times": times, "probes": int(got["probes"])}
+                if not (isinstance(got["ratio"], list) and times and 1 in times):
+                    return None
+            except (TypeError, KeyError, ValueError, AttributeError):
                 return None
-            self._probes[key] = ratio
+            self._probes[key] = record
         return self._probes[key]
-
-    def probe(self, target: nn.Module, target_id: str, ids: list[int], k_max: int = SUFFIX_MAX):
-        """The target's pass-cost curve: cached by identity (``cached_probe``), else probed
-        and saved."""
-        ratio = self.cached_probe(target_id, k_max)
-        if ratio is None:
-            ratio = probe_pass_cost(target, ids, k_max)
-            key = f"{target_id}|{k_max}|{PROBE_VERSION}"
-            self._probes[key] = ratio
-            if self.persist:
-                self._save(_state_path("probes", key), {"identity": target_id, "ratio": ratio})
-        return ratio
 
     def _save(self, path: Path, data: dict) -> None:
         # one warning per store: a read-only home would otherwise repeat it every request
         if not save_json(path, data, None if self._warned else self.warn):
             self._warned = True
+
+
+def contradicted(cost: CostCurve) -> bool:
+    """Whether rounds found the probed curve off by more than CONTRADICTED at some width
+    (CostCurve.fix: measured over probed, per k)."""
+    return cost.pass_ratio is not None and any(
+        not 1 / CONTRADICTED <= f <= CONTRADICTED for f in (cost.fix or {}).values()
+    )
 
 
 def sampling_key(s: SamplingParams) -> str:

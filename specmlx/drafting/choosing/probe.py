@@ -82,6 +82,19 @@ def curve_from(times: dict[int, float], k_max: int) -> list[float]:
     return out
 
 
+def probe_times(
+    model: nn.Module, ids: list[int], k_max: int = SUFFIX_MAX, reps: int = 3
+) -> dict[int, float]:
+    """Seconds of a target pass over n tokens at PROBE_SIZES (and k_max + 1), the fastest
+    of ``reps`` each (pass_times): what ``probe_pass_cost`` makes its curve from, and what a
+    chooser store keeps so later probes can lower it.
+
+    model: the target; ids: a prompt to prefill (its last 64 tokens are used); k_max: the
+    last k the curve will need; reps: timed repetitions of each size."""
+    sizes = sorted({n for n in PROBE_SIZES if n <= k_max + 1} | {k_max + 1})
+    return pass_times(model, ids[-64:] or [0], sizes, reps)
+
+
 def probe_pass_cost(
     model: nn.Module, ids: list[int], k_max: int = SUFFIX_MAX, reps: int = 3
 ) -> list[float]:
@@ -91,5 +104,4 @@ def probe_pass_cost(
 
     model: the target; ids: a prompt to prefill (its last 64 tokens are used); k_max: the
     last k of the curve; reps: timed repetitions of each size."""
-    sizes = sorted({n for n in PROBE_SIZES if n <= k_max + 1} | {k_max + 1})
-    return curve_from(pass_times(model, ids[-64:] or [0], sizes, reps), k_max)
+    return curve_from(probe_times(model, ids, k_max, reps), k_max)
