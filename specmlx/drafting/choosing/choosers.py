@@ -170,8 +170,9 @@ class ChooserStore:
         self._paths: dict[int, Path] = {}
         self._probes: dict[str, dict] = {}  # by probe key: the probe records this store knows
         self._probed: set[str] = set()  # probe keys this store ran a probe for
-        # by chooser: where its state came from ("this process", "saved", "new: probed now",
-        # "new: a saved probe", "new: the ranks' probe"), what --json says it decided from
+        # by chooser: where its state came from ("this process", "saved", "saved, probed
+        # again (...)", "new: probed now", "new: a saved probe", "new: the ranks' probe"),
+        # what --json says it decided from
         self._origins: dict[int, str] = {}
         self._warned = False
 
@@ -217,11 +218,10 @@ class ChooserStore:
                 self.warn(f"ignoring {path}: it does not fit this version of specmlx")
         origin = "saved"
         if chooser is not None and self.pass_ratio is None:
-            # the curve saved choosers read is the probes' (their low end, PROBES): one more
-            # probe while fewer have run; a chooser saved with another curve reads this one,
-            # its corrections of the old one dropped (they were against it)
-            # and once more whenever its rounds found the curve off by over CONTRADICTED at
-            # some width (every probe so far was taken beside a busy process)
+            # a saved chooser reads the probes' curve (their low end): one more probe while
+            # fewer than PROBES have run, or whenever its rounds found the curve off by over
+            # CONTRADICTED at some width (every probe so far beside a busy process); a curve
+            # not the one it was saved with drops its corrections (they were against the old)
             off = contradicted(chooser.cost)
             again = self.probes_wanted(target_id) or off
             if again:
