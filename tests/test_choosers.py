@@ -189,7 +189,9 @@ def test_a_store_that_does_not_persist_probes_once_and_answers_with_it(monkeypat
     batch, which reads only a probe already run, found none: a lone row's trees and its
     batch's were sized from two curves."""
     runs = []
-    monkeypatch.setattr(choosers, "probe_times", lambda *a: runs.append(1) or {1: 1.0, 2: 1.5})
+    monkeypatch.setattr(
+        choosers, "probe_times", lambda *a, **kw: runs.append(1) or {1: 1.0, 2: 1.5}
+    )
     store, model = ChooserStore(persist=False), make_tiny(0)
     assert store.cached_probe("t") is None
     ratio = store.curve(model, "t", [1, 2])
@@ -206,7 +208,9 @@ def test_a_curve_is_the_low_end_of_three_probes_one_a_process(monkeypatch, specm
     busy = {1: 2.0, 2: 2.1, 16: 2.4, 32: 3.0}  # t(1) slowed most: wide passes look cheap
     quiet = {1: 1.0, 2: 1.2, 16: 1.7, 32: 2.6}
     runs = []
-    monkeypatch.setattr(choosers, "probe_times", lambda *a: runs.append(1) or dict(times.pop(0)))
+    monkeypatch.setattr(
+        choosers, "probe_times", lambda *a, **kw: runs.append((*a[3:], kw)) or dict(times.pop(0))
+    )  # (each call's repetitions and warm-up: the first probe is the full one, later ones short)
     times = [busy, quiet, {n: t * 1.5 for n, t in quiet.items()}, quiet]
     model, greedy = make_tiny(0), SamplingParams(0.0)
     first = ChooserStore()
@@ -243,3 +247,4 @@ def test_a_curve_is_the_low_end_of_three_probes_one_a_process(monkeypatch, specm
     )
     fifth.save(again)
     assert ChooserStore().get(model, "t", "none|lookup=True", greedy, [1, 2]) and len(runs) == 4
+    assert runs == [(3, {"warm": True})] + [(1, {"warm": False})] * 3

@@ -292,7 +292,7 @@ class ChooserStore:
         the probes run so far, one by each of the first PROBES processes that ask (this one
         runs one now when none has, or when fewer than PROBES have and it has not, or when
         ``again``: rounds contradict the curve; a later probe is a short one, each size
-        timed once), then saved.
+        timed once, no warm-up), then saved.
 
         target: the model to time; target_id: its full identity (the key); ids: a prompt to
         prefill before timing; k_max: the last k of the curve; again: probe once more in
@@ -302,8 +302,10 @@ class ChooserStore:
         done = record is not None and (record["probes"] >= PROBES or key in self._probed)
         if done and not (again and key not in self._probed):
             return record["ratio"]
-        # the first probe times each size 3 times, a later one once (it only ever lowers)
-        times = probe_times(target, ids, k_max, 3 if record is None else 1)
+        # the first probe times each size 3 times after a warm-up round; a later one once,
+        # cold (it only ever lowers the kept times: a cold, slow timing is just not kept)
+        first = record is None
+        times = probe_times(target, ids, k_max, 3 if first else 1, warm=first)
         if record is not None:  # the low end of every probe so far, size by size
             times = {n: min(t, record["times"].get(n, t)) for n, t in times.items()}
         record = {

@@ -16,23 +16,26 @@ from .adaptive import SUFFIX_MAX
 from .cost_curve import PROBE_SIZES
 
 
-def pass_times(model: nn.Module, ids: list[int], ns: list[int], reps: int = 3) -> dict[int, float]:
+def pass_times(
+    model: nn.Module, ids: list[int], ns: list[int], reps: int = 3, warm: bool = True
+) -> dict[int, float]:
     """Seconds of one forward pass over n tokens after a prefill of ``ids``, for each n in
     ``ns``: the sizes take turns within each repetition, so drift hits them alike, and the
     fastest repetition is kept, since on a shared machine noise only ever adds time.
 
     model: the model to time; ids: the prefill (also what the timed passes repeat); ns: the
-    token counts to time; reps: timed repetitions, after one warm-up."""
+    token counts to time; reps: timed repetitions; warm: after one untimed warm-up round of
+    every size (False: none, for a probe whose times only ever lower earlier ones)."""
     cache = make_caches(model)
     model(mx.array(ids, dtype=mx.uint32)[None], cache=cache)
     mx.eval([c.state for c in cache])
     best = dict.fromkeys(ns, float("inf"))
-    for rep in range(reps + 1):  # the first is a warm-up
+    for rep in range(reps + warm):  # with a warm-up, the first is it
         for n in ns:
             x = mx.array((ids * n)[:n], dtype=mx.uint32)[None]
             t0 = time.perf_counter()
             mx.eval(model(x, cache=cache))
-            if rep:
+            if rep or not warm:
                 best[n] = min(best[n], time.perf_counter() - t0)
             if can_rollback(cache, n):  # recurrent state just runs on: the timing is the same
                 trim(cache, n)
@@ -83,16 +86,18 @@ def curve_from(times: dict[int, float], k_max: int) -> list[float]:
 
 
 def probe_times(
-    model: nn.Module, ids: list[int], k_max: int = SUFFIX_MAX, reps: int = 3
+    model: nn.Module, ids: list[int], k_max: int = SUFFIX_MAX, reps: int = 3, warm: bool = True
 ) -> dict[int, float]:
     """Seconds of a target pass over n tokens at PROBE_SIZES (and k_max + 1), the fastest
     of ``reps`` each (pass_times): what ``probe_pass_cost`` makes its curve from, and what a
     chooser store keeps so later probes can lower it.
 
     model: the target; ids: a prompt to prefill (its last 64 tokens are used); k_max: the
-    last k the curve will need; reps: timed repetitions of each size."""
+    last k the curve will need; reps: timed repetitions of each size; warm: after an untimed
+    warm-up round (False: a probe whose times only lower a kept curve's, where a cold
+    timing is just not kept)."""
     sizes = sorted({n for n in PROBE_SIZES if n <= k_max + 1} | {k_max + 1})
-    return pass_times(model, ids[-64:] or [0], sizes, reps)
+    return pass_times(model, ids[-64:] or [0], sizes, reps, warm)
 
 
 def probe_pass_cost(
