@@ -120,11 +120,11 @@ for (cond, name), rows in results.items():
     tpp = [x[0] for x in rows]
     med = statistics.median(tpp)
     vs = [x[1] / y[1] for x, y in zip(rows, results[cond, kinds[-1]], strict=True)]
-    print(f"{cond:5s} {name:14s}: tok/pass median {med:.2f} (spread {(max(tpp) - min(tpp)) / med:.0%}), "
-          f"tok/s median {statistics.median(x[1] for x in rows):.1f}, tok/s vs {kinds[-1]} "
-          f"each run {', '.join(f'{v:.2f}x' for v in vs)}")  # fmt: skip
+    spread = (max(tpp) - min(tpp)) / med
+    print(f"{cond:5s} {name:14s}: tok/pass median {med:.2f} (spread {spread:.0%}), tok/s "
+          f"median {statistics.median(x[1] for x in rows):.1f}, tok/s vs {kinds[-1]} each run "
+          f"{', '.join(f'{v:.2f}x' for v in vs)}")  # fmt: skip
 for name in kinds:
     tpp = [x[0] for (c, n), rows in results.items() if n == name for x in rows]
-    print(
-        f"{name}: tok/pass spread over all runs {(max(tpp) - min(tpp)) / statistics.median(tpp):.0%}"
-    )
+    spread = (max(tpp) - min(tpp)) / statistics.median(tpp)
+    print(f"{name}: tok/pass spread over all runs {spread:.0%}")

@@ -21,8 +21,8 @@ from .round import Row
 
 class LoneTarget:
     """A lone row's target: its Cursor, over every cache kind (a rollback each kind knows),
-    with the queued plain pass (Cursor.queue); one row only (a second is refused). cursor: the target's cursor (recording its
-    verify passes; its tap, if any, gives the features)."""
+    with the queued plain pass (Cursor.queue); one row only (a second is refused). cursor:
+    the target's cursor (recording its verify passes; its tap, if any, gives the features)."""
 
     def __init__(self, cursor: Cursor):
         self.cursor = cursor
