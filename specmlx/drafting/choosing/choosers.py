@@ -297,7 +297,7 @@ class ChooserStore:
         target: the model to time; target_id: its full identity (the key); ids: a prompt to
         prefill before timing; k_max: the last k of the curve; again: probe once more in
         this process whatever has run (a chooser's rounds contradict the curve)."""
-        key = f"{target_id}|{k_max}|{PROBE_VERSION}"
+        key = _probe_key(target_id, k_max)
         record = self._probe_record(target_id, k_max)
         done = record is not None and (record["probes"] >= PROBES or key in self._probed)
         if done and not (again and key not in self._probed):
@@ -322,13 +322,13 @@ class ChooserStore:
     def probes_wanted(self, target_id: str, k_max: int = SUFFIX_MAX) -> bool:
         """Whether ``probe`` would run one now: fewer than PROBES so far, none by this store."""
         record = self._probe_record(target_id, k_max)
-        key = f"{target_id}|{k_max}|{PROBE_VERSION}"
+        key = _probe_key(target_id, k_max)
         return record is None or (record["probes"] < PROBES and key not in self._probed)
 
     def _probe_record(self, target_id: str, k_max: int) -> dict | None:
         """The probe record (times by token count, probes so far, the curve) this store ran
         or read, else the one on disk (None: none, or one not of this shape)."""
-        key = f"{target_id}|{k_max}|{PROBE_VERSION}"
+        key = _probe_key(target_id, k_max)
         if key not in self._probes:
             got = load_json(_state_path("probes", key)) if self.persist else None
             try:
@@ -345,6 +345,11 @@ class ChooserStore:
         # one warning per store: a read-only home would otherwise repeat it every request
         if not save_json(path, data, None if self._warned else self.warn):
             self._warned = True
+
+
+def _probe_key(target_id: str, k_max: int) -> str:
+    """A probe record's identity: the target, the curve's last k, the probe's method."""
+    return f"{target_id}|{k_max}|{PROBE_VERSION}"
 
 
 def contradicted(cost: CostCurve) -> bool:
