@@ -262,6 +262,10 @@ def test_version():
         (["--verify", "blocks", "x"], 2, ["verify", "token, block"]),
         (["-k", "3", "--draft-stop", "x"], 2, ["--draft-stop", "-k auto"]),
         (["--draft", "none", "--draft-stop", "x"], 2, ["--draft-stop", "draft model"]),
+        (["--draft", "lookup:suffixes", "x"], 2, ["lookup:suffixes", "lookup:ngram", "lookahead"]),
+        # a lookup option where nothing looks up would silently do nothing
+        (["--draft", "none", "--lookup-memory", "x"], 2, ["--lookup-memory", "lookup:ngram"]),
+        (["--no-lookup-memory", "x"], 2, ["--lookup-memory", "--lookup"]),
     ],
 )
 def test_bad_input_one_line(registry, args, code, words):

@@ -45,6 +45,7 @@ from .common import (
     check_draft_stop,
     cli_errors,
     draft_spec,
+    lookup_memory_for,
     resolve_models,
 )
 from .display import err_console, live_line, print_error, summary
@@ -69,7 +70,7 @@ def chat(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     lookup: LookupOpt = False,
-    lookup_memory: LookupMemoryOpt = True,
+    lookup_memory: LookupMemoryOpt = None,
     k: KOpt = None,
     max_tokens: MaxTokensOpt = 512,
     temp: TempOpt = 0.0,
@@ -109,10 +110,11 @@ def chat(
     )  # fmt: skip
     if server:
         local = target or context or lookup or draft_stop or trees is not None
+        local = local or lookup_memory is not None
         if local or draft not in (None, "none", "lookup"):
             raise BadInput(
                 "with --server the server's models run: drop --target, --context, --lookup, "
-                "--draft-stop, --tree and --draft ALIAS (--draft none or lookup still choose "
+                "--lookup-memory, --draft-stop, --tree and --draft ALIAS (--draft none or lookup still choose "
                 "how it drafts)"
             )
         backend: _Backend = _remote(server, api_key, request, draft, kk, verify, system)
@@ -246,6 +248,7 @@ def _local(request, system, target, draft, lookup, lookup_memory, k, tree, conte
 
     registry = load_registry()
     models = resolve_models(registry, target, draft, lookup, k, tree)
+    keep = lookup_memory_for(models, lookup_memory)
     check_draft_stop(models, request.draft_stop)
     console = err_console()
     say = None if quiet else (lambda m: console.print(m, style="dim", soft_wrap=True, markup=False))
@@ -258,7 +261,7 @@ def _local(request, system, target, draft, lookup, lookup_memory, k, tree, conte
     )  # fmt: skip
     require_chat_template(tgt.tokenizer, tgt.spec.alias)
     memory = None
-    if models.lookup and lookup_memory:
+    if keep:
         directory = LookupMemory.directory_for(tgt.tokenizer)
         memory = LookupMemory(directory, vocab_size=tgt.vocab_size, warn=print_warning)
     store = ChooserStore(warn=print_warning)  # adaptive k resumes from this pair's last run

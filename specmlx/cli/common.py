@@ -79,11 +79,11 @@ ContextOpt = Annotated[
 ]
 LookupOpt = Annotated[bool, typer.Option("--lookup", help="Prompt lookup first, then the draft.")]
 LookupMemoryOpt = Annotated[
-    bool,
+    bool | None,
     typer.Option(
         "--lookup-memory/--no-lookup-memory",
         help="With lookup: also look up (and keep) recent outputs, per tokenizer under "
-        "$SPECMLX_HOME/lookup.",
+        "$SPECMLX_HOME/lookup (default: on).",
     ),
 ]
 KOpt = Annotated[
@@ -223,6 +223,18 @@ def draft_spec(registry, models):
     if models.draft is None or head_of(models.draft) or is_self(models.draft):
         return None  # (self-drafting: the target's own layers)
     return registry.resolve(models.draft)
+
+
+def lookup_memory_for(models, lookup_memory: bool | None) -> bool:
+    """Whether this run keeps lookup memory: on by default where it looks up (models.lookup);
+    lookup_memory: --lookup-memory/--no-lookup-memory as given (None: not given), BadInput where
+    nothing looks up, so a flag that would do nothing is not silently dropped."""
+    if lookup_memory is not None and models.lookup is None:
+        raise BadInput(
+            "--lookup-memory/--no-lookup-memory apply only with lookup: --draft lookup, "
+            "lookup:ngram or lookahead, or --lookup"
+        )
+    return models.lookup is not None and lookup_memory is not False
 
 
 def check_draft_stop(models, draft_stop: bool, ranks: bool = False) -> None:

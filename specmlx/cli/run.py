@@ -48,6 +48,7 @@ from .common import (
     check_draft_stop,
     cli_errors,
     draft_spec,
+    lookup_memory_for,
     rank_timeout,
     resolve_models,
 )
@@ -104,7 +105,7 @@ def run(
     target: TargetOpt = None,
     draft: DraftOpt = None,
     lookup: LookupOpt = False,
-    lookup_memory: LookupMemoryOpt = True,
+    lookup_memory: LookupMemoryOpt = None,
     k: KOpt = None,
     max_tokens: MaxTokensOpt = 256,
     temp: TempOpt = 0.0,
@@ -170,10 +171,11 @@ def run(
         raise typer.Exit(_launch_ranks(ctx, text, after, seed, hosts, hostfile, target))
     if server:
         local = target or context or lookup or draft_stop or trees is not None
+        local = local or lookup_memory is not None
         if local or draft not in (None, "none", "lookup"):
             raise BadInput(
                 "with --server the server's models run: drop --target, --context, --lookup, "
-                "--draft-stop, --tree and --draft ALIAS (--draft none or lookup still choose "
+                "--lookup-memory, --draft-stop, --tree and --draft ALIAS (--draft none or lookup still choose "
                 "how it drafts)"
             )
         # the server fills in what was not asked (its drafter, k and rule): those go raw
@@ -218,6 +220,7 @@ def _run_local(
 
     registry = load_registry()
     models = resolve_models(registry, target, draft, lookup, k, tree)
+    keep = lookup_memory_for(models, lookup_memory)
     check_draft_stop(models, request.draft_stop, world.distributed)
     render.k_label = str(models.k)
     console = render.console
@@ -260,7 +263,7 @@ def _run_local(
         ids = encode_prompt(tgt.tokenizer, text, chat=chat, system=system)
     check_context(len(ids), request.max_tokens, limit, tgt.spec.alias)
     memory = None
-    if models.lookup and lookup_memory:
+    if keep:
         directory = LookupMemory.directory_for(tgt.tokenizer)
         memory = LookupMemory(directory, vocab_size=tgt.vocab_size, warn=print_warning)
     # adaptive k resumes from this machine's last run of the pair
