@@ -9,10 +9,14 @@ every output checked against target-only. "busy" runs `python -c "while 1: pass"
 whole run, probe included. Conditions alternate (quiet, busy, quiet, ...) so drift hits both,
 and within each the lookup kinds run one after the other, each from its own fresh store.
 A kind "lookup@N" is the default capped at N drafts a pass (n-gram lookup's cap is 15:
-"lookup@15" compares the two at equal caps).
+"lookup@15" compares the two at equal caps); "none" is target-only (-k 0), the floor.
 
     . scripts/env.sh && .venv/bin/python experiments/busy_trace.py smollm2-135m --runs 3
-      [--kinds lookup,lookup@15,lookup:ngram] [-n 192]
+      [--kinds lookup,lookup@15,lookup:ngram] [-n 192] [--sequences FILE]
+
+--sequences: another trace (a JSONL of edit sequences, as `specmlx bench --set edit-sequence
+--prompts FILE` takes; experiments/sets/rewrite3.jsonl: whole-file rewrites of three stdlib
+modules); default: the built-in agent trace.
 
 Prints per run and kind: tokens per target pass, decode tok/s, the probe's t(16)/t(1) and
 t(32)/t(1); then per condition and kind the median and the spread of tokens per pass
@@ -47,6 +51,7 @@ ap.add_argument("-n", type=int, default=192)
 ap.add_argument("--runs", type=int, default=3, help="runs of each condition")
 ap.add_argument("--kinds", default="lookup,lookup@15,lookup:ngram", help="--draft's forms")
 ap.add_argument("--conditions", default="quiet,busy")
+ap.add_argument("--sequences", default=None, help="a JSONL of edit sequences")
 a = ap.parse_args()
 tgt, _, _ = load_pair(a.target, None)
 pair = Pair.of(tgt, None, None)
@@ -59,14 +64,16 @@ def trace(session: Session, kind: LookupKind, plain: dict) -> tuple[int, int, fl
     against target-only's (``plain``: filled on the first call)."""
     made = passes = 0
     seconds = 0.0
-    for seq in load_sequences():
+    for seq in load_sequences(a.sequences):
         file = seq["file"]
         for step in range(len(seq["edits"])):
             row = edit_step(seq, step, file)
             ids = encode_prompt(tgt.tokenizer, row["prompt"], chat=True)
-            req = Request(
-                ids, greedy, AUTO, a.n, drafter=DrafterChoice(False, kind), tree=TREE_AUTO
-            )
+            if kind is None:  # target-only
+                req = Request(ids, greedy, K(0), a.n, drafter=DrafterChoice(False, None))
+            else:
+                drafter = DrafterChoice(False, kind)
+                req = Request(ids, greedy, AUTO, a.n, drafter=drafter, tree=TREE_AUTO)
             gen = session.start(req)
             out = [e.token for e in gen.tokens()]
             gen.finish()
@@ -82,8 +89,11 @@ def trace(session: Session, kind: LookupKind, plain: dict) -> tuple[int, int, fl
     return made, passes, seconds
 
 
-def kind_of(name: str) -> LookupKind:
-    """The lookup kind, its cap set (lookup@N: the default with at most N drafts a pass)."""
+def kind_of(name: str) -> LookupKind | None:
+    """The lookup kind, its cap set (lookup@N: the default with at most N drafts a pass);
+    None: target-only."""
+    if name == "none":
+        return None
     name, _, cap = name.partition("@")
     lookup_rows.SUFFIX_MAX = int(cap) if cap else CAP
     return LookupKind.of(name)
@@ -116,14 +126,19 @@ for r in range(a.runs):
             if busy is not None:
                 busy.kill()
                 busy.wait()
+refs = [kinds[-1]] + (["none"] if "none" in kinds[:-1] else [])
 for (cond, name), rows in results.items():
     tpp = [x[0] for x in rows]
     med = statistics.median(tpp)
-    vs = [x[1] / y[1] for x, y in zip(rows, results[cond, kinds[-1]], strict=True)]
     spread = (max(tpp) - min(tpp)) / med
-    print(f"{cond:5s} {name:14s}: tok/pass median {med:.2f} (spread {spread:.0%}), tok/s "
-          f"median {statistics.median(x[1] for x in rows):.1f}, tok/s vs {kinds[-1]} each run "
-          f"{', '.join(f'{v:.2f}x' for v in vs)}")  # fmt: skip
+    against = []
+    for ref in refs:
+        vs = [x[1] / y[1] for x, y in zip(rows, results[cond, ref], strict=True)]
+        against.append(f"vs {ref} each run {', '.join(f'{v:.2f}x' for v in vs)}")
+    print(
+        f"{cond:5s} {name:14s}: tok/pass median {med:.2f} (spread {spread:.0%}), tok/s "
+        f"median {statistics.median(x[1] for x in rows):.1f}, tok/s {'; '.join(against)}"
+    )
 for name in kinds:
     tpp = [x[0] for (c, n), rows in results.items() if n == name for x in rows]
     spread = (max(tpp) - min(tpp)) / statistics.median(tpp)
