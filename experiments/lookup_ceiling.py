@@ -10,19 +10,31 @@ context's tail) keeps at most, from position i, the longest L <= cap such that t
 confirmed token and the next L target tokens occur, in that order, in text it has seen: the
 prompt and the output so far, and, with memory, every earlier output of the trace. The round
 keeps L + 1 tokens. That bound (every occurrence of a one-token tail at once: a tree as wide as
-it needs) is an upper bound on tokens per pass for any lookup, whatever it scores or sizes.
+it needs) is an upper bound on tokens per pass for any lookup anchored by its last token,
+whatever it scores or sizes. "anywhere" drops the anchor: the longest run of the next target
+tokens found anywhere in seen text, which bounds a copier that aligns by position too (one
+that, after the target wrote a token the source never had, continues the source from the
+aligned place): every copier's ceiling.
 
 Beside it, in the same replay:
 - "ngram": the lookup of git 2ff7373 as it drafts a chain (the latest earlier occurrence of the
   longest tail of 4 tokens down to 1, in the context, else in memory; up to `cap` tokens);
 - "best of 16": the best continuation among only the 16 most recent occurrences of the longest
   tail that occurs (4 down to 1), in the context and in memory each: what suffix lookup's
-  tries read, as one chain, picked by hindsight.
+  tries read, as one chain, picked by hindsight;
+- "suffix chain", "suffix tree": specmlx's suffix lookup itself (drafting/lookup), drafting
+  to the cap every round (no chooser shortening it): its likeliest path, and its whole tree of
+  up to TREE_MAX nodes (the longest path the target's tokens take through it is kept).
+  What separates these from the default's real runs is the chooser's k and tree size.
 
   . scripts/env.sh; .venv/bin/python experiments/lookup_ceiling.py smollm2-135m [-n 192] [--cap 31]
+      [--sequences experiments/sets/rewrite3.jsonl] [--outputs bench-out/rewrite3-192.json]
+
+--outputs keeps the target's outputs (generated when the file is missing, read when present).
 """
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -34,15 +46,20 @@ from specmlx.bench.data import code_of, edit_step, load_sequences  # noqa: E402
 from specmlx.decoding.decode import Decode  # noqa: E402
 from specmlx.decoding.engine import generate_tokens  # noqa: E402
 from specmlx.decoding.stream import encode_prompt  # noqa: E402
+from specmlx.drafting.choosing.adaptive import TREE_MAX  # noqa: E402
 from specmlx.drafting.choosing.choosers import K  # noqa: E402
+from specmlx.drafting.lookup.memory import Lookup, LookupMemory  # noqa: E402
 from specmlx.models.loading import load_pair  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("target")
 ap.add_argument("-n", type=int, default=192)
 ap.add_argument("--cap", type=int, default=31, help="the most tokens one round drafts")
+ap.add_argument("--sequences", default=None, help="a JSONL of edit sequences (default: built-in)")
+ap.add_argument("--outputs", default=None, help="a JSON file keeping the target's outputs")
 a = ap.parse_args()
 tgt, _, _ = load_pair(a.target, None)
+WHAT = ("oracle", "anywhere", "ngram", "best of 16", "suffix chain", "suffix tree")
 
 
 def run_len(text: np.ndarray, starts: np.ndarray, want: list[int], cap: int) -> np.ndarray:
@@ -86,7 +103,10 @@ def replay(ids, out, memory, cap):
     earlier outputs, oldest first, each after a separator no token equals (so no copied run
     crosses from one output into the next, and the most recent occurrences come last)."""
     res = {}
-    for what in ("oracle", "ngram", "best of 16"):
+    for what in WHAT:
+        if what.startswith("suffix"):
+            res[what] = replay_suffix(ids, out, memory, cap, tree=what == "suffix tree")
+            continue
         i = rounds = 0
         while i < len(out):
             seq = ids + out[:i]
@@ -94,10 +114,11 @@ def replay(ids, out, memory, cap):
             texts = [ctx, memory]
             ends = [len(seq) - 1, len(memory)]  # in the context, occurrences strictly earlier
             want = out[i:]
-            if what == "oracle":
+            if what in ("oracle", "anywhere"):
                 L = 0
                 for t, e in zip(texts, ends, strict=True):
-                    st = occurrences(t, e, seq[-1:])
+                    # anywhere: every place whose next token is the first wanted one
+                    st = np.arange(-1, e) if what == "anywhere" else occurrences(t, e, seq[-1:])
                     if len(st):
                         lens = run_len(t, st, want, cap)
                         if t is ctx:  # the copied tokens must be confirmed text
@@ -122,24 +143,69 @@ def replay(ids, out, memory, cap):
     return res
 
 
-totals = {m: {w: [0, 0] for w in ("oracle", "ngram", "best of 16")} for m in ("memory", "none")}
+def replay_suffix(ids, out, memory, cap, tree):
+    """(tokens, rounds) of suffix lookup (lookup.Lookup.speculate) drafting up to ``cap``
+    tokens a round over the known output: its likeliest path, or (tree) the longest path of
+    its tree of up to TREE_MAX nodes that the output follows."""
+    store = LookupMemory(None)
+    docs = [d for d in np.split(memory, np.nonzero(memory == SEP)[0]) if len(d)]
+    for d in docs:
+        store.add([int(x) for x in d if x != SEP])
+    look = Lookup(list(ids), store)
+    i = rounds = 0
+    while i < len(out):
+        spec = look.speculate(min(cap, len(out) - i), TREE_MAX if tree else cap)
+        L = 0
+        if tree:
+            child = {
+                (p, t): j + 1
+                for j, (p, t) in enumerate(zip(spec.parents, spec.tokens, strict=True))
+            }
+            at = 0  # follow the output down the tree: the child with its next token
+            while i + L < len(out) and (at, out[i + L]) in child:
+                at, L = child[(at, out[i + L])], L + 1
+        else:
+            for j in spec.chain()[:cap]:
+                if i + L >= len(out) or spec.tokens[j - 1] != out[i + L]:
+                    break
+                L += 1
+        look.extend(out[i : i + L + 1])
+        i += L + 1
+        rounds += 1
+    return len(out), rounds
+
+
+def outputs() -> list[tuple[str, list[int], list[int]]]:
+    """(id, prompt ids, target output) for every step of the trace, in order."""
+    kept = Path(a.outputs) if a.outputs else None
+    if kept is not None and kept.exists():
+        return [tuple(r) for r in json.loads(kept.read_text())]
+    steps = []
+    for seq in load_sequences(a.sequences):
+        file = seq["file"]
+        for step in range(len(seq["edits"])):
+            row = edit_step(seq, step, file)
+            ids = encode_prompt(tgt.tokenizer, row["prompt"], chat=True)
+            decode = Decode(k=K(0), max_tokens=a.n)
+            out = [e.token for e in generate_tokens(tgt.model, None, ids, decode)]
+            steps.append((row["id"], ids, out))
+            file = code_of(tgt.tokenizer.decode(out))
+    if kept is not None:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps(steps))
+    return steps
+
+
+totals = {m: {w: [0, 0] for w in WHAT} for m in ("memory", "none")}
 SEP = -1
 past: list[int] = []  # every earlier output of the trace, each after SEP
-for seq in load_sequences():
-    file = seq["file"]
-    for step in range(len(seq["edits"])):
-        row = edit_step(seq, step, file)
-        ids = encode_prompt(tgt.tokenizer, row["prompt"], chat=True)
-        out = [
-            e.token for e in generate_tokens(tgt.model, None, ids, Decode(k=K(0), max_tokens=a.n))
-        ]
-        for m, mem in (("memory", past), ("none", [])):
-            for w, (toks, rounds) in replay(ids, out, np.array(mem, dtype=np.int64), a.cap).items():
-                totals[m][w][0] += toks
-                totals[m][w][1] += rounds
-        past += [SEP, *out]
-        file = code_of(tgt.tokenizer.decode(out))
-        print(row["id"], len(ids), "prompt tokens,", len(out), "out", flush=True)
+for name, ids, out in outputs():
+    for m, mem in (("memory", past), ("none", [])):
+        for w, (toks, rounds) in replay(ids, out, np.array(mem, dtype=np.int64), a.cap).items():
+            totals[m][w][0] += toks
+            totals[m][w][1] += rounds
+    past += [SEP, *out]
+    print(name, len(ids), "prompt tokens,", len(out), "out", flush=True)
 
 for m, by in totals.items():
     line = ", ".join(f"{w} {t / r:.2f}" for w, (t, r) in by.items())
