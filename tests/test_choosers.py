@@ -128,7 +128,7 @@ def test_float_and_quantized_models_do_not_share_state(specmlx_home):
         assert reg.resolve(a).identity != reg.resolve(b).identity, (a, b)
     model, ids, probes = make_tiny(0), [1, 2, 3], []
     store = ChooserStore()
-    store.probe = lambda m, ident, i, k_max=8: probes.append(ident) or [1.0] * 9
+    store.probe = lambda m, ident, i, k_max=8, **kw: probes.append(ident) or [1.0] * 9
     for a, b in pairs:
         for name in (a, b):
             store.get(model, reg.resolve(name).identity, "none", GREEDY, ids)
@@ -248,3 +248,65 @@ def test_a_curve_is_the_low_end_of_three_probes_one_a_process(monkeypatch, specm
     fifth.save(again)
     assert ChooserStore().get(model, "t", "none|lookup=True", greedy, [1, 2]) and len(runs) == 4
     assert runs == [(3, {"warm": True})] + [(1, {"warm": False})] * 3
+
+
+def test_rounds_faster_than_the_probe_lower_the_curve_for_the_next_process(
+    monkeypatch, specmlx_home
+):
+    """A probe beside a busy process holds the curve up where it was slowed; a round's pass
+    (lookup, plain, drafting timed apart) is never faster than the pass itself, so the
+    fastest rounds lower the probe's times size by size when the chooser is saved: the next
+    process reads the lowered curve without probing again. This process's curve stays."""
+    busy = {1: 1.0, 2: 1.3, 16: 3.0, 32: 4.5}  # wide passes slowed most
+    runs = []
+    monkeypatch.setattr(choosers, "probe_times", lambda *a, **kw: runs.append(1) or dict(busy))
+    monkeypatch.setattr(choosers, "PROBES", 1)  # (no later probe: the rounds alone lower it)
+    model, greedy = make_tiny(0), SamplingParams(0.0)
+    store = ChooserStore()
+    chooser = store.get(model, "t", "none|lookup=True", greedy, [1, 2])
+    assert chooser.cost.pass_ratio[15] == pytest.approx(3.0)
+    chooser.update(15, 15, 1.8, lookup=8)  # a lookup round over 16 tokens in 1.8 s
+    chooser.update(15, 15, 2.5, lookup=8)  # (slower: the fastest counts)
+    chooser.update(0, 0, 1.2)  # a plain step slower than the probe's: nothing to lower
+    chooser.update(3, 1, 2.0, draft_s=None)  # drafting not timed apart: no evidence
+    store.save(chooser)
+    assert chooser.cost.pass_ratio[15] == pytest.approx(3.0)  # (this process keeps its own)
+    record = json.loads(next((specmlx_home / "probes").iterdir()).read_text())
+    assert record["times"] == {"1": 1.0, "2": 1.3, "16": 1.8, "32": 4.5}
+    assert record["probes"] == 1
+    again = ChooserStore().get(model, "t", "none|lookup=True", greedy, [1, 2])
+    assert again.cost.pass_ratio[15] == pytest.approx(1.8) and again.cost.fix == {}
+    assert len(runs) == 1
+    # a store given its curve (the ranks') lowers nothing
+    given = ChooserStore(pass_ratio=[1.0] * 32)
+    c = given.get(model, "u", "none|lookup=True", greedy, [1, 2])
+    c.update(15, 15, 0.1, lookup=8)
+    given.save(c)
+    assert len(list((specmlx_home / "probes").iterdir())) == 1
+
+
+def test_a_short_run_pays_for_no_later_probe(monkeypatch, specmlx_home):
+    """A later probe costs ~24 one-token passes: on a 40-token run of a slow pair, over half
+    the run. A run asking fewer than LATER_PROBE_TOKENS runs none (a first probe always
+    runs; a contradiction waits, its fixes kept, for a long run)."""
+    runs = []
+    monkeypatch.setattr(
+        choosers, "probe_times", lambda *a, **kw: runs.append(1) or {1: 1.0, 2: 1.2, 32: 2.0}
+    )
+    model, greedy = make_tiny(0), SamplingParams(0.0)
+    short, long = 40, choosers.LATER_PROBE_TOKENS
+    first = ChooserStore()
+    chooser = first.get(model, "t", "none|lookup=True", greedy, [1, 2], tokens=short)
+    assert first.origin(chooser) == "new: probed now" and len(runs) == 1
+    chooser.cost.fix = {4: choosers.CONTRADICTED * 1.2}
+    first.save(chooser)
+    second = ChooserStore()
+    resumed = second.get(model, "t", "none|lookup=True", greedy, [1, 2], tokens=short)
+    assert second.origin(resumed) == "saved" and len(runs) == 1
+    assert resumed.cost.fix == {4: choosers.CONTRADICTED * 1.2}  # (kept for a long run)
+    other = second.get(model, "t", "none|lookup=False", greedy, [1, 2], tokens=short)
+    assert second.origin(other) == "new: a saved probe" and len(runs) == 1
+    third = ChooserStore()
+    resumed = third.get(model, "t", "none|lookup=True", greedy, [1, 2], tokens=long)
+    assert third.origin(resumed) == "saved, probed again (its rounds contradicted the curve)"
+    assert len(runs) == 2 and resumed.cost.fix == {}

@@ -203,7 +203,7 @@ class Session:
         drafter = f"{pair.draft_id if draft is not None else 'none'}|lookup={look}"
         return store.get(
             pair.target, pair.target_id, drafter, req.sampling, list(req.prompt_ids),
-            verify=req.verify,
+            verify=req.verify, tokens=req.max_tokens,
         )  # fmt: skip
 
     def finish(self, chooser: AdaptiveK, stats: Stats, origin: str) -> None:

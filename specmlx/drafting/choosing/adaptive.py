@@ -456,12 +456,15 @@ class AdaptiveK(KChooser):
         if k > 0 and lookup:
             self.accept.count_lookup(lookup, k, n)
             self.cost.time(nodes or k, round_s)  # nothing to draft: the round is the pass
+            self.cost.passed(nodes or k, round_s)
             return
         if k == 0 and nodes:  # a pass of drafts that were no chain (lookahead's window)
             self.cost.time(nodes, round_s)
+            self.cost.passed(nodes, round_s)
             return
         if k == 0:
             self.cost.time_plain(round_s)
+            self.cost.passed(0, round_s)
         else:
             self.accept.count(k, n)
             if n > 0:
@@ -471,6 +474,8 @@ class AdaptiveK(KChooser):
                 draft_s = self.cost.draft_share(nodes or k, made, round_s)
             if draft_s is not None:
                 self.cost.time_draft(draft_s / made, timed)
+            if timed:  # (a split-off draft share is an estimate: the rest may be less)
+                self.cost.passed(nodes or k, max(round_s - draft_s, 1e-9))
         self.cost.time(nodes or k, max(round_s - (draft_s or 0.0), 1e-9))
 
     def pass_curve(self) -> list[float]:

@@ -37,6 +37,10 @@ PROBES = 3
 # a saved chooser whose rounds found the curve off by more than this at some width has its
 # target probed again (a short probe, its low end kept) by the next process that resumes it
 CONTRADICTED = 1.5
+# a later probe (~24 one-token passes) waits for a run that asks for at least this many
+# tokens: on a short run it would cost more than it could gain (40 tokens of a slow pair:
+# over half the run). The rounds of every run lower the curve for free (ChooserStore.save).
+LATER_PROBE_TOKENS = 512
 # the most drafts a round may verify: no drafter is right that far ahead, and each draft
 # asked for costs a draft step and a row of the target's pass (a batch pads every row to it)
 K_MAX = 32
@@ -169,6 +173,7 @@ class ChooserStore:
         self._live: dict[str, AdaptiveK] = {}
         self._paths: dict[int, Path] = {}
         self._probes: dict[str, dict] = {}  # by probe key: the probe records this store knows
+        self._targets: dict[int, str] = {}  # by chooser: its target's identity
         self._probed: set[str] = set()  # probe keys this store ran a probe for
         # by chooser: where its state came from ("this process", "saved", "saved, probed
         # again (...)", "new: probed now", "new: a saved probe", "new: the ranks' probe"),
@@ -196,6 +201,7 @@ class ChooserStore:
         prompt_ids: Sequence[int],
         *,
         verify: str = DEFAULT_VERIFY,
+        tokens: int | None = None,
     ) -> AdaptiveK:
         """The chooser for this pair and sampler: live, else as the last run left it on disk,
         else fresh and seeded with the target's pass-cost curve (probed over ``prompt_ids``).
@@ -203,8 +209,11 @@ class ChooserStore:
         target: the target model (probed only when no curve is known); target_id and
         drafter_id: full model identities (registry.ModelSpec.identity; "lookup" or "none"
         for drafters without a model); sampling: the sampler, since acceptance depends on it;
-        prompt_ids: what a probe runs over; verify: the acceptance rule ("token", "block").
+        prompt_ids: what a probe runs over; verify: the acceptance rule ("token", "block");
+        tokens: the most the run will generate (below LATER_PROBE_TOKENS no later probe runs;
+        None: unknown, as long).
         """
+        long = tokens is None or tokens >= LATER_PROBE_TOKENS
         key = self.key(target_id, drafter_id, sampling, verify)
         if key in self._live:
             self._origins[id(self._live[key])] = "this process"
@@ -222,13 +231,14 @@ class ChooserStore:
             # fewer than PROBES have run, or whenever its rounds found the curve off by over
             # CONTRADICTED at some width (every probe so far beside a busy process); a curve
             # not the one it was saved with drops its corrections (they were against the old)
+            # (a short run probes nothing: a contradiction waits, its fixes kept, for a long one)
             off = contradicted(chooser.cost)
-            again = self.probes_wanted(target_id) or off
+            again = (self.probes_wanted(target_id) or off) and long
             if again:
                 ratio = self.probe(target, target_id, list(prompt_ids), again=off)
             else:
                 ratio = self.cached_probe(target_id)
-            if ratio is not None and (off or ratio != chooser.cost.pass_ratio):
+            if ratio is not None and ((off and again) or ratio != chooser.cost.pass_ratio):
                 # (contradicted: the fixes go even where the probe confirmed the curve, so a
                 # lasting contradiction costs one short probe each time it is learned again)
                 chooser.cost.pass_ratio, chooser.cost.fix = ratio, {}
@@ -237,15 +247,17 @@ class ChooserStore:
                 why = "its rounds contradicted the curve" if off else f"{n} of {PROBES}"
                 origin = f"saved, probed again ({why})"
         if chooser is None:
+            known = self._probe_record(target_id, SUFFIX_MAX) is not None
             probed = self.pass_ratio is None and self.probes_wanted(target_id)
+            probed = probed and (long or not known)  # (a first probe always runs)
             origin = "new: " + (
                 "the ranks' probe" if self.pass_ratio is not None
                 else "probed now" if probed else "a saved probe"
             )  # fmt: skip
-            chooser = AdaptiveK(
-                cost=CostCurve(pass_ratio=self.curve(target, target_id, prompt_ids))
-            )
+            ratio = self.pass_ratio or self.probe(target, target_id, list(prompt_ids), long=long)
+            chooser = AdaptiveK(cost=CostCurve(pass_ratio=ratio))
         self._live[key] = chooser
+        self._targets[id(chooser)] = target_id
         self._paths[id(chooser)] = path
         self._origins[id(chooser)] = origin
         return chooser
@@ -256,10 +268,37 @@ class ChooserStore:
         return self._origins.get(id(chooser), "this process")
 
     def save(self, chooser: AdaptiveK) -> None:
-        """Keep what ``chooser`` learned for the next run (best effort)."""
+        """Keep what ``chooser`` learned for the next run (best effort), and lower its
+        target's probed curve where its rounds ran a pass faster than the probes did."""
         path = self._paths.get(id(chooser))
         if self.persist and path is not None:
             self._save(path, {"state": chooser.state()})
+        self._lower(chooser)
+
+    def _lower(self, chooser: AdaptiveK) -> None:
+        """Lower the probe record of ``chooser``'s target to its fastest rounds, size by size
+        (a round over n tokens is at least a pass over n tokens, at a longer context than the
+        probe's: faster only where a probe was slowed), so that the next process reads a
+        curve no busy probe holds up, without probing again. The choices of this process
+        keep their curve (a chooser's corrections are against it)."""
+        target_id = self._targets.get(id(chooser))
+        fastest = chooser.cost.fastest
+        if target_id is None or self.pass_ratio is not None or not fastest:
+            return
+        record = self._probe_record(target_id, SUFFIX_MAX)
+        if record is None:
+            return
+        times = dict(record["times"])
+        for k, t in fastest.items():
+            if k + 1 in times and t < times[k + 1]:
+                times[k + 1] = t
+        if times == record["times"]:
+            return
+        record = {**record, "times": times, "ratio": curve_from(times, SUFFIX_MAX)}
+        key = _probe_key(target_id, SUFFIX_MAX)
+        self._probes[key] = record
+        if self.persist:
+            self._save(_state_path("probes", key), record)
 
     def curve(self, target: nn.Module, target_id: str, prompt_ids: Sequence[int]) -> list[float]:
         """The pass-cost curve fresh choosers start from: the store's ``pass_ratio``, else the
@@ -287,6 +326,7 @@ class ChooserStore:
         k_max: int = SUFFIX_MAX,
         *,
         again: bool = False,
+        long: bool = True,
     ):
         """The target's pass-cost curve, cached by identity: per token count the fastest of
         the probes run so far, one by each of the first PROBES processes that ask (this one
@@ -296,11 +336,12 @@ class ChooserStore:
 
         target: the model to time; target_id: its full identity (the key); ids: a prompt to
         prefill before timing; k_max: the last k of the curve; again: probe once more in
-        this process whatever has run (a chooser's rounds contradict the curve)."""
+        this process whatever has run (a chooser's rounds contradict the curve); long: the
+        run is long enough to pay for a later probe (False: only a first one runs)."""
         key = _probe_key(target_id, k_max)
         record = self._probe_record(target_id, k_max)
         done = record is not None and (record["probes"] >= PROBES or key in self._probed)
-        if done and not (again and key not in self._probed):
+        if record is not None and (not long or (done and not (again and key not in self._probed))):
             return record["ratio"]
         # the first probe times each size 3 times after a warm-up round; a later one once,
         # cold (it only ever lowers the kept times: a cold, slow timing is just not kept)

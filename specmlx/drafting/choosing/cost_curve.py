@@ -41,6 +41,10 @@ class CostCurve:
     t_plain: float | None = None
     fix: dict[int, float] | None = None
     draft_timed: int = 0
+    # per k, the fastest target pass over k + 1 tokens a round has shown (rounds whose whole
+    # time is the pass: lookup, plain, drafting timed apart): what lowers the probe's curve on
+    # disk (ChooserStore.save), never saved with the chooser
+    fastest: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
     # (the last curve built and what it was built from: never saved)
     _memo: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -126,6 +130,11 @@ class CostCurve:
             seen = target_s / (self.level * self.ratio(k))
             old = self.fix.get(k, 1.0)
             self.fix[k] = self.shape_decay * old + (1 - self.shape_decay) * seen
+
+    def passed(self, k: int, target_s: float) -> None:
+        """A round whose target pass over k + 1 tokens took at most ``target_s`` seconds
+        (its time holds nothing else that could be mistaken for the pass: only ever more)."""
+        self.fastest[k] = min(target_s, self.fastest.get(k, target_s))
 
     def ratio(self, k: int) -> float:
         """The probe's t_verify(k) / t_verify(0)."""
