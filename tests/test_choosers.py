@@ -267,7 +267,7 @@ def test_rounds_faster_than_the_probe_lower_the_curve_for_the_next_process(
     assert chooser.cost.pass_ratio[15] == pytest.approx(3.0)
     chooser.update(15, 15, 1.8, lookup=8)  # a lookup round over 16 tokens in 1.8 s
     chooser.update(15, 15, 2.5, lookup=8)  # (slower: the fastest counts)
-    chooser.update(0, 0, 1.2)  # a plain step slower than the probe's: nothing to lower
+    chooser.update(0, 0, 0.5)  # a plain step: its pass may have begun in the round before
     chooser.update(3, 1, 2.0, draft_s=None)  # drafting not timed apart: no evidence
     store.save(chooser)
     assert chooser.cost.pass_ratio[15] == pytest.approx(3.0)  # (this process keeps its own)

@@ -462,9 +462,8 @@ class AdaptiveK(KChooser):
             self.cost.time(nodes, round_s)
             self.cost.passed(nodes, round_s)
             return
-        if k == 0:
+        if k == 0:  # (no pass evidence: a plain pass may start in the round before it)
             self.cost.time_plain(round_s)
-            self.cost.passed(0, round_s)
         else:
             self.accept.count(k, n)
             if n > 0:

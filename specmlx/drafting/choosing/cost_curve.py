@@ -41,9 +41,9 @@ class CostCurve:
     t_plain: float | None = None
     fix: dict[int, float] | None = None
     draft_timed: int = 0
-    # per k, the fastest target pass over k + 1 tokens a round has shown (rounds whose whole
-    # time is the pass: lookup, plain, drafting timed apart): what lowers the probe's curve on
-    # disk (ChooserStore.save), never saved with the chooser
+    # per k, the fastest target pass over k + 1 tokens a round has shown (rounds that hold
+    # the whole pass: lookup, drafting timed apart; not plain rounds, whose pass may start in
+    # the round before, round.py): what lowers the probe's curve on disk (ChooserStore.save)
     fastest: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
     # (the last curve built and what it was built from: never saved)
     _memo: tuple | None = field(default=None, init=False, repr=False, compare=False)
