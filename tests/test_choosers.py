@@ -302,7 +302,8 @@ def test_a_short_run_pays_for_no_later_probe(monkeypatch, specmlx_home):
     first.save(chooser)
     second = ChooserStore()
     resumed = second.get(model, "t", "none|lookup=True", greedy, [1, 2], tokens=short)
-    assert second.origin(resumed) == "saved" and len(runs) == 1
+    assert second.origin(resumed) == "saved (a probe waits for a run of 512+ tokens)"
+    assert len(runs) == 1
     assert resumed.cost.fix == {4: choosers.CONTRADICTED * 1.2}  # (kept for a long run)
     other = second.get(model, "t", "none|lookup=False", greedy, [1, 2], tokens=short)
     assert second.origin(other) == "new: a saved probe" and len(runs) == 1

@@ -176,7 +176,8 @@ class ChooserStore:
         self._targets: dict[int, str] = {}  # by chooser: its target's identity
         self._probed: set[str] = set()  # probe keys this store ran a probe for
         # by chooser: where its state came from ("this process", "saved", "saved, probed
-        # again (...)", "new: probed now", "new: a saved probe", "new: the ranks' probe"),
+        # again (...)", "saved (a probe waits ...)", "new: probed now", "new: a saved probe",
+        # "new: the ranks' probe"),
         # what --json says it decided from
         self._origins: dict[int, str] = {}
         self._warned = False
@@ -233,7 +234,8 @@ class ChooserStore:
             # not the one it was saved with drops its corrections (they were against the old)
             # (a short run probes nothing: a contradiction waits, its fixes kept, for a long one)
             off = contradicted(chooser.cost)
-            again = (self.probes_wanted(target_id) or off) and long
+            wanted = self.probes_wanted(target_id) or off
+            again = wanted and long
             if again:
                 ratio = self.probe(target, target_id, list(prompt_ids), again=off)
             else:
@@ -246,6 +248,8 @@ class ChooserStore:
                 n = self._probe_record(target_id, SUFFIX_MAX)["probes"]
                 why = "its rounds contradicted the curve" if off else f"{n} of {PROBES}"
                 origin = f"saved, probed again ({why})"
+            elif wanted:
+                origin = f"saved (a probe waits for a run of {LATER_PROBE_TOKENS}+ tokens)"
         if chooser is None:
             known = self._probe_record(target_id, SUFFIX_MAX) is not None
             probed = self.pass_ratio is None and self.probes_wanted(target_id)
