@@ -8,7 +8,7 @@ and each condition (quiet, or beside `python -c "while 1: pass"` on another core
         [--rev 8a9506e] [--conditions quiet,busy]
 
 Per checkout and condition it prints, for target-only (-k 0, no draft) and for the default
-(-k auto, trees auto): the seconds of each process from start to exit (loading included), the
+(-k auto, --tree as given: auto by default): the seconds of each process from start to exit (loading included), the
 decode tok/s pooled over the prompts (each process's tokens over its decode seconds: what the
 probe costs is not in it), and auto's ratio to target-only on both, with the warm-up run and
 without it. Every auto output is checked against target-only's (greedy).
@@ -33,6 +33,7 @@ ap.add_argument("--limit", type=int, default=4)
 ap.add_argument("-n", type=int, default=40)
 ap.add_argument("--rev", default=None, help="an earlier revision to run beside this checkout")
 ap.add_argument("--conditions", default="quiet")
+ap.add_argument("--tree", default="auto", help="auto's --tree (off, auto, N)")
 a = ap.parse_args()
 rows = [json.loads(line) for line in open(a.prompts) if line.strip()]
 prompts = [r["prompt"] for r in rows[: a.limit + 1]]  # the first is the warm-up's
@@ -41,7 +42,11 @@ target, draft = a.pair
 
 def one(tree: Path, home: str, prompt: str, auto: bool) -> tuple[float, dict]:
     """(seconds from start to exit, the run's --json) of one `specmlx run` process."""
-    args = ["--draft", draft, "-k", "auto"] if auto else ["--draft", "none", "-k", "0"]
+    args = (
+        ["--draft", draft, "-k", "auto", "--tree", a.tree]
+        if auto
+        else ["--draft", "none", "-k", "0"]
+    )
     env = {**os.environ, "SPECMLX_HOME": home, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-m", "specmlx", "run", "--target", target, *args, "-n", str(a.n),
            "--json", prompt]  # fmt: skip
