@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from specmlx.cli import app
 from specmlx.core.kvstate import KVState
 from specmlx.core.sampling import SamplingParams
-from specmlx.core.stats import Stats
+from specmlx.core.stats import RoundReport, Stats
 from specmlx.decoding.batch import Batch
 from specmlx.decoding.decode import Decode
 from specmlx.decoding.session import Pair, Request, Session
@@ -387,3 +387,32 @@ def test_a_fixed_k_sizes_auto_trees_by_the_targets_probe(pair):
         assert isinstance(gen.parts.chooser, FixedK)
         assert gen.parts.chooser.cost.pass_ratio == curve
         assert len(list(gen.tokens())) == 4
+
+
+def test_a_generation_starts_from_the_side_leaves_earlier_ones_kept():
+    """A side leaf's rate by rank is learned per generation from a prior (1 in 5): a weak
+    draft's short runs each learned anew that its leaves miss, filling a cheap wide pass
+    with them run after run. An adaptive chooser keeps what tree rounds kept by rank (decayed,
+    saved with it), and a generation's rates start from that."""
+    fresh = AdaptiveK()
+    learned = AdaptiveK()
+    miss = RoundReport(k=6, accepted=0, seconds=1.0, chain=2, sides=(4, 0), side=-1)
+    for _ in range(10):  # the chain rejected at depth 1, none of its 4 leaves the target's
+        learned.accept.count_tree(miss)
+    assert [round(t, 3) for _, t in learned.accept.ranks] == [round(sum(
+        0.95**i for i in range(10)), 3)] * 4  # fmt: skip
+    assert all(k == 0 for k, _ in learned.accept.ranks)
+    hit = RoundReport(k=6, accepted=1, seconds=1.0, chain=2, sides=(4, 0), side=1)
+    learned.accept.count_tree(hit)  # ranks 0 and 1 tried, rank 1 kept
+    assert (
+        learned.accept.ranks[1][0] == 1.0
+        and learned.accept.ranks[2][1] < learned.accept.ranks[1][1]
+    )
+    stats = Stats()  # a generation's start
+    weak = SideSizer(TreeSize(8), learned)._ranked(2, stats)[0]
+    prior = SideSizer(TreeSize(8), fresh)._ranked(2, stats)[0]
+    worth = lambda nodes, s: next(v for v, d, r, _ in nodes if (d, r) == (0, s))  # noqa: E731
+    assert worth(weak, 0) == 0 and worth(prior, 0) > 0  # rank 0 never kept: worth nothing now
+    assert 0 < worth(weak, 1)  # (rank 1 was kept once)
+    # a FixedK keeps nothing: the prior
+    assert SideSizer(TreeSize(8), FixedK(2))._ranked(2, stats)[0] == prior

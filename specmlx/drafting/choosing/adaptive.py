@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from ...core.stats import KChooser, RoundReport
+from ...core.stats import KChooser, RoundReport, count_ranks
 from .cost_curve import CostCurve
 
 CONF_BINS = 10  # per-token stopping: acceptance is learned per tenth of draft confidence
@@ -105,7 +105,8 @@ class Acceptance:
     positions after it, each tried when all before it passed (a_later, shrunk towards a while
     it has few trials); conf, per-token stopping, per confidence bin (a draft tried once all
     before it were accepted); lookup, prompt lookup by match length, [accepted, tried] at the
-    first position and then after it.
+    first position and then after it; ranks, a token tree's side leaves by rank, [kept,
+    tried] where the chain was rejected (what tree_size.SideSizer's rates start from).
     """
 
     decay: float = 0.95
@@ -115,6 +116,7 @@ class Acceptance:
     later: list[float] | None = None
     conf: list[list[float]] | None = None
     lookup: dict[int, list[float]] | None = None
+    ranks: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         if self.first is None:
@@ -123,6 +125,7 @@ class Acceptance:
             self.later = [0.0, 0.0]
         self.lookup = {int(n): list(v) for n, v in (self.lookup or {}).items()}  # JSON: str keys
         self.conf = [[float(w), float(t)] for w, t in self.conf or []]
+        self.ranks = [[float(w), float(t)] for w, t in self.ranks or []]
         if len(self.conf) != CONF_BINS:  # none yet, or saved with other bins: start afresh
             self.conf = [[0.0, 0.0] for _ in range(CONF_BINS)]
 
@@ -190,6 +193,27 @@ class Acceptance:
             counts[0] = self.decay * counts[0] + (i < n)
             counts[1] = self.decay * counts[1] + 1
 
+    def count_tree(self, report: RoundReport) -> None:
+        """Fold in a tree round's side leaves (stats.count_ranks: the ranks tried where the
+        chain was rejected, and the one kept), decayed as the rest."""
+        tried: list[int] = []
+        kept: list[int] = []
+        count_ranks(tried, kept, report)
+        for s, (t, h) in enumerate(zip(tried, kept, strict=True)):
+            if s == len(self.ranks):
+                self.ranks.append([0.0, 0.0])
+            counts = self.ranks[s]
+            counts[0] = self.decay * counts[0] + h
+            counts[1] = self.decay * counts[1] + t
+
+    def rank_prior(self, s: int, weight: float) -> tuple[float, float] | None:
+        """(kept, tried) worth ``weight`` trials for side leaves of rank s, as earlier tree
+        rounds kept them (None: that rank was never tried)."""
+        if s >= len(self.ranks) or self.ranks[s][1] <= 0:
+            return None
+        kept, tried = self.ranks[s]
+        return kept / tried * weight, weight
+
     def _fold(self, first: list[float], later: list[float], k: int, n: int) -> None:
         """Decayed acceptance counts: position 1 was tried once; positions 2..min(n + 1, k)
         were tried when the one before passed."""
@@ -217,7 +241,7 @@ LEARNED = (
     ("_later", "accept", "later"), ("_fix", "cost", "fix"), ("_conf", "accept", "conf"),
     ("_lookup", "accept", "lookup"), ("_drafting_rounds", "own", "_drafting_rounds"),
     ("_draft_timed", "cost", "draft_timed"), ("_zeros", "own", "_zeros"),
-    ("_wait", "own", "_wait"),
+    ("_wait", "own", "_wait"), ("_ranks", "accept", "ranks"),
 )  # fmt: skip
 
 
@@ -272,6 +296,7 @@ class AdaptiveK(KChooser):
             else:  # a tree: k sizes its chain; the pass verified all its nodes
                 self.update(last.chain, last.chain_kept, last.seconds, last.draft_seconds,
                             lookup=last.lookup, nodes=last.k)  # fmt: skip
+                self.accept.count_tree(last)
             self.accept.observe(last.confidences[: last.k], last.accepted)
         if self.cost.level is None:
             # measure something first: draft, unless even drafts that cost nothing lose to a

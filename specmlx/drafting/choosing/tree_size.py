@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from ...core.stats import KChooser, Stats
 from ...errors import BadInput
-from .adaptive import TREE_MAX
+from .adaptive import TREE_MAX, AdaptiveK
 from .choosers import count_of
 from .cost_curve import CostCurve
 
@@ -208,7 +208,13 @@ class SideSizer:
         rank, m: the m-th follower of leaf (depth, rank); 0 the leaf), and the chain's own
         expected tokens (1 + a_1 + a_1 a_2 + ...). branches: False gives no nodes."""
         a = [_rate(stats.depth_accepted, stats.depth_tried, d, _DEPTH_PRIOR) for d in range(k)]
-        h = [_rate(stats.rank_kept, stats.rank_tried, s, _RANK_PRIOR) for s in range(SIDE_MAX)]
+        # each rank's rate: the generation's own, from what the chooser's earlier tree rounds
+        # kept (else _RANK_PRIOR): a weak draft's leaves, learned afresh in each short run,
+        # filled a cheap wide pass run after run (BENCHMARKS.md, the distilled pair)
+        learned = self.chooser.accept if isinstance(self.chooser, AdaptiveK) else None
+        h = [_rate(stats.rank_kept, stats.rank_tried, s,
+                   (learned and learned.rank_prior(s, _RANK_PRIOR[1])) or _RANK_PRIOR)
+             for s in range(SIDE_MAX)]  # fmt: skip
         reach, chain, nodes = 1.0, 1.0, []
         for d in range(k):
             for s in range(SIDE_MAX if branches else 0):
