@@ -5,7 +5,7 @@ and each condition (quiet, or beside `python -c "while 1: pass"` on another core
 
     . scripts/env.sh && .venv/bin/python experiments/first_runs.py --pair cpu-demo-target \\
         cpu-distilled-draft --prompts experiments/sets/code6.jsonl --limit 4 -n 40 \\
-        [--rev 8a9506e] [--conditions quiet,busy]
+        [--rev 8adf1f8] [--conditions quiet,busy]
 
 Per checkout and condition it prints, for target-only (-k 0, no draft) and for the default
 (-k auto, --tree as given: auto by default): the seconds of each process from start to exit (loading included), the
