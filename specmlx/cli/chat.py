@@ -114,8 +114,8 @@ def chat(
         if local or draft not in (None, "none", "lookup"):
             raise BadInput(
                 "with --server the server's models run: drop --target, --context, --lookup, "
-                "--lookup-memory, --draft-stop, --tree and --draft ALIAS (--draft none or lookup still choose "
-                "how it drafts)"
+                "--lookup-memory, --draft-stop, --tree and --draft ALIAS (--draft none or "
+                "lookup still choose how it drafts)"
             )
         backend: _Backend = _remote(server, api_key, request, draft, kk, verify, system)
     else:

@@ -175,8 +175,8 @@ def run(
         if local or draft not in (None, "none", "lookup"):
             raise BadInput(
                 "with --server the server's models run: drop --target, --context, --lookup, "
-                "--lookup-memory, --draft-stop, --tree and --draft ALIAS (--draft none or lookup still choose "
-                "how it drafts)"
+                "--lookup-memory, --draft-stop, --tree and --draft ALIAS (--draft none or "
+                "lookup still choose how it drafts)"
             )
         # the server fills in what was not asked (its drafter, k and rule): those go raw
         asked = {"draft": draft, "k": kk, "verify": verify}
