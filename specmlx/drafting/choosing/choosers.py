@@ -258,7 +258,7 @@ class ChooserStore:
                 "the ranks' probe" if self.pass_ratio is not None
                 else "probed now" if probed else "a saved probe"
             )  # fmt: skip
-            ratio = self.pass_ratio or self.probe(target, target_id, list(prompt_ids), long=long)
+            ratio = self.curve(target, target_id, prompt_ids, long=long)
             chooser = AdaptiveK(cost=CostCurve(pass_ratio=ratio))
         self._live[key] = chooser
         self._targets[id(chooser)] = target_id
@@ -304,10 +304,13 @@ class ChooserStore:
         if self.persist:
             self._save(_state_path("probes", key), record)
 
-    def curve(self, target: nn.Module, target_id: str, prompt_ids: Sequence[int]) -> list[float]:
+    def curve(
+        self, target: nn.Module, target_id: str, prompt_ids: Sequence[int], long: bool = True
+    ) -> list[float]:
         """The pass-cost curve fresh choosers start from: the store's ``pass_ratio``, else the
-        target's probe (``probe``: cached on disk, else run over ``prompt_ids``)."""
-        return self.pass_ratio or self.probe(target, target_id, list(prompt_ids))
+        target's probe (``probe``: cached on disk, else run over ``prompt_ids``; ``long``: the
+        run can pay for a later probe)."""
+        return self.pass_ratio or self.probe(target, target_id, list(prompt_ids), long=long)
 
     def known_curve(self, target_id: str) -> list[float] | None:
         """The pass-cost curve known without running anything: the store's ``pass_ratio``,
